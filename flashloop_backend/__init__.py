@@ -1,0 +1,12 @@
+"""flashloop_backend: FlashLoop as a pluggable attention backend for looped language models."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("flashloop-backend")
+except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = "0.1.0"
+
+from .config import ConfigError, EffectiveConfig, FlashLoopConfig, load_config
+
+__all__ = ["ConfigError", "EffectiveConfig", "FlashLoopConfig", "__version__", "load_config"]

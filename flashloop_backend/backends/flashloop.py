@@ -1,0 +1,203 @@
+"""The ``flashloop`` backend: routes each batch's rows to the kernels its config needs.
+
+What it can do on a machine is derived from the kernel implementations usable there: a
+capability is reported only when every op it concerns has a usable implementation that
+declares it. With every feature off it is the dense path (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import __version__
+from ..capabilities import Capability, Environment, SupportRequest
+from ..config import FlashLoopConfig
+from ..dispatch import (
+    NOT_ROUTED,
+    ROUTE_CODES,
+    BatchView,
+    config_capabilities,
+    partition_rows,
+    required_ops,
+    route_rows,
+)
+from ..kernels.ops import OpName
+from .base import BackendSpec, SelectionInfo
+
+if TYPE_CHECKING:
+    from ..registry import KernelChoice, Registry
+
+# Which ops must carry a capability for the backend to claim it. ``None``: every op the
+# configuration routes to.
+CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
+    Capability.SOURCE_STATISTICS: (OpName.DENSE_SOURCE,),
+    Capability.NONCONSECUTIVE_QUERIES: (OpName.SPARSE_PREFILL,),
+    Capability.PACKED_KV_READ: (OpName.PACKED_KV_WRITE,),
+    Capability.GRAPH_SAFE_SPARSE: (
+        OpName.SPARSE_PREFILL,
+        OpName.DENSE_SOURCE,
+        OpName.SPARSE_CORRECTION,
+    ),
+    Capability.DEVICE_POSITIONS: None,
+    Capability.PACKED_PREFILL: None,
+    Capability.CUDA_GRAPHS: None,
+    Capability.ASYNC_SCHEDULING: None,
+}
+# Ops whose call path this version of the backend drives (paged-attention signature).
+WIRED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
+
+
+class FlashLoopSpec(BackendSpec):
+    name = "flashloop"
+    version = __version__
+    priority = 50
+    description = "FlashLoop: token-sparse prefill, sparse decode attention, INT4 residual KV"
+
+    def _op_needs(
+        self, request: SupportRequest, config: FlashLoopConfig
+    ) -> dict[OpName, tuple[str, frozenset[Capability]]]:
+        """op -> (why it is needed, capabilities its kernel must declare)."""
+        needs = {r.op: (r.feature, r.capabilities) for r in required_ops(config)}
+        for cap in request.required:
+            ops = CAPABILITY_OPS[cap]
+            for op in ops if ops is not None else tuple(needs):
+                why, caps = needs.get(op, (f"required capability {cap.value}", frozenset()))
+                needs[op] = (why, caps | {cap})
+        return needs
+
+    def _choose(
+        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
+    ) -> tuple[dict[OpName, KernelChoice], list[str]]:
+        choices: dict[OpName, KernelChoice] = {}
+        reasons: list[str] = []
+        for op, (why, caps) in self._op_needs(request, config).items():
+            if op not in WIRED_OPS:
+                reasons.append(
+                    f"op {op.value!r} (needed by {why}) is not wired into the flashloop "
+                    f"backend {__version__} (wired: {sorted(o.value for o in WIRED_OPS)})"
+                )
+                continue
+            op_request = SupportRequest(
+                request.device,
+                request.dtype,
+                request.head_dim,
+                request.block_size,
+                request.num_q_heads,
+                request.num_kv_heads,
+                caps,
+            )
+            try:
+                override = config.kernel_overrides.get(op.value)
+                choices[op] = registry.select_kernel(op, op_request, override)
+            except ValueError as exc:
+                reasons.append(f"op {op.value!r} (needed by {why}): {exc}")
+        return choices, reasons
+
+    def capabilities(
+        self, registry: Registry, config: FlashLoopConfig, env: Environment, device: str
+    ) -> frozenset[Capability]:
+        base = SupportRequest.default(env)
+        base = SupportRequest(device, base.dtype if device == "cuda" else torch.float32)
+        delivered = set()
+        for cap in Capability:
+            _, reasons = self._choose(base.with_required({cap}), config, registry)
+            if not reasons:
+                delivered.add(cap)
+        return frozenset(delivered)
+
+    def not_supported_reasons(
+        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry, env: Environment
+    ) -> list[str]:
+        _, reasons = self._choose(
+            request.with_required(config_capabilities(config)), config, registry
+        )
+        return reasons
+
+    def kernel_choices(
+        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
+    ) -> dict[str, str]:
+        choices, _ = self._choose(request, config, registry)
+        return {op.value: choice.provider.name for op, choice in choices.items()}
+
+    def create(
+        self,
+        request: SupportRequest,
+        config: FlashLoopConfig,
+        registry: Registry,
+        info: SelectionInfo,
+    ) -> FlashLoopBackend:
+        choices, reasons = self._choose(request, config, registry)
+        if reasons:
+            raise ValueError("flashloop cannot serve this request: " + "; ".join(reasons))
+        caps = self.capabilities(registry, config, registry.env, request.device)
+        return FlashLoopBackend(config, choices, caps, info)
+
+
+class FlashLoopBackend:
+    """The callable backend. ``__call__`` is vllm-rlt's dense surface; ``forward`` takes a
+    :class:`~flashloop_backend.dispatch.BatchView` and dispatches segments."""
+
+    def __init__(
+        self,
+        config: FlashLoopConfig,
+        kernels: dict[OpName, KernelChoice],
+        capabilities: frozenset[Capability],
+        info: SelectionInfo,
+    ) -> None:
+        self.config = config
+        self.kernels = kernels
+        self.capabilities = capabilities
+        self.info = info
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """q [R, Hq, D], caches [NB, BS, Hkv, D], block_tables [R, MB], context_lengths [R]."""
+        fn = self.kernels[OpName.DENSE_ATTENTION].impl.fn
+        return fn(q, key_cache, value_cache, block_tables, context_lengths, scale)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        view: BatchView,
+        reference_ready: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention for every row of ``view``: q [R, Hq, D] -> [R, Hq, D].
+
+        Rows are gathered decode-first then active prefill, each segment runs the op its
+        route names, and results are scattered back; inactive and padding rows get zeros.
+        No host synchronisation: segment bounds stay on the device.
+        """
+        partition = partition_rows(view.row_modes)
+        routes = route_rows(view, self.config, reference_ready)
+        order = partition.order
+        gathered_q = q[order]
+        tables = view.row_block_tables()[order]
+        lengths = view.context_lengths[order]
+        gathered_routes = routes[order]
+        out = torch.zeros_like(gathered_q)
+        for op, choice in self.kernels.items():
+            if op not in WIRED_OPS:
+                continue
+            mine = gathered_routes == ROUTE_CODES[op]
+            masked = torch.where(mine, lengths, torch.zeros_like(lengths))
+            result = choice.impl.fn(gathered_q, key_cache, value_cache, tables, masked, scale)
+            out = torch.where(mine[:, None, None], result, out)
+        kept = partition.inverse != NOT_ROUTED
+        restored = out[partition.inverse.clamp(min=0)]
+        return torch.where(kept[:, None, None], restored, torch.zeros_like(restored))
+
+
+def factory() -> FlashLoopSpec:
+    return FlashLoopSpec()

@@ -1,0 +1,26 @@
+"""Capability names a backend or kernel implementation may declare (RFC §4, DESIGN §3)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Capability(str, Enum):
+    """What an implementation can do beyond plain dense paged attention."""
+
+    # FlashLoop operations (RFC §4)
+    SOURCE_STATISTICS = "source_statistics"  # dense pass also yields per-key selection stats
+    NONCONSECUTIVE_QUERIES = "nonconsecutive_queries"  # queries at arbitrary absolute positions
+    PACKED_KV_READ = "packed_kv_read"  # reads INT4 base + residual KV directly
+    GRAPH_SAFE_SPARSE = "graph_safe_sparse"  # sparse paths capture into CUDA graphs
+    DEVICE_POSITIONS = "device_positions"  # positions/depths stay on the device, no host reads
+    # vllm-rlt's existing BackendCapabilities flags
+    PACKED_PREFILL = "packed_prefill"
+    CUDA_GRAPHS = "cuda_graphs"
+    ASYNC_SCHEDULING = "async_scheduling"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+VLLM_RLT_FLAGS = (Capability.PACKED_PREFILL, Capability.CUDA_GRAPHS, Capability.ASYNC_SCHEDULING)

@@ -1,0 +1,170 @@
+"""``flashloop-backend``: inspect what is installed and what would be selected.
+
+User mistakes (bad config, unknown or unusable backend) print a message to stderr and
+exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .capabilities import Capability, SupportRequest, dtype_name
+from .config import ConfigError, load_config
+from .registry import AUTO, Registry, capability_table, resolve
+
+EXIT_USAGE = 2
+EXIT_UNSERVABLE = 3
+
+
+def _info(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    registry = Registry.discover()
+    request = SupportRequest.default(registry.env)
+    report: dict[str, object] = {
+        "package_version": __version__,
+        "machine": {
+            "device": registry.env.device_name,
+            "devices": list(registry.env.devices()),
+            "compute_capability": registry.env.compute_capability,
+        },
+        "request": request.describe(),
+        "capability_names": [c.value for c in Capability],
+        "backends": _backend_rows(registry, config),
+        "kernels": _kernel_rows(registry),
+        "load_failures": [f.reason() for f in registry.failures.values()],
+    }
+    try:
+        auto = registry.select_backend(AUTO, request, config)
+        report["auto"] = {
+            "selected": auto.info.selected_backend,
+            "reason": auto.info.selection_reason,
+            "rejected": dict(auto.rejected),
+        }
+    except ValueError as exc:
+        report["auto"] = {"selected": None, "reason": str(exc), "rejected": {}}
+    status = 0
+    chosen = args.backend or "flashloop"
+    try:
+        effective = resolve(config, chosen, request, registry)
+        report["effective_config"] = json.loads(effective.canonical_json())
+        report["digest"] = effective.digest()
+    except ConfigError as exc:
+        report["effective_config"] = None
+        report["digest"] = None
+        report["error"] = str(exc)
+        status = EXIT_UNSERVABLE if args.backend else 0
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print_text(report)
+    if status:
+        print(f"error: {report['error']}", file=sys.stderr)
+    return status
+
+
+def _backend_rows(registry: Registry, config: object) -> dict[str, object]:
+    caps = capability_table(registry, config)  # type: ignore[arg-type]
+    rows: dict[str, object] = {}
+    for name in registry.backend_names():
+        spec = registry.backends.get(name)
+        if spec is None:
+            rows[name] = {
+                "loaded": False,
+                "reasons": registry.backend_reasons(name, SupportRequest(), config),
+            }  # type: ignore[arg-type]
+            continue
+        rows[name] = {
+            "loaded": True,
+            "version": spec.version,
+            "priority": spec.priority,
+            "description": spec.description,
+            "capabilities": caps[name],
+        }
+    return rows
+
+
+def _kernel_rows(registry: Registry) -> dict[str, object]:
+    rows: dict[str, object] = {}
+    for name in registry.kernel_names():
+        provider = registry.kernels.get(name)
+        if provider is None:
+            rows[name] = {
+                "loaded": False,
+                "reason": registry.failures[("flashloop_backend.kernels", name)].reason(),
+            }
+            continue
+        ops = {}
+        for op, impl in provider.impls.items():
+            ops[op.value] = {
+                "devices": sorted(impl.support.devices),
+                "dtypes": sorted(dtype_name(d) for d in impl.support.dtypes),
+                "capabilities": sorted(
+                    c.value for c in impl.support.usable_capabilities(registry.env)
+                ),
+                "usable_here": not impl.support.machine_reasons(
+                    registry.env.devices()[-1], registry.env
+                ),
+            }
+        rows[name] = {
+            "loaded": True,
+            "version": provider.version,
+            "priority": provider.priority,
+            "ops": ops,
+        }
+    return rows
+
+
+def _print_text(report: dict) -> None:
+    print(f"flashloop-backend {report['package_version']} on {report['machine']['device']}")
+    print("\nbackends:")
+    for name, row in report["backends"].items():
+        if not row["loaded"]:
+            print(f"  {name}: NOT LOADED — {'; '.join(row['reasons'])}")
+            continue
+        on = [c for c, v in row["capabilities"].items() if v]
+        print(f"  {name} {row['version']} (priority {row['priority']}): {', '.join(on) or '-'}")
+    print("\nkernel implementations:")
+    for name, row in report["kernels"].items():
+        if not row["loaded"]:
+            print(f"  {name}: NOT LOADED — {row['reason']}")
+            continue
+        print(f"  {name} {row['version']} (priority {row['priority']}): {', '.join(row['ops'])}")
+    auto = report["auto"]
+    print(f"\nauto picks: {auto['selected']} — {auto['reason']}")
+    for name, reasons in auto["rejected"].items():
+        print(f"  skipped {name}: {'; '.join(reasons)}")
+    if report.get("digest"):
+        print(f"\neffective config (digest {report['digest']}):")
+        print(json.dumps(report["effective_config"], indent=2, sort_keys=True))
+    elif report.get("error"):
+        print(f"\nno effective config: {report['error']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="installed backends/kernels, capabilities, selection")
+    info.add_argument("--backend", help="explicit backend to resolve (default: flashloop)")
+    info.add_argument("--config", help="FlashLoop config file (.json or .toml)")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

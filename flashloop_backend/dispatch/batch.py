@@ -1,0 +1,83 @@
+"""The batch view: device tensors the runner owns and the backend borrows per submission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+
+class RowMode(IntEnum):
+    """What an execution row does in this traversal."""
+
+    DECODE = 0  # one generated token
+    VERIFY = 1  # speculative verification row; treated as a decode query
+    PREFILL = 2  # active prefill row (recomputed this loop)
+    INACTIVE = 3  # prefill row skipped this loop: keeps its previous hidden state and KV
+    PAD = 4  # padding row (graph buckets); context length zero
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """One submission's rows. Every tensor is on one device; R rows, P depth planes.
+
+    positions:        [R] int64  absolute token position (RoPE and causal mask use it)
+    depths:           [R] int64  zero-based loop depth the row executes
+    row_modes:        [R] int8   :class:`RowMode` values
+    slots:            [R] int64  token-state slot (persistent per live token), -1 if none
+    incarnations:     [R] int64  generation number of the token occupying the slot
+    request_ids:      [R] int64  runner's request index, -1 for padding
+    window_ids:       [R] int64  prefill selection window (absolute), -1 for decode/padding
+    context_lengths:  [R] int32  position + 1; 0 for padding rows
+    block_tables:     [P, R, MB] int32  one block table per depth plane (LAST_EXITED)
+    """
+
+    positions: torch.Tensor
+    depths: torch.Tensor
+    row_modes: torch.Tensor
+    slots: torch.Tensor
+    incarnations: torch.Tensor
+    request_ids: torch.Tensor
+    window_ids: torch.Tensor
+    context_lengths: torch.Tensor
+    block_tables: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows = self.row_modes.shape[0]
+        per_row = {
+            "positions": self.positions,
+            "depths": self.depths,
+            "row_modes": self.row_modes,
+            "slots": self.slots,
+            "incarnations": self.incarnations,
+            "request_ids": self.request_ids,
+            "window_ids": self.window_ids,
+            "context_lengths": self.context_lengths,
+        }
+        for name, tensor in per_row.items():
+            if tensor.shape != (rows,):
+                raise ValueError(f"{name} must be [rows={rows}]; got {tuple(tensor.shape)}")
+        if self.block_tables.dim() != 3 or self.block_tables.shape[1] != rows:
+            raise ValueError(
+                f"block_tables must be [depth_planes, rows={rows}, max_blocks]; "
+                f"got {tuple(self.block_tables.shape)}"
+            )
+        devices = {t.device for t in (*per_row.values(), self.block_tables)}
+        if len(devices) != 1:
+            raise ValueError(f"batch view tensors span devices {sorted(map(str, devices))}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_modes.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.row_modes.device
+
+    def row_block_tables(self) -> torch.Tensor:
+        """[R, MB] each row's table for its own depth plane (depth clamped for padding)."""
+        planes = self.block_tables.shape[0]
+        depth = self.depths.clamp(0, planes - 1)
+        rows = torch.arange(self.num_rows, device=self.device)
+        return self.block_tables[depth, rows]

@@ -1,0 +1,99 @@
+"""Which op serves which rows, decided from the config and each row's mode and depth.
+
+The static half (:func:`required_ops`) tells selection which kernels and capabilities a
+configuration needs, so an unservable configuration fails at configuration time. The
+dynamic half (:func:`route_rows`) labels each row on the device, without host reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..capabilities import Capability
+from ..config import DENSE_LOOPS, FlashLoopConfig
+from ..kernels.ops import OpName
+from .batch import BatchView, RowMode
+
+REFERENCE_DEPTH = DENSE_LOOPS - 1  # zero-based depth of loop 2, the decode reference
+SPARSE_START_DEPTH = DENSE_LOOPS  # zero-based depth of loop 3, the first sparse loop
+ROUTE_CODES: dict[OpName, int] = {op: i for i, op in enumerate(OpName)}
+NOT_ROUTED = -1
+
+
+@dataclass(frozen=True)
+class OpRequirement:
+    op: OpName
+    feature: str  # the config group that needs it, or "dense"
+    capabilities: frozenset[Capability]
+
+
+def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
+    """Ops (and the capabilities their kernels need) that ``config`` can route rows to."""
+    packed = (
+        frozenset({Capability.PACKED_KV_READ})
+        if config.kv_residual_quantization.enabled
+        else frozenset()
+    )
+    needs = [OpRequirement(OpName.DENSE_ATTENTION, "dense", packed)]
+    if config.token_sparse_prefill.enabled:
+        needs.append(
+            OpRequirement(
+                OpName.SPARSE_PREFILL,
+                "token_sparse_prefill",
+                packed | {Capability.NONCONSECUTIVE_QUERIES},
+            )
+        )
+    if config.sparse_decode_attention.enabled:
+        needs.append(
+            OpRequirement(
+                OpName.DENSE_SOURCE,
+                "sparse_decode_attention",
+                packed | {Capability.SOURCE_STATISTICS},
+            )
+        )
+        needs.append(OpRequirement(OpName.SPARSE_CORRECTION, "sparse_decode_attention", packed))
+    if config.kv_residual_quantization.enabled:
+        needs.append(OpRequirement(OpName.PACKED_KV_WRITE, "kv_residual_quantization", frozenset()))
+    return tuple(needs)
+
+
+def config_capabilities(config: FlashLoopConfig) -> frozenset[Capability]:
+    """Backend-level capabilities a configuration implies (RFC §4)."""
+    caps: set[Capability] = set()
+    if config.token_sparse_prefill.enabled:
+        caps.add(Capability.NONCONSECUTIVE_QUERIES)
+    if config.sparse_decode_attention.enabled:
+        caps.add(Capability.SOURCE_STATISTICS)
+    if config.kv_residual_quantization.enabled:
+        caps.add(Capability.PACKED_KV_READ)
+    return frozenset(caps)
+
+
+def route_rows(
+    view: BatchView,
+    config: FlashLoopConfig,
+    reference_ready: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[R] int64 route code per row (``ROUTE_CODES``), ``NOT_ROUTED`` for inactive/padding.
+
+    ``reference_ready`` ([R] bool) says which decode rows hold a valid loop-2 reference;
+    rows without one run dense at sparse loops (RFC §3.2: never consume stale state).
+    """
+    modes = view.row_modes.long()
+    depth = view.depths
+    decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
+    prefill = modes == RowMode.PREFILL
+    routes = torch.full_like(depth, NOT_ROUTED)
+    routes = torch.where(decode | prefill, ROUTE_CODES[OpName.DENSE_ATTENTION], routes)
+    if config.token_sparse_prefill.enabled:
+        sparse_rows = prefill & (depth >= SPARSE_START_DEPTH)
+        routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)
+    if config.sparse_decode_attention.enabled:
+        ready = reference_ready if reference_ready is not None else torch.zeros_like(decode)
+        source = decode & (depth == REFERENCE_DEPTH)
+        correct = decode & (depth >= SPARSE_START_DEPTH) & ready
+        routes = torch.where(source, ROUTE_CODES[OpName.DENSE_SOURCE], routes)
+        routes = torch.where(correct, ROUTE_CODES[OpName.SPARSE_CORRECTION], routes)
+    return routes

@@ -1,0 +1,83 @@
+"""Attention operations the dispatcher routes segments to, as typed protocols.
+
+Each op is implemented by one or more kernel providers (torch reference, Triton,
+FlashInfer, plugins) registered under the ``flashloop_backend.kernels`` entry-point group.
+Shapes use: R rows, Hq query heads, Hkv KV heads, D head dim, NB cache blocks,
+BS block size, MB block-table width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from ..capabilities import Support
+
+
+class OpName(str, Enum):
+    """Attention segment operations (RFC §4)."""
+
+    DENSE_ATTENTION = "dense_attention"  # per-row causal paged attention (decode, dense prefill)
+    SPARSE_PREFILL = "sparse_prefill"  # active prefill rows at nonconsecutive positions
+    DENSE_SOURCE = "dense_source"  # reference-loop decode attention + selection statistics
+    SPARSE_CORRECTION = "sparse_correction"  # later-loop decode over selected keys + correction
+    PACKED_KV_WRITE = "packed_kv_write"  # quantize-and-pack K/V on write (readers then
+    # need the packed_kv_read capability)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PagedAttention(Protocol):
+    """``dense_attention`` and ``sparse_prefill``: each row is one query at absolute
+    position ``context_lengths[r] - 1`` attending causally to keys ``[0, context_lengths[r])``
+    of its own block table, so rows may come from any request, depth or position.
+
+    q: [R, Hq, D]; key_cache, value_cache: [NB, BS, Hkv, D] (strided per-layer views allowed);
+    block_tables: [R, MB] int32 (entries past a row's context may be -1, 0 or stale);
+    context_lengths: [R] int32, 0 for padding rows (their output is zero).
+    Returns [R, Hq, D] in q's dtype.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One implementation of one op, with what it supports."""
+
+    op: OpName
+    fn: Callable[..., torch.Tensor]
+    support: Support
+
+
+@dataclass(frozen=True)
+class KernelProvider:
+    """What a ``flashloop_backend.kernels`` entry point returns when called.
+
+    ``priority`` orders automatic selection (higher first); explicit overrides ignore it.
+    """
+
+    name: str
+    version: str
+    impls: Mapping[OpName, KernelImpl]
+    priority: int = 0
+    description: str = ""
+    extras: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for op, impl in self.impls.items():
+            if impl.op != op:
+                raise ValueError(f"provider {self.name!r}: impl for {op} declares op {impl.op}")

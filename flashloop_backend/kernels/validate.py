@@ -1,0 +1,55 @@
+"""Input checks shared by kernel wrappers: say what was expected, never launch on bad input."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Validate the paged-attention call surface; return (rows, query heads, head dim)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [rows, heads, head_dim]; got shape {tuple(q.shape)}")
+    rows, num_q_heads, head_dim = q.shape
+    if key_cache.dim() != 4:
+        raise ValueError(
+            "key_cache must be [num_blocks, block_size, kv_heads, head_dim]; "
+            f"got shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} != key_cache shape "
+            f"{tuple(key_cache.shape)}"
+        )
+    num_kv_heads, cache_head_dim = key_cache.shape[2], key_cache.shape[3]
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim={head_dim} but the KV cache has head_dim={cache_head_dim}")
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a positive multiple of KV heads ({num_kv_heads})"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != rows:
+        raise ValueError(
+            f"block_tables must be [rows={rows}, max_blocks]; got shape {tuple(block_tables.shape)}"
+        )
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables must be int32 or int64; got {block_tables.dtype}")
+    if context_lengths.shape != (rows,):
+        raise ValueError(
+            f"context_lengths must be [rows={rows}]; got shape {tuple(context_lengths.shape)}"
+        )
+    if context_lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"context_lengths must be int32 or int64; got {context_lengths.dtype}")
+    devices = {t.device for t in (q, key_cache, value_cache, block_tables, context_lengths)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q dtype {q.dtype} must match KV cache dtypes {key_cache.dtype}/{value_cache.dtype}"
+        )
+    return rows, num_q_heads, head_dim

@@ -1,0 +1,66 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashloop_backend.capabilities import Capability
+from flashloop_backend.cli import main
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+    )
+
+
+def test_info_json_reports_truthful_capabilities(capsys):
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    caps = report["backends"]["flashloop"]["capabilities"]
+    assert set(caps) == {c.value for c in Capability}
+    assert report["capability_names"] == [c.value for c in Capability]
+    if "cuda" not in report["machine"]["devices"]:
+        assert caps["cuda_graphs"] is False
+    assert report["auto"]["selected"] == "flashloop"
+    assert len(report["digest"]) == 16
+    assert report["effective_config"]["kernels"]["dense_attention"] == "torch_reference"
+
+
+def test_info_text_mentions_choice(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "auto picks: flashloop" in out
+    assert "digest" in out
+
+
+def test_unknown_backend_exits_nonzero_without_traceback():
+    result = run("info", "--backend", "nope")
+    assert result.returncode == 3
+    assert "unknown backend 'nope'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unservable_backend_lists_reasons(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"sparse_decode_attention": {"enabled": True}}))
+    result = run("info", "--backend", "flashloop", "--config", str(cfg), "--json")
+    assert result.returncode == 3
+    assert "dense_source" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ('{"kv_residual_quantization": {"group_size": 48}}', "group_size"),
+        ("{oops", "cannot be parsed"),
+    ],
+)
+def test_bad_config_is_a_clean_error(tmp_path, content, fragment):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(content)
+    result = run("info", "--config", str(cfg))
+    assert result.returncode == 2
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
