@@ -54,7 +54,7 @@ def paged_attention(
     return out.to(q.dtype)
 
 
-_SUPPORT = Support(
+SUPPORT = Support(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=_FLOAT_DTYPES,
     capabilities=frozenset(
@@ -75,7 +75,7 @@ def provider() -> KernelProvider:
         priority=0,
         description="pure torch reference kernels (oracle; CPU and GPU)",
         impls={
-            OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, _SUPPORT),
-            OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, _SUPPORT),
+            OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, SUPPORT),
+            OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, SUPPORT),
         },
     )

@@ -1,0 +1,92 @@
+"""Build the dispatcher's batch view from scheduled row groups.
+
+A row group is a run of consecutive positions of one request at one depth: a prefill
+chunk, or one decode token. Padding rows (mode PAD, slot -1, context length 0) fill a
+batch up to a bucket size; the backend returns zeros for them and the KV write of a
+padding row lands in the cache's scratch block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..dispatch import BatchView, RowMode
+from .kvcache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    request_id: int
+    mode: RowMode  # DECODE, VERIFY or PREFILL
+    depth: int
+    start: int  # first absolute position
+    count: int  # consecutive positions
+
+    def positions(self) -> list[int]:
+        return list(range(self.start, self.start + self.count))
+
+
+@dataclass(frozen=True)
+class Batch:
+    view: BatchView
+    slots: torch.Tensor  # [R] int64 flat KV slot on the row's depth plane, -1 for padding
+    groups: tuple[RowGroup, ...]
+    num_real_rows: int
+
+
+def build_batch(
+    groups: list[RowGroup],
+    kv: PagedKVCache,
+    device: torch.device | str,
+    pad_to: int | None = None,
+) -> Batch:
+    positions: list[int] = []
+    depths: list[int] = []
+    modes: list[int] = []
+    requests: list[int] = []
+    slots: list[int] = []
+    for group in groups:
+        if group.depth >= kv.num_depths:
+            raise ValueError(f"row depth {group.depth} >= the cache's {kv.num_depths} planes")
+        span = group.positions()
+        positions += span
+        depths += [group.depth] * group.count
+        modes += [int(group.mode)] * group.count
+        requests += [group.request_id] * group.count
+        slots += kv.slots(group.request_id, group.depth, span)
+    real = len(positions)
+    pad = max(0, (pad_to or 0) - real)
+    positions += [0] * pad
+    depths += [0] * pad
+    modes += [int(RowMode.PAD)] * pad
+    requests += [-1] * pad
+    slots += [-1] * pad
+
+    width = max([len(kv.block_table(g.request_id, 0)) for g in groups] or [1])
+    planes = torch.full((kv.num_depths, len(positions), width), -1, dtype=torch.int32)
+    row = 0
+    for group in groups:
+        for depth in range(kv.num_depths):
+            table = kv.block_table(group.request_id, depth)
+            planes[depth, row : row + group.count, : len(table)] = torch.tensor(
+                table, dtype=torch.int32
+            )
+        row += group.count
+
+    position_t = torch.tensor(positions, dtype=torch.int64)
+    mode_t = torch.tensor(modes, dtype=torch.int8)
+    lengths = torch.where(mode_t == RowMode.PAD, 0, position_t + 1).to(torch.int32)
+    view = BatchView(
+        positions=position_t.to(device),
+        depths=torch.tensor(depths, dtype=torch.int64, device=device),
+        row_modes=mode_t.to(device),
+        slots=torch.tensor(requests, dtype=torch.int64, device=device),
+        incarnations=torch.zeros(len(positions), dtype=torch.int64, device=device),
+        request_ids=torch.tensor(requests, dtype=torch.int64, device=device),
+        window_ids=torch.full((len(positions),), -1, dtype=torch.int64, device=device),
+        context_lengths=lengths.to(device),
+        block_tables=planes.to(device),
+    )
+    return Batch(view, torch.tensor(slots, dtype=torch.int64, device=device), tuple(groups), real)

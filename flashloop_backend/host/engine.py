@@ -1,0 +1,285 @@
+"""A compact continuous-batching generation loop driving the attention backend.
+
+Each step runs one recurrent traversal (one loop) over a mixed batch: prefill chunks of
+several requests at their current depth and decode tokens at their own depths and
+positions. A request's prompt runs loop by loop (every chunk of depth d before depth d+1);
+a generated token advances one loop per step and exits by Ouro's gate rule or at the last
+loop. KV for prompt + max_new_tokens is reserved at admission, so a running request never
+runs out of blocks; a request that does not fit waits, one that can never fit is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..dispatch import RowMode
+from .batch import Batch, RowGroup, build_batch
+from .kvcache import OutOfBlocksError, PagedKVCache
+from .model import OuroModel
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str  # "length", "eos" or "stop"
+    exit_depths: list[int]  # zero-based exit depth of every generated token that ran loops
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_hidden: torch.Tensor | None = None  # [T, hidden] latest hidden of each prompt token
+    phase: str = "waiting"  # waiting -> prefill -> decode -> done
+    depth: int = 0
+    chunk_start: int = 0
+    hidden: torch.Tensor | None = None  # [hidden] the decode token's current hidden
+    remaining: float = 1.0  # exit-distribution mass not yet spent
+    output: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+    @property
+    def position(self) -> int:  # absolute position of the current decode token
+        return len(self.prompt) + len(self.output) - 1
+
+
+class _LayerAttention:
+    """The model's attention context for one traversal: KV write, then backend attention."""
+
+    def __init__(self, kv: PagedKVCache, backend, batch: Batch) -> None:
+        self.kv, self.backend, self.batch = kv, backend, batch
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kv.write(layer, self.batch.slots, k, v)
+        key_view, value_view = self.kv.layer_views(layer)
+        return self.backend.forward(q, key_view, value_view, self.batch.view)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: OuroModel,
+        backend,
+        *,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_batch_tokens: int = 512,
+        prefill_chunk: int = 256,
+        pad_to_multiple: int | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        cfg = model.config
+        param = next(model.parameters())
+        self.model, self.backend, self.cfg = model, backend, cfg
+        self.device, self.dtype = param.device, param.dtype
+        self.kv = PagedKVCache(
+            num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.total_ut_steps, self.dtype, self.device,
+        )  # fmt: skip
+        if prefill_chunk < 1 or max_batch_tokens < 1:
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk}, max_batch_tokens={max_batch_tokens} must be >= 1"
+            )
+        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.pad_to_multiple, self.detokenize = pad_to_multiple, detokenize
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if not prompt:
+            raise ValueError("prompt is empty; give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} = {total} "
+                f"exceeds max_position_embeddings={self.cfg.max_position_embeddings}"
+            )
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise OutOfBlocksError(
+                f"a request of {total} tokens needs {self.kv.blocks_needed(total)} KV blocks but the "
+                f"whole pool has {self.kv.num_blocks}; raise num_blocks or shorten the request"
+            )
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else self._next_id)
+        request = _Request(self._next_id, list(prompt), params, generator)
+        self._requests[request.id] = request
+        self._next_id += 1
+        return request.id
+
+    def has_unfinished(self) -> bool:
+        return any(r.phase != "done" for r in self._requests.values())
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> list[GenerationResult]:
+        """Admit what fits, run one traversal over the scheduled rows, return finished ones."""
+        self._admit()
+        groups = self._schedule()
+        if not groups:
+            waiting = [r.id for r in self._requests.values() if r.phase == "waiting"]
+            if waiting:
+                raise OutOfBlocksError(
+                    f"requests {waiting} wait for KV blocks but nothing runs to free them"
+                )
+            return self._collect()
+        pad_to = None
+        if self.pad_to_multiple:
+            rows = sum(g.count for g in groups)
+            pad_to = -(-rows // self.pad_to_multiple) * self.pad_to_multiple
+        batch = build_batch(groups, self.kv, self.device, pad_to)
+        hidden = torch.cat([self._input_hidden(g) for g in groups])
+        pad = batch.view.num_rows - batch.num_real_rows
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+        with torch.no_grad():
+            out = self.model.recurrent(
+                hidden, batch.view.positions, _LayerAttention(self.kv, self.backend, batch)
+            )
+            self._advance(groups, out[: batch.num_real_rows])
+        self.steps += 1
+        return self._collect()
+
+    def _admit(self) -> None:
+        for request in self._requests.values():
+            if request.phase != "waiting":
+                continue
+            try:
+                self.kv.reserve(request.id, len(request.prompt) + request.params.max_new_tokens)
+            except OutOfBlocksError:
+                break  # first-come first-served: later requests wait behind it
+            ids = torch.tensor(request.prompt, device=self.device)
+            with torch.no_grad():
+                request.prompt_hidden = self.model.prelude(ids)
+            request.phase = "prefill"
+
+    def _schedule(self) -> list[RowGroup]:
+        budget, groups = self.max_batch_tokens, []
+        for r in self._requests.values():
+            if budget == 0:
+                break
+            if r.phase == "decode":
+                groups.append(RowGroup(r.id, RowMode.DECODE, r.depth, r.position, 1))
+                budget -= 1
+            elif r.phase == "prefill":
+                count = min(self.prefill_chunk, len(r.prompt) - r.chunk_start, budget)
+                groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, r.chunk_start, count))
+                budget -= count
+        return groups
+
+    def _input_hidden(self, group: RowGroup) -> torch.Tensor:
+        r = self._requests[group.request_id]
+        if group.mode == RowMode.PREFILL:
+            return r.prompt_hidden[group.start : group.start + group.count]
+        return r.hidden[None]
+
+    def _advance(self, groups: list[RowGroup], out: torch.Tensor) -> None:
+        row = 0
+        loops = self.cfg.total_ut_steps
+        for group in groups:
+            r = self._requests[group.request_id]
+            h = out[row : row + group.count]
+            row += group.count
+            if group.mode == RowMode.PREFILL:
+                r.prompt_hidden[group.start : group.start + group.count] = h
+                r.chunk_start += group.count
+                if r.chunk_start == len(r.prompt):
+                    r.depth, r.chunk_start = r.depth + 1, 0
+                    if r.depth == loops:  # prompt done: its last token predicts the first output
+                        r.prompt_hidden, last = None, r.prompt_hidden[-1]
+                        self._emit(r, last)
+                continue
+            exit_now = r.depth == loops - 1
+            if not exit_now and self.cfg.exits_early:
+                lam = float(self.model.exit_lambda(h)[0])
+                spent = 1.0 - r.remaining * (1.0 - lam)  # cumulative exit probability so far
+                r.remaining *= 1.0 - lam
+                exit_now = spent >= self.cfg.early_exit_threshold
+            if exit_now:
+                if r.depth < loops - 1:
+                    self.kv.finalize_exit(r.id, r.position, r.depth)
+                r.exit_depths.append(r.depth)
+                self._emit(r, h[0])
+            else:
+                r.depth, r.hidden = r.depth + 1, h[0]
+
+    def _emit(self, r: _Request, final_hidden: torch.Tensor) -> None:
+        """Sample the next token from a final hidden state and start its loops (or finish)."""
+        logits = self.model.coda(final_hidden[None])[0]
+        if r.params.temperature > 0:
+            probs = torch.softmax(logits / r.params.temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=r.generator))
+        else:
+            token = int(torch.argmax(logits))
+        r.output.append(token)
+        if token == self.cfg.eos_token_id and not r.params.ignore_eos:
+            r.finish_reason = "eos"
+        elif (
+            r.params.stop
+            and self.detokenize
+            and any(s in self.detokenize(r.output) for s in r.params.stop)
+        ):
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.params.max_new_tokens:
+            r.finish_reason = "length"
+        if r.finish_reason:
+            r.phase = "done"
+            return
+        r.phase, r.depth, r.remaining = "decode", 0, 1.0
+        r.hidden = self.model.prelude(torch.tensor([token], device=self.device))[0]
+
+    def _collect(self) -> list[GenerationResult]:
+        done = [r for r in self._requests.values() if r.phase == "done"]
+        for r in done:
+            self.kv.release(r.id)
+            del self._requests[r.id]
+        return [
+            GenerationResult(r.id, r.prompt, r.output, r.finish_reason, r.exit_depths) for r in done
+        ]
+
+    # ------------------------------------------------------------ convenience
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order. ``progress(done, total)``."""
+        per = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, per, strict=True)]
+        results: dict[int, GenerationResult] = {}
+        while self.has_unfinished():
+            for result in self.step():
+                results[result.request_id] = result
+                if progress:
+                    progress(len(results), len(ids))
+        return [results[i] for i in ids]

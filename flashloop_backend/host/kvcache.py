@@ -1,0 +1,135 @@
+"""Per-depth paged KV cache with LAST_EXITED history (DESIGN §3).
+
+K and V pools are shaped like vllm-rlt's, ``[num_blocks, num_layers, block_size, Hkv, D]``;
+each request owns one block table per depth plane. A query at depth d reads plane d;
+copy-on-exit finalization fills the deeper planes of a token that exited at e, so such
+reads see version min(d, e).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool cannot hold a request; nothing was allocated and no KV was touched."""
+
+
+@dataclass
+class _Tables:
+    planes: list[list[int]] = field(default_factory=list)  # [depth][block index] -> block id
+    capacity_tokens: int = 0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_depths: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks={num_blocks} and block_size={block_size} must be positive"
+            )
+        # One extra block past the allocatable ones absorbs writes of padding rows (slot -1).
+        shape = (num_blocks + 1, num_layers, block_size, num_kv_heads, head_dim)
+        self.key_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size, self.num_depths = num_blocks, block_size, num_depths
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[int, _Tables] = {}
+
+    # ------------------------------------------------------------ allocation
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks for ``num_tokens`` positions on every depth plane."""
+        return -(-num_tokens // self.block_size) * self.num_depths
+
+    def reserve(self, request_id: int, num_tokens: int) -> None:
+        """Make room for positions [0, num_tokens) on every plane, atomically."""
+        tables = self._tables.setdefault(request_id, _Tables([[] for _ in range(self.num_depths)]))
+        per_plane = -(-num_tokens // self.block_size)
+        missing = max(0, per_plane - len(tables.planes[0])) * self.num_depths
+        if missing > len(self._free):
+            if not any(tables.planes):
+                del self._tables[request_id]
+            raise OutOfBlocksError(
+                f"request {request_id} needs {missing} more KV blocks for {num_tokens} tokens "
+                f"({self.num_depths} depth planes x block_size {self.block_size}); "
+                f"{len(self._free)} of {self.num_blocks} are free"
+            )
+        for plane in tables.planes:
+            while len(plane) < per_plane:
+                plane.append(self._free.pop())
+        tables.capacity_tokens = max(tables.capacity_tokens, per_plane * self.block_size)
+
+    def release(self, request_id: int) -> None:
+        tables = self._tables.pop(request_id, None)
+        if tables is not None:
+            for plane in tables.planes:
+                self._free.extend(reversed(plane))
+
+    def has(self, request_id: int) -> bool:
+        return request_id in self._tables
+
+    # ------------------------------------------------------------ addressing
+    def slots(self, request_id: int, depth: int, positions: list[int]) -> list[int]:
+        """Flat slot (block * block_size + offset) of each position on one depth plane."""
+        tables = self._tables[request_id]
+        for position in positions:
+            if not 0 <= position < tables.capacity_tokens:
+                raise IndexError(
+                    f"position {position} is outside request {request_id}'s reserved "
+                    f"{tables.capacity_tokens} tokens"
+                )
+        plane = tables.planes[depth]
+        return [
+            plane[p // self.block_size] * self.block_size + p % self.block_size for p in positions
+        ]
+
+    def block_table(self, request_id: int, depth: int) -> list[int]:
+        return list(self._tables[request_id].planes[depth])
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided per-layer views [num_blocks, block_size, Hkv, D] of the pools."""
+        return self.key_pool[:, layer], self.value_pool[:, layer]
+
+    # ------------------------------------------------------------ writes
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [R, Hkv, D] at flat slots [R] (int64, -1 = skip) of one layer."""
+        trash = self.num_blocks * self.block_size
+        slots = torch.where(
+            slots >= 0,
+            slots,
+            trash + torch.arange(slots.shape[0], device=slots.device) % self.block_size,
+        )
+        key_view, value_view = self.layer_views(layer)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        key_view[blocks, offsets] = k.to(key_view.dtype)
+        value_view[blocks, offsets] = v.to(value_view.dtype)
+
+    def finalize_exit(self, request_id: int, position: int, exit_depth: int) -> None:
+        """Copy-on-exit: planes deeper than ``exit_depth`` take that plane's K/V (all layers)."""
+        planes = self._tables[request_id].planes
+        block, offset = divmod(position, self.block_size)
+        src = planes[exit_depth][block]
+        for depth in range(exit_depth + 1, self.num_depths):
+            dst = planes[depth][block]
+            self.key_pool[dst, :, offset] = self.key_pool[src, :, offset]
+            self.value_pool[dst, :, offset] = self.value_pool[src, :, offset]
+
+    def bytes_per_token(self) -> int:
+        """Steady KV bytes one token occupies across all layers and depth planes."""
+        per_block = self.key_pool[0].numel() * self.key_pool.element_size() * 2  # K and V
+        return per_block * self.num_depths // self.block_size

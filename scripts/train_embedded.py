@@ -1,0 +1,243 @@
+"""Train the embedded default model: a tiny Ouro-layout looped LM (head_dim 128, 4 loops,
+byte-level vocabulary) with Ouro's stage-I objective, on the Python standard library's
+source (held out by file) plus synthetic passkey sequences.
+
+Run on the H200 (about 7 minutes):
+    python3 scripts/train_embedded.py --out $OUT --seconds 390
+Writes config.json, model.safetensors, tokenizer.json, metrics.json and MODEL_CARD.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashloop_backend.host.config import OuroConfig  # noqa: E402
+from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
+from flashloop_backend.host.model import OuroModel, apply_rope, exit_distribution, rope_cos_sin  # noqa: E402
+from flashloop_backend.host.tokenizer import build_byte_tokenizer  # noqa: E402
+
+BOS, EOS = 256, 257
+NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
+QUESTION = " What is the pass key? The pass key is {k}"
+
+
+def corpus(held_out_percent: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Stdlib .py files as bytes separated by EOS; held-out split by a hash of the path."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    train, held = [], []
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        rel = str(path.relative_to(stdlib))
+        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
+        (held if bucket < held_out_percent else train).append(
+            np.frombuffer(data, np.uint8).astype(np.int16)
+        )
+        (held if bucket < held_out_percent else train).append(np.array([EOS], np.int16))
+    return np.concatenate(train), np.concatenate(held), len(files), sum(1 for _ in held) // 2
+
+
+def passkey_sample(filler: np.ndarray, length: int, depth: float, rng: np.random.Generator):
+    """(tokens [length], answer start index, key string) with the needle at ``depth``."""
+    key = "".join(str(d) for d in rng.integers(0, 10, 5))
+    needle = np.frombuffer(NEEDLE.format(k=key).encode(), np.uint8).astype(np.int16)
+    question = np.frombuffer(QUESTION.format(k=key).encode(), np.uint8).astype(np.int16)
+    body = length - 1 - len(question)
+    start = rng.integers(0, len(filler) - body)
+    seq = filler[start : start + body].copy()
+    at = int(depth * (body - len(needle)))
+    seq[at : at + len(needle)] = needle
+    tokens = np.concatenate([[BOS], seq, question])
+    return tokens, len(tokens) - 5, key
+
+
+def windows(data: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - length, (batch,), generator=gen, device=data.device)
+    idx = starts[:, None] + torch.arange(length, device=data.device)
+    return data[idx].long()
+
+
+def ouro_loss(model: OuroModel, tokens: torch.Tensor, beta: float):
+    hiddens, gates = model.full_forward(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    per_loop = torch.stack(
+        [
+            F.cross_entropy(model.lm_head(h).float().transpose(1, 2), targets, reduction="none")
+            for h in hiddens
+        ],
+        dim=-1,
+    )  # [B, T, loops]
+    pdf = exit_distribution(gates)
+    entropy = -(pdf * torch.log(pdf.clamp_min(1e-9))).sum(-1)
+    loss = (pdf * per_loop).sum(-1).mean() - beta * entropy.mean()
+    return loss, per_loop.mean(dim=(0, 1)), entropy.mean()
+
+
+@torch.no_grad()
+def analyse(model: OuroModel, tokens: torch.Tensor) -> dict:
+    """Per-loop loss (nats and bits/byte) and cross-loop relative change of hidden, K, V."""
+    cfg = model.config
+    hiddens, _ = model.full_forward(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    losses = [
+        F.cross_entropy(model.lm_head(h).float().transpose(1, 2), targets).item() for h in hiddens
+    ]
+    positions = torch.arange(tokens.shape[1] - 1, device=tokens.device)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    ks, vs = [], []
+    h = model.model.embed_tokens(tokens[:, :-1])
+    for _ in range(cfg.total_ut_steps):
+        k_loop, v_loop = [], []
+        for layer in model.model.layers:
+            x = layer.input_layernorm(h)
+            k = layer.self_attn.k_proj(x).view(*x.shape[:2], cfg.num_key_value_heads, cfg.head_dim)
+            k_loop.append(apply_rope(k, cos, sin).float())
+            v_loop.append(layer.self_attn.v_proj(x).float())
+            # advance h through the layer exactly as full_forward does
+            q, kk, vv = layer.self_attn.qkv(x, cos, sin)
+            group = cfg.num_attention_heads // cfg.num_key_value_heads
+            q, kk, vv = (t.transpose(1, 2) for t in (q, kk, vv))
+            attn = F.scaled_dot_product_attention(
+                q, kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1), is_causal=True
+            )
+            attn = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(*x.shape[:2], -1))
+            h = layer.mlp_block(h + layer.input_layernorm_2(attn))
+        h = model.model.norm(h)
+        ks.append(torch.stack(k_loop))
+        vs.append(torch.stack(v_loop))
+
+    def rel(seq):
+        return [((seq[i] - seq[i - 1]).norm() / seq[i].norm()).item() for i in range(1, len(seq))]
+
+    return {
+        "loss_nats_per_loop": losses,
+        "bits_per_byte_per_loop": [x / math.log(2) for x in losses],
+        "relative_change_hidden": rel([x.float() for x in hiddens]),
+        "relative_change_k": rel(ks),
+        "relative_change_v": rel(vs),
+    }
+
+
+@torch.no_grad()
+def passkey_accuracy(model: OuroModel, filler: np.ndarray, device, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    result = {}
+    for length in (256, 512, 1024):
+        for depth in (0.1, 0.5, 0.9):
+            samples = [passkey_sample(filler, length, depth, rng) for _ in range(32)]
+            tokens = torch.tensor(np.stack([s[0] for s in samples]), device=device).long()
+            answer = samples[0][1]
+            hiddens, _ = model.full_forward(tokens[:, :-1])
+            pred = model.lm_head(hiddens[-1][:, answer - 1 : answer - 1 + 5]).argmax(-1)
+            correct = (pred == tokens[:, answer : answer + 5]).all(-1).float().mean().item()
+            result[f"len{length}_depth{depth}"] = correct
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seconds", type=float, default=390)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--beta", type=float, default=0.05, help="entropy bonus weight")
+    parser.add_argument("--passkey-fraction", type=float, default=0.25)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = OuroConfig(
+        hidden_size=256, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=128, intermediate_size=704, vocab_size=258, rope_theta=10000.0,
+        total_ut_steps=4, max_position_embeddings=4096, early_exit_threshold=1.0,
+        bos_token_id=BOS, eos_token_id=EOS,
+    )  # fmt: skip
+    train_np, held_np, n_files, n_held = corpus(held_out_percent=5)
+    print(
+        f"corpus: {n_files} files, train {len(train_np) / 1e6:.1f} MB, held-out {len(held_np) / 1e6:.2f} MB ({n_held} files)"
+    )
+    train = torch.tensor(train_np, device=device)
+    held = torch.tensor(held_np, device=device)
+    rng = np.random.default_rng(args.seed)
+    pool = [passkey_sample(train_np, args.seq_len + 1, rng.random(), rng)[0] for _ in range(8192)]
+    passkeys = torch.tensor(np.stack(pool), device=device).long()
+
+    model = OuroModel(cfg).to(device)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(
+                p,
+                std=0.02
+                if "o_proj" not in name and "down_proj" not in name
+                else 0.02 / math.sqrt(2 * cfg.num_hidden_layers),
+            )
+    torch.nn.init.zeros_(model.model.early_exit_gate.bias)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    n_pass = int(args.batch * args.passkey_fraction)
+    start, step, log = time.time(), 0, []
+    while (elapsed := time.time() - start) < args.seconds:
+        frac = elapsed / args.seconds
+        lr = (
+            args.lr
+            * min(1.0, (step + 1) / 200)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        )
+        for group in opt.param_groups:
+            group["lr"] = lr
+        text = windows(train, args.batch - n_pass, args.seq_len + 1, gen)
+        pick = torch.randint(0, passkeys.shape[0], (n_pass,), generator=gen, device=device)
+        tokens = torch.cat([text, passkeys[pick]])
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss, per_loop, entropy = ouro_loss(model, tokens, args.beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 200 == 0:
+            row = {"step": step, "seconds": round(elapsed, 1), "lr": lr, "loss": loss.item(),
+                   "per_loop": [round(x, 4) for x in per_loop.tolist()], "exit_entropy": entropy.item()}  # fmt: skip
+            log.append(row)
+            print(json.dumps(row), flush=True)
+        step += 1
+
+    model.eval()
+    eval_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    held_tokens = windows(held, 64, args.seq_len + 1, eval_gen)
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+        metrics = analyse(model, held_tokens)
+        metrics["passkey_accuracy"] = passkey_accuracy(model, held_np, device, args.seed + 2)
+    metrics.update(
+        steps=step, seconds=round(time.time() - start, 1), seed=args.seed, args=vars(args),
+        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        corpus={"files": n_files, "held_out_files": n_held, "train_bytes": len(train_np), "held_out_bytes": len(held_np),
+                "source": f"Python {sys.version.split()[0]} standard library (*.py), held out by sha256(path) % 100 < 5"},
+        params=sum(p.numel() for p in model.parameters()), log=log,
+    )  # fmt: skip
+    out = Path(args.out)
+    save_checkpoint(model, out, dtype=torch.bfloat16)
+    build_byte_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "log"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
