@@ -9,4 +9,19 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 from .config import ConfigError, EffectiveConfig, FlashLoopConfig, load_config
 
-__all__ = ["ConfigError", "EffectiveConfig", "FlashLoopConfig", "__version__", "load_config"]
+
+def embedded_model_path():
+    """Directory of the embedded default model (Ouro layout, byte-level, 4 loops)."""
+    from .host.commands import embedded_model_path as path
+
+    return path()
+
+
+__all__ = [
+    "ConfigError",
+    "EffectiveConfig",
+    "FlashLoopConfig",
+    "__version__",
+    "embedded_model_path",
+    "load_config",
+]

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--config", help="FlashLoop config file (.json or .toml)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(handler=_info)
+    from .host.commands import add_commands  # the host's torch model loads only when used
+
+    add_commands(sub)
     return parser
 
 
@@ -164,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # output piped into a closed reader (e.g. `| head`)
+        return 0
 
 
 if __name__ == "__main__":

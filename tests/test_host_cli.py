@@ -1,0 +1,84 @@
+import json
+import subprocess
+import sys
+
+import torch
+
+from flashloop_backend import embedded_model_path
+from flashloop_backend.host import save_checkpoint
+from flashloop_backend.host.tokenizer import build_byte_tokenizer
+
+from .host_helpers import tiny_model
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+    )
+
+
+def test_generate_json_greedy_matches_engine_and_is_deterministic():
+    args = (
+        "generate",
+        "--model",
+        str(embedded_model_path()),
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    )
+    first, second = cli(*args), cli(*args)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["prompt_token_ids"] == [256, *list(b"def f(x):")]
+    assert len(out["output_token_ids"]) == 6
+    assert json.loads(second.stdout)["output_token_ids"] == out["output_token_ids"]
+
+
+def test_demo_runs_and_reports_speed_and_kv():
+    result = cli("demo", "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert "backend: " in result.stdout
+    assert "tokens/s" in result.stdout and "bytes/token" in result.stdout
+
+
+def _model_dir(tmp_path, **overrides):
+    save_checkpoint(tiny_model(**overrides), tmp_path, dtype=torch.float32)
+    build_byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path)
+
+
+def test_prompt_longer_than_max_positions(tmp_path):
+    model_dir = _model_dir(tmp_path, vocab_size=258, max_position_embeddings=32)
+    result = cli("generate", "--model", model_dir, "--prompt", "x" * 40, "--max-new-tokens", "4")
+    assert result.returncode == 2
+    assert "exceeds max_position_embeddings=32" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_out_of_kv_blocks(tmp_path):
+    model_dir = _model_dir(tmp_path, vocab_size=258)
+    result = cli(
+        "generate",
+        "--model",
+        model_dir,
+        "--prompt",
+        "hello",
+        "--num-blocks",
+        "2",
+        "--block-size",
+        "4",
+    )
+    assert result.returncode == 2
+    assert "KV blocks" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_backend_and_bad_model(tmp_path):
+    result = cli(
+        "generate", "--model", str(embedded_model_path()), "--prompt", "a", "--backend", "nope"
+    )
+    assert result.returncode == 2 and "unknown backend 'nope'" in result.stderr
+    result = cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "a")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
