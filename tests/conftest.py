@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # CPU: Triton kernels run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashloop_backend.registry import Registry
 

@@ -11,6 +11,7 @@ from flashloop_backend.capabilities import (
     Support,
     SupportRequest,
     dtype_name,
+    module_available,
     not_supported_reasons,
 )
 from flashloop_backend.registry import Registry
@@ -32,7 +33,18 @@ def test_declared_sets_are_enforced(provider, op, impl):
     device = sorted(support.devices)[0]
     env = H200
     ok = SupportRequest(device=device, dtype=sorted(support.dtypes, key=str)[0])
-    assert not_supported_reasons(support, ok, env) == [], (provider, op)
+    missing_modules = [
+        f"python module {m!r} is not installed"
+        for m in support.python_modules
+        if not module_available(m)
+    ]
+    assert not_supported_reasons(support, ok, env) == missing_modules, (provider, op)
+
+    if support.head_dims is not None:
+        odd = SupportRequest(device=device, dtype=ok.dtype, head_dim=max(support.head_dims) + 1)
+        assert any(
+            f"head_dim={odd.head_dim}" in r for r in not_supported_reasons(support, odd, env)
+        )
 
     bad_dtype = SupportRequest(device=device, dtype=torch.float64)
     reasons = not_supported_reasons(support, bad_dtype, env)
@@ -107,7 +119,8 @@ def test_backend_claims_match_selection(backend, cap):
     else:
         with pytest.raises(ValueError) as info:
             REGISTRY.select_backend(backend, request, config)
-        assert cap.value in str(info.value) or "not wired" in str(info.value)
+        if not REGISTRY.backend_reasons(backend, base, config):  # usable, so the cap is why
+            assert cap.value in str(info.value) or "not wired" in str(info.value)
 
 
 def test_cpu_machine_does_not_claim_cuda_graphs():

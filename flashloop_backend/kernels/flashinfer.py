@@ -1,0 +1,122 @@
+"""FlashInfer adapter for dense paged attention (optional extra ``flashinfer``).
+
+FlashInfer plans a batch on the host (its planner reads page counts), so this path
+synchronises once per new batch and is not graph-safe; the plan is reused while the same
+block tables and lengths are passed again (every layer of one traversal). Imported
+lazily: a missing package or GPU is a selection reason, never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import __version__
+from ..capabilities import Capability, Support
+from .ops import KernelImpl, KernelProvider, OpName
+from .validate import check_paged_inputs
+
+SUPPORT = Support(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16}),
+    head_dims=frozenset({64, 128, 256}),
+    min_compute_capability=(8, 0),
+    python_modules=("flashinfer",),
+    capabilities=frozenset({Capability.NONCONSECUTIVE_QUERIES, Capability.PACKED_PREFILL}),
+)
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferPagedDecode:
+    """Every row is one query over its own pages (FlashInfer batch decode, NHD layout)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._key: tuple | None = None
+
+    def plan(
+        self,
+        block_tables,
+        context_lengths,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        scale,
+    ):
+        """Host-side plan (synchronises): CSR page lists from the tables and lengths."""
+        lengths = context_lengths.long().cpu()
+        pages = (lengths + block_size - 1) // block_size
+        tables = block_tables.long().cpu()
+        keep = torch.arange(tables.shape[1])[None, :] < pages[:, None]
+        indices = tables[keep].to(torch.int32)
+        indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(pages, 0)
+        last = torch.where(pages > 0, lengths - (pages - 1) * block_size, torch.zeros_like(lengths))
+        device = block_tables.device
+        self.empty_rows = (lengths == 0).to(device)
+        self.wrapper.plan(
+            indptr.to(device), indices.to(device), last.to(torch.int32).to(device),
+            num_q_heads, num_kv_heads, head_dim, block_size,
+            q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
+        )  # fmt: skip
+
+    def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, scale=None):
+        rows, num_q_heads, head_dim = check_paged_inputs(
+            q, key_cache, value_cache, block_tables, context_lengths
+        )
+        if rows == 0:
+            return q.new_empty((0, num_q_heads, head_dim))
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        key = (block_tables.data_ptr(), block_tables._version, context_lengths.data_ptr(),
+               context_lengths._version, tuple(block_tables.shape), q.dtype, num_q_heads, block_size, scale)  # fmt: skip
+        if key != self._key:
+            self.plan(
+                block_tables,
+                context_lengths,
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                q.dtype,
+                scale,
+            )
+            self._key = key
+        out = self.wrapper.run(q, (key_cache, value_cache))
+        return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
+
+
+_INSTANCES: dict[torch.device, FlashInferPagedDecode] = {}
+
+
+def paged_attention_flashinfer(
+    q, key_cache, value_cache, block_tables, context_lengths, scale=None
+):
+    """The ``PagedAttention`` contract through FlashInfer (one planner per device)."""
+    instance = _INSTANCES.get(q.device)
+    if instance is None:
+        instance = _INSTANCES[q.device] = FlashInferPagedDecode(q.device)
+    return instance(q, key_cache, value_cache, block_tables, context_lengths, scale)
+
+
+def provider() -> KernelProvider:
+    try:
+        from importlib.metadata import version
+
+        fi_version = version("flashinfer-python")
+    except Exception:
+        fi_version = "not installed"
+    impl = {
+        op: KernelImpl(op, paged_attention_flashinfer, SUPPORT)
+        for op in (OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL)
+    }
+    return KernelProvider(
+        name="flashinfer", version=f"{__version__} (flashinfer {fi_version})", priority=30,
+        description="FlashInfer batch paged decode (host-planned)", impls=impl,
+    )  # fmt: skip

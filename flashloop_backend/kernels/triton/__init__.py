@@ -1,0 +1,43 @@
+"""Triton kernels: ``@triton.jit`` code in ``*_jit.py``, validated wrappers beside it."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import __version__
+from ...capabilities import Capability, Support
+from ..ops import KernelImpl, KernelProvider, OpName
+
+SUPPORT = Support(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+    head_dims=frozenset({16, 32, 64, 128, 256}),
+    block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),
+    python_modules=("triton",),
+    capabilities=frozenset(
+        {
+            Capability.NONCONSECUTIVE_QUERIES,
+            Capability.DEVICE_POSITIONS,
+            Capability.ASYNC_SCHEDULING,
+            Capability.PACKED_PREFILL,
+            Capability.CUDA_GRAPHS,
+        }
+    ),
+)
+
+
+def _paged(*args, **kwargs) -> torch.Tensor:
+    from .paged_decode import paged_attention_triton  # imports triton only when used
+
+    return paged_attention_triton(*args, **kwargs)
+
+
+def provider() -> KernelProvider:
+    impl = {
+        op: KernelImpl(op, _paged, SUPPORT)
+        for op in (OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL)
+    }
+    return KernelProvider(
+        name="triton", version=__version__, priority=20,
+        description="Triton per-row paged attention (split-K, FP32 online softmax)", impls=impl,
+    )  # fmt: skip

@@ -1,0 +1,91 @@
+"""Wrapper for the Triton per-row paged attention: validates, picks a split count from
+shapes only (never from tensor values: no host sync), launches split and merge kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..validate import check_paged_inputs
+
+SM_COUNT_FALLBACK = 132  # H100/H200
+KEYS_PER_SPLIT_MIN = 512
+
+
+def _num_splits(rows: int, kv_heads: int, capacity_keys: int, device: torch.device) -> int:
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else SM_COUNT_FALLBACK
+    )
+    want = max(1, math.ceil(2 * sms / max(1, rows * kv_heads)))
+    most = max(1, math.ceil(capacity_keys / KEYS_PER_SPLIT_MIN))
+    return min(want, most)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Per-row causal paged attention, the ``PagedAttention`` contract (see ``ops.py``).
+
+    q [R, Hq, D]; key_cache/value_cache [NB, BS, Hkv, D] with unit stride on D (per-layer
+    strided views allowed); block_tables [R, MB] int32; context_lengths [R] int32.
+    Returns [R, Hq, D] in q's dtype. D and BS must be powers of two >= 16 and >= 1.
+    """
+    from .paged_decode_jit import merge_splits_kernel, paged_attention_split_kernel
+
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the triton kernel")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two for the triton kernel")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    max_blocks = block_tables.shape[1]
+    splits = num_splits or _num_splits(rows, num_kv_heads, max_blocks * block_size, q.device)
+    blocks_per_split = math.ceil(max_blocks / splits)
+    group = num_q_heads // num_kv_heads
+    group_pad = 1 << (group - 1).bit_length()
+    pages = max(1, 64 // (block_size * group_pad))
+    part_out = torch.empty(
+        (rows, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32
+    )
+    part_max = torch.empty((rows, num_q_heads, splits), device=q.device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    paged_attention_split_kernel[(rows, num_kv_heads, splits)](
+        q, key_cache, value_cache, block_tables, context_lengths, part_out, part_max, part_sum,
+        scale,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        blocks_per_split,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
+    )  # fmt: skip
+    merge_splits_kernel[(rows, num_q_heads)](
+        part_out, part_max, part_sum, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,114 @@
+"""Triton code for per-row paged attention (split-K decode form). Wrappers live in
+``paged_decode.py``; this module holds only ``@triton.jit`` functions."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale,
+    stride_qr, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_tr,
+    stride_pr, stride_ph, stride_ps,
+    stride_mr, stride_mh,
+    blocks_per_split,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+):  # fmt: skip
+    """One (row, kv head, split): online softmax over this split's pages, FP32 state."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lengths_ptr + row)
+    num_pages = tl.cdiv(length, BLOCK_SIZE)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, num_pages)
+
+    # ---- load the query heads of this KV group: [GROUP_PAD, HEAD_DIM] in FP32
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    q_heads = kv_head * GROUP + g
+    q_mask = g < GROUP
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qr + q_heads[:, None] * stride_qh + d[None, :],
+        mask=q_mask[:, None], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    t = tl.arange(0, PAGES * BLOCK_SIZE)
+    page_of_t = t // BLOCK_SIZE
+    slot_of_t = t % BLOCK_SIZE
+
+    # ---- sweep PAGES pages per iteration: gather ids, load K/V tiles, update softmax
+    for page0 in range(first, last, PAGES):
+        page = page0 + page_of_t
+        in_range = page < last
+        block = tl.load(tables_ptr + row.to(tl.int64) * stride_tr + page, mask=in_range, other=0)
+        pos = page * BLOCK_SIZE + slot_of_t
+        visible = in_range & (pos < length)
+        base = block.to(tl.int64)
+        k = tl.load(
+            k_ptr + base[:, None] * stride_kb + slot_of_t[:, None] * stride_kt
+            + kv_head * stride_kh + d[None, :],
+            mask=visible[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        v = tl.load(
+            v_ptr + base[:, None] * stride_vb + slot_of_t[:, None] * stride_vt
+            + kv_head * stride_vh + d[None, :],
+            mask=visible[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, N]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    # ---- store this split's unnormalised partial state
+    out_off = (
+        row.to(tl.int64) * stride_pr + q_heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+    )
+    tl.store(part_out_ptr + out_off, acc, mask=q_mask[:, None])
+    stat_off = row.to(tl.int64) * stride_mr + q_heads * stride_mh + split
+    tl.store(part_max_ptr + stat_off, m_i, mask=q_mask)
+    tl.store(part_sum_ptr + stat_off, l_i, mask=q_mask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    stride_pr, stride_ph, stride_ps,
+    stride_mr, stride_mh,
+    stride_or, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One (row, query head): combine split partial states; rows with no key give 0."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_mask = s < NUM_SPLITS
+    m = tl.load(
+        part_max_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=float("-inf")
+    )
+    total_max = tl.max(m, axis=0)
+    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
+    weight = tl.where(s_mask, tl.exp(m - safe), 0.0)
+    l = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None], other=0.0,
+    )  # fmt: skip
+    numer = tl.sum(acc * weight[:, None], axis=0)
+    denom = tl.sum(l * weight, axis=0)
+    out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))

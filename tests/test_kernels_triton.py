@@ -1,0 +1,75 @@
+"""The Triton paged attention against the torch reference (interpreter on CPU, real on GPU)."""
+
+import pytest
+import torch
+
+from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# CPU runs the interpreter: fp32/fp16 only (its bf16 arithmetic is broken).
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _case(rng, hq, hkv, dtype, dim=16, block=16):
+    kc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    vc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    q = torch.randn(5, hq, dim, generator=rng).to(DEVICE, dtype)
+    # padded with -1, 0 and a stale id past each row's context; one padding row (length 0)
+    tables = torch.tensor(
+        [[3, 5, 7, -1], [1, 0, 0, 0], [0, 2, 4, 6], [9, 9, 9, 9], [11, 10, 8, 3]], dtype=torch.int32
+    )
+    lengths = torch.tensor([40, 3, 64, 0, 49], dtype=torch.int32)
+    return q, kc, vc, tables.to(DEVICE), lengths.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2), (6, 2)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_reference(dtype, hq, hkv, splits, rng):
+    q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
+    out = paged_attention_triton(q, kc, vc, tables, lengths, num_splits=splits)
+    ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # padding row: finite zeros
+
+
+def test_strided_layer_view_and_small_blocks(rng):
+    pool = torch.randn(10, 3, 4, 2, 16, generator=rng).to(DEVICE)  # [blocks, layers, bs, H, D]
+    layer_k, layer_v = pool[:, 1], pool[:, 2]
+    q = torch.randn(2, 2, 16, generator=rng).to(DEVICE)
+    tables = torch.tensor([[4, 1, 7], [2, 9, -1]], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([11, 6], dtype=torch.int32, device=DEVICE)
+    out = paged_attention_triton(q, layer_k, layer_v, tables, lengths)
+    torch.testing.assert_close(
+        out, paged_attention(q, layer_k, layer_v, tables, lengths), atol=2e-5, rtol=2e-5
+    )
+
+
+def test_empty_batch():
+    q = torch.zeros(0, 2, 16, device=DEVICE)
+    kc = torch.zeros(2, 16, 2, 16, device=DEVICE)
+    out = paged_attention_triton(
+        q,
+        kc,
+        kc,
+        torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(0, dtype=torch.int32, device=DEVICE),
+    )
+    assert out.shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize(
+    ("dim", "block", "fragment"),
+    [
+        (24, 16, "head_dim=24 must be a power of two"),
+        (16, 12, "block_size=12 must be a power of two"),
+    ],
+)
+def test_wrapper_rejects_unsupported_shapes(dim, block, fragment):
+    kc = torch.zeros(2, block, 1, dim, device=DEVICE)
+    q = torch.zeros(1, 1, dim, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=fragment):
+        paged_attention_triton(q, kc, kc, one[:, None], one)
