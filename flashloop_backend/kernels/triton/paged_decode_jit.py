@@ -103,12 +103,12 @@ def merge_splits_kernel(
     total_max = tl.max(m, axis=0)
     safe = tl.where(total_max == float("-inf"), 0.0, total_max)
     weight = tl.where(s_mask, tl.exp(m - safe), 0.0)
-    l = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
+    sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
     acc = tl.load(
         part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
         mask=s_mask[:, None], other=0.0,
     )  # fmt: skip
     numer = tl.sum(acc * weight[:, None], axis=0)
-    denom = tl.sum(l * weight, axis=0)
+    denom = tl.sum(sums * weight, axis=0)
     out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
     tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
