@@ -19,6 +19,7 @@ from flashloop_backend.registry import Registry
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "plugins" / "flashloop-kernels-example"
 BROKEN_PLUGIN = ROOT / "tests" / "fixtures" / "broken_kernels_plugin"
+VLLM_RLT_PLUGIN = ROOT / "plugins" / "flashloop-vllm-rlt"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,9 +56,10 @@ def pip_install_target(source: Path, target: Path) -> None:
 def installed_plugins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Install the example provider and the broken fixture, each into its own folder."""
     base = tmp_path_factory.mktemp("plugins")
-    paths = {"example": base / "example", "broken": base / "broken"}
+    paths = {"example": base / "example", "broken": base / "broken", "vllm_rlt": base / "vllm_rlt"}
     pip_install_target(EXAMPLE_PLUGIN, paths["example"])
     pip_install_target(BROKEN_PLUGIN, paths["broken"])
+    pip_install_target(VLLM_RLT_PLUGIN, paths["vllm_rlt"])
     return paths
 
 

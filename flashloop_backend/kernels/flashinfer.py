@@ -2,8 +2,9 @@
 
 FlashInfer plans a batch on the host (its planner reads page counts), so this path
 synchronises once per new batch and is not graph-safe; the plan is reused while the same
-block tables and lengths are passed again (every layer of one traversal). Imported
-lazily: a missing package or GPU is a selection reason, never a crash.
+block tables and lengths are passed again (every layer of one traversal). Rows with no
+context (padding) must not be mistaken for a sequence's continuation and return zeros.
+Imported lazily: a missing package or GPU is a selection reason, never a crash.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ SUPPORT = Support(
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-class FlashInferPagedDecode:
-    """Every row is one query over its own pages (FlashInfer batch decode, NHD layout)."""
+class FlashInferPagedAttention:
+    """Per-row paged attention through FlashInfer (NHD layout). Consecutive rows with the same
+    block table and consecutive context lengths (a prefill chunk) are planned as one causal
+    prefill sequence; a batch of single-row sequences uses the decode kernel."""
 
     def __init__(self, device: torch.device) -> None:
         import flashinfer
 
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._key: tuple | None = None
+        self.use_prefill = False
 
     def plan(
         self,
@@ -49,22 +54,40 @@ class FlashInferPagedDecode:
         dtype,
         scale,
     ):
-        """Host-side plan (synchronises): CSR page lists from the tables and lengths."""
+        """Host-side plan (synchronises): group rows into sequences, build CSR page lists."""
         lengths = context_lengths.long().cpu()
-        pages = (lengths + block_size - 1) // block_size
         tables = block_tables.long().cpu()
+        continues = (
+            (lengths[1:] == lengths[:-1] + 1)
+            & (lengths[:-1] > 0)
+            & (tables[1:] == tables[:-1]).all(dim=1)
+        )
+        starts = [0, *(torch.nonzero(~continues).flatten() + 1).tolist()]
+        ends = [*starts[1:], len(lengths)]
+        kv_len = torch.stack([lengths[e - 1] for e in ends])
+        pages = (kv_len + block_size - 1) // block_size
         keep = torch.arange(tables.shape[1])[None, :] < pages[:, None]
-        indices = tables[keep].to(torch.int32)
-        indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(pages, 0)
-        last = torch.where(pages > 0, lengths - (pages - 1) * block_size, torch.zeros_like(lengths))
+        indices = tables[torch.tensor(starts)][keep].to(torch.int32)
+        kv_indptr = torch.zeros(len(starts) + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(pages, 0)
+        last = torch.where(
+            pages > 0, kv_len - (pages - 1) * block_size, torch.zeros_like(kv_len)
+        ).to(torch.int32)
+        qo_indptr = torch.tensor([*starts, len(lengths)], dtype=torch.int32)
         device = block_tables.device
-        self.empty_rows = (lengths == 0).to(device)
-        self.wrapper.plan(
-            indptr.to(device), indices.to(device), last.to(torch.int32).to(device),
-            num_q_heads, num_kv_heads, head_dim, block_size,
-            q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-        )  # fmt: skip
+        self.empty_rows = context_lengths == 0
+        self.use_prefill = len(starts) < len(lengths)
+        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        if self.use_prefill:
+            self.prefill.plan(
+                qo_indptr.to(device), kv_indptr.to(device), indices.to(device), last.to(device),
+                num_q_heads, num_kv_heads, head_dim, block_size, causal=True, **common,
+            )  # fmt: skip
+        else:
+            self.decode.plan(
+                kv_indptr.to(device), indices.to(device), last.to(device),
+                num_q_heads, num_kv_heads, head_dim, block_size, **common,
+            )  # fmt: skip
 
     def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, scale=None):
         rows, num_q_heads, head_dim = check_paged_inputs(
@@ -88,11 +111,12 @@ class FlashInferPagedDecode:
                 scale,
             )
             self._key = key
-        out = self.wrapper.run(q, (key_cache, value_cache))
+        wrapper = self.prefill if self.use_prefill else self.decode
+        out = wrapper.run(q, (key_cache, value_cache))
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
 
 
-_INSTANCES: dict[torch.device, FlashInferPagedDecode] = {}
+_INSTANCES: dict[torch.device, FlashInferPagedAttention] = {}
 
 
 def paged_attention_flashinfer(
@@ -101,7 +125,7 @@ def paged_attention_flashinfer(
     """The ``PagedAttention`` contract through FlashInfer (one planner per device)."""
     instance = _INSTANCES.get(q.device)
     if instance is None:
-        instance = _INSTANCES[q.device] = FlashInferPagedDecode(q.device)
+        instance = _INSTANCES[q.device] = FlashInferPagedAttention(q.device)
     return instance(q, key_cache, value_cache, block_tables, context_lengths, scale)
 
 
