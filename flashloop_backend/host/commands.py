@@ -148,6 +148,48 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from ..evaluation import EvalSettings, evaluate, heldout_text
+
+    device, dtype = _pick_device(args.device)
+    config = load_config(args.config)
+    try:
+        model = load_model(args.model, device, dtype)
+        tokenizer = load_tokenizer(args.model)
+    except ModelError as exc:
+        raise ConfigError(f"cannot load model {args.model!r}: {exc}") from None
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise ConfigError(f"text file {args.text!r} does not exist")
+        text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
+    else:
+        text, source = heldout_text()
+    settings = EvalSettings(
+        windows=args.windows, context=args.context, continuation=args.continuation,
+        passkey_samples=args.passkey_samples, seed=args.seed,
+    )  # fmt: skip
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    try:
+        report = evaluate(model, tokenizer, text, config, args.backend, settings, args.block_size,
+                          progress=lambda label: log(f"  scored {label}"))  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    report.update(model=str(args.model), text_source=source, device=device, dtype=str(dtype))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"bits/byte dense {report['bits_per_byte']['dense']:.4f} config {report['bits_per_byte']['config']:.4f} "
+              f"(delta {report['delta_bits_per_byte_percent']:+.3f}%, 95% CI {report['delta_ci95_percent']})")  # fmt: skip
+        print(
+            f"KL mean {report['kl_mean']:.3g} p99 {report['kl_p99']:.3g}; top-1 agreement {report['top1_agreement']:.4f}"
+        )
+        print(f"passkey {report['passkey_accuracy']}")
+    return 0
+
+
 def _common(parser: argparse.ArgumentParser, model_default: str | None) -> None:
     parser.add_argument(
         "--model",
@@ -175,3 +217,18 @@ def add_commands(sub) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(handler=_generate)
+    ev = sub.add_parser(
+        "eval", help="quality of a FlashLoop config against dense (teacher-forced decode)"
+    )
+    _common(ev, str(embedded_model_path()))
+    ev.add_argument("--text", help="text file (default: the embedded model's held-out split)")
+    ev.add_argument("--windows", type=int, default=8)
+    ev.add_argument("--context", type=int, default=256, help="prefilled tokens per window")
+    ev.add_argument(
+        "--continuation", type=int, default=64, help="teacher-forced decode tokens per window"
+    )
+    ev.add_argument("--passkey-samples", type=int, default=8, help="per (context, depth) cell")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", help="also write the JSON record here")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(handler=_eval)

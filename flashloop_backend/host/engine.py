@@ -41,8 +41,9 @@ class GenerationResult:
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str  # "length", "eos" or "stop"
+    finish_reason: str  # "length", "eos", "stop" or "forced"
     exit_depths: list[int]  # zero-based exit depth of every generated token that ran loops
+    logprobs: torch.Tensor | None = None  # [n, vocab] FP32 log-softmax before each output
 
 
 @dataclass
@@ -60,6 +61,8 @@ class _Request:
     output: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    forced: list[int] | None = None  # teacher forcing: feed these instead of sampling
+    logprobs: list[torch.Tensor] | None = None
 
     @property
     def position(self) -> int:  # absolute position of the current decode token
@@ -110,7 +113,20 @@ class Engine:
         self.steps = 0
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        forced: list[int] | None = None,
+        keep_logprobs: bool = False,
+    ) -> int:
+        """Queue a request. ``forced`` teacher-forces the continuation through the decode
+        path (``max_new_tokens`` becomes its length); ``keep_logprobs`` records the FP32
+        log-softmax before every output token."""
+        if forced is not None:
+            if not forced:
+                raise ValueError("forced continuation is empty")
+            params = SamplingParams(max_new_tokens=len(forced), ignore_eos=True)
         params = params or SamplingParams()
         if not prompt:
             raise ValueError("prompt is empty; give at least one token")
@@ -133,6 +149,8 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else self._next_id)
         request = _Request(self._next_id, list(prompt), params, generator)
+        request.forced = list(forced) if forced is not None else None
+        request.logprobs = [] if keep_logprobs else None
         self._requests[request.id] = request
         self._next_id += 1
         return request.id
@@ -235,13 +253,19 @@ class Engine:
     def _emit(self, r: _Request, final_hidden: torch.Tensor) -> None:
         """Sample the next token from a final hidden state and start its loops (or finish)."""
         logits = self.model.coda(final_hidden[None])[0]
-        if r.params.temperature > 0:
+        if r.logprobs is not None:
+            r.logprobs.append(torch.log_softmax(logits, dim=-1).cpu())
+        if r.forced is not None:
+            token = r.forced[len(r.output)]
+        elif r.params.temperature > 0:
             probs = torch.softmax(logits / r.params.temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=r.generator))
         else:
             token = int(torch.argmax(logits))
         r.output.append(token)
-        if token == self.cfg.eos_token_id and not r.params.ignore_eos:
+        if r.forced is not None:
+            r.finish_reason = "forced" if len(r.output) == len(r.forced) else ""
+        elif token == self.cfg.eos_token_id and not r.params.ignore_eos:
             r.finish_reason = "eos"
         elif (
             r.params.stop
@@ -263,7 +287,15 @@ class Engine:
             self.kv.release(r.id)
             del self._requests[r.id]
         return [
-            GenerationResult(r.id, r.prompt, r.output, r.finish_reason, r.exit_depths) for r in done
+            GenerationResult(
+                r.id,
+                r.prompt,
+                r.output,
+                r.finish_reason,
+                r.exit_depths,
+                torch.stack(r.logprobs) if r.logprobs else None,
+            )
+            for r in done
         ]
 
     # ------------------------------------------------------------ convenience
@@ -272,10 +304,16 @@ class Engine:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        forced: list[list[int]] | None = None,
+        keep_logprobs: bool = False,
     ) -> list[GenerationResult]:
         """Run prompts to completion; results in prompt order. ``progress(done, total)``."""
         per = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, s) for p, s in zip(prompts, per, strict=True)]
+        teacher = forced if forced is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, s, f, keep_logprobs)
+            for p, s, f in zip(prompts, per, teacher, strict=True)
+        ]
         results: dict[int, GenerationResult] = {}
         while self.has_unfinished():
             for result in self.step():

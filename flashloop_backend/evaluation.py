@@ -1,0 +1,197 @@
+"""Quality of a FlashLoop configuration against dense on the same model and text.
+
+Teacher-forced through the real decode path: each window's context is prefilled, then its
+continuation is fed one token at a time through decode, and the log-probabilities before
+every token are compared. Reports Δ bits per byte with a bootstrap confidence interval,
+KL(dense ‖ config) mean and p99, top-1 agreement, and passkey retrieval accuracy by
+context length and needle depth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .capabilities import SupportRequest
+from .config import ConfigError, FlashLoopConfig
+from .host.engine import Engine, SamplingParams
+from .host.model import OuroModel
+from .registry import Registry, resolve
+
+NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
+QUESTION = " What is the pass key? The pass key is "
+
+
+def heldout_text(limit_bytes: int = 400_000) -> tuple[str, str]:
+    """The embedded model's held-out split, rebuilt from this machine's Python standard
+    library: files whose sha256(relative path) % 100 < 5. Returns (text, description)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts):
+        rel = str(path.relative_to(stdlib))
+        if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100 >= 5:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return "\n".join(parts), f"held-out split of {stdlib} (sha256(path) % 100 < 5)"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    windows: int = 8
+    context: int = 256
+    continuation: int = 64
+    passkey_contexts: tuple[int, ...] = (256, 512)
+    passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    passkey_samples: int = 8
+    bootstrap: int = 1000
+    seed: int = 0
+
+    def check(self, model: OuroModel, text_tokens: int) -> None:
+        if self.windows < 1 or self.context < 1 or self.continuation < 1:
+            raise ConfigError(
+                f"windows={self.windows}, context={self.context}, continuation={self.continuation} "
+                "must all be >= 1"
+            )
+        limit = model.config.max_position_embeddings
+        longest = max(self.context + self.continuation, *(c + 5 for c in self.passkey_contexts))
+        if longest > limit:
+            raise ConfigError(f"evaluation needs {longest} positions; the model allows {limit}")
+        if text_tokens < self.context + self.continuation + 1:
+            raise ConfigError(
+                f"text has {text_tokens} tokens; one window needs {self.context + self.continuation + 1}"
+            )
+
+
+def _engine(
+    model: OuroModel, tokenizer_decode, backend: str, config: FlashLoopConfig, block_size: int
+) -> tuple[Engine, str]:
+    param = next(model.parameters())
+    cfg = model.config
+    request = SupportRequest(
+        device=param.device.type, dtype=param.dtype, head_dim=cfg.head_dim, block_size=block_size,
+        num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+    )  # fmt: skip
+    registry = Registry.discover()
+    effective = resolve(config, backend, request, registry)
+    attention = registry.create(backend, request, config)
+    return Engine(
+        model, attention, num_blocks=4096, block_size=block_size, detokenize=tokenizer_decode
+    ), effective.digest()
+
+
+def _passkey_prompts(filler: list[int], encode, settings: EvalSettings, rng: random.Random):
+    prompts, keys, cells = [], [], []
+    for length in settings.passkey_contexts:
+        for depth in settings.passkey_depths:
+            for _ in range(settings.passkey_samples):
+                key = "".join(rng.choice("0123456789") for _ in range(5))
+                needle, question = encode(NEEDLE.format(k=key)), encode(QUESTION)
+                body = length - len(needle) - len(question)
+                start = rng.randrange(0, len(filler) - body)
+                seq = filler[start : start + body]
+                at = int(depth * (body - len(needle)))
+                prompts.append(seq[:at] + needle + seq[at:] + question)
+                keys.append(key)
+                cells.append(f"len{length}_depth{depth}")
+    return prompts, keys, cells
+
+
+def evaluate(
+    model: OuroModel,
+    tokenizer,
+    text: str,
+    config: FlashLoopConfig,
+    backend: str = "auto",
+    settings: EvalSettings | None = None,
+    block_size: int = 16,
+    progress=None,
+) -> dict:
+    settings = settings or EvalSettings()
+    encode = lambda s: tokenizer.encode(s).ids  # noqa: E731
+    tokens = encode(text)
+    settings.check(model, len(tokens))
+    rng = random.Random(settings.seed)
+    span = settings.context + settings.continuation
+    starts = [rng.randrange(0, len(tokens) - span) for _ in range(settings.windows)]
+    contexts = [tokens[s : s + settings.context] for s in starts]
+    targets = [tokens[s + settings.context : s + span] for s in starts]
+    pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
+
+    runs = {}
+    for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
+        engine, digest = _engine(
+            model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
+        )
+        scored = engine.generate(contexts, forced=targets, keep_logprobs=True)
+        answers = engine.generate(pass_prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+        runs[label] = {
+            "digest": digest,
+            "logprobs": [r.logprobs for r in scored],
+            "passkey": [
+                tokenizer.decode(a.output_token_ids) == k
+                for a, k in zip(answers, keys, strict=True)
+            ],
+        }
+        if progress:
+            progress(label)
+
+    dense, cand = runs["dense"], runs["config"]
+    nll = {k: [] for k in runs}
+    kl_all, agree = [], []
+    for i, target in enumerate(targets):
+        y = torch.tensor(target)
+        d, c = dense["logprobs"][i], cand["logprobs"][i]
+        nll["dense"].append(float(-d[torch.arange(len(y)), y].sum()))
+        nll["config"].append(float(-c[torch.arange(len(y)), y].sum()))
+        kl_all.append((d.exp() * (d - c)).sum(-1))
+        agree.append((d.argmax(-1) == c.argmax(-1)).float())
+    nbytes = [len(tokenizer.decode(t).encode("utf-8")) for t in targets]
+
+    def rel_delta(idx: list[int]) -> float:
+        bd = sum(nll["dense"][i] for i in idx)
+        bc = sum(nll["config"][i] for i in idx)
+        return 0.0 if bd == bc else 100.0 * (bc - bd) / bd
+
+    boot = sorted(
+        rel_delta([rng.randrange(len(targets)) for _ in targets]) for _ in range(settings.bootstrap)
+    )
+    kl = torch.cat(kl_all).clamp_min(0)
+    total_bytes = sum(nbytes)
+
+    def accuracy(flags: list[bool]) -> dict[str, float]:
+        by_cell: dict[str, list[bool]] = {}
+        for cell, ok in zip(cells, flags, strict=True):
+            by_cell.setdefault(cell, []).append(ok)
+        return {cell: sum(v) / len(v) for cell, v in by_cell.items()}
+
+    return {
+        "dense_digest": dense["digest"],
+        "config_digest": cand["digest"],
+        "config": config.model_dump(mode="json"),
+        "settings": {k: v for k, v in settings.__dict__.items()},
+        "bits_per_byte": {k: sum(v) / math.log(2) / total_bytes for k, v in nll.items()},
+        "delta_bits_per_byte_percent": rel_delta(list(range(len(targets)))),
+        "delta_ci95_percent": [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]],
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(torch.quantile(kl, 0.99)),
+        "top1_agreement": float(torch.cat(agree).mean()),
+        "passkey_accuracy": {
+            "dense": accuracy(dense["passkey"]),
+            "config": accuracy(cand["passkey"]),
+        },
+        "tokens_scored": sum(len(t) for t in targets),
+        "bytes_scored": total_bytes,
+    }

@@ -1,0 +1,75 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashloop_backend import FlashLoopConfig, embedded_model_path
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.evaluation import EvalSettings, evaluate
+from flashloop_backend.host import Engine, load_model, load_tokenizer
+from flashloop_backend.registry import Registry
+
+SMALL = EvalSettings(windows=2, context=24, continuation=8, passkey_contexts=(128,), passkey_depths=(0.5,), passkey_samples=2, bootstrap=50)
+TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n" * 8
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(embedded_model_path()), load_tokenizer(embedded_model_path())
+
+
+def test_teacher_forced_decode_equals_full_sequence_forward(embedded):
+    """The decode path's log-probs equal a whole-sequence causal forward of the same tokens."""
+    model, tokenizer = embedded
+    tokens = tokenizer.encode(TEXT[:60]).ids
+    context, target = tokens[:40], tokens[40:]
+    backend = Registry.discover().create("torch", SupportRequest(head_dim=128, num_q_heads=2, num_kv_heads=2))
+    result = Engine(model, backend).generate([context], forced=[target], keep_logprobs=True)[0]
+    with torch.no_grad():
+        hiddens, _ = model.full_forward(torch.tensor([tokens]))
+        full = F.log_softmax(model.lm_head(hiddens[-1][0]).float(), dim=-1)[39:-1]
+    torch.testing.assert_close(result.logprobs, full, atol=2e-4, rtol=1e-4)
+
+
+def test_dense_vs_dense_is_exactly_zero(embedded):
+    model, tokenizer = embedded
+    report = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", SMALL)
+    assert report["delta_bits_per_byte_percent"] == 0.0
+    assert report["delta_ci95_percent"] == [0.0, 0.0]
+    assert report["kl_mean"] == 0.0 and report["kl_p99"] == 0.0
+    assert report["top1_agreement"] == 1.0
+    assert report["passkey_accuracy"]["dense"] == report["passkey_accuracy"]["config"]
+    assert report["dense_digest"] == report["config_digest"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        (EvalSettings(windows=0), "must all be >= 1"),
+        (EvalSettings(context=4000, continuation=200), "allows 4096"),
+        (EvalSettings(context=2000, passkey_contexts=(128,)), "text has"),
+    ],
+)
+def test_bad_settings(embedded, settings, fragment):
+    from flashloop_backend import ConfigError
+
+    model, tokenizer = embedded
+    with pytest.raises(ConfigError, match=fragment):
+        evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", settings)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True)
+
+
+def test_eval_cli_argument_errors(tmp_path):
+    missing = _cli("eval", "--text", str(tmp_path / "none.txt"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sparse_decode_attention": {"key_retention": 2}}))
+    rejected = _cli("eval", "--config", str(bad))
+    assert rejected.returncode == 2 and "key_retention" in rejected.stderr
+    assert "Traceback" not in missing.stderr + rejected.stderr
