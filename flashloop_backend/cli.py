@@ -144,6 +144,52 @@ def _print_text(report: dict) -> None:
         print(f"\nno effective config: {report['error']}")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    names = [n for n in args.backends.split(",") if n]
+    registry = Registry.discover()
+    unknown = [n for n in names if n not in registry.backend_names()]
+    if not names or unknown:
+        raise ConfigError(
+            f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
+        )
+    if args.mode == "kernel":
+        record = bench.bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
+                                            log=bench.progress_log)  # fmt: skip
+    else:
+        records = [
+            bench.bench_end_to_end(
+                names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log
+            )
+            for ctx in args.contexts
+            for conc in args.concurrency
+        ]
+        record = {
+            "kind": "end_to_end_host",
+            "runs": records,
+            "environment": bench.environment_record(),
+        }
+    text = json.dumps(record, indent=2)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+    print(text if args.json else f"wrote {args.out}" if args.out else text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -153,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--config", help="FlashLoop config file (.json or .toml)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(handler=_info)
+    bench = sub.add_parser(
+        "bench", help="GPU benchmarks: kernel level or end to end through the host"
+    )
+    bench.add_argument("mode", choices=["kernel", "e2e"])
+    bench.add_argument(
+        "--backends", default="flashinfer,triton", help="comma-separated; the first is the baseline"
+    )
+    bench.add_argument("--contexts", type=_int_list, default=[1024, 8192, 32768])
+    bench.add_argument("--concurrency", type=_int_list, default=[1, 16])
+    bench.add_argument("--repeats", type=int, default=30)
+    bench.add_argument(
+        "--new-tokens", type=int, default=16, help="e2e: generated tokens per request"
+    )
+    bench.add_argument(
+        "--layers", type=int, default=None, help="e2e: fewer layers than Ouro-1.4B's 24"
+    )
+    bench.add_argument("--out", help="write the JSON record here")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(handler=_bench)
     from .host.commands import add_commands  # the host's torch model loads only when used
 
     add_commands(sub)

@@ -12,8 +12,19 @@ from flashloop_backend.evaluation import EvalSettings, evaluate
 from flashloop_backend.host import Engine, load_model, load_tokenizer
 from flashloop_backend.registry import Registry
 
-SMALL = EvalSettings(windows=2, context=24, continuation=8, passkey_contexts=(128,), passkey_depths=(0.5,), passkey_samples=2, bootstrap=50)
-TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n" * 8
+SMALL = EvalSettings(
+    windows=2,
+    context=24,
+    continuation=8,
+    passkey_contexts=(128,),
+    passkey_depths=(0.5,),
+    passkey_samples=2,
+    bootstrap=50,
+)
+TEXT = (
+    "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    * 8
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +37,9 @@ def test_teacher_forced_decode_equals_full_sequence_forward(embedded):
     model, tokenizer = embedded
     tokens = tokenizer.encode(TEXT[:60]).ids
     context, target = tokens[:40], tokens[40:]
-    backend = Registry.discover().create("torch", SupportRequest(head_dim=128, num_q_heads=2, num_kv_heads=2))
+    backend = Registry.discover().create(
+        "torch", SupportRequest(head_dim=128, num_q_heads=2, num_kv_heads=2)
+    )
     result = Engine(model, backend).generate([context], forced=[target], keep_logprobs=True)[0]
     with torch.no_grad():
         hiddens, _ = model.full_forward(torch.tensor([tokens]))
@@ -62,7 +75,9 @@ def test_bad_settings(embedded, settings, fragment):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+    )
 
 
 def test_eval_cli_argument_errors(tmp_path):

@@ -44,38 +44,26 @@ class FlashInferPagedAttention:
         self.use_prefill = False
 
     def plan(
-        self,
-        block_tables,
-        context_lengths,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype,
-        scale,
+        self, tables, lengths, device, num_q_heads, num_kv_heads, head_dim, block_size, dtype, scale
     ):
-        """Host-side plan (synchronises): group rows into sequences, build CSR page lists."""
-        lengths = context_lengths.long().cpu()
-        tables = block_tables.long().cpu()
-        continues = (
-            (lengths[1:] == lengths[:-1] + 1)
-            & (lengths[:-1] > 0)
-            & (tables[1:] == tables[:-1]).all(dim=1)
-        )
+        """Plan from host copies of tables [R, MB] and lengths [R]: consecutive rows with one
+        table and consecutive lengths form a causal sequence; CSR page lists per sequence.
+        Padding rows (length 0) are planned as one visible key and zeroed afterwards, so
+        FlashInfer never sees an empty sequence."""
+        self.empty_rows = (lengths == 0).to(device)
+        lengths = lengths.clamp(min=1)
+        tables = tables.clamp(min=0)
+        continues = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
         starts = [0, *(torch.nonzero(~continues).flatten() + 1).tolist()]
         ends = [*starts[1:], len(lengths)]
-        kv_len = torch.stack([lengths[e - 1] for e in ends])
+        kv_len = lengths[torch.tensor(ends) - 1]
         pages = (kv_len + block_size - 1) // block_size
         keep = torch.arange(tables.shape[1])[None, :] < pages[:, None]
         indices = tables[torch.tensor(starts)][keep].to(torch.int32)
         kv_indptr = torch.zeros(len(starts) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(pages, 0)
-        last = torch.where(
-            pages > 0, kv_len - (pages - 1) * block_size, torch.zeros_like(kv_len)
-        ).to(torch.int32)
+        last = (kv_len - (pages - 1) * block_size).to(torch.int32)
         qo_indptr = torch.tensor([*starts, len(lengths)], dtype=torch.int32)
-        device = block_tables.device
-        self.empty_rows = context_lengths == 0
         self.use_prefill = len(starts) < len(lengths)
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         if self.use_prefill:
@@ -97,12 +85,20 @@ class FlashInferPagedAttention:
             return q.new_empty((0, num_q_heads, head_dim))
         _, block_size, num_kv_heads, _ = key_cache.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        key = (block_tables.data_ptr(), block_tables._version, context_lengths.data_ptr(),
-               context_lengths._version, tuple(block_tables.shape), q.dtype, num_q_heads, block_size, scale)  # fmt: skip
-        if key != self._key:
+        # The plan is reused only for identical contents (every layer of one traversal): a
+        # fresh tensor at a recycled address must never pick up a stale plan.
+        tables, lengths = block_tables.long().cpu(), context_lengths.long().cpu()
+        key = (q.dtype, num_q_heads, num_kv_heads, block_size, scale)
+        last = self._key
+        if (
+            last is None
+            or last[0] != key
+            or not (torch.equal(last[1], tables) and torch.equal(last[2], lengths))
+        ):
             self.plan(
-                block_tables,
-                context_lengths,
+                tables,
+                lengths,
+                q.device,
                 num_q_heads,
                 num_kv_heads,
                 head_dim,
@@ -110,7 +106,7 @@ class FlashInferPagedAttention:
                 q.dtype,
                 scale,
             )
-            self._key = key
+            self._key = (key, tables, lengths)
         wrapper = self.prefill if self.use_prefill else self.decode
         out = wrapper.run(q, (key_cache, value_cache))
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)

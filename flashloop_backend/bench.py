@@ -1,0 +1,273 @@
+"""Benchmarks: attention per layer call (kernel level) and end to end through the host.
+
+Candidates run interleaved in one process (round robin per repetition) so every ratio is
+measured side by side. Times come from CUDA events after warm-up; each sample times
+``calls_per_sample`` back-to-back launches. Caches rotate among copies that together
+exceed the L2 cache, so the numbers are HBM numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from . import __version__
+from .capabilities import SupportRequest
+from .config import ConfigError, FlashLoopConfig
+from .registry import Registry, resolve
+
+HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth measured on the test machine (DESIGN §6)
+BF16_FLOPS = 790e12
+ROTATION_BYTES = 512 * 2**20  # > 4x the H200's 50 MB L2
+
+
+def environment_record() -> dict:
+    versions = {"flashloop_backend": __version__, "torch": torch.__version__}
+    for name, dist in (("triton", "triton"), ("flashinfer", "flashinfer-python")):
+        try:
+            versions[name] = version(dist)
+        except PackageNotFoundError:
+            versions[name] = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"gpu": gpu, "versions": versions, "date": time.strftime("%Y-%m-%d")}
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "benchmarks time GPU kernels with CUDA events; no CUDA GPU is available here"
+        )
+    return torch.device("cuda")
+
+
+def _stats(samples_ms: list[float]) -> dict:
+    ordered = sorted(samples_ms)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {
+        "median_ms": statistics.median(ordered),
+        "p10_ms": pick(0.1),
+        "p90_ms": pick(0.9),
+        "samples": len(ordered),
+    }
+
+
+def bench_decode_kernels(
+    backends: list[str],
+    contexts: list[int],
+    concurrency: list[int],
+    heads: int = 16,
+    kv_heads: int = 16,
+    head_dim: int = 128,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 30,
+    calls_per_sample: int = 10,
+    log=print,
+) -> dict:
+    """Dense paged decode attention, one query per row: the per-layer cost of a decode step."""
+    device = _require_cuda()
+    registry = Registry.discover()
+    request = SupportRequest("cuda", dtype, head_dim, block_size, heads, kv_heads)
+    backends_by_name = {
+        name: registry.create(name, request, FlashLoopConfig()) for name in backends
+    }
+    digest = resolve(FlashLoopConfig(), backends[0], request, registry).digest()
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = []
+    for ctx in contexts:
+        for conc in concurrency:
+            fns = dict(backends_by_name)
+            pages = math.ceil(ctx / block_size)
+            cache_bytes = (
+                2 * conc * pages * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+            )
+            copies = max(1, math.ceil(ROTATION_BYTES / cache_bytes))
+            caches = [
+                tuple(
+                    torch.randn(
+                        conc * pages,
+                        block_size,
+                        kv_heads,
+                        head_dim,
+                        device=device,
+                        dtype=dtype,
+                        generator=gen,
+                    )
+                    for _ in range(2)
+                )
+                for _ in range(copies)
+            ]
+            tables = (
+                torch.randperm(conc * pages, device=device, generator=gen)
+                .int()
+                .reshape(conc, pages)
+            )
+            lengths = torch.full((conc,), ctx, dtype=torch.int32, device=device)
+            q = torch.randn(conc, heads, head_dim, device=device, dtype=dtype, generator=gen)
+            reference = None
+            for name in list(fns):  # warm-up (JIT, FlashInfer plan) and agreement
+                out = fns[name](q, *caches[0], tables, lengths)
+                reference = out if reference is None else reference
+                if name == "flashinfer":
+                    # FlashInfer plans once per batch on the host and runs per layer: time the run.
+                    from .kernels.flashinfer import _INSTANCES
+
+                    wrapper = _INSTANCES[q.device].decode
+                    fns[name] = lambda q, k, v, t, n, w=wrapper: w.run(q, (k, v))
+                err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+                if err > 2e-2:
+                    raise RuntimeError(
+                        f"{name} disagrees with {backends[0]} at ctx {ctx}: rel err {err:.3g}"
+                    )
+            samples: dict[str, list[float]] = {name: [] for name in fns}
+            for rep in range(repeats):
+                for name, fn in fns.items():
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    start.record()
+                    for i in range(calls_per_sample):
+                        fn(q, *caches[(rep * calls_per_sample + i) % copies], tables, lengths)
+                    end.record()
+                    end.synchronize()
+                    samples[name].append(start.elapsed_time(end) / calls_per_sample)
+            bytes_read = cache_bytes + 2 * q.numel() * q.element_size()
+            row = {"context": ctx, "concurrency": conc, "bytes_per_call": bytes_read, "results": {}}
+            for name, ms in samples.items():
+                st = _stats(ms)
+                bw = bytes_read / (st["median_ms"] / 1e3)
+                st.update(bandwidth_tb_s=bw / 1e12, fraction_of_hbm=bw / HBM_BYTES_PER_S)
+                row["results"][name] = st
+            base = row["results"][backends[0]]["median_ms"]
+            for name in fns:
+                row["results"][name]["time_vs_" + backends[0]] = (
+                    row["results"][name]["median_ms"] / base
+                )
+            cases.append(row)
+            summary = ", ".join(
+                f"{n} {r['median_ms'] * 1e3:.1f} us {r['bandwidth_tb_s']:.2f} TB/s"
+                for n, r in row["results"].items()
+            )
+            log(f"  decode ctx={ctx} conc={conc}: {summary}")
+            del caches
+            torch.cuda.empty_cache()
+    return {
+        "kind": "decode_attention_per_layer",
+        "environment": environment_record(),
+        "shapes": {
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "block_size": block_size,
+            "dtype": str(dtype),
+        },
+        "limits": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS},
+        "config_digest": digest,
+        "method": (
+            f"CUDA events, {repeats} samples x {calls_per_sample} calls, interleaved, rotating "
+            f"{ROTATION_BYTES >> 20} MiB of caches; flashinfer timed as run() after one plan per batch "
+            "(how a runtime uses it across layers); triton timed through its full wrapper"
+        ),
+        "cases": cases,
+    }
+
+
+def ouro_1p4b_shapes(layers: int | None = None):
+    from .host.config import OuroConfig
+
+    return OuroConfig(
+        hidden_size=2048, num_hidden_layers=layers or 24, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=128, intermediate_size=5632, vocab_size=49152, rope_theta=1e6, total_ut_steps=4,
+        max_position_embeddings=65536,
+    )  # fmt: skip
+
+
+def bench_end_to_end(
+    backends: list[str],
+    context: int,
+    concurrency: int,
+    new_tokens: int = 16,
+    layers: int | None = None,
+    prefill_chunk: int = 2048,
+    block_size: int = 16,
+    log=print,
+) -> dict:
+    """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
+    random weights (no download). Decode rows advance one loop per host step."""
+    from .host.engine import Engine, SamplingParams
+    from .host.model import OuroModel
+
+    device = _require_cuda()
+    cfg = ouro_1p4b_shapes(layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = OuroModel(cfg).to(torch.bfloat16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    request = SupportRequest(
+        "cuda",
+        torch.bfloat16,
+        cfg.head_dim,
+        block_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
+    registry = Registry.discover()
+    tokens_per_request = context + new_tokens
+    num_blocks = concurrency * math.ceil(tokens_per_request / block_size) * cfg.total_ut_steps + 8
+    prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
+    results = {}
+    for name in backends:
+        backend = registry.create(name, request, FlashLoopConfig())
+        engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
+                        max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk)  # fmt: skip
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ids = [
+            engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            for p in prompts
+        ]
+        first: dict[int, float] = {}
+        done: dict[int, float] = {}
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            finished = engine.step()
+            torch.cuda.synchronize()
+            now = time.perf_counter() - start
+            for rid in ids:
+                r = engine._requests.get(rid)
+                if rid not in first and (r is None or r.output):
+                    first[rid] = now
+            for f in finished:
+                done[f.request_id] = now
+        total = time.perf_counter() - start
+        ttft = [first[i] for i in ids]
+        tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
+        results[name] = {
+            "prefill_latency_s": max(ttft), "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
+            "tpot_ms": {"median": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
+            "throughput_tokens_s": concurrency * new_tokens / total, "total_s": total, "host_steps": engine.steps,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
+        }  # fmt: skip
+        log(f"  e2e {name} ctx={context} conc={concurrency}: TTFT {statistics.median(ttft):.3f} s, "
+            f"TPOT {results[name]['tpot_ms']['median']:.1f} ms, {results[name]['throughput_tokens_s']:.1f} tok/s")  # fmt: skip
+        del engine, backend
+        torch.cuda.empty_cache()
+    return {
+        "kind": "end_to_end_host", "environment": environment_record(),
+        "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
+        "context": context, "concurrency": concurrency, "new_tokens": new_tokens, "prefill_chunk": prefill_chunk,
+        "config_digest": resolve(FlashLoopConfig(), backends[0], request, registry).digest(), "results": results,
+    }  # fmt: skip
+
+
+def progress_log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

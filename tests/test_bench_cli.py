@@ -1,0 +1,32 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("bench", "kernel", "--backends", "nope"), "unknown backends ['nope']"),
+        (("bench", "kernel", "--contexts", "0,5"), "must list positive integers"),
+        (("bench", "kernel", "--concurrency", "a"), "not a comma-separated list"),
+        (("bench", "fast"), "invalid choice"),
+    ],
+)
+def test_bench_argument_errors(args, fragment):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_bench_without_gpu_is_a_clean_error():
+    result = cli("bench", "kernel", "--backends", "torch")
+    assert result.returncode == 2 and "no CUDA GPU" in result.stderr
