@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashloop_backend.kernels.torch_reference import paged_attention
-from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
+from flashloop_backend.kernels.triton.paged_decode import DecodeTuning, paged_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # CPU runs the interpreter: fp32/fp16 only (its bf16 arithmetic is broken).
@@ -27,9 +27,11 @@ def _case(rng, hq, hkv, dtype, dim=16, block=16):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2), (6, 2)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_matches_reference(dtype, hq, hkv, splits, rng):
+@pytest.mark.parametrize("use_dot", [False, True], ids=["reduce", "dot"])
+def test_matches_reference(dtype, hq, hkv, splits, use_dot, rng):
     q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
-    out = paged_attention_triton(q, kc, vc, tables, lengths, num_splits=splits)
+    tuning = DecodeTuning(use_dot=use_dot, keys_per_iter=32)
+    out = paged_attention_triton(q, kc, vc, tables, lengths, num_splits=splits, tuning=tuning)
     ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(out[3], torch.zeros_like(out[3]))  # padding row: finite zeros

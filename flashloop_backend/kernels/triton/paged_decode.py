@@ -3,7 +3,9 @@ shapes only (never from tensor values: no host sync), launches split and merge k
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -13,13 +15,32 @@ SM_COUNT_FALLBACK = 132  # H100/H200
 KEYS_PER_SPLIT_MIN = 512
 
 
-def _num_splits(rows: int, kv_heads: int, capacity_keys: int, device: torch.device) -> int:
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else SM_COUNT_FALLBACK
-    )
-    want = max(1, math.ceil(2 * sms / max(1, rows * kv_heads)))
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SM_COUNT_FALLBACK
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch shape of the split kernel (chosen with ``scripts/sweep_triton_decode.py``)."""
+
+    keys_per_iter: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    use_dot: bool = False
+
+
+DEFAULT_TUNING = DecodeTuning()
+
+
+def _num_splits(
+    rows: int, kv_heads: int, capacity_keys: int, device: torch.device, per_sm: int
+) -> int:
+    """Splits so that about ``per_sm`` programs run per SM, never below 512 keys a split."""
+    want = max(1, math.ceil(per_sm * _sm_count(device) / max(1, rows * kv_heads)))
     most = max(1, math.ceil(capacity_keys / KEYS_PER_SPLIT_MIN))
     return min(want, most)
 
@@ -32,6 +53,7 @@ def paged_attention_triton(
     context_lengths: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """Per-row causal paged attention, the ``PagedAttention`` contract (see ``ops.py``).
 
@@ -59,11 +81,17 @@ def paged_attention_triton(
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     max_blocks = block_tables.shape[1]
-    splits = num_splits or _num_splits(rows, num_kv_heads, max_blocks * block_size, q.device)
+    splits = num_splits or _num_splits(
+        rows, num_kv_heads, max_blocks * block_size, q.device, tuning.programs_per_sm
+    )
     blocks_per_split = math.ceil(max_blocks / splits)
     group = num_q_heads // num_kv_heads
     group_pad = 1 << (group - 1).bit_length()
-    pages = max(1, 64 // (block_size * group_pad))
+    if tuning.use_dot:
+        group_pad = max(16, group_pad)  # tensor-core tiles need M >= 16
+    pages = max(1, tuning.keys_per_iter // block_size)
+    if not tuning.use_dot:  # the broadcast-reduce keeps GROUP_PAD x N x D values in registers
+        pages = max(1, pages // group_pad)
     part_out = torch.empty(
         (rows, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32
     )
@@ -80,6 +108,7 @@ def paged_attention_triton(
         part_max.stride(0), part_max.stride(1),
         blocks_per_split,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
+        USE_DOT=tuning.use_dot, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     merge_splits_kernel[(rows, num_q_heads)](
         part_out, part_max, part_sum, out,

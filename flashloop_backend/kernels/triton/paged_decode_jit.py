@@ -17,9 +17,12 @@ def paged_attention_split_kernel(
     stride_mr, stride_mh,
     blocks_per_split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, USE_DOT: tl.constexpr,
 ):  # fmt: skip
-    """One (row, kv head, split): online softmax over this split's pages, FP32 state."""
+    """One (row, kv head, split): online softmax over this split's pages, FP32 state.
+
+    USE_DOT computes QK and PV with tensor-core dots (query heads padded to GROUP_PAD >= 16,
+    P rounded to the KV dtype, FP32 accumulation); otherwise with FP32 broadcast-reduce."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -36,7 +39,7 @@ def paged_attention_split_kernel(
     q = tl.load(
         q_ptr + row.to(tl.int64) * stride_qr + q_heads[:, None] * stride_qh + d[None, :],
         mask=q_mask[:, None], other=0.0,
-    ).to(tl.float32)  # fmt: skip
+    )  # fmt: skip
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -57,20 +60,28 @@ def paged_attention_split_kernel(
             k_ptr + base[:, None] * stride_kb + slot_of_t[:, None] * stride_kt
             + kv_head * stride_kh + d[None, :],
             mask=visible[:, None], other=0.0,
-        ).to(tl.float32)  # fmt: skip
+        )  # fmt: skip
         v = tl.load(
             v_ptr + base[:, None] * stride_vb + slot_of_t[:, None] * stride_vt
             + kv_head * stride_vh + d[None, :],
             mask=visible[:, None], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, N]
+        )  # fmt: skip
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, N] FP32
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(
+                p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1
+            )
         m_i = m_new
 
     # ---- store this split's unnormalised partial state
