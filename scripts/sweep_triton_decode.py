@@ -34,6 +34,45 @@ def timed(fn, caches, reps=20, calls=10) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def sweep_shape(ctx: int, conc: int, variants: list[DecodeTuning], gen: torch.Generator) -> dict:
+    pages = math.ceil(ctx / BS)
+    nbytes = 2 * conc * pages * BS * HEADS * DIM * 2
+    copies = max(1, math.ceil(512 * 2**20 / nbytes))
+    shape = (conc * pages, BS, HEADS, DIM)
+    caches = [
+        [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        for _ in range(copies)
+    ]
+    tables = torch.randperm(conc * pages, device="cuda", generator=gen).int().reshape(conc, pages)
+    lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(conc, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = paged_attention_flashinfer(q, *caches[0], tables, lengths)
+    wrapper = _INSTANCES[q.device].decode
+    base = timed(lambda k, v: wrapper.run(q, (k, v)), caches)
+    rows = []
+    for tune in variants:
+
+        def fn(k, v, t=tune):
+            return paged_attention_triton(q, k, v, tables, lengths, tuning=t)
+
+        err = ((fn(*caches[0]).float() - ref.float()).norm() / ref.float().norm()).item()
+        ms = timed(fn, caches)
+        rows.append(
+            {
+                "tuning": tune.__dict__,
+                "ms": ms,
+                "vs_flashinfer": ms / base,
+                "tb_s": nbytes / ms / 1e9,
+                "rel_err": err,
+            }
+        )
+    rows.sort(key=lambda r: r["ms"])
+    for r in rows[:5]:
+        print(f"ctx={ctx} conc={conc} flashinfer {base * 1e3:.1f}us | {r['tuning']} {r['ms'] * 1e3:.1f}us "
+              f"x{r['vs_flashinfer']:.2f} {r['tb_s']:.2f}TB/s err {r['rel_err']:.1e}", file=sys.stderr)  # fmt: skip
+    return {"context": ctx, "concurrency": conc, "flashinfer_ms": base, "variants": rows}
+
+
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants = [
@@ -42,48 +81,7 @@ def main() -> None:
     ]
     summary = []
     for ctx, conc in SHAPES:
-        pages = math.ceil(ctx / BS)
-        nbytes = 2 * conc * pages * BS * HEADS * DIM * 2
-        copies = max(1, math.ceil(512 * 2**20 / nbytes))
-        caches = [
-            [
-                torch.randn(
-                    conc * pages, BS, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen
-                )
-                for _ in range(2)
-            ]
-            for _ in range(copies)
-        ]
-        tables = (
-            torch.randperm(conc * pages, device="cuda", generator=gen).int().reshape(conc, pages)
-        )
-        lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(conc, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        ref = paged_attention_flashinfer(q, *caches[0], tables, lengths)
-        wrapper = _INSTANCES[q.device].decode
-        base = timed(lambda k, v: wrapper.run(q, (k, v)), caches)
-        rows = []
-        for tune in variants:
-            fn = lambda k, v, t=tune: paged_attention_triton(q, k, v, tables, lengths, tuning=t)  # noqa: E731
-            err = ((fn(*caches[0]).float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = timed(fn, caches)
-            rows.append(
-                {
-                    "tuning": tune.__dict__,
-                    "ms": ms,
-                    "vs_flashinfer": ms / base,
-                    "tb_s": nbytes / ms / 1e9,
-                    "rel_err": err,
-                }
-            )
-        rows.sort(key=lambda r: r["ms"])
-        for r in rows[:5]:
-            print(f"ctx={ctx} conc={conc} flashinfer {base * 1e3:.1f}us | {r['tuning']} {r['ms'] * 1e3:.1f}us "
-                  f"x{r['vs_flashinfer']:.2f} {r['tb_s']:.2f}TB/s err {r['rel_err']:.1e}", file=sys.stderr)  # fmt: skip
-        summary.append(
-            {"context": ctx, "concurrency": conc, "flashinfer_ms": base, "variants": rows}
-        )
-        del caches
+        summary.append(sweep_shape(ctx, conc, variants, gen))
         torch.cuda.empty_cache()
     print(json.dumps(summary, indent=1))
 
