@@ -124,7 +124,12 @@ def bench_decode_kernels(
                     raise RuntimeError(
                         f"{name} disagrees with {backends[0]} at ctx {ctx}: rel err {err:.3g}"
                     )
+            graphs = {
+                name: _capture(fn, q, caches, tables, lengths, calls_per_sample)
+                for name, fn in fns.items()
+            }
             samples: dict[str, list[float]] = {name: [] for name in fns}
+            graph_samples: dict[str, list[float]] = {name: [] for name in fns}
             for rep in range(repeats):
                 for name, fn in fns.items():
                     start, end = (
@@ -137,12 +142,29 @@ def bench_decode_kernels(
                     end.record()
                     end.synchronize()
                     samples[name].append(start.elapsed_time(end) / calls_per_sample)
+                    graph = graphs[name]
+                    if isinstance(graph, torch.cuda.CUDAGraph):
+                        start.record()
+                        graph.replay()
+                        end.record()
+                        end.synchronize()
+                        graph_samples[name].append(start.elapsed_time(end) / calls_per_sample)
             bytes_read = cache_bytes + 2 * q.numel() * q.element_size()
             row = {"context": ctx, "concurrency": conc, "bytes_per_call": bytes_read, "results": {}}
             for name, ms in samples.items():
                 st = _stats(ms)
                 bw = bytes_read / (st["median_ms"] / 1e3)
                 st.update(bandwidth_tb_s=bw / 1e12, fraction_of_hbm=bw / HBM_BYTES_PER_S)
+                if graph_samples[name]:
+                    gst = _stats(graph_samples[name])
+                    gbw = bytes_read / (gst["median_ms"] / 1e3)
+                    st["graph"] = {
+                        **gst,
+                        "bandwidth_tb_s": gbw / 1e12,
+                        "fraction_of_hbm": gbw / HBM_BYTES_PER_S,
+                    }
+                else:
+                    st["graph"] = {"unavailable": str(graphs[name])}
                 row["results"][name] = st
             base = row["results"][backends[0]]["median_ms"]
             for name in fns:
@@ -152,6 +174,7 @@ def bench_decode_kernels(
             cases.append(row)
             summary = ", ".join(
                 f"{n} {r['median_ms'] * 1e3:.1f} us {r['bandwidth_tb_s']:.2f} TB/s"
+                f" (graph {r['graph'].get('median_ms', float('nan')) * 1e3:.1f} us)"
                 for n, r in row["results"].items()
             )
             log(f"  decode ctx={ctx} conc={conc}: {summary}")
@@ -176,6 +199,20 @@ def bench_decode_kernels(
         ),
         "cases": cases,
     }
+
+
+def _capture(fn, q, caches, tables, lengths, calls: int):
+    """A CUDA graph of ``calls`` launches over the rotating caches, or why none could be made
+    (graph timing removes host launch overhead, which dominates small shapes)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(q, *caches[i % len(caches)], tables, lengths)
+        return graph
+    except Exception as exc:  # a kernel that cannot be captured is reported, not fatal
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def ouro_1p4b_shapes(layers: int | None = None):
