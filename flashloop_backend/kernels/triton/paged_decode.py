@@ -111,7 +111,10 @@ def paged_attention_triton(
         part_max.stride(0), part_max.stride(1),
         blocks_per_split,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
-        USE_DOT=tuning.use_dot, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        USE_DOT=tuning.use_dot,
+        # FP32 inputs keep IEEE products (a TF32 dot would lose ~3 digits); 16-bit inputs
+        # multiply exactly on tensor cores either way.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     merge_splits_kernel[(rows, num_q_heads)](
         part_out, part_max, part_sum, out,

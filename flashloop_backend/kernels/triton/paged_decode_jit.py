@@ -18,6 +18,7 @@ def paged_attention_split_kernel(
     blocks_per_split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over this split's pages, FP32 state.
 
@@ -67,7 +68,7 @@ def paged_attention_split_kernel(
             mask=visible[:, None], other=0.0,
         )  # fmt: skip
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, N] FP32
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, N]
         else:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         s = tl.where(visible[None, :], s, float("-inf"))
@@ -77,7 +78,7 @@ def paged_attention_split_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.sum(
                 p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1
