@@ -167,10 +167,14 @@ def bench_decode_kernels(
                     st["graph"] = {"unavailable": str(graphs[name])}
                 row["results"][name] = st
             base = row["results"][backends[0]]["median_ms"]
+            base_graph = row["results"][backends[0]]["graph"].get("median_ms")
             for name in fns:
-                row["results"][name]["time_vs_" + backends[0]] = (
-                    row["results"][name]["median_ms"] / base
-                )
+                result = row["results"][name]
+                result["time_vs_" + backends[0]] = result["median_ms"] / base
+                if base_graph and "median_ms" in result["graph"]:
+                    result["graph"]["time_vs_" + backends[0]] = (
+                        result["graph"]["median_ms"] / base_graph
+                    )
             cases.append(row)
             summary = ", ".join(
                 f"{n} {r['median_ms'] * 1e3:.1f} us {r['bandwidth_tb_s']:.2f} TB/s"
