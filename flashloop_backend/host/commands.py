@@ -44,7 +44,8 @@ def _pick_device(name: str) -> tuple[str, torch.dtype]:
     return name, (torch.bfloat16 if name == "cuda" else torch.float32)
 
 
-def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
+def _load(args: argparse.Namespace):
+    """Device, dtype, FlashLoop config, model and tokenizer named by the common options."""
     device, dtype = _pick_device(args.device)
     config = load_config(args.config)
     try:
@@ -52,6 +53,11 @@ def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
         tokenizer = load_tokenizer(args.model)
     except ModelError as exc:
         raise ConfigError(f"cannot load model {args.model!r}: {exc}") from None
+    return device, dtype, config, model, tokenizer
+
+
+def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
+    device, dtype, config, model, tokenizer = _load(args)
     cfg = model.config
     request = SupportRequest(
         device=device, dtype=dtype, head_dim=cfg.head_dim, block_size=args.block_size,
@@ -151,13 +157,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from ..evaluation import EvalSettings, evaluate, heldout_text
 
-    device, dtype = _pick_device(args.device)
-    config = load_config(args.config)
-    try:
-        model = load_model(args.model, device, dtype)
-        tokenizer = load_tokenizer(args.model)
-    except ModelError as exc:
-        raise ConfigError(f"cannot load model {args.model!r}: {exc}") from None
+    device, dtype, config, model, tokenizer = _load(args)
     if args.text:
         path = Path(args.text)
         if not path.is_file():
