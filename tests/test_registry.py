@@ -22,11 +22,11 @@ def test_explicit_selection_never_falls_back():
     selection = registry.select_backend("flashloop", REQUEST, FlashLoopConfig())
     assert selection.info.requested_backend == selection.info.selected_backend == "flashloop"
     # a feature without an installed kernel: explicit refuses, listing each missing op
-    config = FlashLoopConfig(sparse_decode_attention={"enabled": True})
+    config = FlashLoopConfig(kv_residual_quantization={"enabled": True})
     with pytest.raises(ValueError) as info:
         registry.select_backend("flashloop", REQUEST, config)
-    assert "dense_source" in str(info.value)
-    assert "sparse_correction" in str(info.value)
+    assert "packed_kv_write" in str(info.value)
+    assert "packed_kv_read" in str(info.value)
 
 
 def test_unknown_backend_lists_valid_names():

@@ -98,7 +98,7 @@ class DenseBackend:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         view: BatchView,
-        reference_ready: torch.Tensor | None = None,
+        layer: int = 0,
         scale: float | None = None,
     ) -> torch.Tensor:
         """Dense attention for every row of ``view``; inactive and padding rows get zeros."""

@@ -17,13 +17,16 @@ from ..config import FlashLoopConfig
 from ..dispatch import (
     NOT_ROUTED,
     ROUTE_CODES,
+    SPARSE_START_DEPTH,
     BatchView,
+    RowMode,
     config_capabilities,
     partition_rows,
     required_ops,
     route_rows,
 )
 from ..kernels.ops import OpName
+from ..sparse_state import ReferenceStates, key_bucket
 from .base import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
@@ -45,8 +48,9 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
     Capability.CUDA_GRAPHS: None,
     Capability.ASYNC_SCHEDULING: None,
 }
-# Ops whose call path this version of the backend drives (paged-attention signature).
-WIRED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
+# Ops whose call path this version of the backend drives.
+PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
+WIRED_OPS = PAGED_OPS | {OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION}
 
 
 class FlashLoopSpec(BackendSpec):
@@ -150,6 +154,7 @@ class FlashLoopBackend:
         self.kernels = kernels
         self.capabilities = capabilities
         self.info = info
+        self.states: ReferenceStates | None = None
 
     def __call__(
         self,
@@ -164,23 +169,37 @@ class FlashLoopBackend:
         fn = self.kernels[OpName.DENSE_ATTENTION].impl.fn
         return fn(q, key_cache, value_cache, block_tables, context_lengths, scale)
 
+    def reserve_state(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
+                      max_context: int, device: torch.device | str) -> None:  # fmt: skip
+        """Allocate the loop-2 reference store (sparse decode only): one slot per live token."""
+        if not self.config.sparse_decode_attention.enabled:
+            return
+        bucket = key_bucket(self.config.sparse_decode_attention.key_retention, max_context)
+        self.states = ReferenceStates(num_slots, num_layers, num_heads, head_dim, bucket, device)
+
     def forward(
         self,
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         view: BatchView,
-        reference_ready: torch.Tensor | None = None,
+        layer: int = 0,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Attention for every row of ``view``: q [R, Hq, D] -> [R, Hq, D].
+        """Attention for every row of ``view`` at ``layer``: q [R, Hq, D] -> [R, Hq, D].
 
         Rows are gathered decode-first then active prefill, each segment runs the op its
         route names, and results are scattered back; inactive and padding rows get zeros.
-        No host synchronisation: segment bounds stay on the device.
+        Sparse decode: loop-2 rows write their reference into the state store; loop 3-4
+        rows with this token's reference run the correction, others run dense and are
+        counted in ``states.missing_reference``. No host synchronisation.
         """
+        states = self.states
+        if self.config.sparse_decode_attention.enabled and states is None:
+            raise RuntimeError("sparse decode needs reserve_state(...) before the first forward")
+        ready = states.ready(layer, view.slots, view.incarnations) if states is not None else None
         partition = partition_rows(view.row_modes)
-        routes = route_rows(view, self.config, reference_ready)
+        routes = route_rows(view, self.config, ready)
         order = partition.order
         gathered_q = q[order]
         tables = view.row_block_tables()[order]
@@ -188,12 +207,44 @@ class FlashLoopBackend:
         gathered_routes = routes[order]
         out = torch.zeros_like(gathered_q)
         for op, choice in self.kernels.items():
-            if op not in WIRED_OPS:
-                continue
             mine = gathered_routes == ROUTE_CODES[op]
             masked = torch.where(mine, lengths, torch.zeros_like(lengths))
-            result = choice.impl.fn(gathered_q, key_cache, value_cache, tables, masked, scale)
+            if op in PAGED_OPS:
+                result = choice.impl.fn(gathered_q, key_cache, value_cache, tables, masked, scale)
+            elif op == OpName.DENSE_SOURCE:
+                ratio = self.config.sparse_decode_attention.key_retention
+                result, *stats = choice.impl.fn(
+                    gathered_q,
+                    key_cache,
+                    value_cache,
+                    tables,
+                    masked,
+                    ratio,
+                    states.k_bucket,
+                    scale,
+                )
+                slots, incarnations = view.slots[order], view.incarnations[order]
+                states.write(layer, slots, incarnations, mine, *stats)
+            elif op == OpName.SPARSE_CORRECTION:
+                indices, mass, ref_out, contribution = states.read(layer, view.slots[order])
+                result = choice.impl.fn(
+                    gathered_q,
+                    key_cache,
+                    value_cache,
+                    tables,
+                    indices,
+                    mass,
+                    ref_out,
+                    contribution,
+                    scale,
+                )
+            else:
+                continue
             out = torch.where(mine[:, None, None], result, out)
+        if states is not None:
+            modes, depths = view.row_modes.long(), view.depths
+            decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
+            states.missing_reference += (decode & (depths >= SPARSE_START_DEPTH) & ~ready).sum()
         kept = partition.inverse != NOT_ROUTED
         restored = out[partition.inverse.clamp(min=0)]
         return torch.where(kept[:, None, None], restored, torch.zeros_like(restored))

@@ -23,6 +23,8 @@ class RowGroup:
     depth: int
     start: int  # first absolute position
     count: int  # consecutive positions
+    slot: int = -1  # token-state slot of a decode token (-1: none)
+    incarnation: int = -1  # which token occupies that slot
 
     def positions(self) -> list[int]:
         return list(range(self.start, self.start + self.count))
@@ -46,6 +48,8 @@ def build_batch(
     depths: list[int] = []
     modes: list[int] = []
     requests: list[int] = []
+    token_slots: list[int] = []
+    incarnations: list[int] = []
     slots: list[int] = []
     for group in groups:
         if group.depth >= kv.num_depths:
@@ -55,6 +59,8 @@ def build_batch(
         depths += [group.depth] * group.count
         modes += [int(group.mode)] * group.count
         requests += [group.request_id] * group.count
+        token_slots += [group.slot] * group.count
+        incarnations += [group.incarnation] * group.count
         slots += kv.slots(group.request_id, group.depth, span)
     real = len(positions)
     pad = max(0, (pad_to or 0) - real)
@@ -62,6 +68,8 @@ def build_batch(
     depths += [0] * pad
     modes += [int(RowMode.PAD)] * pad
     requests += [-1] * pad
+    token_slots += [-1] * pad
+    incarnations += [-1] * pad
     slots += [-1] * pad
 
     width = max([len(kv.block_table(g.request_id, 0)) for g in groups] or [1])
@@ -82,8 +90,8 @@ def build_batch(
         positions=position_t.to(device),
         depths=torch.tensor(depths, dtype=torch.int64, device=device),
         row_modes=mode_t.to(device),
-        slots=torch.tensor(requests, dtype=torch.int64, device=device),
-        incarnations=torch.zeros(len(positions), dtype=torch.int64, device=device),
+        slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+        incarnations=torch.tensor(incarnations, dtype=torch.int64, device=device),
         request_ids=torch.tensor(requests, dtype=torch.int64, device=device),
         window_ids=torch.full((len(positions),), -1, dtype=torch.int64, device=device),
         context_lengths=lengths.to(device),

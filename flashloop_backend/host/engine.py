@@ -63,6 +63,8 @@ class _Request:
     finish_reason: str = ""
     forced: list[int] | None = None  # teacher forcing: feed these instead of sampling
     logprobs: list[torch.Tensor] | None = None
+    slot: int = -1  # token-state slot of its live decode token
+    incarnation: int = -1  # bumped for every new decode token
 
     @property
     def position(self) -> int:  # absolute position of the current decode token
@@ -78,7 +80,7 @@ class _LayerAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv.write(layer, self.batch.slots, k, v)
         key_view, value_view = self.kv.layer_views(layer)
-        return self.backend.forward(q, key_view, value_view, self.batch.view)
+        return self.backend.forward(q, key_view, value_view, self.batch.view, layer=layer)
 
 
 class Engine:
@@ -93,6 +95,7 @@ class Engine:
         prefill_chunk: int = 256,
         pad_to_multiple: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        max_slots: int = 256,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -111,6 +114,13 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self.steps = 0
+        # One token-state slot per live decode token (one per running request here).
+        self.max_slots = max_slots
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._incarnations = 0
+        if hasattr(backend, "reserve_state"):
+            backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
+                                  cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -195,6 +205,10 @@ class Engine:
                 self.kv.reserve(request.id, len(request.prompt) + request.params.max_new_tokens)
             except OutOfBlocksError:
                 break  # first-come first-served: later requests wait behind it
+            if not self._free_slots:
+                self.kv.release(request.id)
+                break  # every token-state slot is taken: wait
+            request.slot = self._free_slots.pop()
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
@@ -206,7 +220,9 @@ class Engine:
             if budget == 0:
                 break
             if r.phase == "decode":
-                groups.append(RowGroup(r.id, RowMode.DECODE, r.depth, r.position, 1))
+                groups.append(
+                    RowGroup(r.id, RowMode.DECODE, r.depth, r.position, 1, r.slot, r.incarnation)
+                )
                 budget -= 1
             elif r.phase == "prefill":
                 count = min(self.prefill_chunk, len(r.prompt) - r.chunk_start, budget)
@@ -280,11 +296,18 @@ class Engine:
             return
         r.phase, r.depth, r.remaining = "decode", 0, 1.0
         r.hidden = self.model.prelude(torch.tensor([token], device=self.device))[0]
+        self._incarnations += 1  # a new token: its reference state starts empty
+        r.incarnation = self._incarnations
 
     def _collect(self) -> list[GenerationResult]:
         done = [r for r in self._requests.values() if r.phase == "done"]
+        states = getattr(self.backend, "states", None)
         for r in done:
             self.kv.release(r.id)
+            if r.slot >= 0:
+                if states is not None:
+                    states.retire(r.slot)
+                self._free_slots.append(r.slot)
             del self._requests[r.id]
         return [
             GenerationResult(

@@ -34,10 +34,31 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
 
 
 class NaiveOuro:
-    def __init__(self, cfg: OuroConfig, weights: dict[str, torch.Tensor]) -> None:
-        self.cfg, self.w = cfg, weights
+    """``sparse_ratio`` switches on sparse decode attention (RFC §3.2) for generated tokens:
+    loop 2 records each token's reference with ``reference.sparse_reference_state`` and
+    loops 3-4 use ``reference.sparse_correct``; prompt tokens stay dense."""
 
-    def _loop(self, h, kv_of_loop, exited, loop):
+    def __init__(
+        self, cfg: OuroConfig, weights: dict[str, torch.Tensor], sparse_ratio: float | None = None
+    ) -> None:
+        self.cfg, self.w, self.sparse_ratio = cfg, weights, sparse_ratio
+        self.prompt_length = 0
+
+    def _sparse_rows(self, attn, q, k, v, layer, loop, states):
+        """Replace generated tokens' attention rows by the sparse-decode algorithm."""
+        from ..reference import sparse_correct, sparse_reference_state
+
+        for t in range(self.prompt_length, q.shape[0]):
+            visible_k, visible_v = k[: t + 1], v[: t + 1]
+            if loop == 1:
+                states[(t, layer)] = sparse_reference_state(
+                    q[t], visible_k, visible_v, self.sparse_ratio
+                )
+            elif loop >= 2:
+                attn[t] = sparse_correct(states[(t, layer)], q[t], visible_k, visible_v)
+        return attn
+
+    def _loop(self, h, kv_of_loop, exited, loop, states):
         """One loop over all layers for the whole sequence. kv_of_loop[layer] is filled."""
         cfg, w = self.cfg, self.w
         length = h.shape[0]
@@ -69,7 +90,10 @@ class NaiveOuro:
                     torch.triu(torch.ones(length, length, dtype=torch.bool), 1), float("-inf")
                 )
                 heads.append(torch.softmax(scores, dim=-1) @ vh)
-            attn = torch.stack(heads, dim=1).to(h.dtype).reshape(length, -1)
+            attn = torch.stack(heads, dim=1)
+            if self.sparse_ratio is not None:
+                attn = self._sparse_rows(attn, q, k, v, layer, loop, states)
+            attn = attn.to(h.dtype).reshape(length, -1)
             attn = attn @ w[p + "self_attn.o_proj.weight"].T
             h = h + _rms(attn, w[p + "input_layernorm_2.weight"], cfg.rms_norm_eps)
             y = _rms(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
@@ -89,8 +113,9 @@ class NaiveOuro:
         kv_of_loop = [[None] * cfg.num_hidden_layers for _ in range(cfg.total_ut_steps)]
         exited = dict(exits)
         last, remaining = len(tokens) - 1, 1.0
+        states: dict = {}
         for loop in range(cfg.total_ut_steps):
-            new_h = self._loop(h, kv_of_loop, exited, loop)
+            new_h = self._loop(h, kv_of_loop, exited, loop, states)
             keep = torch.tensor(
                 [exited.get(t, cfg.total_ut_steps) < loop for t in range(len(tokens))]
             )
@@ -108,6 +133,7 @@ class NaiveOuro:
         """Greedy tokens and each generated token's exit loop (the last sampled token has
         none: it never runs a loop)."""
         tokens, exits, out = list(prompt), {}, []
+        self.prompt_length = len(prompt)  # the first output token is the first decode row
         for step in range(max_new_tokens):
             hidden, exit_loop = self.final_hidden(tokens, exits, may_exit=step > 0)
             if step > 0:

@@ -54,6 +54,26 @@ class PagedAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DenseSource(Protocol):
+    """``dense_source``: loop-2 decode attention that also returns selection statistics.
+
+    Paged inputs as :class:`PagedAttention`; ``ratio`` keeps K = max(1, ceil(ratio * T)) keys
+    per (row, head); ``k_bucket`` (Kb) is the fixed width of the index output. Returns
+    (out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 absolute positions (-1 unused),
+    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
+
+    def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, ratio: float,
+                 k_bucket: int, scale: float | None = None) -> tuple[torch.Tensor, ...]: ...  # fmt: skip
+
+
+class SparseCorrection(Protocol):
+    """``sparse_correction``: O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S, with k_S, v_S
+    read from this depth's pages at ``indices`` [R, Hq, Kb]. Returns [R, Hq, D] q.dtype."""
+
+    def __call__(self, q, key_cache, value_cache, block_tables, indices, mass, output,
+                 contribution, scale: float | None = None) -> torch.Tensor: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class KernelImpl:
     """One implementation of one op, with what it supports."""

@@ -92,7 +92,16 @@ SUPPORT = Support(
 )
 
 
+SPARSE_DECODE_SUPPORT = Support(
+    devices=SUPPORT.devices,
+    dtypes=SUPPORT.dtypes,
+    capabilities=SUPPORT.capabilities | {Capability.SOURCE_STATISTICS},
+)
+
+
 def provider() -> KernelProvider:
+    from .torch_sparse_decode import dense_source, sparse_correction
+
     return KernelProvider(
         name="torch_reference",
         version=__version__,
@@ -101,5 +110,11 @@ def provider() -> KernelProvider:
         impls={
             OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, SUPPORT),
             OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, SUPPORT),
+            OpName.DENSE_SOURCE: KernelImpl(
+                OpName.DENSE_SOURCE, dense_source, SPARSE_DECODE_SUPPORT
+            ),
+            OpName.SPARSE_CORRECTION: KernelImpl(
+                OpName.SPARSE_CORRECTION, sparse_correction, SPARSE_DECODE_SUPPORT
+            ),
         },
     )

@@ -1,0 +1,108 @@
+"""Torch reference kernels for sparse decode attention over paged KV (the oracle for the
+Triton versions). Shapes: R rows, Hq query heads, Hkv KV heads, D head dim, Kb selected-key
+bucket; paged inputs as in :class:`~.ops.PagedAttention`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .validate import check_paged_inputs
+
+CHUNK_ELEMENTS = 4 * 1024 * 1024
+
+
+def selected_counts(context_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
+    """[R] K = max(1, ceil(ratio * T)) per row in FP64 (``reference.selected_count``), 0 for
+    rows without context."""
+    raw = torch.ceil(torch.round(context_lengths.double() * ratio, decimals=6)).long()
+    return torch.where(
+        context_lengths > 0, torch.minimum(raw.clamp(min=1), context_lengths.long()), 0
+    )
+
+
+def dense_source(
+    q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
+):
+    """Loop-2 attention plus selection statistics for every row.
+
+    Returns (out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 absolute positions by
+    descending probability (-1 past the row's K), mass [R, Hq], output [R, Hq, D] and
+    contribution [R, Hq, D], all FP32). Ties go to the earlier position."""
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    span = block_tables.shape[1] * key_cache.shape[1]
+    if rows and k_bucket < min(span, math.ceil(ratio * span)):
+        raise ValueError(f"k_bucket={k_bucket} cannot hold ceil({ratio} * {span}) selected keys")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads * head_dim))
+    parts = [
+        _source_rows(q[i : i + chunk], key_cache, value_cache, block_tables[i : i + chunk],
+                     context_lengths[i : i + chunk], ratio, k_bucket, scale)
+        for i in range(0, rows, chunk)
+    ]  # fmt: skip
+    if not parts:
+        empty = q.new_zeros((0, num_q_heads, head_dim), dtype=torch.float32)
+        return (q.new_empty((0, num_q_heads, head_dim)), torch.zeros((0, num_q_heads, k_bucket), dtype=torch.int32, device=q.device),
+                empty[..., 0], empty, empty)  # fmt: skip
+    out, indices, mass, output, contribution = (torch.cat(t) for t in zip(*parts, strict=True))
+    return out.to(q.dtype), indices, mass, output, contribution
+
+
+def _gather(cache, block_tables, rows, span, num_q_heads):
+    blocks = block_tables.long().clamp(0, cache.shape[0] - 1)
+    x = cache[blocks].reshape(rows, span, cache.shape[2], cache.shape[3]).float()
+    return x.repeat_interleave(num_q_heads // cache.shape[2], dim=2)  # [R, T, Hq, D]
+
+
+def _source_rows(q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale):
+    rows, num_q_heads, _ = q.shape
+    span = block_tables.shape[1] * key_cache.shape[1]
+    keys = _gather(key_cache, block_tables, rows, span, num_q_heads)
+    values = _gather(value_cache, block_tables, rows, span, num_q_heads)
+    visible = torch.arange(span, device=q.device)[None, :] < context_lengths.long()[:, None]
+    logits = torch.einsum("rhd,rthd->rht", q.float(), keys) * scale
+    probs = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows without context
+    output = torch.einsum("rht,rthd->rhd", probs, values)
+    width = min(k_bucket, span)
+    order = torch.sort(-probs, dim=-1, stable=True).indices[..., :width]  # [R, Hq, width]
+    counts = selected_counts(context_lengths, ratio)
+    valid = torch.arange(width, device=q.device)[None, None, :] < counts[:, None, None]
+    chosen = torch.where(valid, torch.gather(probs, 2, order), 0.0)
+    chosen_values = torch.gather(
+        values.permute(0, 2, 1, 3), 2, order[..., None].expand(-1, -1, -1, values.shape[-1])
+    )
+    contribution = torch.einsum("rhk,rhkd->rhd", chosen, chosen_values)
+    indices = torch.full((rows, num_q_heads, k_bucket), -1, dtype=torch.int32, device=q.device)
+    indices[..., :width] = torch.where(valid, order, -1).to(torch.int32)
+    return output, indices, chosen.sum(-1), output, contribution
+
+
+def sparse_correction(
+    q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale=None
+):
+    """Later-loop decode: O = O_ref - C_ref + m * softmax(q k_S^T) v_S with k_S, v_S read
+    from this depth's pages at the absolute positions ``indices`` [R, Hq, Kb] (-1 unused).
+    Returns [R, Hq, D] in q's dtype."""
+    rows, num_q_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    valid = indices >= 0
+    pos = indices.long().clamp(min=0)
+    table_col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = torch.gather(block_tables.long(), 1, table_col.reshape(rows, -1)).reshape(pos.shape)
+    blocks = blocks.clamp(0, key_cache.shape[0] - 1)
+    kv_head = (torch.arange(num_q_heads, device=q.device) // (num_q_heads // num_kv_heads))[
+        None, :, None
+    ]
+    keys = key_cache[blocks, pos % block_size, kv_head].float()  # [R, Hq, Kb, D]
+    values = value_cache[blocks, pos % block_size, kv_head].float()
+    logits = torch.einsum("rhd,rhkd->rhk", q.float(), keys) * scale
+    local = torch.nan_to_num(
+        torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1), nan=0.0
+    )
+    fresh = torch.einsum("rhk,rhkd->rhd", local, values)
+    return (output - contribution + mass[..., None] * fresh).to(q.dtype)

@@ -1,0 +1,82 @@
+"""Loop-2 reference state of live decode tokens (RFC §5), in fixed-address device tensors.
+
+One slot per live token (not per request), per layer and query head: selected key
+positions, their mass, the full reference output and the selected contribution. Each
+(slot, layer) records the incarnation of the token that wrote it, so a new token in a
+reused slot (or at a position reused after speculative rejection) never reads its
+predecessor's state: a mismatch means "no reference" and the row runs dense, counted in
+``missing_reference``. Writes and readiness checks never synchronise with the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reference import selected_count
+
+EMPTY = -1
+
+
+def key_bucket(ratio: float, max_context: int) -> int:
+    """Selected-key capacity for contexts up to ``max_context``, rounded up to 16."""
+    return 16 * math.ceil(selected_count(ratio, max_context) / 16)
+
+
+class ReferenceStates:
+    """indices [S+1, L, H, K] int32 (-1 = unused), mass [S+1, L, H] FP32, output and
+    contribution [S+1, L, H, D] FP32, incarnation [S+1, L] int64. Slot S is scratch: rows
+    that must not write are pointed at it."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
+                 k_bucket: int, device: torch.device | str) -> None:  # fmt: skip
+        shape = (num_slots + 1, num_layers, num_heads)
+        self.num_slots, self.k_bucket = num_slots, k_bucket
+        self.indices = torch.full((*shape, k_bucket), -1, dtype=torch.int32, device=device)
+        self.mass = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.output = torch.zeros((*shape, head_dim), dtype=torch.float32, device=device)
+        self.contribution = torch.zeros_like(self.output)
+        self.incarnation = torch.full(shape[:2], EMPTY, dtype=torch.int64, device=device)
+        self.missing_reference = torch.zeros((), dtype=torch.int64, device=device)
+        self.sources_written = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _slots(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        usable = keep & (slots >= 0) & (slots < self.num_slots)
+        return torch.where(usable, slots, self.num_slots)
+
+    def write(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor, keep: torch.Tensor,
+              indices: torch.Tensor, mass: torch.Tensor, output: torch.Tensor,
+              contribution: torch.Tensor) -> None:  # fmt: skip
+        """Store the rows where ``keep`` ([N] bool) holds; other rows land in scratch."""
+        target = self._slots(slots, keep)
+        width = indices.shape[-1]
+        if width > self.k_bucket:
+            raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
+        self.indices[target, layer] = -1
+        self.indices[target, layer, :, :width] = indices.to(torch.int32)
+        self.mass[target, layer] = mass
+        self.output[target, layer] = output
+        self.contribution[target, layer] = contribution
+        self.incarnation[target, layer] = torch.where(keep, incarnations, EMPTY)
+        self.sources_written += keep.sum()
+
+    def ready(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor) -> torch.Tensor:
+        """[N] bool: the slot holds this very token's reference for ``layer``."""
+        target = self._slots(slots, torch.ones_like(slots, dtype=torch.bool))
+        stored = self.incarnation[target, layer]
+        return (target < self.num_slots) & (stored == incarnations) & (incarnations != EMPTY)
+
+    def read(self, layer: int, slots: torch.Tensor):
+        """(indices, mass, output, contribution) of each row's slot for ``layer``."""
+        target = self._slots(slots, torch.ones_like(slots, dtype=torch.bool))
+        return (self.indices[target, layer], self.mass[target, layer],
+                self.output[target, layer], self.contribution[target, layer])  # fmt: skip
+
+    def retire(self, slot: int) -> None:
+        """The token in ``slot`` is gone: its state can never be read again."""
+        self.incarnation[slot] = EMPTY
+
+    def nbytes(self) -> int:
+        tensors = (self.indices, self.mass, self.output, self.contribution, self.incarnation)
+        return sum(t.numel() * t.element_size() for t in tensors)
