@@ -312,3 +312,107 @@ def bench_end_to_end(
 
 def progress_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _graph_ms(fn, reps: int = 30, calls: int = 10) -> float:
+    """Median ms per call of ``fn`` replayed from a CUDA graph of ``calls`` launches."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
+
+
+def _eager_ms(fn, reps: int = 30, calls: int = 10) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
+
+
+def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
+    from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+    from .kernels.ops import OpName
+    from .sparse_state import key_bucket
+
+    heads, dim, bs, dtype = 16, 128, 16, torch.bfloat16
+    source_fn = backend.kernels[OpName.DENSE_SOURCE].impl.fn
+    correct_fn = backend.kernels[OpName.SPARSE_CORRECTION].impl.fn
+    pages = math.ceil(ctx / bs)
+    shape = (conc * pages, bs, heads, dim)
+    kc = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    vc = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    tables = torch.randperm(conc * pages, device="cuda", generator=gen).int().reshape(conc, pages)
+    lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(conc, heads, dim, device="cuda", dtype=dtype, generator=gen)
+    bucket = key_bucket(ratio, ctx)
+    paged_attention_flashinfer(q, kc, vc, tables, lengths)
+    wrapper = _INSTANCES[q.device].decode
+    dense_ms = _graph_ms(lambda: wrapper.run(q, (kc, vc)))
+    _, idx, mass, ref_out, contribution = source_fn(q, kc, vc, tables, lengths, ratio, bucket)
+    correct_ms = _graph_ms(lambda: correct_fn(q, kc, vc, tables, idx, mass, ref_out, contribution))
+
+    def source():
+        return source_fn(q, kc, vc, tables, lengths, ratio, bucket)
+
+    try:
+        source_ms, source_mode = _graph_ms(source), "graph"
+    except Exception:  # an implementation that cannot be captured is timed eagerly
+        torch.cuda.synchronize()
+        source_ms, source_mode = _eager_ms(source, reps=5, calls=1), "eager"
+    selected_bytes = conc * heads * bucket * dim * 2 * 2 + idx.numel() * 4
+    return {
+        "context": ctx, "concurrency": conc, "ratio": ratio, "key_bucket": bucket,
+        "dense_flashinfer_ms": dense_ms,
+        "sparse_correction_ms": correct_ms,
+        "sparse_correction_speedup": dense_ms / correct_ms,
+        "sparse_correction_tb_s": selected_bytes / (correct_ms / 1e3) / 1e12,
+        "dense_source_ms": source_ms, "dense_source_timing": source_mode,
+        "dense_source_vs_dense": source_ms / dense_ms,
+        "dense_source_impl": backend.kernels[OpName.DENSE_SOURCE].provider.name,
+        "sparse_correction_impl": backend.kernels[OpName.SPARSE_CORRECTION].provider.name,
+        "four_loop_speedup": 4 * dense_ms / (2 * dense_ms + source_ms + 2 * correct_ms),
+    }  # fmt: skip
+
+
+def bench_sparse_decode(
+    contexts: list[int], concurrency: list[int], ratio: float = 0.10, log=print
+) -> dict:
+    """Sparse decode per layer call vs FlashInfer dense decode of the same rows: the loop-3/4
+    sparse correction, the loop-2 dense source with statistics (each as the registry selects
+    it), and the 4-loop sum (2 dense + source + 2 corrections)."""
+    _require_cuda()
+    registry = Registry.discover()
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": ratio})
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 16, 16)
+    backend = registry.create("flashloop", request, config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for ctx in contexts:
+        for conc in concurrency:
+            row = _sparse_case(ctx, conc, ratio, backend, gen)
+            cases.append(row)
+            log(f"  sparse ctx={ctx} conc={conc}: dense {row['dense_flashinfer_ms'] * 1e3:.1f} us, correction "
+                f"{row['sparse_correction_ms'] * 1e3:.1f} us (x{row['sparse_correction_speedup']:.2f}), source "
+                f"{row['dense_source_ms'] * 1e3:.1f} us ({row['dense_source_timing']}), 4-loop x{row['four_loop_speedup']:.2f}")  # fmt: skip
+            torch.cuda.empty_cache()
+    return {"kind": "sparse_decode_per_layer", "environment": environment_record(), "ratio": ratio,
+            "shapes": {"heads": 16, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
+            "method": "CUDA-graph replay medians (30 x 10 calls); states from the selected dense_source",
+            "config_digest": resolve(config, "flashloop", request, registry).digest(), "cases": cases}  # fmt: skip

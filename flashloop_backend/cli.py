@@ -166,7 +166,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
-    if args.mode == "kernel":
+    if args.mode == "sparse":
+        record = bench.bench_sparse_decode(
+            args.contexts, args.concurrency, args.ratio, log=bench.progress_log
+        )
+    elif args.mode == "kernel":
         record = bench.bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
                                             log=bench.progress_log)  # fmt: skip
     else:
@@ -202,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="GPU benchmarks: kernel level or end to end through the host"
     )
-    bench.add_argument("mode", choices=["kernel", "e2e"])
+    bench.add_argument("mode", choices=["kernel", "e2e", "sparse"])
+    bench.add_argument("--ratio", type=float, default=0.10, help="sparse: key retention")
     bench.add_argument(
         "--backends", default="flashinfer,triton", help="comma-separated; the first is the baseline"
     )

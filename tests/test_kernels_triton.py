@@ -75,3 +75,39 @@ def test_wrapper_rejects_unsupported_shapes(dim, block, fragment):
     one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=fragment):
         paged_attention_triton(q, kc, kc, one[:, None], one)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
+def test_sparse_correction_matches_reference(dtype, hq, hkv, rng):
+    from flashloop_backend.kernels.torch_sparse_decode import dense_source, sparse_correction
+    from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
+
+    q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
+    _, idx, mass, ref_out, contribution = dense_source(
+        q.float(), kc.float(), vc.float(), tables, lengths, 0.3, 32
+    )
+    k2 = torch.randn(kc.shape, generator=rng).to(DEVICE, dtype)  # a later loop's K/V
+    expected = sparse_correction(
+        q.float(), k2.float(), vc.float(), tables, idx, mass, ref_out, contribution
+    )
+    out = sparse_correction_triton(q, k2, vc, tables, idx, mass, ref_out, contribution)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sparse_correction_rejects_mismatched_state(rng):
+    from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
+
+    q, kc, vc, tables, _ = _case(rng, 2, 2, torch.float32)
+    state = torch.zeros(5, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="indices must start with shape"):
+        sparse_correction_triton(
+            q,
+            kc,
+            vc,
+            tables,
+            torch.zeros(4, 2, 8, dtype=torch.int32, device=DEVICE),
+            state[..., 0],
+            state,
+            state,
+        )

@@ -1,0 +1,85 @@
+"""Wrapper for the Triton sparse-correction kernel: validates, splits the selected keys
+over programs from shapes only (no host sync), merges splits, applies the correction."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .paged_decode import _sm_count
+
+KEYS_PER_SPLIT_MIN = 64
+
+
+def sparse_correction_triton(
+    q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale=None
+):
+    """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S (the ``SparseCorrection`` contract).
+
+    q [R, Hq, D]; key_cache/value_cache [NB, BS, Hkv, D] (unit stride on D); block_tables
+    [R, MB] int32; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
+    output, contribution [R, Hq, D] FP32. Returns [R, Hq, D] in q's dtype.
+    """
+    from .paged_decode_jit import merge_splits_kernel
+    from .sparse_decode_jit import sparse_correction_split_kernel
+
+    rows, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    expected = {"indices": (rows, num_q_heads), "mass": (rows, num_q_heads), "output": (rows, num_q_heads, head_dim),
+                "contribution": (rows, num_q_heads, head_dim)}  # fmt: skip
+    for name, tensor in (
+        ("indices", indices),
+        ("mass", mass),
+        ("output", output),
+        ("contribution", contribution),
+    ):
+        if tuple(tensor.shape[: len(expected[name])]) != expected[name]:
+            raise ValueError(
+                f"{name} must start with shape {expected[name]}; got {tuple(tensor.shape)}"
+            )
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q [R, {num_q_heads}, {head_dim}] does not fit KV cache heads/dim {num_kv_heads}/{cache_dim}"
+        )
+    if head_dim < 16 or head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(
+            f"head_dim={head_dim} (power of two >= 16) and block_size={block_size} (power of two) required"
+        )
+    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
+        indices = indices.to(torch.int32).contiguous()
+    block_tables = block_tables.contiguous()
+    if rows == 0:
+        return torch.empty_like(q)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    bucket = indices.shape[-1]
+    want = max(1, math.ceil(2 * _sm_count(q.device) / (rows * num_q_heads)))
+    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    keys_per_split = math.ceil(bucket / splits)
+    part_out = torch.empty(
+        (rows, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32
+    )
+    part_max = torch.empty((rows, num_q_heads, splits), device=q.device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    sparse_correction_split_kernel[(rows, num_q_heads, splits)](
+        q, key_cache, value_cache, block_tables, indices, part_out, part_max, part_sum,
+        scale,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        indices.stride(0), indices.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        keys_per_split,
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_K=64,
+    )  # fmt: skip
+    fresh = torch.empty((rows, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
+    merge_splits_kernel[(rows, num_q_heads)](
+        part_out, part_max, part_sum, fresh,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        fresh.stride(0), fresh.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return (output - contribution + mass[..., None] * fresh).to(q.dtype)
