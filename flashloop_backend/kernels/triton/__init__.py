@@ -32,12 +32,31 @@ def _paged(*args, **kwargs) -> torch.Tensor:
     return paged_attention_triton(*args, **kwargs)
 
 
+def _sparse_correction(*args, **kwargs) -> torch.Tensor:
+    from .sparse_decode import sparse_correction_triton
+
+    return sparse_correction_triton(*args, **kwargs)
+
+
+SPARSE_SUPPORT = Support(
+    devices=SUPPORT.devices,
+    dtypes=SUPPORT.dtypes,
+    head_dims=SUPPORT.head_dims,
+    block_sizes=SUPPORT.block_sizes,
+    python_modules=SUPPORT.python_modules,
+    capabilities=SUPPORT.capabilities | {Capability.GRAPH_SAFE_SPARSE},
+)
+
+
 def provider() -> KernelProvider:
     impl = {
         op: KernelImpl(op, _paged, SUPPORT)
         for op in (OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL)
     }
+    impl[OpName.SPARSE_CORRECTION] = KernelImpl(
+        OpName.SPARSE_CORRECTION, _sparse_correction, SPARSE_SUPPORT
+    )
     return KernelProvider(
         name="triton", version=__version__, priority=20,
-        description="Triton per-row paged attention (split-K, FP32 online softmax)", impls=impl,
+        description="Triton paged attention and sparse correction (FP32 online softmax)", impls=impl,
     )  # fmt: skip

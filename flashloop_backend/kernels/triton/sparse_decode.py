@@ -71,8 +71,9 @@ def sparse_correction_triton(
         indices.stride(0), indices.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
-        keys_per_split,
+        keys_per_split, bucket,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_K=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     fresh = torch.empty((rows, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
     merge_splits_kernel[(rows, num_q_heads)](
