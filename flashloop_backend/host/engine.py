@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import ConfigError
 from ..dispatch import RowMode
 from .batch import Batch, RowGroup, build_batch
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
+from .prompt_schedule import PromptSchedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_hidden: torch.Tensor | None = None  # [T, hidden] latest hidden of each prompt token
+    schedule: PromptSchedule | None = None  # prompt positions to run at the current depth
     phase: str = "waiting"  # waiting -> prefill -> decode -> done
     depth: int = 0
     chunk_start: int = 0
@@ -69,6 +72,24 @@ class _Request:
     @property
     def position(self) -> int:  # absolute position of the current decode token
         return len(self.prompt) + len(self.output) - 1
+
+
+def _token_sparsity(backend, cfg, prefill_chunk: int):
+    """The backend's token-sparse prefill settings, checked against the engine's geometry."""
+    config = getattr(backend, "config", None)
+    if config is None or not config.token_sparse_prefill.enabled:
+        return None
+    sparsity = config.token_sparse_prefill
+    if config.num_loops != cfg.total_ut_steps:
+        raise ConfigError(
+            f"num_loops={config.num_loops} differs from the model's total_ut_steps={cfg.total_ut_steps}"
+        )
+    if prefill_chunk % sparsity.window_size:
+        raise ConfigError(
+            f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a multiple of "
+            f"token_sparse_prefill.window_size={sparsity.window_size}"
+        )
+    return sparsity
 
 
 class _LayerAttention:
@@ -118,6 +139,7 @@ class Engine:
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
+        self.sparsity = _token_sparsity(backend, cfg, prefill_chunk)
         if hasattr(backend, "reserve_state"):
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
                                   cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
@@ -212,6 +234,9 @@ class Engine:
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
+            request.schedule = PromptSchedule(
+                len(request.prompt), self.sparsity, self.cfg.total_ut_steps, self.device
+            )
             request.phase = "prefill"
 
     def _schedule(self) -> list[RowGroup]:
@@ -225,8 +250,9 @@ class Engine:
                 )
                 budget -= 1
             elif r.phase == "prefill":
-                count = min(self.prefill_chunk, len(r.prompt) - r.chunk_start, budget)
-                groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, r.chunk_start, count))
+                count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
+                for start, run in r.schedule.runs(r.chunk_start, count):
+                    groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, start, run))
                 budget -= count
         return groups
 
@@ -246,7 +272,8 @@ class Engine:
             if group.mode == RowMode.PREFILL:
                 r.prompt_hidden[group.start : group.start + group.count] = h
                 r.chunk_start += group.count
-                if r.chunk_start == len(r.prompt):
+                if r.chunk_start == len(r.schedule.positions):
+                    r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]

@@ -38,11 +38,34 @@ class NaiveOuro:
     loop 2 records each token's reference with ``reference.sparse_reference_state`` and
     loops 3-4 use ``reference.sparse_correct``; prompt tokens stay dense."""
 
-    def __init__(
-        self, cfg: OuroConfig, weights: dict[str, torch.Tensor], sparse_ratio: float | None = None
-    ) -> None:
+    def __init__(self, cfg: OuroConfig, weights: dict[str, torch.Tensor], sparse_ratio: float | None = None,
+                 token_sparsity=None) -> None:  # fmt: skip
         self.cfg, self.w, self.sparse_ratio = cfg, weights, sparse_ratio
+        self.token_sparsity = (
+            token_sparsity if token_sparsity is not None and token_sparsity.enabled else None
+        )
         self.prompt_length = 0
+
+    def _drop_prompt_tokens(self, loop, history, exited, active):
+        """Token-sparse prefill: window by window, keep the budgeted top changing tokens of
+        the previous active set; the others leave after loop - 1 (LAST_EXITED)."""
+        from ..reference import retention_budget, select_tokens, token_change_scores
+
+        ratio, size = self.token_sparsity.retention[loop], self.token_sparsity.window_size
+        if loop < 2 or ratio >= 1.0:
+            return active
+        prompt = self.prompt_length
+        scores = token_change_scores(history[loop - 1][:prompt], history[loop - 2][:prompt])
+        kept = set()
+        for start in range(0, prompt, size):
+            end = min(prompt, start + size)
+            eligible = torch.tensor([t in active for t in range(start, end)])
+            budget = retention_budget(ratio, end - start, int(eligible.sum()))
+            chosen = select_tokens(scores[start:end], eligible, budget)
+            kept |= {start + i for i in range(end - start) if bool(chosen[i])}
+        for t in active - kept:
+            exited[t] = loop - 1
+        return kept
 
     def _sparse_rows(self, attn, q, k, v, layer, loop, states):
         """Replace generated tokens' attention rows by the sparse-decode algorithm."""
@@ -114,12 +137,16 @@ class NaiveOuro:
         exited = dict(exits)
         last, remaining = len(tokens) - 1, 1.0
         states: dict = {}
+        history, active = [], set(range(self.prompt_length))
         for loop in range(cfg.total_ut_steps):
+            if self.token_sparsity is not None:
+                active = self._drop_prompt_tokens(loop, history, exited, active)
             new_h = self._loop(h, kv_of_loop, exited, loop, states)
             keep = torch.tensor(
                 [exited.get(t, cfg.total_ut_steps) < loop for t in range(len(tokens))]
             )
             h = torch.where(keep[:, None], h, new_h)
+            history.append(h.clone())
             early = may_exit and cfg.exits_early and loop < cfg.total_ut_steps - 1
             if early and last not in exited:
                 logit = h[last].float() @ self.w["model.early_exit_gate.weight"][0].float()

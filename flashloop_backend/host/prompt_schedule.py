@@ -1,0 +1,65 @@
+"""Which prompt positions run at each depth. Dense: every position at every depth. With
+token-sparse prefill (RFC §3.1): loops 1-2 dense; before loop r >= 3 the prompt is scored
+from the two preceding loops' hidden states and each fixed window keeps its budget of
+the previous active set. A token dropped after depth d leaves like an early exit: its
+hidden state stays, and copy-on-exit gives deeper planes its depth-d K/V (the logical
+LAST_EXITED history)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import DENSE_LOOPS, TokenSparsePrefillConfig
+from ..reference import token_change_scores
+from ..token_selection import select_in_windows
+from .kvcache import PagedKVCache
+
+
+class PromptSchedule:
+    def __init__(
+        self, length: int, sparsity: TokenSparsePrefillConfig | None, num_loops: int, device
+    ) -> None:
+        self.sparsity = sparsity if sparsity is not None and sparsity.enabled else None
+        self.num_loops = num_loops
+        self.active = torch.ones(length, dtype=torch.bool, device=device)
+        self.positions = list(range(length))
+        self.prev_hidden: torch.Tensor | None = None  # hidden after the previous loop
+        self.active_counts = [length]
+
+    def _selects_before(self, depth: int) -> bool:
+        return (
+            self.sparsity is not None
+            and DENSE_LOOPS <= depth < self.num_loops
+            and self.sparsity.retention[depth] < 1.0
+        )
+
+    def finish_depth(
+        self, depth: int, hidden: torch.Tensor, kv: PagedKVCache, request_id: int
+    ) -> None:
+        """Every scheduled row of ``depth`` ran; ``hidden`` [T, hidden] is the state after it.
+        Selects the next depth's active rows and retires the dropped ones."""
+        nxt = depth + 1
+        if self._selects_before(nxt):
+            scores = token_change_scores(hidden, self.prev_hidden)
+            chosen = select_in_windows(
+                scores, self.active, self.sparsity.retention[nxt], self.sparsity.window_size
+            )
+            # The compact host schedules on the CPU: reading the selection here is its planning step.
+            for position in (self.active & ~chosen).nonzero().flatten().tolist():
+                kv.finalize_exit(request_id, position, depth)
+            self.active = chosen
+            self.positions = chosen.nonzero().flatten().tolist()
+        self.active_counts.append(len(self.positions))
+        if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
+            self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+
+    def runs(self, start: int, count: int) -> list[tuple[int, int]]:
+        """Maximal runs of consecutive positions among scheduled rows [start, start+count)."""
+        chunk = self.positions[start : start + count]
+        runs: list[tuple[int, int]] = []
+        for position in chunk:
+            if runs and runs[-1][0] + runs[-1][1] == position:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((position, 1))
+        return runs

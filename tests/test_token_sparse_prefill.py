@@ -1,0 +1,202 @@
+"""Token-sparse prefill: reference selection, device windows, and the host against the
+naive model running the RFC algorithm."""
+
+import pytest
+import torch
+
+from flashloop_backend import ConfigError, FlashLoopConfig
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.host.kvcache import PagedKVCache
+from flashloop_backend.host.naive import NaiveOuro
+from flashloop_backend.host.prompt_schedule import PromptSchedule
+from flashloop_backend.reference import retention_budget, select_tokens, token_change_scores
+from flashloop_backend.registry import Registry
+from flashloop_backend.token_selection import select_in_windows
+
+from .host_helpers import tiny_model
+
+REQUEST = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+PROMPT = [1, 5, 9, 3, 22, 7, 8, 2, 40, 11, 12, 4, 4, 17, 30, 2, 2, 9, 50, 1, 19] * 2
+
+
+def test_rfc_eight_token_example():
+    """Window of 8, budgets 4 then 2: loop 3 runs t2 t4 t6 t8, loop 4 runs t4 t8."""
+    scores3 = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.1, 0.6])
+    everyone = torch.ones(8, dtype=torch.bool)
+    loop3 = select_tokens(scores3, everyone, retention_budget(0.5, 8, 8))
+    assert loop3.nonzero().flatten().tolist() == [1, 3, 5, 7]
+    scores4 = torch.tensor(
+        [0.9, 0.2, 0.9, 0.8, 0.9, 0.1, 0.9, 0.5]
+    )  # inactive tokens may score high
+    loop4 = select_tokens(scores4, loop3, retention_budget(0.25, 8, 4))
+    assert loop4.nonzero().flatten().tolist() == [3, 7]
+    for scores, eligible, ratio, expected in (
+        (scores3, everyone, 0.5, loop3),
+        (scores4, loop3, 0.25, loop4),
+    ):
+        assert torch.equal(select_in_windows(scores, eligible, ratio, 8), expected)
+
+
+def test_budget_rounding_nesting_and_ties():
+    assert retention_budget(0.1, 21, 21) == 3  # ceil(2.1)
+    assert retention_budget(0.1, 30, 30) == 3  # 0.1 * 30 is not 3.0000000000000004 here
+    assert retention_budget(0.25, 8, 1) == 1  # never more than the previous active set
+    assert retention_budget(0.01, 8, 8) == 1  # at least one token
+    tied = select_tokens(torch.zeros(6), torch.ones(6, dtype=torch.bool), 2)
+    assert tied.nonzero().flatten().tolist() == [0, 1]  # the earlier position wins
+    last_low = torch.tensor([0.5, 0.4, 0.3, 0.0])
+    assert not select_tokens(last_low, torch.ones(4, dtype=torch.bool), 2)[
+        -1
+    ]  # no reserved last slot
+    with pytest.raises(ValueError, match="ratio=0"):
+        retention_budget(0.0, 8, 8)
+
+
+def test_device_windows_match_the_reference_window_by_window():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        length = int(torch.randint(1, 50, (1,), generator=gen))
+        window = int(torch.randint(1, 16, (1,), generator=gen))
+        scores = torch.randint(0, 4, (length,), generator=gen).float()  # many ties
+        eligible = torch.rand(length, generator=gen) < 0.7
+        ratio = float(torch.rand(1, generator=gen)) * 0.9 + 0.05
+        expected = torch.zeros(length, dtype=torch.bool)
+        for start in range(0, length, window):
+            part = eligible[start : start + window]
+            if part.any():
+                budget = retention_budget(ratio, part.numel(), int(part.sum()))
+                expected[start : start + window] = select_tokens(
+                    scores[start : start + window], part, budget
+                )
+        chosen = select_in_windows(scores, eligible, ratio, window)
+        assert torch.equal(chosen, expected)
+        assert not (chosen & ~eligible).any()  # nested
+
+
+def test_scores():
+    h1 = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    h0 = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    assert token_change_scores(h1, h0).tolist() == pytest.approx([1.0, 1e6])
+
+
+def test_schedule_drops_tokens_like_early_exits():
+    kv = PagedKVCache(16, 1, 4, 1, 2, num_depths=4, dtype=torch.float32, device="cpu")
+    kv.reserve(0, 8)
+    for depth in range(4):
+        kv.write(
+            0,
+            torch.tensor(kv.slots(0, depth, list(range(8)))),
+            torch.full((8, 1, 2), float(depth)),
+            torch.zeros(8, 1, 2),
+        )
+    sparsity = FlashLoopConfig(
+        token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 0.5, 0.25]}
+    ).token_sparse_prefill
+    schedule = PromptSchedule(8, sparsity, 4, "cpu")
+    h0, h1 = torch.ones(8, 2), torch.ones(8, 2)
+    schedule.finish_depth(0, h0, kv, 0)
+    h1[:, 0] = torch.tensor([1.0, 9, 1, 9, 1, 9, 1, 9])  # odd positions change, even do not
+    schedule.finish_depth(1, h1, kv, 0)  # selection before loop 3
+    assert schedule.positions == [1, 3, 5, 7]
+    assert schedule.runs(0, 4) == [(1, 1), (3, 1), (5, 1), (7, 1)]
+    block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
+    assert kv.key_pool[block, 0, offset].tolist() == [[1.0, 1.0]]  # depth-1 K inherited by plane 3
+
+
+def _engine(model, config, **kwargs):
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    kwargs.setdefault("prefill_chunk", 64)
+    return Engine(model, backend, num_blocks=160, block_size=4, **kwargs)
+
+
+def _sparse(window, **extra):
+    return FlashLoopConfig(
+        token_sparse_prefill={
+            "enabled": True,
+            "window_size": window,
+            "retention": [1, 1, 0.5, 0.25],
+        },
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("window", [16, 64])
+def test_host_matches_naive_algorithm(window):
+    model = tiny_model(seed=1)
+    config = _sparse(window)
+    naive = NaiveOuro(
+        model.config, dict(model.state_dict()), token_sparsity=config.token_sparse_prefill
+    )
+    result = _engine(model, config).generate([PROMPT], SamplingParams(max_new_tokens=8))[0]
+    assert result.output_token_ids == naive.generate(PROMPT, 8)[0]
+    dense = _engine(model, FlashLoopConfig()).generate([PROMPT], SamplingParams(max_new_tokens=8))[
+        0
+    ]
+    assert result.output_token_ids != dense.output_token_ids  # the approximation is active
+
+
+def test_windows_split_over_submissions_equal_atomic_and_batching_is_invisible():
+    model = tiny_model(seed=3)
+    prompts = [PROMPT, PROMPT[5:30], PROMPT[::-1]]
+    atomic = [
+        r.output_token_ids
+        for r in _engine(model, _sparse(16), prefill_chunk=64).generate(
+            prompts, SamplingParams(max_new_tokens=5)
+        )
+    ]
+    split = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20, pad_to_multiple=8)
+    assert [
+        r.output_token_ids for r in split.generate(prompts, SamplingParams(max_new_tokens=5))
+    ] == atomic
+    alone = [
+        _engine(model, _sparse(16))
+        .generate([p], SamplingParams(max_new_tokens=5))[0]
+        .output_token_ids
+        for p in prompts
+    ]
+    assert alone == atomic
+
+
+def test_full_retention_is_dense():
+    model = tiny_model(seed=4)
+    keep_all = FlashLoopConfig(
+        token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 1, 1]}
+    )
+    a = (
+        _engine(model, keep_all)
+        .generate([PROMPT], SamplingParams(max_new_tokens=6))[0]
+        .output_token_ids
+    )
+    b = (
+        _engine(model, FlashLoopConfig())
+        .generate([PROMPT], SamplingParams(max_new_tokens=6))[0]
+        .output_token_ids
+    )
+    assert a == b
+
+
+def test_with_sparse_decode_matches_naive():
+    model = tiny_model(seed=1)
+    config = _sparse(16, sparse_decode_attention={"enabled": True, "key_retention": 0.2})
+    naive = NaiveOuro(
+        model.config,
+        dict(model.state_dict()),
+        sparse_ratio=0.2,
+        token_sparsity=config.token_sparse_prefill,
+    )
+    result = _engine(model, config).generate([PROMPT], SamplingParams(max_new_tokens=6))[0]
+    assert result.output_token_ids == naive.generate(PROMPT, 6)[0]
+
+
+def test_incompatible_geometry_names_both_settings():
+    with pytest.raises(
+        ConfigError, match=r"prefill_chunk=24 .* token_sparse_prefill.window_size=16"
+    ):
+        _engine(tiny_model(), _sparse(16), prefill_chunk=24)
+    with pytest.raises(ConfigError, match="num_loops=3 differs from the model's total_ut_steps=4"):
+        config = FlashLoopConfig(
+            num_loops=3,
+            token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 0.5]},
+        )
+        _engine(tiny_model(), config)
