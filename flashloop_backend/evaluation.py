@@ -87,9 +87,13 @@ def _engine(
     registry = Registry.discover()
     effective = resolve(config, backend, request, registry)
     attention = registry.create(backend, request, config)
-    return Engine(
-        model, attention, num_blocks=4096, block_size=block_size, detokenize=tokenizer_decode
-    ), effective.digest()
+    chunk = 256
+    if config.token_sparse_prefill.enabled:  # chunks must hold whole selection windows
+        window = config.token_sparse_prefill.window_size
+        chunk = window * -(-chunk // window)
+    engine = Engine(model, attention, num_blocks=4096, block_size=block_size, prefill_chunk=chunk,
+                    max_batch_tokens=max(512, chunk), detokenize=tokenizer_decode)  # fmt: skip
+    return engine, effective.digest()
 
 
 def _passkey_prompts(filler: list[int], encode, settings: EvalSettings, rng: random.Random):
