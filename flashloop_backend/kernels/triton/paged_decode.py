@@ -48,6 +48,28 @@ def _num_splits(
     return min(want, most)
 
 
+def split_buffers(rows: int, heads: int, splits: int, head_dim: int, device: torch.device):
+    """FP32 partial states of split-K kernels: acc [R, H, S, D], max and sum [R, H, S]."""
+    part_out = torch.empty((rows, heads, splits, head_dim), device=device, dtype=torch.float32)
+    part_max = torch.empty((rows, heads, splits), device=device, dtype=torch.float32)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def merge_splits(part_out, part_max, part_sum, out: torch.Tensor) -> torch.Tensor:
+    """Combine split partial states into ``out`` [R, H, D] (rows with no key give 0)."""
+    from .paged_decode_jit import merge_splits_kernel
+
+    rows, heads, splits, head_dim = part_out.shape
+    merge_splits_kernel[(rows, heads)](
+        part_out, part_max, part_sum, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return out
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -64,7 +86,7 @@ def paged_attention_triton(
     strided views allowed); block_tables [R, MB] int32; context_lengths [R] int32.
     Returns [R, Hq, D] in q's dtype. D and BS must be powers of two >= 16 and >= 1.
     """
-    from .paged_decode_jit import merge_splits_kernel, paged_attention_split_kernel
+    from .paged_decode_jit import paged_attention_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
@@ -95,11 +117,7 @@ def paged_attention_triton(
     pages = max(1, tuning.keys_per_iter // block_size)
     if not tuning.use_dot:  # the broadcast-reduce keeps GROUP_PAD x N x D values in registers
         pages = max(1, pages // group_pad)
-    part_out = torch.empty(
-        (rows, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32
-    )
-    part_max = torch.empty((rows, num_q_heads, splits), device=q.device, dtype=torch.float32)
-    part_sum = torch.empty_like(part_max)
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     paged_attention_split_kernel[(rows, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, context_lengths, part_out, part_max, part_sum,
         scale,
@@ -116,11 +134,5 @@ def paged_attention_triton(
         # multiply exactly on tensor cores either way.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
-    merge_splits_kernel[(rows, num_q_heads)](
-        part_out, part_max, part_sum, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
-    )  # fmt: skip
+    merge_splits(part_out, part_max, part_sum, out)
     return out

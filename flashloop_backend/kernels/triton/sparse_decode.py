@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .paged_decode import _sm_count
+from .paged_decode import _sm_count, merge_splits, split_buffers
 
 KEYS_PER_SPLIT_MIN = 64
 
@@ -21,7 +21,6 @@ def sparse_correction_triton(
     [R, MB] int32; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
     output, contribution [R, Hq, D] FP32. Returns [R, Hq, D] in q's dtype.
     """
-    from .paged_decode_jit import merge_splits_kernel
     from .sparse_decode_jit import sparse_correction_split_kernel
 
     rows, num_q_heads, head_dim = q.shape
@@ -56,11 +55,7 @@ def sparse_correction_triton(
     want = max(1, math.ceil(2 * _sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
     keys_per_split = math.ceil(bucket / splits)
-    part_out = torch.empty(
-        (rows, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32
-    )
-    part_max = torch.empty((rows, num_q_heads, splits), device=q.device, dtype=torch.float32)
-    part_sum = torch.empty_like(part_max)
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     sparse_correction_split_kernel[(rows, num_q_heads, splits)](
         q, key_cache, value_cache, block_tables, indices, part_out, part_max, part_sum,
         scale,
@@ -76,11 +71,5 @@ def sparse_correction_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     fresh = torch.empty((rows, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
-    merge_splits_kernel[(rows, num_q_heads)](
-        part_out, part_max, part_sum, fresh,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        fresh.stride(0), fresh.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
-    )  # fmt: skip
+    merge_splits(part_out, part_max, part_sum, fresh)
     return (output - contribution + mass[..., None] * fresh).to(q.dtype)
