@@ -125,3 +125,95 @@ def select_tokens(scores: torch.Tensor, eligible: torch.Tensor, budget: int) -> 
     chosen = torch.zeros(scores.shape[0], dtype=torch.bool)
     chosen[order[:budget]] = True
     return chosen.to(scores.device)
+
+
+# ---------------------------------------------------------------- INT4 residual KV (§3.3)
+@dataclass(frozen=True)
+class QuantizedInt4:
+    """Affine INT4 groups along ``dim`` (DESIGN §4).
+
+    codes:   uint8 [..., G, group_size // 2] two codes per byte, low nibble first, with
+             ``dim`` moved last and cut into G groups (a trailing partial group is padded
+             with code 0 past its own elements)
+    minimum: FP16 [..., G] stored minimum;  scale: FP16 [..., G] stored (max - min) / 15
+    shape:   the original shape;  dim: the grouped axis;  group_size: elements per group
+    """
+
+    codes: torch.Tensor
+    minimum: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, ...]
+    dim: int
+    group_size: int
+
+
+def _grouped(x: torch.Tensor, group_size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x with ``dim`` last, cut into groups: values [..., G, group_size] (padding = NaN) and
+    a validity mask of the same shape."""
+    moved = x.movedim(dim, -1).float()
+    length = moved.shape[-1]
+    groups = -(-length // group_size)
+    padded = torch.full((*moved.shape[:-1], groups * group_size), float("nan"), device=x.device)
+    padded[..., :length] = moved
+    values = padded.reshape(*moved.shape[:-1], groups, group_size)
+    return values, ~torch.isnan(values)
+
+
+def quantize_int4(x: torch.Tensor, group_size: int = 64, dim: int = -1) -> QuantizedInt4:
+    """Affine INT4 with FP16 minimum and scale; codes round half to even from the stored
+    (FP16-rounded) parameters; a constant group stores scale 0 and code 0."""
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size} must be an even number >= 2")
+    dim = dim % x.dim()
+    values, valid = _grouped(x, group_size, dim)
+    low = torch.where(valid, values, float("inf")).amin(-1)
+    high = torch.where(valid, values, float("-inf")).amax(-1)
+    minimum = low.to(torch.float16)
+    scale = ((high - low) / 15).to(torch.float16)
+    m32, s32 = minimum.float()[..., None], scale.float()[..., None]
+    ratio = torch.where(s32 > 0, (values - m32) / torch.where(s32 > 0, s32, 1.0), 0.0)
+    codes = torch.where(valid, torch.round(ratio).clamp(0, 15), 0.0).to(
+        torch.uint8
+    )  # round half to even
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return QuantizedInt4(packed, minimum, scale, tuple(x.shape), dim, group_size)
+
+
+def unpack_codes(q: QuantizedInt4) -> torch.Tensor:
+    """uint8 codes [..., G, group_size] from the packed bytes."""
+    low, high = q.codes & 0x0F, q.codes >> 4
+    return torch.stack((low, high), dim=-1).reshape(*q.codes.shape[:-1], q.group_size)
+
+
+def dequantize_int4(q: QuantizedInt4) -> torch.Tensor:
+    """FP32 tensor of the original shape: minimum + scale * code."""
+    values = q.minimum.float()[..., None] + q.scale.float()[..., None] * unpack_codes(q).float()
+    flat = values.reshape(*values.shape[:-2], -1)
+    length = q.shape[q.dim]
+    return flat[..., :length].movedim(-1, q.dim).contiguous()
+
+
+def encode_residual_chain(
+    versions: list[torch.Tensor], group_size: int = 64, dim: int = -1
+) -> list[QuantizedInt4]:
+    """[q(X1), q(X2 - X̂1), q(X3 - X̂2), ...] where X̂ is the running reconstruction: each
+    residual is taken against the reconstructed predecessor, not its source value."""
+    chain: list[QuantizedInt4] = []
+    reconstruction: torch.Tensor | None = None
+    for version in versions:
+        target = version.float() if reconstruction is None else version.float() - reconstruction
+        encoded = quantize_int4(target, group_size, dim)
+        decoded = dequantize_int4(encoded)
+        reconstruction = decoded if reconstruction is None else reconstruction + decoded
+        chain.append(encoded)
+    return chain
+
+
+def reconstruct(chain: list[QuantizedInt4], depth: int) -> torch.Tensor:
+    """X̂ at zero-based ``depth``: the base plus every residual up to it."""
+    if not 0 <= depth < len(chain):
+        raise ValueError(f"depth={depth} is outside the chain's [0, {len(chain)})")
+    total = dequantize_int4(chain[0])
+    for residual in chain[1 : depth + 1]:
+        total = total + dequantize_int4(residual)
+    return total
