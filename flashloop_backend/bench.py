@@ -376,6 +376,16 @@ def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
     except Exception:  # an implementation that cannot be captured is timed eagerly
         torch.cuda.synchronize()
         source_ms, source_mode = _eager_ms(source, reps=5, calls=1), "eager"
+    from .kernels.triton.dense_source import dense_source_triton  # candidate, not yet registered
+
+    def triton_source():
+        return dense_source_triton(q, kc, vc, tables, lengths, ratio, bucket)
+
+    try:
+        triton_source_ms = _graph_ms(triton_source)
+    except Exception as exc:  # reported, not fatal: this kernel has not run on a GPU yet
+        torch.cuda.synchronize()
+        triton_source_ms = f"{type(exc).__name__}: {exc}"[:200]
     selected_bytes = conc * heads * bucket * dim * 2 * 2 + idx.numel() * 4
     return {
         "context": ctx, "concurrency": conc, "ratio": ratio, "key_bucket": bucket,
@@ -386,6 +396,7 @@ def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
         "dense_source_ms": source_ms, "dense_source_timing": source_mode,
         "dense_source_vs_dense": source_ms / dense_ms,
         "dense_source_impl": backend.kernels[OpName.DENSE_SOURCE].provider.name,
+        "dense_source_triton_candidate_ms": triton_source_ms,
         "sparse_correction_impl": backend.kernels[OpName.SPARSE_CORRECTION].provider.name,
         "four_loop_speedup": 4 * dense_ms / (2 * dense_ms + source_ms + 2 * correct_ms),
     }  # fmt: skip

@@ -111,3 +111,27 @@ def test_sparse_correction_rejects_mismatched_state(rng):
             state,
             state,
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
+def test_dense_source_matches_reference(dtype, hq, hkv, rng):
+    from flashloop_backend.kernels.torch_sparse_decode import dense_source
+    from flashloop_backend.kernels.triton.dense_source import dense_source_triton
+
+    q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
+    expected = dense_source(q.float(), kc.float(), vc.float(), tables, lengths, 0.3, 32)
+    got = dense_source_triton(q, kc, vc, tables, lengths, 0.3, 32)
+    torch.testing.assert_close(got[0].float(), expected[0], atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.float32:  # 16-bit logits may reorder near-ties; fp32 must agree exactly
+        assert torch.equal(got[1], expected[1])
+    for mine, ref in zip(got[2:], expected[2:], strict=True):
+        torch.testing.assert_close(mine, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
+
+
+def test_order_key_sorts_by_logit_then_earlier_position():
+    from flashloop_backend.kernels.triton.dense_source import order_key
+
+    logits = torch.tensor([[-1.0, 2.0, float("-inf"), 2.0, -0.5, 0.0, -3.0]])
+    top = torch.topk(order_key(logits), 7, dim=-1).indices.tolist()
+    assert top == [[1, 3, 5, 4, 0, 6, 2]]

@@ -55,17 +55,22 @@ def split_buffers(rows: int, heads: int, splits: int, head_dim: int, device: tor
     return part_out, part_max, torch.empty_like(part_max)
 
 
-def merge_splits(part_out, part_max, part_sum, out: torch.Tensor) -> torch.Tensor:
-    """Combine split partial states into ``out`` [R, H, D] (rows with no key give 0)."""
+def merge_splits(
+    part_out, part_max, part_sum, out: torch.Tensor, lse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Combine split partial states into ``out`` [R, H, D] (rows with no key give 0) and,
+    if given, the natural-log LSE [R, H] of the scaled logits."""
     from .paged_decode_jit import merge_splits_kernel
 
     rows, heads, splits, head_dim = part_out.shape
     merge_splits_kernel[(rows, heads)](
-        part_out, part_max, part_sum, out,
+        part_out, part_max, part_sum, out, lse if lse is not None else out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
         NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+        STORE_LSE=lse is not None,
     )  # fmt: skip
     return out
 
@@ -79,12 +84,18 @@ def paged_attention_triton(
     scale: float | None = None,
     num_splits: int | None = None,
     tuning: DecodeTuning = DEFAULT_TUNING,
+    logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-row causal paged attention, the ``PagedAttention`` contract (see ``ops.py``).
 
     q [R, Hq, D]; key_cache/value_cache [NB, BS, Hkv, D] with unit stride on D (per-layer
     strided views allowed); block_tables [R, MB] int32; context_lengths [R] int32.
-    Returns [R, Hq, D] in q's dtype. D and BS must be powers of two >= 16 and >= 1.
+    Returns [R, Hq, D] in q's dtype (or ``out_dtype``). D and BS must be powers of two.
+    Selection statistics (``dense_source``): ``logits`` [R, Hq, T >= MB * BS] FP32 receives
+    every visible key's scaled logit (other entries untouched) and ``lse`` [R, Hq] FP32 the
+    natural-log log-sum-exp.
     """
     from .paged_decode_jit import paged_attention_split_kernel
 
@@ -101,7 +112,7 @@ def paged_attention_triton(
             raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     if rows == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -120,6 +131,7 @@ def paged_attention_triton(
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     paged_attention_split_kernel[(rows, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, context_lengths, part_out, part_max, part_sum,
+        logits if logits is not None else part_max,
         scale,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -127,12 +139,14 @@ def paged_attention_triton(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
+        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
         blocks_per_split,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
         USE_DOT=tuning.use_dot,
         # FP32 inputs keep IEEE products (a TF32 dot would lose ~3 digits); 16-bit inputs
         # multiply exactly on tensor cores either way.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STORE_LOGITS=logits is not None,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
-    merge_splits(part_out, part_max, part_sum, out)
+    merge_splits(part_out, part_max, part_sum, out, lse)
     return out

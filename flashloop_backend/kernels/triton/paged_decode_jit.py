@@ -8,6 +8,7 @@ import triton.language as tl
 @triton.jit
 def paged_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    logits_ptr,
     scale,
     stride_qr, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -15,10 +16,11 @@ def paged_attention_split_kernel(
     stride_tr,
     stride_pr, stride_ph, stride_ps,
     stride_mr, stride_mh,
+    stride_lr, stride_lh,
     blocks_per_split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over this split's pages, FP32 state.
 
@@ -72,6 +74,11 @@ def paged_attention_split_kernel(
         else:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         s = tl.where(visible[None, :], s, float("-inf"))
+        if STORE_LOGITS:  # selection statistics: every visible key's scaled logit, once
+            tl.store(
+                logits_ptr + row.to(tl.int64) * stride_lr + q_heads[:, None] * stride_lh + pos[None, :],
+                s, mask=q_mask[:, None] & visible[None, :],
+            )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -97,11 +104,13 @@ def paged_attention_split_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, lse_ptr,
     stride_pr, stride_ph, stride_ps,
     stride_mr, stride_mh,
     stride_or, stride_oh,
+    stride_lr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):  # fmt: skip
     """One (row, query head): combine split partial states; rows with no key give 0."""
     row = tl.program_id(0).to(tl.int64)
@@ -124,3 +133,6 @@ def merge_splits_kernel(
     denom = tl.sum(sums * weight, axis=0)
     out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
     tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    if STORE_LSE:  # natural-log log-sum-exp of the scaled logits (-inf for rows with no key)
+        lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row * stride_lr + head, lse)
