@@ -12,7 +12,7 @@ import torch
 
 from ..capabilities import SupportRequest
 from ..config import ConfigError, load_config
-from ..registry import Registry
+from ..registry import Registry, resolve
 from .config import ModelError
 from .engine import Engine, SamplingParams
 from .kvcache import OutOfBlocksError
@@ -74,6 +74,9 @@ def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
     )
     for name, reasons in selection.rejected.items():
         log(f"  skipped {name}: {'; '.join(reasons)}")
+    effective = resolve(config, selection.info.selected_backend, request, registry)
+    log(f"effective config digest {effective.digest()}: features {list(config.enabled_features()) or 'none (dense)'}; "
+        f"kernels {dict(effective.kernels)}")  # fmt: skip
     engine = Engine(
         model, backend, num_blocks=args.num_blocks, block_size=args.block_size,
         detokenize=tokenizer.decode,
