@@ -26,6 +26,18 @@ class SelectionInfo:
     selection_reason: str
 
 
+class DenseCallSurface:
+    """vllm-rlt's dense call surface, served by the backend's ``dense_attention`` kernel."""
+
+    dense_attention: Any  # a PagedAttention implementation
+
+    def __call__(
+        self, q, key_cache, value_cache, block_tables, context_lengths, scale: float | None = None
+    ):
+        """q [R, Hq, D], caches [NB, BS, Hkv, D], block_tables [R, MB], context_lengths [R]."""
+        return self.dense_attention(q, key_cache, value_cache, block_tables, context_lengths, scale)
+
+
 class BackendSpec(ABC):
     """Declaration and factory of one attention backend."""
 

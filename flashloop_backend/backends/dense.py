@@ -16,7 +16,7 @@ from ..capabilities import Capability, Environment, SupportRequest, not_supporte
 from ..config import FlashLoopConfig
 from ..dispatch import BatchView, RowMode
 from ..kernels.ops import KernelImpl, OpName
-from .base import BackendSpec, SelectionInfo
+from .base import BackendSpec, DenseCallSurface, SelectionInfo
 
 if TYPE_CHECKING:
     from ..registry import Registry
@@ -74,23 +74,12 @@ class DenseBackendSpec(BackendSpec):
         return {OpName.DENSE_ATTENTION.value: self.provider}
 
 
-class DenseBackend:
+class DenseBackend(DenseCallSurface):
     def __init__(
         self, impl: KernelImpl, capabilities: frozenset[Capability], info: SelectionInfo
     ) -> None:
         self.impl, self.capabilities, self.info = impl, capabilities, info
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lengths: torch.Tensor,
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        """q [R, Hq, D], caches [NB, BS, Hkv, D], block_tables [R, MB], context_lengths [R]."""
-        return self.impl.fn(q, key_cache, value_cache, block_tables, context_lengths, scale)
+        self.dense_attention = impl.fn
 
     def forward(
         self,

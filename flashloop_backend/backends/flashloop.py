@@ -27,7 +27,7 @@ from ..dispatch import (
 )
 from ..kernels.ops import OpName
 from ..sparse_state import ReferenceStates, key_bucket
-from .base import BackendSpec, SelectionInfo
+from .base import BackendSpec, DenseCallSurface, SelectionInfo
 
 if TYPE_CHECKING:
     from ..registry import KernelChoice, Registry
@@ -139,7 +139,7 @@ class FlashLoopSpec(BackendSpec):
         return FlashLoopBackend(config, choices, caps, info)
 
 
-class FlashLoopBackend:
+class FlashLoopBackend(DenseCallSurface):
     """The callable backend. ``__call__`` is vllm-rlt's dense surface; ``forward`` takes a
     :class:`~flashloop_backend.dispatch.BatchView` and dispatches segments."""
 
@@ -155,19 +155,7 @@ class FlashLoopBackend:
         self.capabilities = capabilities
         self.info = info
         self.states: ReferenceStates | None = None
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lengths: torch.Tensor,
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        """q [R, Hq, D], caches [NB, BS, Hkv, D], block_tables [R, MB], context_lengths [R]."""
-        fn = self.kernels[OpName.DENSE_ATTENTION].impl.fn
-        return fn(q, key_cache, value_cache, block_tables, context_lengths, scale)
+        self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
 
     def reserve_state(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
                       max_context: int, device: torch.device | str) -> None:  # fmt: skip
