@@ -85,3 +85,42 @@ def test_host_on_gpu_agrees_with_cpu_reference(backend):
     agreement = (cpu.argmax(-1) == gpu.argmax(-1)).float().mean().item()
     assert agreement >= 0.95, agreement
     assert (cpu.exp() * (cpu - gpu)).sum(-1).mean().item() < 0.02  # KL(fp32 || bf16)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"sparse_decode_attention": {"enabled": True, "key_retention": 0.25}},
+        {
+            "token_sparse_prefill": {
+                "enabled": True,
+                "window_size": 64,
+                "retention": [1, 1, 0.5, 0.25],
+            }
+        },
+    ],
+    ids=["sparse_decode", "token_sparse_prefill"],
+)
+def test_flashloop_features_on_gpu_agree_with_cpu(features):
+    """The flashloop backend with GPU kernels (Triton sparse correction, device selection)
+    against the same configuration on the CPU reference path, teacher-forced."""
+    path = embedded_model_path()
+    tokenizer = load_tokenizer(path)
+    text = (
+        "class Queue:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+        * 3
+    )
+    tokens = [256, *tokenizer.encode(text).ids]
+    context, target = tokens[:128], tokens[128:176]
+    config = FlashLoopConfig.from_dict(features)
+    runs = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        model = load_model(path, device, dtype)
+        request = SupportRequest(device, dtype, 128, 16, 2, 2)
+        engine = Engine(
+            model, Registry.discover().create("flashloop", request, config), prefill_chunk=128
+        )
+        runs[device] = engine.generate([context], forced=[target], keep_logprobs=True)[0].logprobs
+    cpu, gpu = runs["cpu"], runs["cuda"]
+    assert (cpu.argmax(-1) == gpu.argmax(-1)).float().mean().item() >= 0.9
+    assert (cpu.exp() * (cpu - gpu)).sum(-1).mean().item() < 0.05
