@@ -135,3 +135,36 @@ def test_order_key_sorts_by_logit_then_earlier_position():
     logits = torch.tensor([[-1.0, 2.0, float("-inf"), 2.0, -0.5, 0.0, -3.0]])
     top = torch.topk(order_key(logits), 7, dim=-1).indices.tolist()
     assert top == [[1, 3, 5, 4, 0, 6, 2]]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "group"),
+    [((70, 3, 8), 0, 16), ((5, 2, 64), -1, 16), ((3, 40), 1, 16), ((128, 2, 64), 0, 64)],
+)
+def test_quantize_int4_is_bit_identical_to_the_reference(shape, dim, group, rng):
+    from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
+    from flashloop_backend.reference import quantize_int4
+
+    x = torch.randn(shape, generator=rng)
+    expected = quantize_int4(x, group, dim)
+    got = quantize_int4_triton(x.to(DEVICE), group, dim)
+    assert torch.equal(got.codes.cpu(), expected.codes)
+    assert torch.equal(got.minimum.cpu(), expected.minimum)
+    assert torch.equal(got.scale.cpu(), expected.scale)
+    assert (got.shape, got.dim, got.group_size) == (
+        expected.shape,
+        expected.dim,
+        expected.group_size,
+    )
+
+
+def test_quantize_int4_rounding_constant_groups_and_errors():
+    from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
+    from flashloop_backend.reference import unpack_codes
+
+    halves = torch.tensor([0.0, 0.5, 1.5, 2.5] + [15.0] * 12, device=DEVICE)
+    assert unpack_codes(quantize_int4_triton(halves, 16))[0, :4].tolist() == [0, 0, 2, 2]
+    constant = quantize_int4_triton(torch.full((32,), 3.25, device=DEVICE), 16)
+    assert constant.scale.tolist() == [0.0, 0.0] and (constant.codes == 0).all()
+    with pytest.raises(ValueError, match="group_size=24"):
+        quantize_int4_triton(halves, 24)
