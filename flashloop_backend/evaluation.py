@@ -134,11 +134,16 @@ def evaluate(
     targets = [tokens[s + settings.context : s + span] for s in starts]
     pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
 
+    from .quant_simulation import fake_quantize_prompt, split_quantization
+
+    served, quant = split_quantization(config)
     runs = {}
-    for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
+    for label, cfg in (("dense", FlashLoopConfig()), ("config", served)):
         engine, digest = _engine(
             model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
         )
+        if label == "config" and quant is not None:
+            engine.on_prompt_done = lambda eng, req: fake_quantize_prompt(eng, req, quant)
         scored = engine.generate(contexts, forced=targets, keep_logprobs=True)
         answers = engine.generate(pass_prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
         runs[label] = {
@@ -185,6 +190,11 @@ def evaluate(
         "dense_digest": dense["digest"],
         "config_digest": cand["digest"],
         "config": config.model_dump(mode="json"),
+        "kv_quantization": (
+            "simulated: fixed_prompt reconstruction written into BF16 planes (quality only)"
+            if quant is not None
+            else "off"
+        ),
         "settings": {k: v for k, v in settings.__dict__.items()},
         "bits_per_byte": {k: sum(v) / math.log(2) / total_bytes for k, v in nll.items()},
         "delta_bits_per_byte_percent": rel_delta(list(range(len(targets)))),

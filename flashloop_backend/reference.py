@@ -217,3 +217,52 @@ def reconstruct(chain: list[QuantizedInt4], depth: int) -> torch.Tensor:
     for residual in chain[1 : depth + 1]:
         total = total + dequantize_int4(residual)
     return total
+
+
+@dataclass(frozen=True)
+class CompactChain:
+    """Residual chain whose deeper levels exist only for active rows (token-sparse prefill).
+
+    levels: [QuantizedInt4 | None] base over all rows, then residuals over ``rows[d]`` only
+            (None where no row recomputed that level)
+    rows:   [LongTensor] logical row indices present at each level (level 0: every row);
+            a row absent from a level inherits the previous reconstruction (never code 0)
+    """
+
+    levels: list[QuantizedInt4 | None]
+    rows: list[torch.Tensor]
+
+
+def encode_compact_chain(
+    versions: list[torch.Tensor], active: list[torch.Tensor], group_size: int = 64, dim: int = 0
+) -> CompactChain:
+    """Encode versions [T, ...] (rows on axis 0) where ``active[d]`` ([T] bool) marks the rows
+    that recomputed level d. Residuals are grouped along ``dim`` over the compact rows."""
+    rows = [torch.arange(versions[0].shape[0], device=versions[0].device)]
+    levels = [quantize_int4(versions[0], group_size, dim)]
+    reconstruction = dequantize_int4(levels[0])
+    for version, mask in zip(versions[1:], active[1:], strict=True):
+        present = mask.nonzero().flatten()
+        if present.numel() == 0:
+            rows.append(present)
+            levels.append(None)
+            continue
+        residual = quantize_int4(
+            version.float()[present] - reconstruction[present], group_size, dim
+        )
+        reconstruction = reconstruction.clone()
+        reconstruction[present] += dequantize_int4(residual)
+        rows.append(present)
+        levels.append(residual)
+    return CompactChain(levels, rows)
+
+
+def reconstruct_compact(chain: CompactChain, depth: int) -> torch.Tensor:
+    """Logical version at ``depth``: the base plus each present row's residuals up to it."""
+    if not 0 <= depth < len(chain.levels):
+        raise ValueError(f"depth={depth} is outside the chain's [0, {len(chain.levels)})")
+    total = dequantize_int4(chain.levels[0])
+    for level, present in zip(chain.levels[1 : depth + 1], chain.rows[1 : depth + 1], strict=True):
+        if level is not None:
+            total[present] += dequantize_int4(level)
+    return total

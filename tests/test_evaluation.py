@@ -88,3 +88,17 @@ def test_eval_cli_argument_errors(tmp_path):
     rejected = _cli("eval", "--config", str(bad))
     assert rejected.returncode == 2 and "key_retention" in rejected.stderr
     assert "Traceback" not in missing.stderr + rejected.stderr
+
+
+def test_simulated_kv_quantization_changes_the_prompt_kv_only_slightly(embedded):
+    model, tokenizer = embedded
+    config = FlashLoopConfig(kv_residual_quantization={"enabled": True})
+    report = evaluate(model, tokenizer, TEXT, config, "auto", SMALL)
+    assert report["kv_quantization"].startswith("simulated")
+    assert report["kl_mean"] > 0  # the encoding really changed the prompt's K/V
+    assert report["top1_agreement"] >= 0.75
+    from flashloop_backend import ConfigError
+
+    rolling = FlashLoopConfig(kv_residual_quantization={"enabled": True, "policy": "rolling"})
+    with pytest.raises(ConfigError, match="policy='rolling' cannot be simulated"):
+        evaluate(model, tokenizer, TEXT, rolling, "auto", SMALL)

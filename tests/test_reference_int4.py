@@ -95,3 +95,21 @@ def test_k_grouped_over_tokens_and_v_over_channels(rng):
         quantize_int4(k, group_size=15)
     with pytest.raises(ValueError, match="depth=4"):
         reconstruct(encode_residual_chain([k], 64, 0), 4)
+
+
+def test_compact_chain_inactive_rows_inherit_and_maps_are_explicit(rng):
+    from flashloop_backend.reference import encode_compact_chain, reconstruct_compact
+
+    rows = 40
+    x1 = torch.randn(rows, 2, 8, generator=rng)
+    active2 = torch.ones(rows, dtype=torch.bool)
+    active3 = torch.arange(rows) % 4 == 1  # a quarter of the tokens recompute loop 3
+    x2 = x1 + 0.1 * torch.randn(rows, 2, 8, generator=rng)
+    x3 = torch.where(active3[:, None, None], x2 + 0.05 * torch.randn(rows, 2, 8, generator=rng), x2)
+    chain = encode_compact_chain([x1, x2, x3], [active2, active2, active3], group_size=16, dim=0)
+    assert chain.rows[2].tolist() == active3.nonzero().flatten().tolist()
+    assert chain.levels[2].shape[0] == int(active3.sum())  # payload only for active rows
+    level2, level3 = reconstruct_compact(chain, 1), reconstruct_compact(chain, 2)
+    assert torch.equal(level3[~active3], level2[~active3])  # absent residual = inheritance
+    assert (level3[active3] - x3[active3]).abs().max() < (x3[active3] - level2[active3]).abs().max()
+    assert torch.allclose(reconstruct_compact(chain, 0), dequantize_int4(chain.levels[0]))

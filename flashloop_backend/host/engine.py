@@ -140,6 +140,8 @@ class Engine:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
         self.sparsity = _token_sparsity(backend, cfg, prefill_chunk)
+        # Called once per request when its whole prompt has run every loop (evaluation hooks).
+        self.on_prompt_done: Callable[[Engine, _Request], None] | None = None
         if hasattr(backend, "reserve_state"):
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
                                   cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
@@ -275,6 +277,8 @@ class Engine:
                 if r.chunk_start == len(r.schedule.positions):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0
+                    if r.depth == loops and self.on_prompt_done is not None:
+                        self.on_prompt_done(self, r)
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         self._emit(r, last)

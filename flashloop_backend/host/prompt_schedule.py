@@ -25,6 +25,7 @@ class PromptSchedule:
         self.positions = list(range(length))
         self.prev_hidden: torch.Tensor | None = None  # hidden after the previous loop
         self.active_counts = [length]
+        self.active_history = [self.active]  # rows that ran each depth so far
 
     def _selects_before(self, depth: int) -> bool:
         return (
@@ -50,6 +51,8 @@ class PromptSchedule:
             self.active = chosen
             self.positions = chosen.nonzero().flatten().tolist()
         self.active_counts.append(len(self.positions))
+        if nxt < self.num_loops:
+            self.active_history.append(self.active)
         if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
 
