@@ -113,3 +113,12 @@ def test_compact_chain_inactive_rows_inherit_and_maps_are_explicit(rng):
     assert torch.equal(level3[~active3], level2[~active3])  # absent residual = inheritance
     assert (level3[active3] - x3[active3]).abs().max() < (x3[active3] - level2[active3]).abs().max()
     assert torch.allclose(reconstruct_compact(chain, 0), dequantize_int4(chain.levels[0]))
+
+
+def test_compact_chain_depth_is_checked(rng):
+    from flashloop_backend.reference import encode_compact_chain, reconstruct_compact
+
+    x = torch.randn(16, 1, 4, generator=rng)
+    chain = encode_compact_chain([x], [torch.ones(16, dtype=torch.bool)], group_size=16, dim=0)
+    with pytest.raises(ValueError, match=r"depth=1 is outside the chain's \[0, 1\)"):
+        reconstruct_compact(chain, 1)

@@ -137,3 +137,24 @@ def test_full_retention_equals_dense():
     )
     dense = _engine(model, FlashLoopConfig())[0].generate(PROMPTS, SamplingParams(max_new_tokens=6))
     assert [r.output_token_ids for r in sparse] == [r.output_token_ids for r in dense]
+
+
+def test_error_paths(rng):
+    kc, vc, tables, lengths = _pages(rng)
+    q = torch.randn(3, 4, 8, generator=rng)
+    with pytest.raises(ValueError, match="k_bucket=2 cannot hold"):
+        dense_source(q, kc, vc, tables, lengths, 0.3, 2)
+    backend = Registry.discover().create("flashloop", REQUEST, sparse_config(0.1))
+    one = torch.ones(1, dtype=torch.int64)
+    view = BatchView(
+        positions=one, depths=one, row_modes=torch.tensor([RowMode.DECODE], dtype=torch.int8), slots=one,
+        incarnations=one, request_ids=one, window_ids=-one, context_lengths=torch.tensor([2], dtype=torch.int32),
+        block_tables=torch.zeros(4, 1, 1, dtype=torch.int32),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"reserve_state\(...\) before the first forward"):
+        backend.forward(
+            torch.randn(1, 4, 16, generator=rng),
+            torch.randn(2, 4, 2, 16),
+            torch.randn(2, 4, 2, 16),
+            view,
+        )
