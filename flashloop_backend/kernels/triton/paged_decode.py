@@ -16,7 +16,7 @@ KEYS_PER_SPLIT_MIN = 512
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return SM_COUNT_FALLBACK
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -43,7 +43,7 @@ def _num_splits(
     rows: int, kv_heads: int, capacity_keys: int, device: torch.device, per_sm: int
 ) -> int:
     """Splits so that about ``per_sm`` programs run per SM, never below 512 keys a split."""
-    want = max(1, math.ceil(per_sm * _sm_count(device) / max(1, rows * kv_heads)))
+    want = max(1, math.ceil(per_sm * sm_count(device) / max(1, rows * kv_heads)))
     most = max(1, math.ceil(capacity_keys / KEYS_PER_SPLIT_MIN))
     return min(want, most)
 

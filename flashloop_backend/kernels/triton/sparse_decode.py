@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .paged_decode import _sm_count, merge_splits, split_buffers
+from .paged_decode import merge_splits, sm_count, split_buffers
 
 KEYS_PER_SPLIT_MIN = 64
 
@@ -52,7 +52,7 @@ def sparse_correction_triton(
         return torch.empty_like(q)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     bucket = indices.shape[-1]
-    want = max(1, math.ceil(2 * _sm_count(q.device) / (rows * num_q_heads)))
+    want = max(1, math.ceil(2 * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
     keys_per_split = math.ceil(bucket / splits)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
