@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -28,13 +29,21 @@ class SparseReferenceState:
     contribution: torch.Tensor
 
 
-def selected_count(ratio: float, visible: int) -> int:
-    """K = max(1, ceil(ratio * T)) (DESIGN §4), never more than T. The product is rounded
-    to 6 decimals first so binary noise (0.1 * 30 = 3.0000000000000004) cannot add a key;
-    kernels compute the same expression in FP64."""
+def ratio_fraction(ratio: float) -> tuple[int, int]:
+    """The retention ratio as the nearest fraction num/den with den <= 10^6: the form every
+    K computation uses, so Python, torch and Triton agree exactly (0.1 * 30 is 3, never
+    3.0000000000000004, and 2/3 stays 2/3)."""
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio={ratio!r} must be in (0, 1]")
-    return min(visible, max(1, math.ceil(round(ratio * visible, 6))))
+    fraction = Fraction(ratio).limit_denominator(1_000_000)
+    return max(1, fraction.numerator), fraction.denominator
+
+
+def selected_count(ratio: float, visible: int) -> int:
+    """K = max(1, ceil(ratio * T)) (DESIGN §4), never more than T, in integer arithmetic on
+    :func:`ratio_fraction`."""
+    num, den = ratio_fraction(ratio)
+    return min(visible, max(1, -(-visible * num // den)))
 
 
 def _per_query_head(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

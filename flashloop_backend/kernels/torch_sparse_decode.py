@@ -8,18 +8,18 @@ import math
 
 import torch
 
+from ..reference import ratio_fraction
 from .validate import check_paged_inputs
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024
 
 
 def selected_counts(context_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
-    """[R] K = max(1, ceil(ratio * T)) per row in FP64 (``reference.selected_count``), 0 for
-    rows without context."""
-    raw = torch.ceil(torch.round(context_lengths.double() * ratio, decimals=6)).long()
-    return torch.where(
-        context_lengths > 0, torch.minimum(raw.clamp(min=1), context_lengths.long()), 0
-    )
+    """[R] int64 K = max(1, ceil(ratio * T)) per row (``reference.selected_count``, integer
+    arithmetic on ``ratio_fraction``), 0 for rows without context."""
+    num, den = ratio_fraction(ratio)
+    lengths = context_lengths.long()
+    return torch.minimum((lengths * num + den - 1) // den, lengths).clamp(min=0)
 
 
 def dense_source(

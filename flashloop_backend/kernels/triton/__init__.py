@@ -32,6 +32,12 @@ def _paged(*args, **kwargs) -> torch.Tensor:
     return paged_attention_triton(*args, **kwargs)
 
 
+def _dense_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    from .dense_source import dense_source_triton
+
+    return dense_source_triton(*args, **kwargs)
+
+
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
     from .sparse_decode import sparse_correction_triton
 
@@ -44,7 +50,8 @@ SPARSE_SUPPORT = Support(
     head_dims=SUPPORT.head_dims,
     block_sizes=SUPPORT.block_sizes,
     python_modules=SUPPORT.python_modules,
-    capabilities=SUPPORT.capabilities | {Capability.GRAPH_SAFE_SPARSE},
+    capabilities=SUPPORT.capabilities
+    | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
 )
 
 
@@ -56,7 +63,8 @@ def provider() -> KernelProvider:
     impl[OpName.SPARSE_CORRECTION] = KernelImpl(
         OpName.SPARSE_CORRECTION, _sparse_correction, SPARSE_SUPPORT
     )
+    impl[OpName.DENSE_SOURCE] = KernelImpl(OpName.DENSE_SOURCE, _dense_source, SPARSE_SUPPORT)
     return KernelProvider(
         name="triton", version=__version__, priority=20,
-        description="Triton paged attention and sparse correction (FP32 online softmax)", impls=impl,
+        description="Triton paged attention, dense source with radix-select statistics, sparse correction", impls=impl,
     )  # fmt: skip

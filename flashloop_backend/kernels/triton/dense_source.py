@@ -1,20 +1,86 @@
-"""Loop-2 dense source with selection statistics: the Triton paged attention writes every
-visible key's scaled logit once and the natural-log LSE; one top-K over a composite
-(logit, -position) key then selects exactly K keys per (row, head), ties to the earlier
-position, without sorting all probabilities. Sizes come from shapes only (no host sync).
+"""Loop-2 dense source with selection statistics (the ``DenseSource`` contract, ``ops.py``).
 
-Validated against the torch reference under the Triton interpreter; not yet registered
-in the triton provider: it becomes the default once its H200 tests and timings exist.
+The Triton paged attention writes every visible key's scaled logit once plus the
+natural-log LSE; ``select_statistics_kernel`` then finds each (row, head)'s exact top-K by
+radix select over order-preserving keys (ties to the earlier position) and writes the
+indices in position order with their mass and contribution. No full sort, no host sync.
+
+``dense_source_torch_topk`` is the first design (one ``torch.topk`` over a composite
+int64 key); the benchmark keeps timing it beside the radix-select kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...reference import ratio_fraction
 from ..torch_sparse_decode import selected_counts
 from .paged_decode import paged_attention_triton
 
 LOW32 = 0xFFFFFFFF
+SELECT_BLOCK = 1024
+RADIX_BITS = 8
+
+
+def _check_bucket(block_tables, block_size, ratio, k_bucket) -> int:
+    span = block_tables.shape[1] * block_size
+    num, den = ratio_fraction(ratio)
+    need = min(span, -(-span * num // den))
+    if block_tables.shape[0] and k_bucket < need:
+        raise ValueError(f"k_bucket={k_bucket} cannot hold the {need} keys selected from {span}")
+    return span
+
+
+def _logits_and_output(q, key_cache, value_cache, block_tables, context_lengths, scale, span):
+    rows, num_q_heads, _ = q.shape
+    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
+    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
+    output = paged_attention_triton(q, key_cache, value_cache, block_tables, context_lengths, scale,
+                                    logits=logits, lse=lse, out_dtype=torch.float32)  # fmt: skip
+    return logits, lse, output
+
+
+def dense_source_triton(
+    q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
+):
+    """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
+    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32).
+
+    Paged inputs as ``paged_attention_triton``; the value cache is read again only at the
+    selected positions."""
+    from .select_jit import select_statistics_kernel
+
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    span = _check_bucket(block_tables, block_size, ratio, k_bucket)
+    logits, lse, output = _logits_and_output(
+        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+    )
+    rows, num_q_heads, head_dim = q.shape
+    block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
+    contribution = torch.empty_like(output)
+    if rows == 0:
+        return out, indices, mass, output, contribution
+    select_statistics_kernel[(rows, num_q_heads)](
+        logits, lse, context_lengths, value_cache, block_tables, output,
+        out, indices, mass, contribution,
+        *ratio_fraction(ratio),
+        logits.stride(0), logits.stride(1),
+        lse.stride(0),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        output.stride(0), output.stride(1),
+        out.stride(0), out.stride(1),
+        indices.stride(0), indices.stride(1),
+        mass.stride(0),
+        contribution.stride(0), contribution.stride(1),
+        k_bucket,
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS,
+    )  # fmt: skip
+    return out, indices, mass, output, contribution
 
 
 def order_key(logits: torch.Tensor) -> torch.Tensor:
@@ -27,19 +93,19 @@ def order_key(logits: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (LOW32 - positions)
 
 
-def dense_source_triton(
+def dense_source_torch_topk(
     q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
 ):
-    """The ``DenseSource`` contract (see ``ops.py``): (out, indices, mass, output, contribution)."""
+    """First design: Triton logits, then ``torch.topk`` over :func:`order_key` (indices by
+    descending probability) and a torch gather for the contribution."""
     rows, num_q_heads, _ = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    span = block_tables.shape[1] * block_size
-    logits = torch.full(
-        (rows, num_q_heads, span), float("-inf"), device=q.device, dtype=torch.float32
+    span = _check_bucket(block_tables, block_size, ratio, k_bucket)
+    logits, lse, output = _logits_and_output(
+        q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )
-    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
-    output = paged_attention_triton(q, key_cache, value_cache, block_tables, context_lengths, scale,
-                                    logits=logits, lse=lse, out_dtype=torch.float32)  # fmt: skip
+    visible = torch.arange(span, device=q.device)[None, None, :] < context_lengths[:, None, None]
+    logits = torch.where(visible, logits, float("-inf"))
     width = min(k_bucket, span)
     top = torch.topk(order_key(logits), width, dim=-1, sorted=True).indices  # [R, Hq, width]
     valid = (

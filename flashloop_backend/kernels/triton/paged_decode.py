@@ -56,21 +56,30 @@ def split_buffers(rows: int, heads: int, splits: int, head_dim: int, device: tor
 
 
 def merge_splits(
-    part_out, part_max, part_sum, out: torch.Tensor, lse: torch.Tensor | None = None
+    part_out,
+    part_max,
+    part_sum,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    correction: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Combine split partial states into ``out`` [R, H, D] (rows with no key give 0) and,
-    if given, the natural-log LSE [R, H] of the scaled logits."""
+    if given, the natural-log LSE [R, H] of the scaled logits. ``correction`` = (output
+    [R, H, D], contribution [R, H, D], mass [R, H]), all FP32, turns the merged sparse
+    softmax into the sparse correction output - contribution + mass * merged."""
     from .paged_decode_jit import merge_splits_kernel
 
     rows, heads, splits, head_dim = part_out.shape
+    ref, contrib, mass = correction if correction is not None else (out, out, part_max)
     merge_splits_kernel[(rows, heads)](
-        part_out, part_max, part_sum, out, lse if lse is not None else out,
+        part_out, part_max, part_sum, out, lse if lse is not None else out, ref, contrib, mass,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
+        ref.stride(0), ref.stride(1), contrib.stride(0), contrib.stride(1), mass.stride(0),
         NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None,
+        STORE_LSE=lse is not None, CORRECT=correction is not None,
     )  # fmt: skip
     return out
 

@@ -105,14 +105,19 @@ def paged_attention_split_kernel(
 @triton.jit
 def merge_splits_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, lse_ptr,
+    ref_ptr, contrib_ptr, mass_ptr,
     stride_pr, stride_ph, stride_ps,
     stride_mr, stride_mh,
     stride_or, stride_oh,
     stride_lr,
+    stride_rr, stride_rh,
+    stride_cr, stride_ch,
+    stride_sr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, CORRECT: tl.constexpr,
 ):  # fmt: skip
-    """One (row, query head): combine split partial states; rows with no key give 0."""
+    """One (row, query head): combine split partial states; rows with no key give 0.
+    With CORRECT the result is the sparse correction ref - contrib + mass * merged."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -132,6 +137,10 @@ def merge_splits_kernel(
     numer = tl.sum(acc * weight[:, None], axis=0)
     denom = tl.sum(sums * weight, axis=0)
     out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
+    if CORRECT:
+        ref = tl.load(ref_ptr + row * stride_rr + head * stride_rh + d)
+        contrib = tl.load(contrib_ptr + row * stride_cr + head * stride_ch + d)
+        out = ref - contrib + tl.load(mass_ptr + row * stride_sr + head) * out
     tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
     if STORE_LSE:  # natural-log log-sum-exp of the scaled logits (-inf for rows with no key)
         lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))

@@ -37,6 +37,9 @@ def sparse_correction_triton(
             raise ValueError(
                 f"{name} must start with shape {expected[name]}; got {tuple(tensor.shape)}"
             )
+        if name != "indices" and tensor.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (the reference state); got {tensor.dtype}")
+    output, contribution = output.contiguous(), contribution.contiguous()
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(
             f"q [R, {num_q_heads}, {head_dim}] does not fit KV cache heads/dim {num_kv_heads}/{cache_dim}"
@@ -70,6 +73,5 @@ def sparse_correction_triton(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_K=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    fresh = torch.empty((rows, num_q_heads, head_dim), device=q.device, dtype=torch.float32)
-    merge_splits(part_out, part_max, part_sum, fresh)
-    return (output - contribution + mass[..., None] * fresh).to(q.dtype)
+    out = torch.empty_like(q)
+    return merge_splits(part_out, part_max, part_sum, out, correction=(output, contribution, mass))

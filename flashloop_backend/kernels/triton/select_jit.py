@@ -1,0 +1,104 @@
+"""Triton code for the loop-2 selection statistics (wrapper in ``dense_source.py``)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_key(logit):
+    """FP32 -> uint32 with the same order (larger logit, larger key)."""
+    bits = logit.to(tl.int32, bitcast=True)
+    raw = logit.to(tl.uint32, bitcast=True)
+    return tl.where(bits >= 0, raw | 0x80000000, raw ^ 0xFFFFFFFF)
+
+
+@triton.jit
+def select_statistics_kernel(
+    logits_ptr, lse_ptr, lengths_ptr, v_ptr, tables_ptr, output_ptr,
+    out_ptr, idx_ptr, mass_ptr, contrib_ptr,
+    ratio_num, ratio_den,
+    stride_lr, stride_lh,
+    stride_er,
+    stride_vb, stride_vt, stride_vh,
+    stride_tr,
+    stride_or, stride_oh,
+    stride_qr, stride_qh,
+    stride_ir, stride_ih,
+    stride_mr,
+    stride_cr, stride_ch,
+    bucket,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):  # fmt: skip
+    """One (row, query head): exact top-K of the row's scaled logits (ties to the earlier
+    position) by radix select on order-preserving keys, then one pass in position order
+    that writes the K indices, their probability mass and contribution sum p * v.
+
+    K = ceil(T * ratio_num / ratio_den) in integer arithmetic; indices past K are -1; the
+    dense output [D] FP32 is also written in the output dtype (``out``)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    count = tl.minimum((length * ratio_num + ratio_den - 1) // ratio_den, length)
+    lse = tl.load(lse_ptr + row * stride_er + head)
+    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 1 << RADIX_BITS)
+
+    # ---- radix select: the K-th largest key, most significant digit first
+    prefix = tl.zeros([], tl.uint32)
+    prefix_mask = tl.zeros([], tl.uint32)
+    remaining = count.to(tl.int32)
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        hist = tl.zeros([1 << RADIX_BITS], tl.int32)
+        for start in range(0, length, BLOCK):
+            pos = start + offs
+            key = _order_key(tl.load(logits_row + pos, mask=pos < length, other=0.0))
+            match = (pos < length) & ((key & prefix_mask) == prefix)
+            digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+            hist += tl.histogram(digit, 1 << RADIX_BITS, mask=match)
+        at_or_above = tl.cumsum(hist, 0, reverse=True)
+        chosen = tl.max(tl.where(at_or_above >= remaining, bins, 0), 0)
+        above = tl.sum(tl.where(bins > chosen, hist, 0), 0)
+        remaining -= above
+        prefix |= chosen.to(tl.uint32) << shift
+        prefix_mask |= tl.full([], (1 << RADIX_BITS) - 1, tl.uint32) << shift
+    threshold = prefix  # keys above it are all taken; `remaining` ties at it, earliest first
+
+    # ---- compaction in position order: indices, mass, contribution
+    d = tl.arange(0, HEAD_DIM)
+    written = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    mass = tl.zeros([], tl.float32)
+    contribution = tl.zeros([HEAD_DIM], tl.float32)
+    for start in range(0, length, BLOCK):
+        pos = start + offs
+        visible = pos < length
+        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
+        key = _order_key(logit)
+        tie = visible & (key == threshold)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+        slot_out = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(
+            idx_ptr + row * stride_ir + head * stride_ih + slot_out, pos.to(tl.int32), mask=take
+        )
+        p = tl.where(take, tl.exp(logit - lse), 0.0)
+        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=take, other=0).to(
+            tl.int64
+        )
+        v = tl.load(v_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        contribution += tl.sum(p[:, None] * v, 0)
+        mass += tl.sum(p, 0)
+        written += tl.sum(take.to(tl.int32), 0)
+        ties_seen += tl.sum(tie.to(tl.int32), 0)
+    for start in range(count, bucket, BLOCK):
+        pos = start + offs
+        tl.store(idx_ptr + row * stride_ir + head * stride_ih + pos, -1, mask=pos < bucket)
+    tl.store(mass_ptr + row * stride_mr + head, mass)
+    tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, contribution)
+    dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)
+    tl.store(out_ptr + row * stride_qr + head * stride_qh + d, dense.to(out_ptr.dtype.element_ty))
