@@ -116,12 +116,20 @@ def test_sparse_correction_rejects_mismatched_state(rng):
 def _dense_source_impls():
     from flashloop_backend.kernels.triton import dense_source as module
 
-    return {"radix": module.dense_source_triton, "topk": module.dense_source_torch_topk}
+    # tiny sample/scratch sizes make the interpreter run both selection paths: a bracket
+    # that fits the scratch, and one that overflows it (exact radix-select fallback)
+    bracket = module.SelectTuning(sample=16, candidates=64, block=16)
+    fallback = module.SelectTuning(sample=16, candidates=16, block=16)
+    return {
+        "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
+        "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
+        "topk": module.dense_source_torch_topk,
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
-@pytest.mark.parametrize("impl", ["radix", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix", "topk"])
 def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
     from flashloop_backend.kernels.torch_sparse_decode import dense_source
 
@@ -136,7 +144,7 @@ def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
         torch.testing.assert_close(mine, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
 
 
-@pytest.mark.parametrize("impl", ["radix", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix", "topk"])
 def test_dense_source_ties_go_to_the_earlier_positions(impl, rng):
     q, _, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
     equal_keys = torch.ones_like(vc)  # every visible key has the same logit

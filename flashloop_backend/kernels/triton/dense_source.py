@@ -11,6 +11,8 @@ int64 key); the benchmark keeps timing it beside the radix-select kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...reference import ratio_fraction
@@ -18,8 +20,21 @@ from ..torch_sparse_decode import selected_counts
 from .paged_decode import paged_attention_triton
 
 LOW32 = 0xFFFFFFFF
-SELECT_BLOCK = 1024
-RADIX_BITS = 8
+
+
+@dataclass(frozen=True)
+class SelectTuning:
+    """Selection kernel shape: the strided sample that brackets the K-th key, the scratch
+    for keys inside the bracket (a miss or overflow falls back to an exact radix select)."""
+
+    sample: int = 4096
+    candidates: int = 4096
+    block: int = 1024
+    radix_bits: int = 8
+    num_warps: int = 8
+
+
+DEFAULT_SELECT = SelectTuning()
 
 
 def _check_bucket(block_tables, block_size, ratio, k_bucket) -> int:
@@ -41,7 +56,15 @@ def _logits_and_output(q, key_cache, value_cache, block_tables, context_lengths,
 
 
 def dense_source_triton(
-    q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lengths,
+    ratio,
+    k_bucket,
+    scale=None,
+    tuning: SelectTuning = DEFAULT_SELECT,
 ):
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32).
@@ -61,11 +84,14 @@ def dense_source_triton(
     indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
     mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
     contribution = torch.empty_like(output)
+    scratch = torch.empty(
+        (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
+    )
     if rows == 0:
         return out, indices, mass, output, contribution
     select_statistics_kernel[(rows, num_q_heads)](
         logits, lse, context_lengths, value_cache, block_tables, output,
-        out, indices, mass, contribution,
+        out, indices, mass, contribution, scratch,
         *ratio_fraction(ratio),
         logits.stride(0), logits.stride(1),
         lse.stride(0),
@@ -78,7 +104,8 @@ def dense_source_triton(
         contribution.stride(0), contribution.stride(1),
         k_bucket,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS,
+        BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
+        CANDIDATES=tuning.candidates, num_warps=tuning.num_warps,
     )  # fmt: skip
     return out, indices, mass, output, contribution
 

@@ -13,45 +13,16 @@ def _order_key(logit):
 
 
 @triton.jit
-def select_statistics_kernel(
-    logits_ptr, lse_ptr, lengths_ptr, v_ptr, tables_ptr, output_ptr,
-    out_ptr, idx_ptr, mass_ptr, contrib_ptr,
-    ratio_num, ratio_den,
-    stride_lr, stride_lh,
-    stride_er,
-    stride_vb, stride_vt, stride_vh,
-    stride_tr,
-    stride_or, stride_oh,
-    stride_qr, stride_qh,
-    stride_ir, stride_ih,
-    stride_mr,
-    stride_cr, stride_ch,
-    bucket,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-):  # fmt: skip
-    """One (row, query head): exact top-K of the row's scaled logits (ties to the earlier
-    position) by radix select on order-preserving keys, then one pass in position order
-    that writes the K indices, their probability mass and contribution sum p * v.
-
-    K = ceil(T * ratio_num / ratio_den) in integer arithmetic; indices past K are -1; the
-    dense output [D] FP32 is also written in the output dtype (``out``)."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    length = tl.load(lengths_ptr + row).to(tl.int64)
-    count = tl.minimum((length * ratio_num + ratio_den - 1) // ratio_den, length)
-    lse = tl.load(lse_ptr + row * stride_er + head)
-    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+def _radix_threshold(logits_row, length, count, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The K-th largest key by radix select, most significant digit first (exact for any
+    input; one histogram pass per digit). Returns (threshold key, ties to take at it)."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << RADIX_BITS)
-
-    # ---- radix select: the K-th largest key, most significant digit first
     prefix = tl.zeros([], tl.uint32)
     prefix_mask = tl.zeros([], tl.uint32)
     remaining = count.to(tl.int32)
     for level in tl.static_range(32 // RADIX_BITS):
-        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        shift = 32 - RADIX_BITS * (level + 1)
         hist = tl.zeros([1 << RADIX_BITS], tl.int32)
         for start in range(0, length, BLOCK):
             pos = start + offs
@@ -65,7 +36,99 @@ def select_statistics_kernel(
         remaining -= above
         prefix |= chosen.to(tl.uint32) << shift
         prefix_mask |= tl.full([], (1 << RADIX_BITS) - 1, tl.uint32) << shift
-    threshold = prefix  # keys above it are all taken; `remaining` ties at it, earliest first
+    return prefix, remaining
+
+
+@triton.jit
+def _pick(sorted_keys, index, WIDTH: tl.constexpr):
+    """sorted_keys[index] for a run-time index (0 past the end)."""
+    return tl.max(tl.where(tl.arange(0, WIDTH) == index, sorted_keys, 0), 0)
+
+
+@triton.jit
+def _bracket_threshold(logits_row, scratch_row, length, count, BLOCK: tl.constexpr,
+                       SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr):  # fmt: skip
+    """The K-th largest key from a strided sample: its sorted sample brackets the K-th key
+    by rank (+-3 sigma + 16); one pass counts keys above the bracket and copies those inside
+    to scratch; sorting them gives the exact key. Returns (threshold, ties to take, ok); ok
+    is false when the bracket missed or overflowed the scratch (the caller falls back)."""
+    offs = tl.arange(0, BLOCK)
+    stride = (length + SAMPLE - 1) // SAMPLE
+    sample_pos = tl.arange(0, SAMPLE) * stride
+    in_sample = sample_pos < length
+    sample = tl.where(
+        in_sample, _order_key(tl.load(logits_row + sample_pos, mask=in_sample, other=0.0)), 0
+    )
+    sample = tl.sort(sample, descending=True)
+    taken = tl.sum(in_sample.to(tl.int32), 0)
+    fraction = count.to(tl.float32) / tl.maximum(length, 1).to(tl.float32)
+    margin = (3.0 * tl.sqrt(taken * fraction * (1.0 - fraction)) + 16.0).to(tl.int32)
+    rank = (count * taken // tl.maximum(length, 1)).to(tl.int32)
+    lowest = tl.where(rank + margin < taken, _pick(sample, rank + margin, SAMPLE), 0)
+    highest = tl.where(rank >= margin, _pick(sample, rank - margin, SAMPLE), 0xFFFFFFFF)
+    above = tl.zeros([], tl.int32)
+    inside = tl.zeros([], tl.int32)
+    for start in range(0, length, BLOCK):
+        pos = start + offs
+        key = _order_key(tl.load(logits_row + pos, mask=pos < length, other=0.0))
+        above += tl.sum(((pos < length) & (key > highest)).to(tl.int32), 0)
+        candidate = (pos < length) & (key >= lowest) & (key <= highest)
+        slot = inside + tl.cumsum(candidate.to(tl.int32), 0) - 1
+        tl.store(
+            scratch_row + slot, key.to(tl.int32, bitcast=True), mask=candidate & (slot < CANDIDATES)
+        )
+        inside += tl.sum(candidate.to(tl.int32), 0)
+    ok = (above < count) & (count <= above + inside) & (inside <= CANDIDATES)
+    c = tl.arange(0, CANDIDATES)
+    candidates = tl.load(scratch_row + c, mask=ok & (c < inside), other=0).to(
+        tl.uint32, bitcast=True
+    )
+    candidates = tl.sort(candidates, descending=True)
+    threshold = _pick(candidates, count - above - 1, CANDIDATES)
+    higher = above + tl.sum((candidates > threshold).to(tl.int32), 0)
+    return threshold, (count - higher).to(tl.int32), ok
+
+
+@triton.jit
+def select_statistics_kernel(
+    logits_ptr, lse_ptr, lengths_ptr, v_ptr, tables_ptr, output_ptr,
+    out_ptr, idx_ptr, mass_ptr, contrib_ptr, scratch_ptr,
+    ratio_num, ratio_den,
+    stride_lr, stride_lh,
+    stride_er,
+    stride_vb, stride_vt, stride_vh,
+    stride_tr,
+    stride_or, stride_oh,
+    stride_qr, stride_qh,
+    stride_ir, stride_ih,
+    stride_mr,
+    stride_cr, stride_ch,
+    bucket,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """One (row, query head): exact top-K of the row's scaled logits (ties to the earlier
+    position) on order-preserving keys, then one pass in position order that writes the
+    K indices, their probability mass and contribution sum p * v.
+
+    K = ceil(T * ratio_num / ratio_den) in integer arithmetic; indices past K are -1; the
+    dense output [D] FP32 is also written in the output dtype (``out``)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    count = tl.minimum((length * ratio_num + ratio_den - 1) // ratio_den, length)
+    lse = tl.load(lse_ptr + row * stride_er + head)
+    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+    offs = tl.arange(0, BLOCK)
+
+    # ---- the K-th largest key: sampled bracket, exact radix select if the bracket misses
+    threshold, remaining, ok = _bracket_threshold(
+        logits_row, scratch_ptr + (row * tl.num_programs(1) + head) * CANDIDATES, length, count,
+        BLOCK, SAMPLE, CANDIDATES,
+    )  # fmt: skip
+    if not ok:
+        threshold, remaining = _radix_threshold(logits_row, length, count, BLOCK, RADIX_BITS)
 
     # ---- compaction in position order: indices, mass, contribution
     d = tl.arange(0, HEAD_DIM)
