@@ -238,9 +238,12 @@ def bench_end_to_end(
     prefill_chunk: int = 2048,
     block_size: int = 16,
     log=print,
+    config: FlashLoopConfig | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
-    random weights (no download). Decode rows advance one loop per host step."""
+    random weights (no download). Decode rows advance one loop per host step. ``config``
+    applies to the ``flashloop`` backend; every other backend runs dense. Prefill speedups
+    are against the first backend, measured in the same process."""
     from .host.engine import Engine, SamplingParams
     from .host.model import OuroModel
 
@@ -265,7 +268,8 @@ def bench_end_to_end(
     prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     results = {}
     for name in backends:
-        backend = registry.create(name, request, FlashLoopConfig())
+        effective = (config or FlashLoopConfig()) if name == "flashloop" else FlashLoopConfig()
+        backend = registry.create(name, request, effective)
         engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
                         max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk)  # fmt: skip
         torch.cuda.synchronize()
@@ -297,6 +301,9 @@ def bench_end_to_end(
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
+            "config_digest": resolve(effective, name, request, registry).digest(),
+            "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)
+            if backends[0] in results else 1.0,
         }  # fmt: skip
         log(f"  e2e {name} ctx={context} conc={concurrency}: TTFT {statistics.median(ttft):.3f} s, "
             f"TPOT {results[name]['tpot_ms']['median']:.1f} ms, {results[name]['throughput_tokens_s']:.1f} tok/s")  # fmt: skip
@@ -306,7 +313,7 @@ def bench_end_to_end(
         "kind": "end_to_end_host", "environment": environment_record(),
         "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
         "context": context, "concurrency": concurrency, "new_tokens": new_tokens, "prefill_chunk": prefill_chunk,
-        "config_digest": resolve(FlashLoopConfig(), backends[0], request, registry).digest(), "results": results,
+        "config": (config or FlashLoopConfig()).model_dump(mode="json"), "results": results,
     }  # fmt: skip
 
 

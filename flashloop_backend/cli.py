@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .capabilities import Capability, SupportRequest, dtype_name
-from .config import ConfigError, load_config
+from .config import ConfigError, FlashLoopConfig, load_config
 from .registry import AUTO, Registry, capability_table, resolve
 
 EXIT_USAGE = 2
@@ -156,6 +156,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list ratios in (0, 1]")
+    return values
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -166,7 +176,12 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
-    if args.mode == "sparse":
+    config = load_config(args.config) if args.config else FlashLoopConfig()
+    if args.mode == "prefill":
+        from .bench_prefill import bench_prefill_attention
+
+        record = bench_prefill_attention(args.contexts, args.retentions, log=bench.progress_log)
+    elif args.mode == "sparse":
         record = bench.bench_sparse_decode(
             args.contexts, args.concurrency, args.ratio, log=bench.progress_log
         )
@@ -176,7 +191,13 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         records = [
             bench.bench_end_to_end(
-                names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log
+                names,
+                ctx,
+                conc,
+                args.new_tokens,
+                args.layers,
+                log=bench.progress_log,
+                config=config,
             )
             for ctx in args.contexts
             for conc in args.concurrency
@@ -206,7 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="GPU benchmarks: kernel level or end to end through the host"
     )
-    bench.add_argument("mode", choices=["kernel", "e2e", "sparse"])
+    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill"])
+    bench.add_argument(
+        "--config", help="e2e: FlashLoop config file for the flashloop backend (others: dense)"
+    )
+    bench.add_argument(
+        "--retentions", type=_float_list, default=[0.25, 0.10], help="prefill: token retentions"
+    )
     bench.add_argument("--ratio", type=float, default=0.10, help="sparse: key retention")
     bench.add_argument(
         "--backends", default="flashinfer,triton", help="comma-separated; the first is the baseline"

@@ -18,6 +18,8 @@ def cli(*args):
         (("bench", "kernel", "--contexts", "0,5"), "must list positive integers"),
         (("bench", "kernel", "--concurrency", "a"), "not a comma-separated list"),
         (("bench", "fast"), "invalid choice"),
+        (("bench", "prefill", "--retentions", "0.5,1.5"), "must list ratios in (0, 1]"),
+        (("bench", "e2e", "--config", "/nonexistent.json"), "/nonexistent.json"),
     ],
 )
 def test_bench_argument_errors(args, fragment):
@@ -27,6 +29,7 @@ def test_bench_argument_errors(args, fragment):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
-def test_bench_without_gpu_is_a_clean_error():
-    result = cli("bench", "kernel", "--backends", "torch")
+@pytest.mark.parametrize("mode", ["kernel", "prefill", "sparse"])
+def test_bench_without_gpu_is_a_clean_error(mode):
+    result = cli("bench", mode, "--backends", "torch")
     assert result.returncode == 2 and "no CUDA GPU" in result.stderr

@@ -121,13 +121,21 @@ class PagedKVCache:
 
     def finalize_exit(self, request_id: int, position: int, exit_depth: int) -> None:
         """Copy-on-exit: planes deeper than ``exit_depth`` take that plane's K/V (all layers)."""
+        self.finalize_exits(request_id, [position], exit_depth)
+
+    def finalize_exits(self, request_id: int, positions: list[int], exit_depth: int) -> None:
+        """:meth:`finalize_exit` for many positions of one request, one copy per depth."""
+        if not positions:
+            return
         planes = self._tables[request_id].planes
-        block, offset = divmod(position, self.block_size)
-        src = planes[exit_depth][block]
+        device = self.key_pool.device
+        where = torch.tensor(positions, dtype=torch.long)
+        blocks, offsets = where // self.block_size, (where % self.block_size).to(device)
+        src = torch.tensor(planes[exit_depth], dtype=torch.long)[blocks].to(device)
         for depth in range(exit_depth + 1, self.num_depths):
-            dst = planes[depth][block]
-            self.key_pool[dst, :, offset] = self.key_pool[src, :, offset]
-            self.value_pool[dst, :, offset] = self.value_pool[src, :, offset]
+            dst = torch.tensor(planes[depth], dtype=torch.long)[blocks].to(device)
+            self.key_pool[dst, :, offsets] = self.key_pool[src, :, offsets]
+            self.value_pool[dst, :, offsets] = self.value_pool[src, :, offsets]
 
     def bytes_per_token(self) -> int:
         """Steady KV bytes one token occupies across all layers and depth planes."""

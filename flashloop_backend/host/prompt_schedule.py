@@ -46,8 +46,8 @@ class PromptSchedule:
                 scores, self.active, self.sparsity.retention[nxt], self.sparsity.window_size
             )
             # The compact host schedules on the CPU: reading the selection here is its planning step.
-            for position in (self.active & ~chosen).nonzero().flatten().tolist():
-                kv.finalize_exit(request_id, position, depth)
+            dropped = (self.active & ~chosen).nonzero().flatten().tolist()
+            kv.finalize_exits(request_id, dropped, depth)
             self.active = chosen
             self.positions = chosen.nonzero().flatten().tolist()
         self.active_counts.append(len(self.positions))

@@ -86,18 +86,20 @@ class FlashInferPagedAttention:
         _, block_size, num_kv_heads, _ = key_cache.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         # The plan is reused only for identical contents (every layer of one traversal): a
-        # fresh tensor at a recycled address must never pick up a stale plan.
-        tables, lengths = block_tables.long().cpu(), context_lengths.long().cpu()
+        # fresh tensor at a recycled address must never pick up a stale plan. Contents are
+        # compared on the device; only a new batch is copied to the host for planning.
         key = (q.dtype, num_q_heads, num_kv_heads, block_size, scale)
         last = self._key
         if (
             last is None
             or last[0] != key
-            or not (torch.equal(last[1], tables) and torch.equal(last[2], lengths))
+            or last[1].shape != block_tables.shape
+            or last[2].shape != context_lengths.shape
+            or not (torch.equal(last[1], block_tables) and torch.equal(last[2], context_lengths))
         ):
             self.plan(
-                tables,
-                lengths,
+                block_tables.long().cpu(),
+                context_lengths.long().cpu(),
                 q.device,
                 num_q_heads,
                 num_kv_heads,
@@ -106,7 +108,7 @@ class FlashInferPagedAttention:
                 q.dtype,
                 scale,
             )
-            self._key = (key, tables, lengths)
+            self._key = (key, block_tables.clone(), context_lengths.clone())
         wrapper = self.prefill if self.use_prefill else self.decode
         out = wrapper.run(q, (key_cache, value_cache))
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
@@ -132,9 +134,12 @@ def provider() -> KernelProvider:
         fi_version = version("flashinfer-python")
     except Exception:
         fi_version = "not installed"
+    # Not offered for ``sparse_prefill``: the planner makes every nonconsecutive query row a
+    # sequence of its own, which is correct but re-reads the context once per row.
     impl = {
-        op: KernelImpl(op, paged_attention_flashinfer, SUPPORT)
-        for op in (OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL)
+        OpName.DENSE_ATTENTION: KernelImpl(
+            OpName.DENSE_ATTENTION, paged_attention_flashinfer, SUPPORT
+        )
     }
     return KernelProvider(
         name="flashinfer", version=f"{__version__} (flashinfer {fi_version})", priority=30,

@@ -32,6 +32,12 @@ def _paged(*args, **kwargs) -> torch.Tensor:
     return paged_attention_triton(*args, **kwargs)
 
 
+def _sparse_prefill(*args, **kwargs) -> torch.Tensor:
+    from .sparse_prefill import sparse_prefill_triton
+
+    return sparse_prefill_triton(*args, **kwargs)
+
+
 def _dense_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
     from .dense_source import dense_source_triton
 
@@ -57,8 +63,8 @@ SPARSE_SUPPORT = Support(
 
 def provider() -> KernelProvider:
     impl = {
-        op: KernelImpl(op, _paged, SUPPORT)
-        for op in (OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL)
+        OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, _paged, SUPPORT),
+        OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, _sparse_prefill, SUPPORT),
     }
     impl[OpName.SPARSE_CORRECTION] = KernelImpl(
         OpName.SPARSE_CORRECTION, _sparse_correction, SPARSE_SUPPORT
@@ -66,5 +72,5 @@ def provider() -> KernelProvider:
     impl[OpName.DENSE_SOURCE] = KernelImpl(OpName.DENSE_SOURCE, _dense_source, SPARSE_SUPPORT)
     return KernelProvider(
         name="triton", version=__version__, priority=20,
-        description="Triton paged attention, dense source with radix-select statistics, sparse correction", impls=impl,
+        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction", impls=impl,
     )  # fmt: skip

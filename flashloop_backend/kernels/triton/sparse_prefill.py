@@ -1,0 +1,96 @@
+"""Wrapper for tiled prefill attention over nonconsecutive queries (the ``PagedAttention``
+contract, served for ``sparse_prefill``): rows that share a block table are cut into tiles
+of BLOCK_M on the device (no host sync), each tile runs flash attention over its table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..validate import check_paged_inputs
+
+
+@dataclass(frozen=True)
+class PrefillTuning:
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_PREFILL = PrefillTuning()
+
+
+def tile_starts(block_tables: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R + 1] int32 first row of each tile, then R for every unused tile; [1] int32 tile
+    count), both on the device.
+
+    Consecutive rows with identical block-table rows form a segment; a tile starts at
+    every segment start and every ``block_m`` rows inside a segment."""
+    rows = block_tables.shape[0]
+    device = block_tables.device
+    index = torch.arange(rows, device=device)
+    new_segment = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows > 1:
+        new_segment[1:] = (block_tables[1:] != block_tables[:-1]).any(dim=1)
+    segment_first = torch.cummax(torch.where(new_segment, index, 0), 0).values
+    starts_tile = (index - segment_first) % block_m == 0
+    tile_of_row = torch.cumsum(starts_tile.int(), 0) - 1
+    starts = torch.full((rows + 2,), rows, dtype=torch.int32, device=device)
+    dump = torch.full_like(tile_of_row, rows + 1)
+    starts.index_put_((torch.where(starts_tile, tile_of_row, dump),), index.int())
+    return starts[: rows + 1], starts_tile.sum(dtype=torch.int32).reshape(1)
+
+
+def sparse_prefill_triton(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+    tuning: PrefillTuning = DEFAULT_PREFILL,
+) -> torch.Tensor:
+    """Per-row causal paged attention for query rows at arbitrary absolute positions.
+
+    q [R, Hq, D]; key_cache/value_cache [NB, BS, Hkv, D] (unit stride on D); block_tables
+    [R, MB] int32; context_lengths [R] int32 (position + 1; 0 = padding, output zeros).
+    Rows of one sequence should be consecutive (they then share tiles); any order is
+    correct. Returns [R, Hq, D] in q's dtype."""
+    from .sparse_prefill_jit import sparse_prefill_kernel
+
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the triton kernel")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    if block_tables.stride(-1) != 1:  # rows may share one table through a zero stride
+        block_tables = block_tables.contiguous()
+    starts, num_tiles = tile_starts(block_tables, tuning.block_m)
+    # one program per tile of a single segment; tiles added by segment starts are taken
+    # in turn by the same programs (the tile count is only known on the device)
+    programs = math.ceil(rows / tuning.block_m)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    sparse_prefill_kernel[(programs, num_q_heads)](
+        q, key_cache, value_cache, block_tables, context_lengths, starts, num_tiles, out,
+        scale,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+    )  # fmt: skip
+    return out

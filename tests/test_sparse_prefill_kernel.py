@@ -1,0 +1,94 @@
+"""Tiled nonconsecutive-query prefill (Triton; interpreter on CPU) against a
+position-indexed mask reference and the per-row paged reference."""
+
+import pytest
+import torch
+
+from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.triton.sparse_prefill import (
+    PrefillTuning,
+    sparse_prefill_triton,
+    tile_starts,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SMALL = PrefillTuning(block_m=16, block_n=16)
+
+
+def test_tile_starts_cut_at_segments_and_every_block_m_rows():
+    tables = torch.tensor([[1, 2]] * 5 + [[3, 4]] * 2 + [[1, 2]], dtype=torch.int32)
+    starts, count = tile_starts(tables.to(DEVICE), 2)
+    # segments [0, 5), [5, 7), [7, 8) -> tiles at 0, 2, 4 | 5 | 7
+    assert count.tolist() == [5]
+    assert starts.tolist() == [0, 2, 4, 5, 7, 8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
+def test_nonconsecutive_queries_match_a_position_indexed_mask(dtype, hq, hkv, rng):
+    length, block, dim = 80, 16, 16
+    keys = torch.randn(length, hkv, dim, generator=rng)
+    values = torch.randn(length, hkv, dim, generator=rng)
+    positions = torch.tensor([0, 3, 4, 9, 17, 18, 30, 31, 47, 50, 63, 64, 70, 71, 78, 79, 5])
+    q = torch.randn(len(positions), hq, dim, generator=rng)
+    # reference: every query against the whole sequence, masked by absolute position
+    mask = torch.arange(length)[None, :] <= positions[:, None]  # [Q, T]
+    expanded_k = keys.repeat_interleave(hq // hkv, dim=1)
+    expanded_v = values.repeat_interleave(hq // hkv, dim=1)
+    logits = torch.einsum("qhd,thd->hqt", q, expanded_k) / dim**0.5
+    probs = torch.softmax(logits.masked_fill(~mask[None], float("-inf")), dim=-1)
+    expected = torch.einsum("hqt,thd->qhd", probs, expanded_v)
+    # the same sequence in shuffled pages
+    pages = torch.tensor([4, 0, 2, 5, 1])
+    cache_k = torch.zeros(6, block, hkv, dim)
+    cache_v = torch.zeros(6, block, hkv, dim)
+    cache_k[pages] = keys.reshape(5, block, hkv, dim)
+    cache_v[pages] = values.reshape(5, block, hkv, dim)
+    tables = pages.int()[None, :].repeat(len(positions), 1)
+    got = sparse_prefill_triton(
+        q.to(DEVICE, dtype),
+        cache_k.to(DEVICE, dtype),
+        cache_v.to(DEVICE, dtype),
+        tables.to(DEVICE),
+        (positions + 1).int().to(DEVICE),
+        tuning=SMALL,
+    )
+    torch.testing.assert_close(got.float().cpu(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_several_sequences_padding_and_split_tiles_match_the_paged_reference(dtype, rng):
+    hq = hkv = 2
+    dim, block = 16, 16
+    kc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    vc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    first = torch.tensor([3, 5, 7, 1], dtype=torch.int32)
+    second = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    # 20 rows of sequence A (more than one tile), 2 padding rows, 7 rows of B, then A again
+    lengths_a = torch.tensor(
+        [1, 2, 5, 6, 7, 12, 13, 20, 21, 22, 30, 33, 40, 41, 44, 45, 50, 57, 60, 64]
+    )
+    lengths_b = torch.tensor([64, 10, 11, 12, 40, 41, 2])
+    lengths = torch.cat([lengths_a, torch.zeros(2, dtype=torch.long), lengths_b, torch.tensor([9])])
+    tables = torch.cat(
+        [first.repeat(20, 1), torch.full((2, 4), -1, dtype=torch.int32), second.repeat(7, 1),
+         first[None]]
+    )  # fmt: skip
+    q = torch.randn(len(lengths), hq, dim, generator=rng).to(DEVICE, dtype)
+    got = sparse_prefill_triton(
+        q, kc, vc, tables.to(DEVICE), lengths.int().to(DEVICE), tuning=SMALL
+    )
+    expected = paged_attention(
+        q.float(), kc.float(), vc.float(), tables.to(DEVICE), lengths.int().to(DEVICE)
+    )
+    torch.testing.assert_close(got.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(got[20:22], torch.zeros_like(got[20:22]))  # padding rows: zeros
+
+
+def test_rejects_a_non_power_of_two_head_dim():
+    kc = torch.zeros(2, 16, 1, 24, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
+        sparse_prefill_triton(torch.zeros(1, 1, 24, device=DEVICE), kc, kc, one[:, None], one)
