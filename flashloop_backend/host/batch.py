@@ -72,16 +72,20 @@ def build_batch(
     incarnations += [-1] * pad
     slots += [-1] * pad
 
-    width = max([len(kv.block_table(g.request_id, 0)) for g in groups] or [1])
-    planes = torch.full((kv.num_depths, len(positions), width), -1, dtype=torch.int32)
-    row = 0
-    for group in groups:
+    # One table per (request, depth) travels to the device; rows gather theirs there (a
+    # prefill chunk would otherwise copy rows x depths x pages entries from the host).
+    owners = list(dict.fromkeys(g.request_id for g in groups))
+    width = max([len(kv.block_table(r, 0)) for r in owners] or [1])
+    per_request = torch.full((kv.num_depths, len(owners) + 1, width), -1, dtype=torch.int32)
+    for index, request_id in enumerate(owners):
         for depth in range(kv.num_depths):
-            table = kv.block_table(group.request_id, depth)
-            planes[depth, row : row + group.count, : len(table)] = torch.tensor(
-                table, dtype=torch.int32
-            )
-        row += group.count
+            table = kv.block_table(request_id, depth)
+            per_request[depth, index, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    owner_of = {request_id: index for index, request_id in enumerate(owners)}
+    row_owner = [owner_of[g.request_id] for g in groups for _ in range(g.count)]
+    row_owner += [len(owners)] * pad  # padding rows read the all -1 table
+    row_owner_t = torch.tensor(row_owner, dtype=torch.int64, device=device)
+    planes = per_request.to(device)[:, row_owner_t]
 
     position_t = torch.tensor(positions, dtype=torch.int64)
     mode_t = torch.tensor(modes, dtype=torch.int8)
@@ -95,6 +99,6 @@ def build_batch(
         request_ids=torch.tensor(requests, dtype=torch.int64, device=device),
         window_ids=torch.full((len(positions),), -1, dtype=torch.int64, device=device),
         context_lengths=lengths.to(device),
-        block_tables=planes.to(device),
+        block_tables=planes,
     )
     return Batch(view, torch.tensor(slots, dtype=torch.int64, device=device), tuple(groups), real)

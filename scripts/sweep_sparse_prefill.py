@@ -1,0 +1,37 @@
+"""Sweep launch shapes of the tiled sparse-prefill kernel on the GPU (32K context, dense
+rows and a 0.25 windowed subset); prints one JSON line per shape."""
+
+import json
+import math
+import sys
+
+import torch
+
+from flashloop_backend.bench import _eager_ms
+from flashloop_backend.bench_prefill import windowed_subset
+from flashloop_backend.kernels.triton.sparse_prefill import PrefillTuning, sparse_prefill_triton
+
+context = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+gen = torch.Generator(device="cuda").manual_seed(0)
+pages = math.ceil(context / 16)
+kc = torch.randn(pages, 16, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+vc = torch.randn_like(kc)
+table = torch.randperm(pages, device="cuda", generator=gen).int()
+q_all = torch.randn(context, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+subsets = {
+    "dense": torch.arange(context, device="cuda"),
+    "0.25": windowed_subset(context, 0.25, gen),
+}
+for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                              (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)]:  # fmt: skip
+    tuning = PrefillTuning(bm, bn, warps, stages)
+    row = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages}
+    for name, subset in subsets.items():
+        q, t, n = q_all[subset], table[None].expand(len(subset), -1), (subset + 1).int()
+        try:
+            row[name + "_ms"] = _eager_ms(
+                lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning), 5, 2
+            )
+        except Exception as exc:  # a shape that does not fit shared memory
+            row[name + "_ms"] = f"{type(exc).__name__}"
+    print(json.dumps(row), flush=True)
