@@ -30,7 +30,9 @@ for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (
         q, t, n = q_all[subset], table[None].expand(len(subset), -1), (subset + 1).int()
         try:
             row[name + "_ms"] = _eager_ms(
-                lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning), 5, 2
+                lambda q=q, t=t, n=n, k=tuning: sparse_prefill_triton(q, kc, vc, t, n, tuning=k),
+                5,
+                2,
             )
         except Exception as exc:  # a shape that does not fit shared memory
             row[name + "_ms"] = f"{type(exc).__name__}"
