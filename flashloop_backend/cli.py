@@ -177,7 +177,11 @@ def _bench(args: argparse.Namespace) -> int:
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     config = load_config(args.config) if args.config else FlashLoopConfig()
-    if args.mode == "prefill":
+    if args.mode == "packed":
+        from .bench_packed import bench_packed_kv
+
+        record = bench_packed_kv(args.contexts, args.concurrency, log=bench.progress_log)
+    elif args.mode == "prefill":
         from .bench_prefill import bench_prefill_attention
 
         record = bench_prefill_attention(args.contexts, args.retentions, log=bench.progress_log)
@@ -227,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="GPU benchmarks: kernel level or end to end through the host"
     )
-    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill"])
+    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed"])
     bench.add_argument(
         "--config", help="e2e: FlashLoop config file for the flashloop backend (others: dense)"
     )

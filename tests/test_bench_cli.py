@@ -29,7 +29,7 @@ def test_bench_argument_errors(args, fragment):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
-@pytest.mark.parametrize("mode", ["kernel", "prefill", "sparse"])
+@pytest.mark.parametrize("mode", ["kernel", "prefill", "sparse", "packed"])
 def test_bench_without_gpu_is_a_clean_error(mode):
     result = cli("bench", mode, "--backends", "torch")
     assert result.returncode == 2 and "no CUDA GPU" in result.stderr

@@ -1,0 +1,99 @@
+"""Wrapper for decode attention over packed INT4 KV plus a BF16 paged tail: validates,
+splits the groups over programs from shapes only (no host sync), merges the splits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...packed_kv import PackedKVStore
+from ..validate import check_paged_inputs
+from .paged_decode import merge_splits, sm_count, split_buffers
+
+LEVEL_DENSE, LEVEL_COMPACT, LEVEL_EMPTY = 0, 1, 2
+
+
+def level_metadata(store: PackedKVStore, sequences: list[int], depths: list[int],
+                   device: torch.device | str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Per-row reader metadata, built once per batch on the host: ``level_tables`` [R, Lv,
+    P] int32 page ids per level, ``level_maps`` [R, Lv, Tp] int32 logical -> compact row,
+    ``level_kinds`` [R, Lv] int32 (0 dense, 1 compact, 2 empty), ``packed_lengths`` [R]
+    int32. Lv = deepest depth read + 1; a row at depth d reads levels 0..d."""
+    levels = max(depths, default=0) + 1
+    pages = max((len(p) for s in sequences for p in store.sequences[s].pages), default=1)
+    rows = max((store.sequences[s].rows for s in sequences), default=1)
+    tables = torch.full((len(sequences), levels, max(pages, 1)), -1, dtype=torch.int32)
+    maps = torch.full((len(sequences), levels, max(rows, 1)), -1, dtype=torch.int32)
+    kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
+    packed = torch.zeros(len(sequences), dtype=torch.int32)
+    for i, (sequence, depth) in enumerate(zip(sequences, depths, strict=True)):
+        entry = store.sequences[sequence]
+        packed[i] = entry.rows
+        for level in range(min(depth + 1, len(entry.pages))):
+            if entry.pages[level]:
+                tables[i, level, : len(entry.pages[level])] = torch.tensor(entry.pages[level])
+                kinds[i, level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
+            if entry.maps[level] is not None:
+                maps[i, level, : entry.rows] = entry.maps[level].cpu()
+    return {
+        "level_tables": tables.to(device), "level_maps": maps.to(device),
+        "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),
+    }  # fmt: skip
+
+
+def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
+                         key_cache, value_cache, block_tables, context_lengths,
+                         scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Decode attention of q [R, Hq, D] over each row's history: positions below
+    ``packed_lengths`` from the packed store (reconstructed at the row's depth in
+    registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
+    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
+    from .packed_decode_jit import packed_decode_split_kernel
+
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, store_heads, store_dim = store.shape
+    if (store_heads, store_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"store holds {store_heads} heads x {store_dim} dims; the cache {num_kv_heads} x {head_dim}"
+        )
+    tables, maps = meta["level_tables"], meta["level_maps"]
+    kinds, packed = meta["level_kinds"], meta["packed_lengths"]
+    if tables.shape[0] != rows or kinds.shape != tables.shape[:2] or packed.shape != (rows,):
+        raise ValueError(
+            f"metadata rows/levels disagree: tables {tuple(tables.shape)}, kinds {tuple(kinds.shape)}, "
+            f"packed {tuple(packed.shape)} for {rows} rows"
+        )
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    g = store.group_size
+    groups = math.ceil(max(block_tables.shape[1] * block_size, maps.shape[2]) / g)
+    want = max(1, math.ceil(2 * sm_count(q.device) / (rows * num_q_heads)))
+    splits = max(1, min(want, groups))
+    per_split = math.ceil(groups / splits)
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    kc, kmin, kscale = store.k_codes[:, layer], store.k_min[:, layer], store.k_scale[:, layer]
+    vc, vmin, vscale = store.v_codes[:, layer], store.v_min[:, layer], store.v_scale[:, layer]
+    block_tables = block_tables.contiguous()
+    packed_decode_split_kernel[(rows, num_q_heads, splits)](
+        q, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, packed,
+        key_cache, value_cache, block_tables, context_lengths,
+        part_out, part_max, part_sum,
+        scale,
+        q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
+        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
+        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
+        per_split,
+        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g, BLOCK_SIZE=block_size,
+        LEVELS=tables.shape[1], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return merge_splits(part_out, part_max, part_sum, out)

@@ -1,0 +1,241 @@
+"""Packed INT4 KV storage (RFC §3.3, DESIGN §4): a base for depth 0 and residual levels for
+deeper depths, paged by groups of G tokens (G = ``group_size``, 64 by default).
+
+Layout of one page (one group of G consecutive rows of one level, all layers):
+  K codes  [L, Hkv, D, G/2] uint8   K is grouped per channel across the G rows (post-RoPE)
+  K params [L, Hkv, D]      fp16    minimum and scale per (channel, group)
+  V codes  [L, G, Hkv, D/2] uint8   V is grouped per row across G channels
+  V params [L, G, Hkv, D/G] fp16
+Two codes per byte, the lower row/channel in the low nibble. A level of a sequence is a
+list of pages. A *dense* level covers every logical row; a *compact* level (token-sparse
+prefill depths) stores only the rows that recomputed it, packed in order, with a map
+logical row -> compact row (-1: absent, the row inherits the previous reconstruction; an
+absent residual is never code 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .reference import QuantizedInt4, dequantize_int4, quantize_int4
+
+ENCODING_VERSION = 1
+
+
+def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: bool) -> dict:
+    """The versioned description of the packed format (goes into the effective config)."""
+    return {
+        "version": ENCODING_VERSION,
+        "bits": 4,
+        "k_groups": f"per channel across {group_size} token rows (post-RoPE)",
+        "v_groups": f"per token row across {group_size} channels",
+        "params": "float16 minimum and scale",
+        "depths": "INT4 base at depth 0; INT4 residual against the reconstruction per depth",
+        "token_sparse_depths": "compact residual rows + logical->compact map"
+        if compact
+        else "dense",
+        "window_policy": policy,
+        "tail_policy": f"bfloat16 tail of >= {tail_size} rows" if policy == "rolling" else "none",
+    }
+
+
+@dataclass
+class SequenceLevels:
+    """Where one sequence's levels live: pages per level and compact maps."""
+
+    rows: int  # packed logical rows (a multiple of the group size)
+    pages: list[list[int]] = field(default_factory=list)  # [level] -> page ids
+    maps: list[torch.Tensor | None] = field(default_factory=list)  # [level] -> [rows] int32
+
+
+class PackedKVStore:
+    """Page pools for every layer plus per-sequence level tables. Allocation is a free
+    list; ``encode`` writes a whole prompt (all layers, all depths) at once."""
+
+    def __init__(self, num_pages: int, num_layers: int, kv_heads: int, head_dim: int,
+                 group_size: int = 64, device: torch.device | str = "cpu") -> None:  # fmt: skip
+        if head_dim % group_size:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={group_size}")
+        g, half = group_size, group_size // 2
+        self.group_size = g
+        self.shape = (num_layers, kv_heads, head_dim)
+        self.k_codes = torch.zeros(
+            (num_pages, num_layers, kv_heads, head_dim, half), dtype=torch.uint8, device=device
+        )
+        self.k_min = torch.zeros(
+            (num_pages, num_layers, kv_heads, head_dim), dtype=torch.float16, device=device
+        )
+        self.k_scale = torch.zeros_like(self.k_min)
+        self.v_codes = torch.zeros(
+            (num_pages, num_layers, g, kv_heads, head_dim // 2), dtype=torch.uint8, device=device
+        )
+        self.v_min = torch.zeros(
+            (num_pages, num_layers, g, kv_heads, head_dim // g), dtype=torch.float16, device=device
+        )
+        self.v_scale = torch.zeros_like(self.v_min)  # fmt: skip
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.sequences: dict[int, SequenceLevels] = {}
+
+    @property
+    def pools(self) -> tuple[torch.Tensor, ...]:
+        return (self.k_codes, self.k_min, self.k_scale, self.v_codes, self.v_min, self.v_scale)
+
+    def page_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.pools)
+
+    def _allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise MemoryError(
+                f"packed KV needs {count} pages, {len(self._free)} free of {self.k_codes.shape[0]}"
+            )
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, sequence: int) -> None:
+        levels = self.sequences.pop(sequence)
+        for pages in levels.pages:
+            self._free.extend(pages)
+
+    def encode(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+               active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
+        """Encode one sequence's rows at every depth.
+
+        keys/values: per depth [T, L, Hkv, D] (T a multiple of the group size; depth d's
+        logical history, so inactive rows repeat their exit depth's value). ``active``: per
+        depth [T] bool rows that recomputed it (None: all, every level dense). Residuals
+        are taken against the running reconstruction, only over active rows."""
+        g = self.group_size
+        rows = keys[0].shape[0]
+        if rows % g or any(k.shape != keys[0].shape for k in (*keys, *values)):
+            raise ValueError(
+                f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; "
+                f"got {[tuple(k.shape) for k in keys]}"
+            )
+        if sequence in self.sequences:
+            raise ValueError(f"sequence {sequence} is already encoded; release it first")
+        counts = [
+            rows if d == 0 or active is None else int(active[d].sum()) for d in range(len(keys))
+        ]
+        needed = sum(-(-c // g) for c in counts)
+        if needed > len(self._free):  # checked up front: a failed encode allocates nothing
+            raise MemoryError(
+                f"packed KV for sequence {sequence} needs {needed} pages, "
+                f"{len(self._free)} free of {self.k_codes.shape[0]}"
+            )
+        levels = SequenceLevels(rows)
+        recon_k = recon_v = None
+        for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+            present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
+            if present is not None and present.numel() == rows:
+                present = None  # every row recomputed: a dense level, no map
+            if present is not None and present.numel() == 0:
+                levels.pages.append([])
+                levels.maps.append(torch.full((rows,), -1, dtype=torch.int32, device=k.device))
+                continue
+            target_k = k.float() if recon_k is None else k.float() - recon_k
+            target_v = v.float() if recon_v is None else v.float() - recon_v
+            if present is not None:
+                target_k, target_v = target_k[present], target_v[present]
+            count = target_k.shape[0]
+            padded = -(-count // g) * g
+            if padded != count:  # a compact level's last group: repeat its last row
+                fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
+                target_k, target_v = target_k[fill], target_v[fill]
+            qk = quantize(target_k, g, 0)  # per channel across rows
+            qv = quantize(target_v, g, -1)  # per row across channels
+            pages = self._allocate(padded // g)
+            self._write(pages, qk, qv)
+            dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
+            if present is None:
+                recon_k = dk if recon_k is None else recon_k + dk
+                recon_v = dv if recon_v is None else recon_v + dv
+                levels.maps.append(None)
+            else:
+                recon_k, recon_v = recon_k.clone(), recon_v.clone()
+                recon_k[present] += dk
+                recon_v[present] += dv
+                mapping = torch.full((rows,), -1, dtype=torch.int32, device=k.device)
+                mapping[present] = torch.arange(count, dtype=torch.int32, device=k.device)
+                levels.maps.append(mapping)
+            levels.pages.append(pages)
+        self.sequences[sequence] = levels
+
+    def _write(self, pages: list[int], qk: QuantizedInt4, qv: QuantizedInt4) -> None:
+        """qk codes [G, L, H, D, g/2] (groups along rows) and qv codes [T, L, H, D/g, g/2]."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
+        num_layers, heads, dim = self.shape
+        g = self.group_size
+        # K: quantize moved rows last -> [L, H, D, G, g/2]; pages want [G, L, H, D, g/2]
+        self.k_codes[index] = qk.codes.permute(3, 0, 1, 2, 4).to(self.k_codes.device)
+        self.k_min[index] = qk.minimum.permute(3, 0, 1, 2).to(self.k_codes.device)
+        self.k_scale[index] = qk.scale.permute(3, 0, 1, 2).to(self.k_codes.device)
+        # V: [T, L, H, D/g, g/2] -> [G, g, L, H, D/2] -> pages [G, L, g, H, D/2]
+        codes = qv.codes.reshape(len(pages), g, num_layers, heads, dim // 2)
+        self.v_codes[index] = codes.permute(0, 2, 1, 3, 4).to(self.k_codes.device)
+        params = (qv.minimum, qv.scale)
+        for pool, p in zip((self.v_min, self.v_scale), params, strict=True):
+            pool[index] = (
+                p.reshape(len(pages), g, num_layers, heads, dim // g)
+                .permute(0, 2, 1, 3, 4)
+                .to(pool.device)
+            )
+
+    def reconstruct(
+        self, sequence: int, depth: int, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 K and V [T, Hkv, D] of ``sequence`` at ``depth`` and ``layer`` (the oracle
+        the readers are tested against)."""
+        levels = self.sequences[sequence]
+        rows = levels.rows
+        total_k = total_v = None
+        for level in range(depth + 1):
+            pages, mapping = levels.pages[level], levels.maps[level]
+            if not pages:
+                continue
+            k, v = self._decode_pages(pages, layer)
+            if mapping is None:
+                total_k = k if total_k is None else total_k + k
+                total_v = v if total_v is None else total_v + v
+            else:
+                present = mapping >= 0
+                total_k[present] += k[mapping[present].long()]
+                total_v[present] += v[mapping[present].long()]
+        return total_k[:rows], total_v[:rows]
+
+    def _decode_pages(self, pages: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
+        g = self.group_size
+        low, high = self.k_codes[index, layer] & 15, self.k_codes[index, layer] >> 4
+        codes = torch.stack((low, high), -1).flatten(-2).float()  # [P, H, D, g]
+        k = (
+            self.k_min[index, layer, ..., None].float()
+            + self.k_scale[index, layer, ..., None].float() * codes
+        )
+        k = k.permute(0, 3, 1, 2).reshape(len(pages) * g, *k.shape[1:3])
+        low, high = self.v_codes[index, layer] & 15, self.v_codes[index, layer] >> 4
+        codes = torch.stack((low, high), -1).flatten(-2).float()  # [P, g, H, D]
+        shape = (*codes.shape[:-1], codes.shape[-1] // g, g)
+        v = self.v_min[index, layer, ..., None].float() + self.v_scale[
+            index, layer, ..., None
+        ].float() * codes.reshape(shape)
+        return k, v.reshape(len(pages) * g, *codes.shape[2:])  # fmt: skip
+
+    def accounting(self) -> dict:
+        """Steady bytes of what is stored, from the tensors: payload (codes), parameters,
+        maps, and the share per stored logical token and depth."""
+        page_payload = self.k_codes[0].numel() + self.v_codes[0].numel()
+        page_params = sum(t[0].numel() * t.element_size() for t in (self.k_min, self.k_scale, self.v_min, self.v_scale))  # fmt: skip
+        used = sum(len(p) for s in self.sequences.values() for p in s.pages)
+        maps = sum(m.numel() * m.element_size() for s in self.sequences.values() for m in s.maps if m is not None)  # fmt: skip
+        tokens = sum(s.rows for s in self.sequences.values())
+        depths = max((len(s.pages) for s in self.sequences.values()), default=0)
+        per_depth = [sum(len(s.pages[d]) for s in self.sequences.values() if d < len(s.pages))
+                     * (page_payload + page_params) for d in range(depths)]  # fmt: skip
+        steady = used * (page_payload + page_params) + maps
+        return {
+            "pages_used": used, "payload_bytes": used * page_payload, "param_bytes": used * page_params,
+            "map_bytes": maps, "steady_bytes": steady, "logical_tokens": tokens,
+            "steady_bytes_per_token": steady / tokens if tokens else 0.0,
+            "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
+        }  # fmt: skip

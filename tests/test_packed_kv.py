@@ -1,0 +1,124 @@
+"""Packed INT4 KV storage and its Triton decode reader (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from flashloop_backend.packed_kv import PackedKVStore, encoding_descriptor
+from flashloop_backend.reference import (
+    encode_compact_chain,
+    encode_residual_chain,
+    reconstruct,
+    reconstruct_compact,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+G, L, H, D = 16, 2, 2, 32
+
+
+def _versions(rng, rows, depths=4):
+    base = torch.randn(rows, L, H, D, generator=rng)
+    out = [base]
+    for _ in range(depths - 1):  # later loops change less, like the model's K/V
+        out.append(out[-1] + 0.3 * torch.randn(rows, L, H, D, generator=rng))
+    return out
+
+
+def test_dense_levels_reconstruct_like_the_reference_chain(rng):
+    keys, values = _versions(rng, 32), _versions(rng, 32)
+    store = PackedKVStore(16, L, H, D, G)
+    store.encode(7, keys, values)
+    k_chain = encode_residual_chain(keys, G, 0)
+    v_chain = encode_residual_chain(values, G, -1)
+    for depth in range(4):
+        for layer in range(L):
+            k, v = store.reconstruct(7, depth, layer)
+            torch.testing.assert_close(k, reconstruct(k_chain, depth)[:, layer], atol=1e-6, rtol=0)
+            torch.testing.assert_close(v, reconstruct(v_chain, depth)[:, layer], atol=1e-6, rtol=0)
+
+
+def test_compact_levels_store_only_active_rows_and_inherit(rng):
+    rows = 32
+    active = [torch.ones(rows, dtype=torch.bool)] * 2
+    active += [torch.rand(rows, generator=rng) < 0.5]
+    active += [active[2] & (torch.rand(rows, generator=rng) < 0.5)]
+    keys, values = _versions(rng, rows), _versions(rng, rows)
+    store = PackedKVStore(16, L, H, D, G)
+    store.encode(1, keys, values, active)
+    k_chain = encode_compact_chain(keys, active, G, 0)
+    entry = store.sequences[1]
+    assert entry.maps[:2] == [None, None]
+    for level in (2, 3):
+        present = entry.maps[level] >= 0
+        assert torch.equal(present, active[level])  # a map, not zero codes, marks absence
+        assert len(entry.pages[level]) == -(-int(active[level].sum()) // G)
+    for depth in range(4):
+        k, _ = store.reconstruct(1, depth, 1)
+        torch.testing.assert_close(k, reconstruct_compact(k_chain, depth)[:, 1], atol=1e-6, rtol=0)
+    inactive = ~active[3]
+    k2, _ = store.reconstruct(1, 2, 0)
+    k3, _ = store.reconstruct(1, 3, 0)
+    assert torch.equal(k3[inactive], k2[inactive])  # rows absent at depth 3 inherit depth 2
+
+
+def test_accounting_comes_from_the_stored_pages(rng):
+    store = PackedKVStore(32, L, H, D, G)
+    store.encode(0, _versions(rng, 32), _versions(rng, 32))
+    report = store.accounting()
+    assert report["pages_used"] == 8 and report["map_bytes"] == 0
+    per_page = sum(t[0].numel() * t.element_size() for t in store.pools)
+    assert report["steady_bytes"] == 8 * per_page == store.page_bytes() * 8
+    assert report["bytes_per_token_by_depth"] == [2 * per_page / 32] * 4
+    store.release(0)
+    assert store.accounting()["pages_used"] == 0 and len(store._free) == 32
+
+
+def test_store_errors_name_the_problem(rng):
+    store = PackedKVStore(2, L, H, D, G)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        store.encode(0, _versions(rng, 20), _versions(rng, 20))
+    with pytest.raises(MemoryError, match="sequence 0 needs 4 pages, 2 free of 2"):
+        store.encode(0, _versions(rng, 32, 2), _versions(rng, 32, 2))
+    assert len(store._free) == 2 and not store.sequences  # nothing taken by the failure
+    with pytest.raises(ValueError, match="head_dim=24 must be a multiple"):
+        PackedKVStore(2, L, H, 24, G)
+    assert encoding_descriptor(64, "rolling", 64, True)["version"] == 1
+
+
+def _attention(q, k, v, length):
+    logits = torch.einsum("hd,thd->ht", q.float(), k[:length]) / D**0.5
+    return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), v[:length])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
+    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+
+    rows, tail, block = 32, 20, 16
+    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 3 == 0] * 2
+    versions = {s: (_versions(rng, rows), _versions(rng, rows)) for s in (0, 1)}
+    store.encode(0, [k.to(DEVICE) for k in versions[0][0]], [v.to(DEVICE) for v in versions[0][1]])
+    store.encode(1, [k.to(DEVICE) for k in versions[1][0]], [v.to(DEVICE) for v in versions[1][1]],
+                 [a.to(DEVICE) for a in active])  # fmt: skip
+    # the BF16 paged cache holds the tail rows [32, 52) of both sequences (pages 2-3 / 6-7)
+    cache_k = torch.randn(8, block, H, D, generator=rng)
+    cache_v = torch.randn(8, block, H, D, generator=rng)
+    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 2, 3], [-1, -1, 6, 7]])
+    sequences, depths = [0, 1, 0, 1], [0, 3, 2, 2]
+    lengths = torch.tensor([52, 45, 33, 52])
+    q = torch.randn(4, H, D, generator=rng)
+    layer = 1
+    meta = level_metadata(store, sequences, depths, DEVICE)
+    got = packed_decode_triton(
+        q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE),
+    )  # fmt: skip
+    for i, (sequence, depth) in enumerate(zip(sequences, depths, strict=True)):
+        k, v = store.reconstruct(sequence, depth, layer)
+        tail_k = cache_k[tables[i, 2:]].reshape(-1, H, D)[:tail].to(dtype).float()
+        tail_v = cache_v[tables[i, 2:]].reshape(-1, H, D)[:tail].to(dtype).float()
+        k = torch.cat([k.cpu().to(dtype).float(), tail_k])
+        v = torch.cat([v.cpu().to(dtype).float(), tail_v])
+        expected = _attention(q[i].to(dtype).float(), k, v, int(lengths[i]))
+        tol = 2e-5 if dtype == torch.float32 else 3e-3
+        torch.testing.assert_close(got[i].float().cpu(), expected, atol=tol, rtol=tol)
