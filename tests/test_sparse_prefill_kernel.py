@@ -14,7 +14,7 @@ from flashloop_backend.kernels.triton.sparse_prefill import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-SMALL = PrefillTuning(block_m=16, block_n=16)
+SMALL = PrefillTuning(block_m=16, block_n=16, min_keys_per_split=16)  # up to 5 key splits
 
 
 def test_tile_starts_cut_at_segments_and_every_block_m_rows():

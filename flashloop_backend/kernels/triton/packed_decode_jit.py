@@ -3,8 +3,7 @@
 import triton
 import triton.language as tl
 
-DENSE = 0
-COMPACT = 1
+COMPACT = tl.constexpr(1)  # level kinds: 0 dense, 1 compact, 2 empty
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validate import check_paged_inputs
+from .paged_decode import merge_splits, sm_count, split_buffers
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class PrefillTuning:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    min_keys_per_split: int = 256
 
 
 DEFAULT_PREFILL = PrefillTuning()
@@ -79,20 +81,27 @@ def sparse_prefill_triton(
         block_tables = block_tables.contiguous()
     starts, num_tiles = tile_starts(block_tables, tuning.block_m)
     # one program per tile of a single segment; tiles added by segment starts are taken
-    # in turn by the same programs (the tile count is only known on the device)
+    # in turn by the same programs (the tile count is only known on the device). Few
+    # tiles (a chunk of sparse rows) split their keys so the launch still fills the GPU.
     programs = math.ceil(rows / tuning.block_m)
+    span = block_tables.shape[1] * block_size
+    want = math.ceil(2 * sm_count(q.device) / (programs * num_q_heads))
+    splits = max(1, min(want, math.ceil(span / tuning.min_keys_per_split)))
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    sparse_prefill_kernel[(programs, num_q_heads)](
-        q, key_cache, value_cache, block_tables, context_lengths, starts, num_tiles, out,
+    sparse_prefill_kernel[(programs, num_q_heads, splits)](
+        q, key_cache, value_cache, block_tables, context_lengths, starts, num_tiles,
+        part_out, part_max, part_sum,
         scale,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
-    return out
+    return merge_splits(part_out, part_max, part_sum, out)

@@ -47,23 +47,28 @@ def _attend_block(q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr
 
 @triton.jit
 def sparse_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, tile_start_ptr, num_tiles_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, tile_start_ptr, num_tiles_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr,
     scale,
     stride_qr, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_tr,
-    stride_or, stride_oh,
+    stride_pr, stride_ph, stride_ps, stride_mr, stride_mh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Tiles for one query head, taken pid, pid + programs, ... from the last (longest
-    contexts first, so the tail of the launch is short). A tile is up to BLOCK_M
+    """Tiles for one (query head, key split), taken pid, pid + programs, ... from the last
+    (longest contexts first, so the tail of the launch is short). A tile is up to BLOCK_M
     consecutive rows that share one block table (rows [tile_start[t], tile_start[t + 1]));
     row i sees keys [0, lengths[i]) of that table, so queries may sit at any absolute
-    positions. FP32 online softmax; QK and PV on tensor cores; blocks below the tile's
-    shortest row run unmasked; blocks past its longest row are never read."""
+    positions. Split s of S covers the s-th of S equal key ranges of the tile (few tiles
+    still fill the GPU). FP32 online softmax; QK and PV on tensor cores; blocks below the
+    tile's shortest row run unmasked; blocks past its longest row are never read. Writes
+    the split's unnormalised partial state (acc, max, sum) per row."""
     head = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
     kv_head = head // GROUP
     num_tiles = tl.load(num_tiles_ptr)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
@@ -85,19 +90,25 @@ def sparse_prefill_kernel(
         longest = tl.max(lengths, 0)
         shortest = tl.min(tl.where(row_mask, lengths, longest), 0)
         full_blocks_end = (shortest // BLOCK_N) * BLOCK_N
-        for first in range(0, full_blocks_end, BLOCK_N):
+        span = tl.cdiv(tl.cdiv(longest, BLOCK_N), splits) * BLOCK_N
+        lo = split * span
+        hi = tl.minimum(lo + span, longest)
+        for first in range(lo, tl.minimum(hi, full_blocks_end), BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr, kv_head, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
             )  # fmt: skip
-        for first in range(full_blocks_end, longest, BLOCK_N):
+        for first in range(tl.maximum(lo, full_blocks_end), hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr, kv_head, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
             )  # fmt: skip
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
+        # partial state in natural-log units (merge_splits' convention)
+        tl.store(part_out_ptr + rows[:, None] * stride_pr + head * stride_ph + split * stride_ps + d[None, :],
+                 acc, mask=row_mask[:, None])  # fmt: skip
+        stat = rows * stride_mr + head * stride_mh + split
+        tl.store(part_max_ptr + stat, m_i * 0.6931471805599453, mask=row_mask)
+        tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
         taken += tl.num_programs(0)
