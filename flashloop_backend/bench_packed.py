@@ -43,15 +43,17 @@ def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Gene
 
     pages = sequences * 4 * math.ceil(rows / GROUP) + 8
     store = PackedKVStore(pages, layers, HEADS, HEAD_DIM, GROUP, device="cuda")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    transient = 0
     for s in range(sequences):
         keys, values = _versions(rows, layers, gen), _versions(rows, layers, gen)
-        store.encode(s, keys, values, _active(rows, gen) if sparse else None)
+        active = _active(rows, gen) if sparse else None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()  # inputs and pools exist: only conversion counts
+        torch.cuda.reset_peak_memory_stats()
+        store.encode(s, keys, values, active)
+        torch.cuda.synchronize()
+        transient = max(transient, torch.cuda.max_memory_allocated() - before)
         del keys, values
-    torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - before
     return store, transient
 
 
