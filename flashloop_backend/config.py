@@ -252,15 +252,18 @@ class EffectiveConfig(_Frozen):
     backend: str
     kernels: Mapping[str, str] = Field(description="op name -> selected implementation")
     package_version: str
+    kv_encoding: Mapping[str, str | int] | None = Field(
+        default=None, description="versioned packed-KV encoding descriptor (KV quantization on)"
+    )
 
-    @field_validator("kernels")
+    @field_validator("kernels", "kv_encoding")
     @classmethod
-    def _freeze_kernels(cls, value: Mapping[str, str]) -> Mapping[str, str]:
-        return MappingProxyType(dict(sorted(value.items())))
+    def _freeze_mapping(cls, value: Mapping | None) -> Mapping | None:
+        return None if value is None else MappingProxyType(dict(sorted(value.items())))
 
-    @field_serializer("kernels")
-    def _plain_kernels(self, value: Mapping[str, str]) -> dict[str, str]:
-        return dict(value)
+    @field_serializer("kernels", "kv_encoding")
+    def _plain_mapping(self, value: Mapping | None) -> dict | None:
+        return None if value is None else dict(value)
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -134,16 +134,11 @@ def evaluate(
     targets = [tokens[s + settings.context : s + span] for s in starts]
     pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
 
-    from .quant_simulation import fake_quantize_prompt, split_quantization
-
-    served, quant = split_quantization(config)
     runs = {}
-    for label, cfg in (("dense", FlashLoopConfig()), ("config", served)):
+    for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
         engine, digest = _engine(
             model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
         )
-        if label == "config" and quant is not None:
-            engine.on_prompt_done = lambda eng, req: fake_quantize_prompt(eng, req, quant)
         scored = engine.generate(contexts, forced=targets, keep_logprobs=True)
         answers = engine.generate(pass_prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
         runs[label] = {
@@ -191,8 +186,8 @@ def evaluate(
         "config_digest": cand["digest"],
         "config": config.model_dump(mode="json"),
         "kv_quantization": (
-            "simulated: fixed_prompt reconstruction written into BF16 planes (quality only)"
-            if quant is not None
+            f"packed INT4 store ({config.kv_residual_quantization.policy}), read by packed_decode"
+            if config.kv_residual_quantization.enabled
             else "off"
         ),
         "settings": {k: v for k, v in settings.__dict__.items()},

@@ -228,11 +228,20 @@ def resolve(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     kernels = selection.spec.kernel_choices(request, config, registry)
+    quant = config.kv_residual_quantization
+    encoding = None
+    if quant.enabled and selection.info.selected_backend == "flashloop":
+        from .packed_kv import encoding_descriptor
+
+        encoding = encoding_descriptor(
+            quant.group_size, quant.policy, quant.tail_size, config.token_sparse_prefill.enabled
+        )
     return EffectiveConfig(
         config=config,
         backend=selection.info.selected_backend,
         kernels=kernels,
         package_version=__version__,
+        kv_encoding=encoding,
     )
 
 

@@ -90,15 +90,16 @@ def test_eval_cli_argument_errors(tmp_path):
     assert "Traceback" not in missing.stderr + rejected.stderr
 
 
-def test_simulated_kv_quantization_changes_the_prompt_kv_only_slightly(embedded):
+def test_kv_quantization_runs_the_packed_path_and_changes_the_prompt_kv_only_slightly(embedded):
     model, tokenizer = embedded
-    config = FlashLoopConfig(kv_residual_quantization={"enabled": True})
+    # 24-token contexts: groups of 16 pack the first 16 rows (the rest stays BF16)
+    config = FlashLoopConfig(kv_residual_quantization={"enabled": True, "group_size": 16})
     report = evaluate(model, tokenizer, TEXT, config, "auto", SMALL)
-    assert report["kv_quantization"].startswith("simulated")
+    assert report["kv_quantization"].startswith("packed INT4 store (fixed_prompt)")
     assert report["kl_mean"] > 0  # the encoding really changed the prompt's K/V
     assert report["top1_agreement"] >= 0.75
     from flashloop_backend import ConfigError
 
     rolling = FlashLoopConfig(kv_residual_quantization={"enabled": True, "policy": "rolling"})
-    with pytest.raises(ConfigError, match="policy='rolling' cannot be simulated"):
+    with pytest.raises(ConfigError, match="policy='rolling' is not served"):
         evaluate(model, tokenizer, TEXT, rolling, "auto", SMALL)

@@ -122,3 +122,25 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
         expected = _attention(q[i].to(dtype).float(), k, v, int(lengths[i]))
         tol = 2e-5 if dtype == torch.float32 else 3e-3
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
+    from flashloop_backend.kernels.torch_packed import packed_decode_reference
+    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+
+    rows = 32
+    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 4 == 1] * 2
+    for s, act in ((0, None), (1, active)):
+        keys, values = _versions(rng, rows), _versions(rng, rows)
+        store.encode(s, [k.to(DEVICE) for k in keys], [v.to(DEVICE) for v in values],
+                     None if act is None else [a.to(DEVICE) for a in act])  # fmt: skip
+    cache_k = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
+    cache_v = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
+    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 6, 7]]).int().to(DEVICE)
+    lengths = torch.tensor([40, 50, 32]).int().to(DEVICE)
+    q = torch.randn(3, H, D, generator=rng).to(DEVICE)
+    meta = level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE)
+    args = (q, store, 0, meta, cache_k, cache_v, tables, lengths)
+    torch.testing.assert_close(packed_decode_reference(*args), packed_decode_triton(*args),
+                               atol=2e-5, rtol=2e-5)  # fmt: skip

@@ -21,12 +21,15 @@ def test_explicit_selection_never_falls_back():
     registry = Registry.discover()
     selection = registry.select_backend("flashloop", REQUEST, FlashLoopConfig())
     assert selection.info.requested_backend == selection.info.selected_backend == "flashloop"
-    # a feature without an installed kernel: explicit refuses, listing each missing op
-    config = FlashLoopConfig(kv_residual_quantization={"enabled": True})
+    # a combination this version cannot serve: explicit refuses and names both settings
+    config = FlashLoopConfig(
+        kv_residual_quantization={"enabled": True, "policy": "rolling"},
+        sparse_decode_attention={"enabled": True},
+    )
     with pytest.raises(ValueError) as info:
         registry.select_backend("flashloop", REQUEST, config)
-    assert "packed_kv_write" in str(info.value)
-    assert "packed_kv_read" in str(info.value)
+    assert "policy='rolling'" in str(info.value) and "served: ['fixed_prompt']" in str(info.value)
+    assert "sparse_decode_attention together with kv_residual_quantization" in str(info.value)
 
 
 def test_unknown_backend_lists_valid_names():

@@ -26,8 +26,10 @@ from ..dispatch import (
     route_rows,
 )
 from ..kernels.ops import OpName
+from ..packed_kv import PackedKVStore
 from ..sparse_state import ReferenceStates, key_bucket
 from .base import BackendSpec, DenseCallSurface, SelectionInfo
+from .packed_state import PackedState
 
 if TYPE_CHECKING:
     from ..registry import KernelChoice, Registry
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
     Capability.SOURCE_STATISTICS: (OpName.DENSE_SOURCE,),
     Capability.NONCONSECUTIVE_QUERIES: (OpName.SPARSE_PREFILL,),
-    Capability.PACKED_KV_READ: (OpName.PACKED_KV_WRITE,),
+    Capability.PACKED_KV_READ: (OpName.PACKED_DECODE,),
     Capability.GRAPH_SAFE_SPARSE: (
         OpName.SPARSE_PREFILL,
         OpName.DENSE_SOURCE,
@@ -50,7 +52,30 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
 }
 # Ops whose call path this version of the backend drives.
 PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
-WIRED_OPS = PAGED_OPS | {OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION}
+WIRED_OPS = PAGED_OPS | {
+    OpName.DENSE_SOURCE,
+    OpName.SPARSE_CORRECTION,
+    OpName.PACKED_DECODE,
+    OpName.PACKED_KV_WRITE,
+}
+
+
+def _unserved_combinations(config: FlashLoopConfig) -> list[str]:
+    """Feature settings this version cannot serve, each named with what is supported."""
+    quant = config.kv_residual_quantization
+    reasons = []
+    if quant.enabled and quant.policy != "fixed_prompt":
+        reasons.append(
+            f"kv_residual_quantization.policy={quant.policy!r} is not served by the flashloop "
+            f"backend {__version__}; served: ['fixed_prompt']"
+        )
+    if quant.enabled and config.sparse_decode_attention.enabled:
+        reasons.append(
+            "sparse_decode_attention together with kv_residual_quantization is not served by "
+            f"the flashloop backend {__version__}: the dense-source and correction kernels do "
+            "not read packed KV yet; enable one of the two"
+        )
+    return reasons
 
 
 class FlashLoopSpec(BackendSpec):
@@ -75,7 +100,7 @@ class FlashLoopSpec(BackendSpec):
         self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
     ) -> tuple[dict[OpName, KernelChoice], list[str]]:
         choices: dict[OpName, KernelChoice] = {}
-        reasons: list[str] = []
+        reasons: list[str] = _unserved_combinations(config)
         for op, (why, caps) in self._op_needs(request, config).items():
             if op not in WIRED_OPS:
                 reasons.append(
@@ -155,7 +180,24 @@ class FlashLoopBackend(DenseCallSurface):
         self.capabilities = capabilities
         self.info = info
         self.states: ReferenceStates | None = None
+        self.packed: PackedState | None = None
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
+
+    def reserve_packed(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                       device: torch.device | str) -> None:  # fmt: skip
+        """Allocate the packed INT4 KV store (KV quantization only)."""
+        quant = self.config.kv_residual_quantization
+        if not quant.enabled:
+            return
+        store = PackedKVStore(
+            num_pages, num_layers, num_kv_heads, head_dim, quant.group_size, device
+        )
+        self.packed = PackedState(store, self.kernels[OpName.PACKED_KV_WRITE].impl.fn)
+
+    def plan_packed(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
+        """Host planning step of a batch when KV quantization is on (see ``PackedState``)."""
+        if self.packed is not None:
+            self.packed.plan(view, request_ids, depths)
 
     def reserve_state(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
                       max_context: int, device: torch.device | str) -> None:  # fmt: skip
@@ -213,6 +255,14 @@ class FlashLoopBackend(DenseCallSurface):
                 )
                 slots, incarnations = view.slots[order], view.incarnations[order]
                 states.write(layer, slots, incarnations, mine, *stats)
+            elif op == OpName.PACKED_DECODE:
+                if self.packed is None:
+                    raise RuntimeError(
+                        "KV quantization needs reserve_packed(...) before the first forward"
+                    )
+                meta = self.packed.meta_for(view, order)
+                result = choice.impl.fn(gathered_q, self.packed.store, layer, meta, key_cache,
+                                        value_cache, tables, masked, scale)  # fmt: skip
             elif op == OpName.SPARSE_CORRECTION:
                 indices, mass, ref_out, contribution = states.read(layer, view.slots[order])
                 result = choice.impl.fn(

@@ -30,19 +30,18 @@ class OpRequirement:
 
 
 def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
-    """Ops (and the capabilities their kernels need) that ``config`` can route rows to."""
-    packed = (
-        frozenset({Capability.PACKED_KV_READ})
-        if config.kv_residual_quantization.enabled
-        else frozenset()
-    )
-    needs = [OpRequirement(OpName.DENSE_ATTENTION, "dense", packed)]
+    """Ops (and the capabilities their kernels need) that ``config`` can route rows to.
+
+    With KV quantization (``fixed_prompt``) a prompt is packed once it has run every loop,
+    so prefill reads BF16 and only decode reads packed KV."""
+    quantized = config.kv_residual_quantization.enabled
+    needs = [OpRequirement(OpName.DENSE_ATTENTION, "dense", frozenset())]
     if config.token_sparse_prefill.enabled:
         needs.append(
             OpRequirement(
                 OpName.SPARSE_PREFILL,
                 "token_sparse_prefill",
-                packed | {Capability.NONCONSECUTIVE_QUERIES},
+                frozenset({Capability.NONCONSECUTIVE_QUERIES}),
             )
         )
     if config.sparse_decode_attention.enabled:
@@ -50,12 +49,16 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
             OpRequirement(
                 OpName.DENSE_SOURCE,
                 "sparse_decode_attention",
-                packed | {Capability.SOURCE_STATISTICS},
+                frozenset({Capability.SOURCE_STATISTICS}),
             )
         )
-        needs.append(OpRequirement(OpName.SPARSE_CORRECTION, "sparse_decode_attention", packed))
-    if config.kv_residual_quantization.enabled:
-        needs.append(OpRequirement(OpName.PACKED_KV_WRITE, "kv_residual_quantization", frozenset()))
+        needs.append(
+            OpRequirement(OpName.SPARSE_CORRECTION, "sparse_decode_attention", frozenset())
+        )
+    if quantized:
+        packed = frozenset({Capability.PACKED_KV_READ})
+        needs.append(OpRequirement(OpName.PACKED_DECODE, "kv_residual_quantization", packed))
+        needs.append(OpRequirement(OpName.PACKED_KV_WRITE, "kv_residual_quantization", packed))
     return tuple(needs)
 
 
@@ -87,6 +90,8 @@ def route_rows(
     prefill = modes == RowMode.PREFILL
     routes = torch.full_like(depth, NOT_ROUTED)
     routes = torch.where(decode | prefill, ROUTE_CODES[OpName.DENSE_ATTENTION], routes)
+    if config.kv_residual_quantization.enabled:
+        routes = torch.where(decode, ROUTE_CODES[OpName.PACKED_DECODE], routes)
     if config.token_sparse_prefill.enabled:
         sparse_rows = prefill & (depth >= SPARSE_START_DEPTH)
         routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)

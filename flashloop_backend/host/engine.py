@@ -92,6 +92,20 @@ def _token_sparsity(backend, cfg, prefill_chunk: int):
     return sparsity
 
 
+def _kv_quantization(backend, block_size: int):
+    """The backend's KV quantization settings (or None), checked against the cache."""
+    config = getattr(backend, "config", None)
+    if config is None or not config.kv_residual_quantization.enabled:
+        return None
+    quant = config.kv_residual_quantization
+    if quant.group_size % block_size:
+        raise ConfigError(
+            f"kv_residual_quantization.group_size={quant.group_size} must be a multiple of the "
+            f"KV block_size={block_size}: packed groups free whole BF16 blocks"
+        )
+    return quant
+
+
 class _LayerAttention:
     """The model's attention context for one traversal: KV write, then backend attention."""
 
@@ -117,6 +131,7 @@ class Engine:
         pad_to_multiple: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         max_slots: int = 256,
+        packed_pages: int | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -145,6 +160,11 @@ class Engine:
         if hasattr(backend, "reserve_state"):
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
                                   cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
+        self.quantized = _kv_quantization(backend, block_size)
+        if self.quantized:  # a page per group of each level; the BF16 pool bounds how many
+            pages = packed_pages or max(1, num_blocks * block_size // self.quantized.group_size)
+            backend.reserve_packed(pages, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                   cfg.head_dim, self.device)  # fmt: skip
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -209,6 +229,11 @@ class Engine:
             rows = sum(g.count for g in groups)
             pad_to = -(-rows // self.pad_to_multiple) * self.pad_to_multiple
         batch = build_batch(groups, self.kv, self.device, pad_to)
+        if self.quantized:  # host planning: which rows read which packed levels
+            owners = [g.request_id for g in groups for _ in range(g.count)]
+            depths = [g.depth for g in groups for _ in range(g.count)]
+            pad = batch.view.num_rows - batch.num_real_rows
+            self.backend.plan_packed(batch.view, owners + [-1] * pad, depths + [0] * pad)
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
         if pad:
@@ -279,6 +304,8 @@ class Engine:
                     r.depth, r.chunk_start = r.depth + 1, 0
                     if r.depth == loops and self.on_prompt_done is not None:
                         self.on_prompt_done(self, r)
+                    if r.depth == loops and self.quantized:
+                        self._pack_prompt(r)
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         self._emit(r, last)
@@ -296,6 +323,20 @@ class Engine:
                 self._emit(r, h[0])
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
+
+    def _pack_prompt(self, r: _Request) -> None:
+        """fixed_prompt: encode the prompt's whole groups at every depth, then free their
+        BF16 blocks (the packed store is now their only copy)."""
+        packed = self.backend.packed
+        rows = packed.packable_rows(len(r.prompt))
+        if rows == 0:
+            return
+        keys, values = self.kv.gather_planes(r.id, rows)
+        active = None
+        if self.sparsity is not None:
+            active = [a[:rows] for a in r.schedule.active_history]
+        packed.pack_prompt(r.id, keys, values, active)
+        self.kv.drop_prefix(r.id, rows)
 
     def _emit(self, r: _Request, final_hidden: torch.Tensor) -> None:
         """Sample the next token from a final hidden state and start its loops (or finish)."""
@@ -335,6 +376,8 @@ class Engine:
         states = getattr(self.backend, "states", None)
         for r in done:
             self.kv.release(r.id)
+            if self.quantized:
+                self.backend.packed.release(r.id)
             if r.slot >= 0:
                 if states is not None:
                     states.retire(r.slot)

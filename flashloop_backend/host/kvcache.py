@@ -78,7 +78,39 @@ class PagedKVCache:
         tables = self._tables.pop(request_id, None)
         if tables is not None:
             for plane in tables.planes:
-                self._free.extend(reversed(plane))
+                self._free.extend(b for b in reversed(plane) if b >= 0)
+
+    def drop_prefix(self, request_id: int, num_tokens: int) -> int:
+        """Return the blocks holding positions [0, num_tokens) on every plane to the pool
+        (their table entries become -1: nothing may read them through this cache again).
+        ``num_tokens`` must be a multiple of the block size; returns the blocks freed."""
+        if num_tokens % self.block_size:
+            raise ValueError(
+                f"num_tokens={num_tokens} is not a multiple of block_size={self.block_size}"
+            )
+        freed = 0
+        for plane in self._tables[request_id].planes:
+            for index in range(num_tokens // self.block_size):
+                if plane[index] >= 0:
+                    self._free.append(plane[index])
+                    plane[index] = -1
+                    freed += 1
+        return freed
+
+    def gather_planes(
+        self, request_id: int, num_tokens: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every plane's K and V for positions [0, num_tokens): per depth [T, L, Hkv, D]."""
+        keys, values = [], []
+        blocks_needed = -(-num_tokens // self.block_size)
+        for plane in self._tables[request_id].planes:
+            index = torch.tensor(
+                plane[:blocks_needed], dtype=torch.long, device=self.key_pool.device
+            )
+            for pool, out in ((self.key_pool, keys), (self.value_pool, values)):
+                rows = pool[index].transpose(1, 2).reshape(-1, *pool.shape[1:2], *pool.shape[3:])
+                out.append(rows[:num_tokens])
+        return keys, values
 
     def has(self, request_id: int) -> bool:
         return request_id in self._tables

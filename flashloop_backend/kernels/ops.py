@@ -25,8 +25,8 @@ class OpName(str, Enum):
     SPARSE_PREFILL = "sparse_prefill"  # active prefill rows at nonconsecutive positions
     DENSE_SOURCE = "dense_source"  # reference-loop decode attention + selection statistics
     SPARSE_CORRECTION = "sparse_correction"  # later-loop decode over selected keys + correction
-    PACKED_KV_WRITE = "packed_kv_write"  # quantize-and-pack K/V on write (readers then
-    # need the packed_kv_read capability)
+    PACKED_KV_WRITE = "packed_kv_write"  # INT4 quantize-and-pack of K/V into the store
+    PACKED_DECODE = "packed_decode"  # decode over packed INT4 KV plus a BF16 paged tail
 
     def __str__(self) -> str:
         return self.value
@@ -64,6 +64,23 @@ class DenseSource(Protocol):
 
     def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, ratio: float,
                  k_bucket: int, scale: float | None = None) -> tuple[torch.Tensor, ...]: ...  # fmt: skip
+
+
+class PackedKVWrite(Protocol):
+    """``packed_kv_write``: ``reference.quantize_int4``'s contract (x, group_size, dim) ->
+    ``QuantizedInt4``; the store lays its codes out in pages."""
+
+    def __call__(self, x: torch.Tensor, group_size: int = 64, dim: int = -1): ...
+
+
+class PackedDecode(Protocol):
+    """``packed_decode``: decode attention of q [R, Hq, D] over each row's history: rows
+    below ``meta["packed_lengths"]`` reconstructed from the packed store at the row's
+    depth (``meta`` from ``kernels.triton.packed_decode.level_metadata``), later rows from
+    the BF16 paged cache through block_tables [R, MB]. Returns [R, Hq, D] q.dtype."""
+
+    def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,
+                 context_lengths, scale: float | None = None) -> torch.Tensor: ...  # fmt: skip
 
 
 class SparseCorrection(Protocol):

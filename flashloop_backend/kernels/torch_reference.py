@@ -99,7 +99,16 @@ SPARSE_DECODE_SUPPORT = Support(
 )
 
 
+PACKED_SUPPORT = Support(
+    devices=SUPPORT.devices,
+    dtypes=SUPPORT.dtypes,
+    capabilities=SUPPORT.capabilities | {Capability.PACKED_KV_READ},
+)
+
+
 def provider() -> KernelProvider:
+    from ..reference import quantize_int4
+    from .torch_packed import packed_decode_reference
     from .torch_sparse_decode import dense_source, sparse_correction
 
     return KernelProvider(
@@ -115,6 +124,12 @@ def provider() -> KernelProvider:
             ),
             OpName.SPARSE_CORRECTION: KernelImpl(
                 OpName.SPARSE_CORRECTION, sparse_correction, SPARSE_DECODE_SUPPORT
+            ),
+            OpName.PACKED_DECODE: KernelImpl(
+                OpName.PACKED_DECODE, packed_decode_reference, PACKED_SUPPORT
+            ),
+            OpName.PACKED_KV_WRITE: KernelImpl(
+                OpName.PACKED_KV_WRITE, quantize_int4, PACKED_SUPPORT
             ),
         },
     )

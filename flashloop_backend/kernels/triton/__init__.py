@@ -44,6 +44,18 @@ def _dense_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
     return dense_source_triton(*args, **kwargs)
 
 
+def _packed_decode(*args, **kwargs) -> torch.Tensor:
+    from .packed_decode import packed_decode_triton
+
+    return packed_decode_triton(*args, **kwargs)
+
+
+def _packed_kv_write(*args, **kwargs):
+    from .quantize import quantize_int4_triton
+
+    return quantize_int4_triton(*args, **kwargs)
+
+
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
     from .sparse_decode import sparse_correction_triton
 
@@ -70,7 +82,14 @@ def provider() -> KernelProvider:
         OpName.SPARSE_CORRECTION, _sparse_correction, SPARSE_SUPPORT
     )
     impl[OpName.DENSE_SOURCE] = KernelImpl(OpName.DENSE_SOURCE, _dense_source, SPARSE_SUPPORT)
+    packed = Support(
+        devices=SUPPORT.devices, dtypes=SUPPORT.dtypes, head_dims=frozenset({64, 128, 256}),
+        block_sizes=SUPPORT.block_sizes, python_modules=SUPPORT.python_modules,
+        capabilities=SUPPORT.capabilities | {Capability.PACKED_KV_READ},
+    )  # fmt: skip
+    impl[OpName.PACKED_DECODE] = KernelImpl(OpName.PACKED_DECODE, _packed_decode, packed)
+    impl[OpName.PACKED_KV_WRITE] = KernelImpl(OpName.PACKED_KV_WRITE, _packed_kv_write, packed)
     return KernelProvider(
         name="triton", version=__version__, priority=20,
-        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction", impls=impl,
+        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction, packed INT4 KV", impls=impl,
     )  # fmt: skip

@@ -1,0 +1,103 @@
+"""KV residual quantization end to end in the host (fixed_prompt): the packed store and
+its reader give what the reconstruction written into BF16 planes gives, the prompt's BF16
+blocks are freed, and every page comes back."""
+
+import pytest
+import torch
+
+from flashloop_backend import ConfigError, FlashLoopConfig
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.registry import Registry
+
+from .host_helpers import tiny_model
+from .quant_oracle import fake_quantize_prompt
+
+REQUEST = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+PROMPT = [1, 5, 9, 3, 22, 7, 8, 2, 40, 11, 12, 4, 4, 17, 30, 2, 2, 9, 50, 1, 19, 6, 13, 27] * 2
+QUANT = {"enabled": True, "group_size": 16}
+SPARSE = {"enabled": True, "window_size": 16, "retention": [1, 1, 0.5, 0.25]}
+
+
+def _engine(model, config, block_size=4, **kwargs):
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    return Engine(model, backend, num_blocks=200, block_size=block_size, prefill_chunk=32, **kwargs)
+
+
+def _logprobs(engine, prompt, forced):
+    return engine.generate([prompt], forced=[forced], keep_logprobs=True)[0].logprobs
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_levels", "token_sparse"])
+def test_packed_path_equals_the_reconstruction_in_bf16_planes(sparse):
+    model = tiny_model(seed=2)
+    extra = {"token_sparse_prefill": SPARSE} if sparse else {}
+    forced = [3, 9, 27, 1, 4, 8]
+    packed = _logprobs(_engine(model, FlashLoopConfig(kv_residual_quantization=QUANT, **extra)),
+                       PROMPT, forced)  # fmt: skip
+    simulated_engine = _engine(model, FlashLoopConfig(**extra))
+    quant = FlashLoopConfig(kv_residual_quantization=QUANT).kv_residual_quantization
+    simulated_engine.on_prompt_done = lambda eng, req: fake_quantize_prompt(eng, req, quant)
+    simulated = _logprobs(simulated_engine, PROMPT, forced)
+    dense = _logprobs(_engine(model, FlashLoopConfig(**extra)), PROMPT, forced)
+    torch.testing.assert_close(packed, simulated, atol=1e-4, rtol=1e-4)
+    assert (packed - dense).abs().max() > 1e-3  # the quantization is really in the path
+
+
+def test_prompt_blocks_are_freed_and_pages_come_back():
+    model = tiny_model(seed=2)
+    engine = _engine(model, FlashLoopConfig(kv_residual_quantization=QUANT))
+    rid = engine.add_request(PROMPT + PROMPT[:5], SamplingParams(max_new_tokens=3))  # 53 tokens
+    free_before = None
+    while engine._requests[rid].phase != "decode":
+        if engine._requests[rid].phase == "prefill" and free_before is None:
+            free_before = engine.kv.free_blocks
+        engine.step()
+    store = engine.backend.packed.store
+    assert store.accounting()["pages_used"] == 4 * 3  # 48 of 53 rows: 3 groups x 4 levels
+    for depth in range(4):
+        table = engine.kv.block_table(rid, depth)
+        assert table[:12] == [-1] * 12 and min(table[12:]) >= 0  # rows 48.. stay BF16
+    assert engine.kv.free_blocks == free_before + 4 * 12
+    while engine.has_unfinished():
+        engine.step()
+    assert store.accounting()["pages_used"] == 0 and engine.kv.free_blocks == 200
+
+
+def test_short_prompts_and_mixed_batches_run():
+    model = tiny_model(seed=5)
+    prompts = [PROMPT[:10], PROMPT, PROMPT[3:40]]
+    config = FlashLoopConfig(kv_residual_quantization=QUANT)
+    together = [
+        r.output_token_ids
+        for r in _engine(model, config, pad_to_multiple=8).generate(prompts, SamplingParams(max_new_tokens=4))
+    ]  # fmt: skip
+    alone = [
+        _engine(model, config).generate([p], SamplingParams(max_new_tokens=4))[0].output_token_ids
+        for p in prompts
+    ]
+    assert together == alone
+
+
+def test_group_size_must_cover_whole_blocks():
+    with pytest.raises(
+        ConfigError, match="group_size=16 must be a multiple of the KV block_size=32"
+    ):
+        _engine(tiny_model(), FlashLoopConfig(kv_residual_quantization=QUANT), block_size=32)
+
+
+def test_effective_config_carries_the_encoding_descriptor():
+    from flashloop_backend.registry import resolve
+
+    plain = resolve(FlashLoopConfig(), "flashloop", REQUEST)
+    packed = resolve(FlashLoopConfig(kv_residual_quantization=QUANT), "flashloop", REQUEST)
+    both = resolve(
+        FlashLoopConfig(kv_residual_quantization=QUANT, token_sparse_prefill=SPARSE), "flashloop", REQUEST
+    )  # fmt: skip
+    assert plain.kv_encoding is None
+    assert (
+        packed.kv_encoding["version"] == 1 and packed.kv_encoding["window_policy"] == "fixed_prompt"
+    )
+    assert "16 token rows" in packed.kv_encoding["k_groups"]
+    assert both.kv_encoding["token_sparse_depths"].startswith("compact")
+    assert '"kv_encoding":{"bits":4' in packed.canonical_json()  # part of the digest
