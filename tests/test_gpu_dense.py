@@ -98,8 +98,17 @@ def test_host_on_gpu_agrees_with_cpu_reference(backend):
                 "retention": [1, 1, 0.5, 0.25],
             }
         },
+        {"kv_residual_quantization": {"enabled": True}},
+        {
+            "kv_residual_quantization": {"enabled": True},
+            "token_sparse_prefill": {
+                "enabled": True,
+                "window_size": 64,
+                "retention": [1, 1, 0.5, 0.25],
+            },
+        },
     ],
-    ids=["sparse_decode", "token_sparse_prefill"],
+    ids=["sparse_decode", "token_sparse_prefill", "kv_quant", "kv_quant_token_sparse"],
 )
 def test_flashloop_features_on_gpu_agree_with_cpu(features):
     """The flashloop backend with GPU kernels (Triton sparse correction, device selection)
