@@ -99,12 +99,21 @@ class PackedKVStore:
 
     def encode(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
                active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
-        """Encode one sequence's rows at every depth.
+        """Encode a new sequence's first rows at every depth (see :meth:`append`)."""
+        if sequence in self.sequences:
+            raise ValueError(f"sequence {sequence} is already encoded; release it first")
+        self.append(sequence, keys, values, active, quantize)
+
+    def append(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+               active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
+        """Encode the sequence's next rows (a new sequence starts at row 0) at every depth.
 
         keys/values: per depth [T, L, Hkv, D] (T a multiple of the group size; depth d's
         logical history, so inactive rows repeat their exit depth's value). ``active``: per
-        depth [T] bool rows that recomputed it (None: all, every level dense). Residuals
-        are taken against the running reconstruction, only over active rows."""
+        depth [T] bool rows that recomputed it (None: all). Residuals are taken against the
+        running reconstruction of these rows, only over active rows. A level stays dense
+        (no map) while every appended row has it; otherwise it becomes compact, and the
+        rows appended now start a fresh page of it."""
         g = self.group_size
         rows = keys[0].shape[0]
         if rows % g or any(k.shape != keys[0].shape for k in (*keys, *values)):
@@ -112,54 +121,71 @@ class PackedKVStore:
                 f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; "
                 f"got {[tuple(k.shape) for k in keys]}"
             )
-        if sequence in self.sequences:
-            raise ValueError(f"sequence {sequence} is already encoded; release it first")
+        levels = self.sequences.get(sequence)
+        if levels is not None and len(levels.pages) != len(keys):
+            raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {len(keys)}")
         counts = [
             rows if d == 0 or active is None else int(active[d].sum()) for d in range(len(keys))
         ]
         needed = sum(-(-c // g) for c in counts)
-        if needed > len(self._free):  # checked up front: a failed encode allocates nothing
+        if needed > len(self._free):  # checked up front: a failed append allocates nothing
             raise MemoryError(
                 f"packed KV for sequence {sequence} needs {needed} pages, "
                 f"{len(self._free)} free of {self.k_codes.shape[0]}"
             )
-        levels = SequenceLevels(rows)
+        if levels is None:
+            levels = SequenceLevels(0, [[] for _ in keys], [None for _ in keys])
         recon_k = recon_v = None
         for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
             present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
             if present is not None and present.numel() == rows:
-                present = None  # every row recomputed: a dense level, no map
-            if present is not None and present.numel() == 0:
-                levels.pages.append([])
-                levels.maps.append(torch.full((rows,), -1, dtype=torch.int32, device=k.device))
-                continue
-            target_k = k.float() if recon_k is None else k.float() - recon_k
-            target_v = v.float() if recon_v is None else v.float() - recon_v
-            if present is not None:
-                target_k, target_v = target_k[present], target_v[present]
-            count = target_k.shape[0]
-            padded = -(-count // g) * g
-            if padded != count:  # a compact level's last group: repeat its last row
-                fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
-                target_k, target_v = target_k[fill], target_v[fill]
-            qk = quantize(target_k, g, 0)  # per channel across rows
-            qv = quantize(target_v, g, -1)  # per row across channels
-            pages = self._allocate(padded // g)
-            self._write(pages, qk, qv)
-            dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
-            if present is None:
-                recon_k = dk if recon_k is None else recon_k + dk
-                recon_v = dv if recon_v is None else recon_v + dv
-                levels.maps.append(None)
-            else:
-                recon_k, recon_v = recon_k.clone(), recon_v.clone()
-                recon_k[present] += dk
-                recon_v[present] += dv
-                mapping = torch.full((rows,), -1, dtype=torch.int32, device=k.device)
-                mapping[present] = torch.arange(count, dtype=torch.int32, device=k.device)
-                levels.maps.append(mapping)
-            levels.pages.append(pages)
+                present = None  # every row recomputed this level
+            pages: list[int] = []
+            if present is None or present.numel():
+                target_k = k.float() if recon_k is None else k.float() - recon_k
+                target_v = v.float() if recon_v is None else v.float() - recon_v
+                if present is not None:
+                    target_k, target_v = target_k[present], target_v[present]
+                count = target_k.shape[0]
+                padded = -(-count // g) * g
+                if padded != count:  # a compact level's last group: repeat its last row
+                    fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
+                    target_k, target_v = target_k[fill], target_v[fill]
+                qk = quantize(target_k, g, 0)  # per channel across rows
+                qv = quantize(target_v, g, -1)  # per row across channels
+                pages = self._allocate(padded // g)
+                self._write(pages, qk, qv)
+                dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
+                if present is None:
+                    recon_k = dk if recon_k is None else recon_k + dk
+                    recon_v = dv if recon_v is None else recon_v + dv
+                else:
+                    recon_k, recon_v = recon_k.clone(), recon_v.clone()
+                    recon_k[present] += dk
+                    recon_v[present] += dv
+            self._extend_level(levels, depth, pages, present, rows, k.device)
+        levels.rows += rows
         self.sequences[sequence] = levels
+
+    def _extend_level(self, levels: SequenceLevels, depth: int, pages: list[int],
+                      present: torch.Tensor | None, rows: int, device) -> None:  # fmt: skip
+        """Add ``rows`` logical rows to one level: dense (``present`` None) or the compact
+        rows ``present`` stored in ``pages``."""
+        g = self.group_size
+        mapping = levels.maps[depth]
+        if present is None and mapping is None:
+            levels.pages[depth].extend(pages)
+            return
+        if mapping is None:  # dense so far: its rows sit in page order
+            mapping = torch.arange(levels.rows, dtype=torch.int32, device=device)
+        first = len(levels.pages[depth]) * g  # compact rows of this append start a fresh page
+        block = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        if present is None:
+            block = first + torch.arange(rows, dtype=torch.int32, device=device)
+        else:
+            block[present] = first + torch.arange(present.numel(), dtype=torch.int32, device=device)
+        levels.pages[depth].extend(pages)
+        levels.maps[depth] = torch.cat([mapping, block])
 
     def _write(self, pages: list[int], qk: QuantizedInt4, qv: QuantizedInt4) -> None:
         """qk codes [G, L, H, D, g/2] (groups along rows) and qv codes [T, L, H, D/g, g/2]."""

@@ -43,10 +43,14 @@ def test_unknown_backend_exits_nonzero_without_traceback():
 
 def test_unservable_backend_lists_reasons(tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"kv_residual_quantization": {"enabled": True, "policy": "rolling"}}))
+    both = {
+        "kv_residual_quantization": {"enabled": True},
+        "sparse_decode_attention": {"enabled": True},
+    }
+    cfg.write_text(json.dumps(both))
     result = run("info", "--backend", "flashloop", "--config", str(cfg), "--json")
     assert result.returncode == 3
-    assert "policy='rolling'" in result.stderr
+    assert "sparse_decode_attention together with kv_residual_quantization" in result.stderr
     assert "Traceback" not in result.stderr
 
 

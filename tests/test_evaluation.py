@@ -100,6 +100,8 @@ def test_kv_quantization_runs_the_packed_path_and_changes_the_prompt_kv_only_sli
     assert report["top1_agreement"] >= 0.75
     from flashloop_backend import ConfigError
 
-    rolling = FlashLoopConfig(kv_residual_quantization={"enabled": True, "policy": "rolling"})
-    with pytest.raises(ConfigError, match="policy='rolling' is not served"):
-        evaluate(model, tokenizer, TEXT, rolling, "auto", SMALL)
+    both = FlashLoopConfig(
+        kv_residual_quantization={"enabled": True}, sparse_decode_attention={"enabled": True}
+    )
+    with pytest.raises(ConfigError, match="not served by the flashloop backend"):
+        evaluate(model, tokenizer, TEXT, both, "auto", SMALL)

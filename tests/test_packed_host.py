@@ -101,3 +101,57 @@ def test_effective_config_carries_the_encoding_descriptor():
     assert "16 token rows" in packed.kv_encoding["k_groups"]
     assert both.kv_encoding["token_sparse_depths"].startswith("compact")
     assert '"kv_encoding":{"bits":4' in packed.canonical_json()  # part of the digest
+
+
+ROLLING = {"enabled": True, "group_size": 16, "policy": "rolling", "tail_size": 16}
+
+
+def test_rolling_keeps_a_bounded_bf16_tail_and_flushes_whole_groups():
+    model = tiny_model(seed=2)
+    engine = _engine(model, FlashLoopConfig(kv_residual_quantization=ROLLING))
+    prompt = PROMPT[:40]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    packed = engine.backend.packed
+    tails, flushes = [], 0
+    while engine.has_unfinished():
+        before = packed.packed_rows(rid)
+        engine.step()
+        if rid not in engine._requests or engine._requests[rid].phase != "decode":
+            continue
+        r = engine._requests[rid]
+        final_rows = len(r.prompt) + len(r.exit_depths)
+        rows = packed.packed_rows(rid)
+        flushes += rows > before and before > 0
+        tails.append(final_rows - rows)
+        blocks = engine.kv.block_table(rid, 3)
+        assert blocks[: rows // 4] == [-1] * (rows // 4) and min(blocks[rows // 4 :]) >= 0
+    # the completed prompt packs 16 of 40 rows (24 stay); afterwards the tail is 16..31
+    # rows: 31 final rows + one more token -> 32 -> one group flushed -> 16
+    assert tails[0] == 24 and all(16 <= t <= 31 for t in tails)
+    assert 31 in tails and flushes == 2
+    assert packed.store.accounting()["pages_used"] == 0  # finished: every page came back
+
+
+def test_rolling_with_a_tail_longer_than_the_request_is_dense():
+    model = tiny_model(seed=2)
+    huge = dict(ROLLING, tail_size=128)
+    forced = [3, 9, 27, 1]
+    rolling = _logprobs(
+        _engine(model, FlashLoopConfig(kv_residual_quantization=huge)), PROMPT, forced
+    )
+    dense = _logprobs(_engine(model, FlashLoopConfig()), PROMPT, forced)
+    # nothing is packed: only the reader (another summation order) differs
+    torch.testing.assert_close(rolling, dense, atol=2e-4, rtol=2e-4)
+
+
+def test_rolling_mixed_batches_equal_one_by_one():
+    model = tiny_model(seed=5)
+    prompts = [PROMPT[:10], PROMPT, PROMPT[3:40]]
+    config = FlashLoopConfig(kv_residual_quantization=ROLLING, token_sparse_prefill=SPARSE)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    together = [
+        r.output_token_ids
+        for r in _engine(model, config, pad_to_multiple=8).generate(prompts, params)
+    ]
+    alone = [_engine(model, config).generate([p], params)[0].output_token_ids for p in prompts]
+    assert together == alone

@@ -144,3 +144,29 @@ def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
     args = (q, store, 0, meta, cache_k, cache_v, tables, lengths)
     torch.testing.assert_close(packed_decode_reference(*args), packed_decode_triton(*args),
                                atol=2e-5, rtol=2e-5)  # fmt: skip
+
+
+def test_append_extends_levels_and_a_dense_level_turns_compact(rng):
+    rows = 32
+    first_k, first_v = _versions(rng, rows), _versions(rng, rows)
+    second_k, second_v = _versions(rng, rows), _versions(rng, rows)
+    active = [torch.ones(rows, dtype=torch.bool)] * 3 + [torch.arange(rows) % 2 == 0]
+    store = PackedKVStore(32, L, H, D, G)
+    store.append(4, first_k, first_v)  # dense on every level
+    store.append(4, second_k, second_v, active)  # level 3: only even rows recomputed
+    entry = store.sequences[4]
+    assert entry.rows == 64 and entry.maps[:3] == [None, None, None]
+    assert entry.maps[3][:32].tolist() == list(range(32))  # identity for the dense part
+    assert (
+        entry.maps[3][32::2].tolist() == list(range(32, 48)) and (entry.maps[3][33::2] == -1).all()
+    )
+    first = encode_compact_chain(first_k, [torch.ones(rows, dtype=torch.bool)] * 4, G, 0)
+    second = encode_compact_chain(second_k, active, G, 0)
+    for depth in range(4):
+        k, _ = store.reconstruct(4, depth, 0)
+        expected = torch.cat(
+            [reconstruct_compact(first, depth), reconstruct_compact(second, depth)]
+        )
+        torch.testing.assert_close(k, expected[:, 0], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="already encoded"):
+        store.encode(4, first_k, first_v)

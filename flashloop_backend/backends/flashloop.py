@@ -63,19 +63,13 @@ WIRED_OPS = PAGED_OPS | {
 def _unserved_combinations(config: FlashLoopConfig) -> list[str]:
     """Feature settings this version cannot serve, each named with what is supported."""
     quant = config.kv_residual_quantization
-    reasons = []
-    if quant.enabled and quant.policy != "fixed_prompt":
-        reasons.append(
-            f"kv_residual_quantization.policy={quant.policy!r} is not served by the flashloop "
-            f"backend {__version__}; served: ['fixed_prompt']"
-        )
     if quant.enabled and config.sparse_decode_attention.enabled:
-        reasons.append(
+        return [
             "sparse_decode_attention together with kv_residual_quantization is not served by "
             f"the flashloop backend {__version__}: the dense-source and correction kernels do "
             "not read packed KV yet; enable one of the two"
-        )
-    return reasons
+        ]
+    return []
 
 
 class FlashLoopSpec(BackendSpec):
@@ -192,7 +186,8 @@ class FlashLoopBackend(DenseCallSurface):
         store = PackedKVStore(
             num_pages, num_layers, num_kv_heads, head_dim, quant.group_size, device
         )
-        self.packed = PackedState(store, self.kernels[OpName.PACKED_KV_WRITE].impl.fn)
+        write = self.kernels[OpName.PACKED_KV_WRITE].impl.fn
+        self.packed = PackedState(store, write, quant.policy, quant.tail_size)
 
     def plan_packed(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
         """Host planning step of a batch when KV quantization is on (see ``PackedState``)."""

@@ -1,10 +1,13 @@
-"""The flashloop backend's packed INT4 KV (``fixed_prompt``): the page store, the encoding
-of a completed prompt, and per-batch reader metadata planned on the host.
+"""The flashloop backend's packed INT4 KV: the page store, what to encode when, and
+per-batch reader metadata planned on the host.
 
 A prompt is packed once it has run every loop: whole groups of ``group_size`` rows, every
 depth's logical history, compact residual levels for rows that token-sparse prefill left
-inactive. Its BF16 pages for those rows are then released by the host, so no BF16 shadow
-remains; later rows (the partial last group and generated tokens) stay BF16.
+inactive (or that exited early). The host then frees their BF16 blocks, so no BF16
+shadow remains. ``fixed_prompt`` stops there: generated tokens stay BF16. ``rolling``
+keeps a BF16 tail of at least ``tail_size`` final rows and flushes one whole group each
+time the tail reaches ``tail_size + group_size`` (so it holds tail_size..tail_size+G-1
+rows after every step).
 """
 
 from __future__ import annotations
@@ -19,22 +22,39 @@ from ..packed_kv import PackedKVStore
 
 
 class PackedState:
-    def __init__(self, store: PackedKVStore, quantize: Callable) -> None:
+    def __init__(
+        self, store: PackedKVStore, quantize: Callable, policy: str, tail_size: int
+    ) -> None:
         self.store, self.quantize = store, quantize
+        self.policy, self.tail_size = policy, tail_size
         self._planned: tuple[BatchView, dict[str, torch.Tensor]] | None = None
 
     @property
     def group_size(self) -> int:
         return self.store.group_size
 
-    def packable_rows(self, prompt_length: int) -> int:
-        return prompt_length // self.group_size * self.group_size
+    def packed_rows(self, sequence: int) -> int:
+        entry = self.store.sequences.get(sequence)
+        return 0 if entry is None else entry.rows
 
-    def pack_prompt(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    active: list[torch.Tensor] | None) -> None:  # fmt: skip
-        """keys/values per depth [T, L, Hkv, D] (T = ``packable_rows``); ``active`` per
-        depth [T] bool or None."""
-        self.store.encode(sequence, keys, values, active, quantize=self.quantize)
+    def prompt_rows(self, prompt_length: int) -> int:
+        """Rows of a completed prompt to pack: every whole group (``fixed_prompt``), or
+        every whole group that leaves at least ``tail_size`` rows in BF16 (``rolling``)."""
+        keep = self.tail_size if self.policy == "rolling" else 0
+        return max(0, prompt_length - keep) // self.group_size * self.group_size
+
+    def flush_due(self, sequence: int, final_rows: int) -> bool:
+        """Whether the next group leaves the BF16 tail (``rolling``): ``final_rows`` rows
+        have their KV final on every depth."""
+        if self.policy != "rolling":
+            return False
+        return final_rows - self.packed_rows(sequence) >= self.tail_size + self.group_size
+
+    def append(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+               active: list[torch.Tensor] | None) -> None:  # fmt: skip
+        """keys/values per depth [T, L, Hkv, D] for the sequence's next T rows (a multiple
+        of the group size); ``active`` per depth [T] bool or None."""
+        self.store.append(sequence, keys, values, active, quantize=self.quantize)
 
     def release(self, sequence: int) -> None:
         if sequence in self.store.sequences:

@@ -320,23 +320,48 @@ class Engine:
                 if r.depth < loops - 1:
                     self.kv.finalize_exit(r.id, r.position, r.depth)
                 r.exit_depths.append(r.depth)
+                if self.quantized:
+                    self._flush_tail(r)
                 self._emit(r, h[0])
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
 
     def _pack_prompt(self, r: _Request) -> None:
-        """fixed_prompt: encode the prompt's whole groups at every depth, then free their
-        BF16 blocks (the packed store is now their only copy)."""
+        """Encode the completed prompt's whole groups at every depth (all but the BF16 tail
+        under ``rolling``), then free their BF16 blocks: the packed store is their copy."""
+        self._pack_rows(r, self.backend.packed.prompt_rows(len(r.prompt)))
+
+    def _flush_tail(self, r: _Request) -> None:
+        """``rolling``: move whole groups of final rows from the BF16 tail to the store."""
         packed = self.backend.packed
-        rows = packed.packable_rows(len(r.prompt))
-        if rows == 0:
+        final_rows = len(r.prompt) + len(r.exit_depths)
+        while packed.flush_due(r.id, final_rows):
+            self._pack_rows(r, packed.packed_rows(r.id) + packed.group_size)
+
+    def _pack_rows(self, r: _Request, end: int) -> None:
+        """Pack rows [already packed, end) of every depth and free their BF16 blocks."""
+        packed = self.backend.packed
+        start = packed.packed_rows(r.id)
+        if end <= start:
             return
-        keys, values = self.kv.gather_planes(r.id, rows)
-        active = None
-        if self.sparsity is not None:
-            active = [a[:rows] for a in r.schedule.active_history]
-        packed.pack_prompt(r.id, keys, values, active)
-        self.kv.drop_prefix(r.id, rows)
+        keys, values = self.kv.gather_planes(r.id, start, end)
+        active = self._active_rows(r, start, end)
+        packed.append(r.id, keys, values, active)
+        self.kv.drop_prefix(r.id, end)
+
+    def _active_rows(self, r: _Request, start: int, end: int) -> list[torch.Tensor] | None:
+        """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
+        token-sparse schedule, generated rows by their exit depth); None if all did."""
+        prompt = len(r.prompt)
+        depths = []
+        for depth in range(self.cfg.total_ut_steps):
+            if self.sparsity is not None:
+                prompt_part = r.schedule.active_history[depth][start : min(end, prompt)]
+            else:
+                prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)
+            exits = torch.tensor(r.exit_depths[max(start, prompt) - prompt : max(0, end - prompt)])
+            depths.append(torch.cat([prompt_part.cpu(), exits >= depth]).to(self.device))
+        return None if all(bool(a.all()) for a in depths) else depths
 
     def _emit(self, r: _Request, final_hidden: torch.Tensor) -> None:
         """Sample the next token from a final hidden state and start its loops (or finish)."""

@@ -98,18 +98,21 @@ class PagedKVCache:
         return freed
 
     def gather_planes(
-        self, request_id: int, num_tokens: int
+        self, request_id: int, start: int, end: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every plane's K and V for positions [0, num_tokens): per depth [T, L, Hkv, D]."""
+        """Every plane's K and V for positions [start, end), ``start`` on a block boundary:
+        per depth [end - start, L, Hkv, D]."""
+        if start % self.block_size:
+            raise ValueError(f"start={start} is not a multiple of block_size={self.block_size}")
         keys, values = [], []
-        blocks_needed = -(-num_tokens // self.block_size)
+        first, last = start // self.block_size, -(-end // self.block_size)
         for plane in self._tables[request_id].planes:
-            index = torch.tensor(
-                plane[:blocks_needed], dtype=torch.long, device=self.key_pool.device
-            )
+            index = torch.tensor(plane[first:last], dtype=torch.long, device=self.key_pool.device)
+            if (index < 0).any():
+                raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
             for pool, out in ((self.key_pool, keys), (self.value_pool, values)):
                 rows = pool[index].transpose(1, 2).reshape(-1, *pool.shape[1:2], *pool.shape[3:])
-                out.append(rows[:num_tokens])
+                out.append(rows[: end - start])
         return keys, values
 
     def has(self, request_id: int) -> bool:
