@@ -11,99 +11,16 @@ runs out of blocks; a request that does not fit waits, one that can never fit is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError
 from ..dispatch import RowMode
 from .batch import Batch, RowGroup, build_batch
+from .features import kv_quantization, pack_rows, token_sparsity
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
 from .prompt_schedule import PromptSchedule
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-
-
-@dataclass
-class GenerationResult:
-    request_id: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str  # "length", "eos", "stop" or "forced"
-    exit_depths: list[int]  # zero-based exit depth of every generated token that ran loops
-    logprobs: torch.Tensor | None = None  # [n, vocab] FP32 log-softmax before each output
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_hidden: torch.Tensor | None = None  # [T, hidden] latest hidden of each prompt token
-    schedule: PromptSchedule | None = None  # prompt positions to run at the current depth
-    phase: str = "waiting"  # waiting -> prefill -> decode -> done
-    depth: int = 0
-    chunk_start: int = 0
-    hidden: torch.Tensor | None = None  # [hidden] the decode token's current hidden
-    remaining: float = 1.0  # exit-distribution mass not yet spent
-    output: list[int] = field(default_factory=list)
-    exit_depths: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    forced: list[int] | None = None  # teacher forcing: feed these instead of sampling
-    logprobs: list[torch.Tensor] | None = None
-    slot: int = -1  # token-state slot of its live decode token
-    incarnation: int = -1  # bumped for every new decode token
-
-    @property
-    def position(self) -> int:  # absolute position of the current decode token
-        return len(self.prompt) + len(self.output) - 1
-
-
-def _token_sparsity(backend, cfg, prefill_chunk: int):
-    """The backend's token-sparse prefill settings, checked against the engine's geometry."""
-    config = getattr(backend, "config", None)
-    if config is None or not config.token_sparse_prefill.enabled:
-        return None
-    sparsity = config.token_sparse_prefill
-    if config.num_loops != cfg.total_ut_steps:
-        raise ConfigError(
-            f"num_loops={config.num_loops} differs from the model's total_ut_steps={cfg.total_ut_steps}"
-        )
-    if prefill_chunk % sparsity.window_size:
-        raise ConfigError(
-            f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a multiple of "
-            f"token_sparse_prefill.window_size={sparsity.window_size}"
-        )
-    return sparsity
-
-
-def _kv_quantization(backend, block_size: int):
-    """The backend's KV quantization settings (or None), checked against the cache."""
-    config = getattr(backend, "config", None)
-    if config is None or not config.kv_residual_quantization.enabled:
-        return None
-    quant = config.kv_residual_quantization
-    if quant.group_size % block_size:
-        raise ConfigError(
-            f"kv_residual_quantization.group_size={quant.group_size} must be a multiple of the "
-            f"KV block_size={block_size}: packed groups free whole BF16 blocks"
-        )
-    return quant
+from .requests import GenerationResult, Request, SamplingParams
 
 
 class _LayerAttention:
@@ -147,20 +64,20 @@ class Engine:
             )
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.pad_to_multiple, self.detokenize = pad_to_multiple, detokenize
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._next_id = 0
         self.steps = 0
         # One token-state slot per live decode token (one per running request here).
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
-        self.sparsity = _token_sparsity(backend, cfg, prefill_chunk)
+        self.sparsity = token_sparsity(backend, cfg, prefill_chunk)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
-        self.on_prompt_done: Callable[[Engine, _Request], None] | None = None
+        self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         if hasattr(backend, "reserve_state"):
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
                                   cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
-        self.quantized = _kv_quantization(backend, block_size)
+        self.quantized = kv_quantization(backend, block_size)
         if self.quantized:  # a page per group of each level; the BF16 pool bounds how many
             pages = packed_pages or max(1, num_blocks * block_size // self.quantized.group_size)
             backend.reserve_packed(pages, cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -202,7 +119,7 @@ class Engine:
         if params.temperature > 0:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else self._next_id)
-        request = _Request(self._next_id, list(prompt), params, generator)
+        request = Request(self._next_id, list(prompt), params, generator)
         request.forced = list(forced) if forced is not None else None
         request.logprobs = [] if keep_logprobs else None
         self._requests[request.id] = request
@@ -326,44 +243,28 @@ class Engine:
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
 
-    def _pack_prompt(self, r: _Request) -> None:
+    def _pack_prompt(self, r: Request) -> None:
         """Encode the completed prompt's whole groups at every depth (all but the BF16 tail
-        under ``rolling``), then free their BF16 blocks: the packed store is their copy."""
-        self._pack_rows(r, self.backend.packed.prompt_rows(len(r.prompt)))
+        under ``rolling``)."""
+        rows = self.backend.packed.prompt_rows(len(r.prompt))
+        pack_rows(
+            self.kv,
+            self.backend.packed,
+            r,
+            rows,
+            self.sparsity is not None,
+            self.cfg.total_ut_steps,
+        )
 
-    def _flush_tail(self, r: _Request) -> None:
+    def _flush_tail(self, r: Request) -> None:
         """``rolling``: move whole groups of final rows from the BF16 tail to the store."""
         packed = self.backend.packed
         final_rows = len(r.prompt) + len(r.exit_depths)
         while packed.flush_due(r.id, final_rows):
-            self._pack_rows(r, packed.packed_rows(r.id) + packed.group_size)
+            end = packed.packed_rows(r.id) + packed.group_size
+            pack_rows(self.kv, packed, r, end, self.sparsity is not None, self.cfg.total_ut_steps)
 
-    def _pack_rows(self, r: _Request, end: int) -> None:
-        """Pack rows [already packed, end) of every depth and free their BF16 blocks."""
-        packed = self.backend.packed
-        start = packed.packed_rows(r.id)
-        if end <= start:
-            return
-        keys, values = self.kv.gather_planes(r.id, start, end)
-        active = self._active_rows(r, start, end)
-        packed.append(r.id, keys, values, active)
-        self.kv.drop_prefix(r.id, end)
-
-    def _active_rows(self, r: _Request, start: int, end: int) -> list[torch.Tensor] | None:
-        """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
-        token-sparse schedule, generated rows by their exit depth); None if all did."""
-        prompt = len(r.prompt)
-        depths = []
-        for depth in range(self.cfg.total_ut_steps):
-            if self.sparsity is not None:
-                prompt_part = r.schedule.active_history[depth][start : min(end, prompt)]
-            else:
-                prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)
-            exits = torch.tensor(r.exit_depths[max(start, prompt) - prompt : max(0, end - prompt)])
-            depths.append(torch.cat([prompt_part.cpu(), exits >= depth]).to(self.device))
-        return None if all(bool(a.all()) for a in depths) else depths
-
-    def _emit(self, r: _Request, final_hidden: torch.Tensor) -> None:
+    def _emit(self, r: Request, final_hidden: torch.Tensor) -> None:
         """Sample the next token from a final hidden state and start its loops (or finish)."""
         logits = self.model.coda(final_hidden[None])[0]
         if r.logprobs is not None:

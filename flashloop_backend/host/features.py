@@ -1,0 +1,70 @@
+"""Engine-side settings of the FlashLoop features: geometry checks against the host and the
+packed-KV bookkeeping (which rows to pack when, and which of them computed each depth)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ConfigError
+from .kvcache import PagedKVCache
+from .requests import Request
+
+
+def token_sparsity(backend, cfg, prefill_chunk: int):
+    """The backend's token-sparse prefill settings, checked against the engine's geometry."""
+    config = getattr(backend, "config", None)
+    if config is None or not config.token_sparse_prefill.enabled:
+        return None
+    sparsity = config.token_sparse_prefill
+    if config.num_loops != cfg.total_ut_steps:
+        raise ConfigError(
+            f"num_loops={config.num_loops} differs from the model's total_ut_steps={cfg.total_ut_steps}"
+        )
+    if prefill_chunk % sparsity.window_size:
+        raise ConfigError(
+            f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a multiple of "
+            f"token_sparse_prefill.window_size={sparsity.window_size}"
+        )
+    return sparsity
+
+
+def kv_quantization(backend, block_size: int):
+    """The backend's KV quantization settings (or None), checked against the cache."""
+    config = getattr(backend, "config", None)
+    if config is None or not config.kv_residual_quantization.enabled:
+        return None
+    quant = config.kv_residual_quantization
+    if quant.group_size % block_size:
+        raise ConfigError(
+            f"kv_residual_quantization.group_size={quant.group_size} must be a multiple of the "
+            f"KV block_size={block_size}: packed groups free whole BF16 blocks"
+        )
+    return quant
+
+
+def pack_rows(kv: PagedKVCache, packed, r: Request, end: int, sparse: bool, loops: int) -> None:
+    """Pack rows [already packed, end) of every depth into ``packed`` (the backend's
+    ``PackedState``) and free their BF16 blocks: the store becomes their only copy."""
+    start = packed.packed_rows(r.id)
+    if end <= start:
+        return
+    keys, values = kv.gather_planes(r.id, start, end)
+    packed.append(r.id, keys, values, active_rows(r, start, end, sparse, loops, kv.key_pool.device))
+    kv.drop_prefix(r.id, end)
+
+
+def active_rows(
+    r: Request, start: int, end: int, sparse: bool, loops: int, device
+) -> list[torch.Tensor] | None:
+    """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
+    token-sparse schedule, generated rows by their exit depth); None if all did."""
+    prompt = len(r.prompt)
+    depths = []
+    for depth in range(loops):
+        if sparse:
+            prompt_part = r.schedule.active_history[depth][start : min(end, prompt)].cpu()
+        else:
+            prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)
+        exits = torch.tensor(r.exit_depths[max(start, prompt) - prompt : max(0, end - prompt)])
+        depths.append(torch.cat([prompt_part, exits >= depth]).to(device))
+    return None if all(bool(a.all()) for a in depths) else depths

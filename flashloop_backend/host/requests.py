@@ -1,0 +1,60 @@
+"""What a request asks for and what it gets back, and the engine's per-request state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .prompt_schedule import PromptSchedule
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str  # "length", "eos", "stop" or "forced"
+    exit_depths: list[int]  # zero-based exit depth of every generated token that ran loops
+    logprobs: torch.Tensor | None = None  # [n, vocab] FP32 log-softmax before each output
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_hidden: torch.Tensor | None = None  # [T, hidden] latest hidden of each prompt token
+    schedule: PromptSchedule | None = None  # prompt positions to run at the current depth
+    phase: str = "waiting"  # waiting -> prefill -> decode -> done
+    depth: int = 0
+    chunk_start: int = 0
+    hidden: torch.Tensor | None = None  # [hidden] the decode token's current hidden
+    remaining: float = 1.0  # exit-distribution mass not yet spent
+    output: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    forced: list[int] | None = None  # teacher forcing: feed these instead of sampling
+    logprobs: list[torch.Tensor] | None = None
+    slot: int = -1  # token-state slot of its live decode token
+    incarnation: int = -1  # bumped for every new decode token
+
+    @property
+    def position(self) -> int:  # absolute position of the current decode token
+        return len(self.prompt) + len(self.output) - 1
