@@ -11,12 +11,6 @@ import torch
 LEVEL_COMPACT, LEVEL_EMPTY = 1, 2
 
 
-def _unpack(codes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """4-bit code ``index`` of each byte row: codes [..., n/2] uint8, index [...] -> [...]."""
-    byte = torch.gather(codes, -1, (index // 2)[..., None])[..., 0]
-    return ((byte >> (4 * (index % 2)).to(torch.uint8)) & 15).float()
-
-
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     """K and V [R, T, Hkv, D] FP32 of a level's rows ``rows`` [R, T] (-1 absent: zeros)
     through its page ids ``pages`` [R, P]."""
@@ -25,10 +19,12 @@ def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     page = torch.gather(pages.long(), 1, (rows.clamp(min=0) // g)).clamp(min=0)  # [R, T]
     within = rows.clamp(min=0) % g
     heads, dim = store.shape[1], store.shape[2]
-    k_codes = store.k_codes[page, layer]  # [R, T, H, D, g/2]
-    k = store.k_min[page, layer].float() + store.k_scale[page, layer].float() * _unpack(
-        k_codes, within[..., None, None].expand(-1, -1, heads, dim)
-    )
+    h = torch.arange(heads, device=rows.device)[None, None, :, None]
+    d = torch.arange(dim, device=rows.device)[None, None, None, :]
+    p4, w4 = page[..., None, None], within[..., None, None]
+    k_byte = store.k_codes[p4, layer, h, d, w4 // 2]  # [R, T, H, D]: only the byte needed
+    k_code = ((k_byte >> (4 * (w4 % 2)).to(torch.uint8)) & 15).float()
+    k = store.k_min[page, layer].float() + store.k_scale[page, layer].float() * k_code
     channel = torch.arange(dim, device=rows.device)
     v_bytes = store.v_codes[page, layer, within][..., channel // 2]  # [R, T, H, D]
     v_code = ((v_bytes >> (4 * (channel % 2)).to(torch.uint8)) & 15).float()
