@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.cli import main
@@ -43,14 +44,17 @@ def test_unknown_backend_exits_nonzero_without_traceback():
 
 def test_unservable_backend_lists_reasons(tmp_path):
     cfg = tmp_path / "c.json"
-    both = {
+    if torch.cuda.is_available():
+        pytest.skip("the Triton packed reader is servable on a GPU")
+    # the Triton packed reader named for packed_decode on a machine without CUDA
+    unservable = {
         "kv_residual_quantization": {"enabled": True},
-        "sparse_decode_attention": {"enabled": True},
+        "kernel_overrides": {"packed_decode": "triton"},
     }
-    cfg.write_text(json.dumps(both))
+    cfg.write_text(json.dumps(unservable))
     result = run("info", "--backend", "flashloop", "--config", str(cfg), "--json")
     assert result.returncode == 3
-    assert "sparse_decode_attention together with kv_residual_quantization" in result.stderr
+    assert "packed_decode='triton'" in result.stderr and "cuda" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -28,10 +28,19 @@ def _logprobs(engine, prompt, forced):
     return engine.generate([prompt], forced=[forced], keep_logprobs=True)[0].logprobs
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense_levels", "token_sparse"])
-def test_packed_path_equals_the_reconstruction_in_bf16_planes(sparse):
+SPARSE_DECODE = {"enabled": True, "key_retention": 0.3}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"token_sparse_prefill": SPARSE}, {"sparse_decode_attention": SPARSE_DECODE},
+     {"token_sparse_prefill": SPARSE, "sparse_decode_attention": SPARSE_DECODE}],
+    ids=["dense_levels", "token_sparse", "sparse_decode", "all_three"],
+)  # fmt: skip
+def test_packed_path_equals_the_reconstruction_in_bf16_planes(extra):
+    """Every read of packed KV (decode, loop-2 source, sparse correction) sees what the
+    reference reconstruction written into BF16 planes gives."""
     model = tiny_model(seed=2)
-    extra = {"token_sparse_prefill": SPARSE} if sparse else {}
     forced = [3, 9, 27, 1, 4, 8]
     packed = _logprobs(_engine(model, FlashLoopConfig(kv_residual_quantization=QUANT, **extra)),
                        PROMPT, forced)  # fmt: skip

@@ -21,14 +21,15 @@ def test_explicit_selection_never_falls_back():
     registry = Registry.discover()
     selection = registry.select_backend("flashloop", REQUEST, FlashLoopConfig())
     assert selection.info.requested_backend == selection.info.selected_backend == "flashloop"
-    # a combination this version cannot serve: explicit refuses and names both settings
+    # an op its named kernel cannot serve here: explicit refuses, naming op and reason
     config = FlashLoopConfig(
-        kv_residual_quantization={"enabled": True, "policy": "rolling"},
+        kv_residual_quantization={"enabled": True},
         sparse_decode_attention={"enabled": True},
+        kernel_overrides={"packed_sparse_correction": "example_blockwise"},
     )
     with pytest.raises(ValueError) as info:
         registry.select_backend("flashloop", REQUEST, config)
-    assert "sparse_decode_attention together with kv_residual_quantization" in str(info.value)
+    assert "packed_sparse_correction" in str(info.value) and "example_blockwise" in str(info.value)
 
 
 def test_unknown_backend_lists_valid_names():

@@ -52,24 +52,16 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
 }
 # Ops whose call path this version of the backend drives.
 PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
-WIRED_OPS = PAGED_OPS | {
-    OpName.DENSE_SOURCE,
-    OpName.SPARSE_CORRECTION,
-    OpName.PACKED_DECODE,
-    OpName.PACKED_KV_WRITE,
-}
-
-
-def _unserved_combinations(config: FlashLoopConfig) -> list[str]:
-    """Feature settings this version cannot serve, each named with what is supported."""
-    quant = config.kv_residual_quantization
-    if quant.enabled and config.sparse_decode_attention.enabled:
-        return [
-            "sparse_decode_attention together with kv_residual_quantization is not served by "
-            f"the flashloop backend {__version__}: the dense-source and correction kernels do "
-            "not read packed KV yet; enable one of the two"
-        ]
-    return []
+PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
+WIRED_OPS = (
+    PAGED_OPS
+    | PACKED_READ_OPS
+    | {
+        OpName.DENSE_SOURCE,
+        OpName.SPARSE_CORRECTION,
+        OpName.PACKED_KV_WRITE,
+    }
+)
 
 
 class FlashLoopSpec(BackendSpec):
@@ -94,7 +86,7 @@ class FlashLoopSpec(BackendSpec):
         self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
     ) -> tuple[dict[OpName, KernelChoice], list[str]]:
         choices: dict[OpName, KernelChoice] = {}
-        reasons: list[str] = _unserved_combinations(config)
+        reasons: list[str] = []
         for op, (why, caps) in self._op_needs(request, config).items():
             if op not in WIRED_OPS:
                 reasons.append(
@@ -231,45 +223,32 @@ class FlashLoopBackend(DenseCallSurface):
         lengths = view.context_lengths[order]
         gathered_routes = routes[order]
         out = torch.zeros_like(gathered_q)
+        packed_args = None
+        if self.packed is not None:
+            packed_args = (self.packed.store, layer, self.packed.meta_for(view, order))
         for op, choice in self.kernels.items():
             mine = gathered_routes == ROUTE_CODES[op]
             masked = torch.where(mine, lengths, torch.zeros_like(lengths))
-            if op in PAGED_OPS:
-                result = choice.impl.fn(gathered_q, key_cache, value_cache, tables, masked, scale)
-            elif op == OpName.DENSE_SOURCE:
-                ratio = self.config.sparse_decode_attention.key_retention
-                result, *stats = choice.impl.fn(
-                    gathered_q,
-                    key_cache,
-                    value_cache,
-                    tables,
-                    masked,
-                    ratio,
-                    states.k_bucket,
-                    scale,
-                )
-                slots, incarnations = view.slots[order], view.incarnations[order]
-                states.write(layer, slots, incarnations, mine, *stats)
-            elif op == OpName.PACKED_DECODE:
-                if self.packed is None:
+            memory = (key_cache, value_cache, tables)
+            if op in PACKED_READ_OPS:
+                if packed_args is None:
                     raise RuntimeError(
                         "KV quantization needs reserve_packed(...) before the first forward"
                     )
-                meta = self.packed.meta_for(view, order)
-                result = choice.impl.fn(gathered_q, self.packed.store, layer, meta, key_cache,
-                                        value_cache, tables, masked, scale)  # fmt: skip
-            elif op == OpName.SPARSE_CORRECTION:
+                memory = (*packed_args, *memory)
+            if op in PAGED_OPS or op == OpName.PACKED_DECODE:
+                result = choice.impl.fn(gathered_q, *memory, masked, scale)
+            elif op in (OpName.DENSE_SOURCE, OpName.PACKED_SOURCE):
+                ratio = self.config.sparse_decode_attention.key_retention
+                result, *stats = choice.impl.fn(
+                    gathered_q, *memory, masked, ratio, states.k_bucket, scale
+                )
+                slots, incarnations = view.slots[order], view.incarnations[order]
+                states.write(layer, slots, incarnations, mine, *stats)
+            elif op in (OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION):
                 indices, mass, ref_out, contribution = states.read(layer, view.slots[order])
                 result = choice.impl.fn(
-                    gathered_q,
-                    key_cache,
-                    value_cache,
-                    tables,
-                    indices,
-                    mass,
-                    ref_out,
-                    contribution,
-                    scale,
+                    gathered_q, *memory, indices, mass, ref_out, contribution, scale
                 )
             else:
                 continue

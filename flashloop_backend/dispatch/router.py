@@ -29,6 +29,13 @@ class OpRequirement:
     capabilities: frozenset[Capability]
 
 
+def sparse_decode_ops(config: FlashLoopConfig) -> tuple[OpName, OpName]:
+    """(source op, correction op): their packed-KV versions when KV quantization is on."""
+    if config.kv_residual_quantization.enabled:
+        return OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION
+    return OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION
+
+
 def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     """Ops (and the capabilities their kernels need) that ``config`` can route rows to.
 
@@ -44,19 +51,16 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
                 frozenset({Capability.NONCONSECUTIVE_QUERIES}),
             )
         )
+    packed = frozenset({Capability.PACKED_KV_READ}) if quantized else frozenset()
     if config.sparse_decode_attention.enabled:
+        source, correction = sparse_decode_ops(config)
         needs.append(
             OpRequirement(
-                OpName.DENSE_SOURCE,
-                "sparse_decode_attention",
-                frozenset({Capability.SOURCE_STATISTICS}),
+                source, "sparse_decode_attention", packed | {Capability.SOURCE_STATISTICS}
             )
         )
-        needs.append(
-            OpRequirement(OpName.SPARSE_CORRECTION, "sparse_decode_attention", frozenset())
-        )
+        needs.append(OpRequirement(correction, "sparse_decode_attention", packed))
     if quantized:
-        packed = frozenset({Capability.PACKED_KV_READ})
         needs.append(OpRequirement(OpName.PACKED_DECODE, "kv_residual_quantization", packed))
         needs.append(OpRequirement(OpName.PACKED_KV_WRITE, "kv_residual_quantization", packed))
     return tuple(needs)
@@ -99,6 +103,7 @@ def route_rows(
         ready = reference_ready if reference_ready is not None else torch.zeros_like(decode)
         source = decode & (depth == REFERENCE_DEPTH)
         correct = decode & (depth >= SPARSE_START_DEPTH) & ready
-        routes = torch.where(source, ROUTE_CODES[OpName.DENSE_SOURCE], routes)
-        routes = torch.where(correct, ROUTE_CODES[OpName.SPARSE_CORRECTION], routes)
+        source_op, correction_op = sparse_decode_ops(config)
+        routes = torch.where(source, ROUTE_CODES[source_op], routes)
+        routes = torch.where(correct, ROUTE_CODES[correction_op], routes)
     return routes

@@ -27,6 +27,8 @@ class OpName(str, Enum):
     SPARSE_CORRECTION = "sparse_correction"  # later-loop decode over selected keys + correction
     PACKED_KV_WRITE = "packed_kv_write"  # INT4 quantize-and-pack of K/V into the store
     PACKED_DECODE = "packed_decode"  # decode over packed INT4 KV plus a BF16 paged tail
+    PACKED_SOURCE = "packed_dense_source"  # dense_source over packed KV
+    PACKED_CORRECTION = "packed_sparse_correction"  # sparse_correction over packed KV
 
     def __str__(self) -> str:
         return self.value
@@ -81,6 +83,16 @@ class PackedDecode(Protocol):
 
     def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,
                  context_lengths, scale: float | None = None) -> torch.Tensor: ...  # fmt: skip
+
+
+class PackedSparseDecode(Protocol):
+    """``packed_dense_source`` / ``packed_sparse_correction``: :class:`DenseSource` and
+    :class:`SparseCorrection` whose K/V below each row's packed length come from the
+    packed store (arguments as :class:`PackedDecode`, then the op's own: ``ratio,
+    k_bucket`` or ``indices, mass, output, contribution``)."""
+
+    def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,
+                 *args, scale: float | None = None): ...  # fmt: skip
 
 
 class SparseCorrection(Protocol):

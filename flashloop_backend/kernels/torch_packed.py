@@ -36,18 +36,17 @@ def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     return torch.where(mask, k, 0.0), torch.where(mask, v, 0.0)
 
 
-def packed_decode_reference(q, store, layer, meta, key_cache, value_cache, block_tables,
-                            context_lengths, scale=None) -> torch.Tensor:  # fmt: skip
-    rows, num_q_heads, head_dim = q.shape
-    if rows == 0:
-        return torch.empty_like(q)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+def packed_history(store, layer, meta, key_cache, value_cache, block_tables, dtype):
+    """Every row's logical K and V [R, span, Hkv, D] (FP32 holding ``dtype`` values):
+    reconstructed from the store below the row's packed length, BF16 pages above."""
     tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
     packed = meta["packed_lengths"].long()
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    rows = packed.shape[0]
+    block_size, kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     span = max(block_tables.shape[1] * block_size, maps.shape[2])
-    t = torch.arange(span, device=q.device)[None, :].expand(rows, -1)
-    keys = torch.zeros(rows, span, kv_heads, head_dim, device=q.device)
+    device = key_cache.device
+    t = torch.arange(span, device=device)[None, :].expand(rows, -1)
+    keys = torch.zeros(rows, span, kv_heads, head_dim, device=device)
     values = torch.zeros_like(keys)
     in_packed = t < packed[:, None]
     for level in range(tables.shape[1]):
@@ -57,19 +56,73 @@ def packed_decode_reference(q, store, layer, meta, key_cache, value_cache, block
         level_rows = torch.where((kind == LEVEL_EMPTY) | ~in_packed, -1, level_rows)
         k, v = _level_rows(store, layer, tables[:, level], level_rows)
         keys, values = keys + k, values + v
-    page = torch.gather(
-        block_tables.long().clamp(min=0), 1, (t // block_size).clamp(max=block_tables.shape[1] - 1)
+    column = (t // block_size).clamp(max=block_tables.shape[1] - 1)
+    page = torch.gather(block_tables.long().clamp(min=0), 1, column).clamp(
+        max=key_cache.shape[0] - 1
     )
-    tail_k = key_cache[page.clamp(max=key_cache.shape[0] - 1), t % block_size].float()
-    tail_v = value_cache[page.clamp(max=key_cache.shape[0] - 1), t % block_size].float()
+    tail_k = key_cache[page, t % block_size].float()
+    tail_v = value_cache[page, t % block_size].float()
     # the dots run in the input dtype, like the kernels: reconstructions round to it first
-    keys = torch.where(in_packed[..., None, None], keys.to(q.dtype).float(), tail_k)
-    values = torch.where(in_packed[..., None, None], values.to(q.dtype).float(), tail_v)
-    group = num_q_heads // kv_heads
-    keys, values = keys.repeat_interleave(group, 2), values.repeat_interleave(group, 2)
+    keys = torch.where(in_packed[..., None, None], keys.to(dtype).float(), tail_k)
+    values = torch.where(in_packed[..., None, None], values.to(dtype).float(), tail_v)
+    return keys, values
+
+
+def _per_query_head(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)
+
+
+def packed_decode_reference(q, store, layer, meta, key_cache, value_cache, block_tables,
+                            context_lengths, scale=None) -> torch.Tensor:  # fmt: skip
+    rows, num_q_heads, head_dim = q.shape
+    if rows == 0:
+        return torch.empty_like(q)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys, values = packed_history(store, layer, meta, key_cache, value_cache, block_tables, q.dtype)
+    keys, values = _per_query_head(keys, num_q_heads), _per_query_head(values, num_q_heads)
     logits = torch.einsum("rhd,rthd->rht", q.float(), keys) * scale
-    visible = (t < context_lengths.long()[:, None])[:, None, :]
+    t = torch.arange(keys.shape[1], device=q.device)
+    visible = (t[None, :] < context_lengths.long()[:, None])[:, None, :]
     probs = torch.nan_to_num(
         torch.softmax(logits.masked_fill(~visible, float("-inf")), -1), nan=0.0
     )
     return torch.einsum("rht,rthd->rhd", probs, values).to(q.dtype)
+
+
+def packed_dense_source(q, store, layer, meta, key_cache, value_cache, block_tables,
+                        context_lengths, ratio, k_bucket, scale=None):  # fmt: skip
+    """``dense_source`` over packed KV: the loop-2 statistics of the reconstructed history
+    (same outputs as :func:`~.torch_sparse_decode.dense_source`)."""
+    from .torch_sparse_decode import source_statistics
+
+    rows, num_q_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys, values = packed_history(store, layer, meta, key_cache, value_cache, block_tables, q.dtype)
+    if rows == 0:
+        empty = q.new_zeros((0, num_q_heads, head_dim), dtype=torch.float32)
+        indices = torch.zeros((0, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
+        return q.new_empty((0, num_q_heads, head_dim)), indices, empty[..., 0], empty, empty
+    stats = source_statistics(q, _per_query_head(keys, num_q_heads), _per_query_head(values, num_q_heads),
+                              context_lengths, ratio, k_bucket, scale)  # fmt: skip
+    return (stats[0].to(q.dtype), *stats[1:])
+
+
+def packed_sparse_correction(q, store, layer, meta, key_cache, value_cache, block_tables,
+                             indices, mass, output, contribution, scale=None):  # fmt: skip
+    """``sparse_correction`` over packed KV: the selected keys read from the reconstructed
+    history of this depth (only those positions enter the softmax)."""
+    rows, num_q_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys, values = packed_history(store, layer, meta, key_cache, value_cache, block_tables, q.dtype)
+    keys, values = _per_query_head(keys, num_q_heads), _per_query_head(values, num_q_heads)
+    valid = indices >= 0
+    where = indices.long().clamp(min=0)  # [R, Hq, Kb]
+    heads = torch.arange(num_q_heads, device=q.device)[None, :, None]
+    selected_k = keys[
+        torch.arange(rows, device=q.device)[:, None, None], where, heads
+    ]  # [R, Hq, Kb, D]
+    selected_v = values[torch.arange(rows, device=q.device)[:, None, None], where, heads]
+    logits = torch.einsum("rhd,rhkd->rhk", q.float(), selected_k) * scale
+    local = torch.nan_to_num(torch.softmax(logits.masked_fill(~valid, float("-inf")), -1), nan=0.0)
+    fresh = torch.einsum("rhk,rhkd->rhd", local, selected_v)
+    return (output - contribution + mass[..., None] * fresh).to(q.dtype)

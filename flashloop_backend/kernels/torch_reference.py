@@ -106,9 +106,16 @@ PACKED_SUPPORT = Support(
 )
 
 
+PACKED_SPARSE_SUPPORT = Support(
+    devices=SUPPORT.devices,
+    dtypes=SUPPORT.dtypes,
+    capabilities=PACKED_SUPPORT.capabilities | {Capability.SOURCE_STATISTICS},
+)
+
+
 def provider() -> KernelProvider:
     from ..reference import quantize_int4
-    from .torch_packed import packed_decode_reference
+    from .torch_packed import packed_decode_reference, packed_dense_source, packed_sparse_correction
     from .torch_sparse_decode import dense_source, sparse_correction
 
     return KernelProvider(
@@ -130,6 +137,12 @@ def provider() -> KernelProvider:
             ),
             OpName.PACKED_KV_WRITE: KernelImpl(
                 OpName.PACKED_KV_WRITE, quantize_int4, PACKED_SUPPORT
+            ),
+            OpName.PACKED_SOURCE: KernelImpl(
+                OpName.PACKED_SOURCE, packed_dense_source, PACKED_SPARSE_SUPPORT
+            ),
+            OpName.PACKED_CORRECTION: KernelImpl(
+                OpName.PACKED_CORRECTION, packed_sparse_correction, PACKED_SPARSE_SUPPORT
             ),
         },
     )

@@ -62,6 +62,14 @@ def _source_rows(q, key_cache, value_cache, block_tables, context_lengths, ratio
     span = block_tables.shape[1] * key_cache.shape[1]
     keys = _gather(key_cache, block_tables, rows, span, num_q_heads)
     values = _gather(value_cache, block_tables, rows, span, num_q_heads)
+    return source_statistics(q, keys, values, context_lengths, ratio, k_bucket, scale)
+
+
+def source_statistics(q, keys, values, context_lengths, ratio, k_bucket, scale):
+    """The loop-2 statistics from explicit K/V [R, T, Hq, D] FP32: (output, indices, mass,
+    output, contribution) as :func:`dense_source` returns them (output in FP32)."""
+    rows, num_q_heads, _ = q.shape
+    span = keys.shape[1]
     visible = torch.arange(span, device=q.device)[None, :] < context_lengths.long()[:, None]
     logits = torch.einsum("rhd,rthd->rht", q.float(), keys) * scale
     probs = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
