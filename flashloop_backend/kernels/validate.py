@@ -53,3 +53,20 @@ def check_paged_inputs(
             f"q dtype {q.dtype} must match KV cache dtypes {key_cache.dtype}/{value_cache.dtype}"
         )
     return rows, num_q_heads, head_dim
+
+
+def check_triton_paged(q, key_cache, value_cache, block_tables, context_lengths):
+    """:func:`check_paged_inputs` plus what Triton paged kernels need: a power-of-two head
+    dim >= 16 and unit stride on it. Returns (rows, query heads, head dim, block tables
+    with unit stride on their last axis)."""
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the triton kernel")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
+    if block_tables.stride(-1) != 1:  # rows may share one table through a zero row stride
+        block_tables = block_tables.contiguous()
+    return rows, num_q_heads, head_dim, block_tables

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_paged_inputs
+from ..validate import check_triton_paged
 
 SM_COUNT_FALLBACK = 132  # H100/H200
 KEYS_PER_SPLIT_MIN = 512
@@ -108,19 +108,12 @@ def paged_attention_triton(
     """
     from .paged_decode_jit import paged_attention_split_kernel
 
-    rows, num_q_heads, head_dim = check_paged_inputs(
+    rows, num_q_heads, head_dim, block_tables = check_triton_paged(
         q, key_cache, value_cache, block_tables, context_lengths
     )
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the triton kernel")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the triton kernel")
-    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
     out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     if rows == 0:
         return out

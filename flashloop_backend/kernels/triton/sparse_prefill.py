@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_paged_inputs
+from ..validate import check_triton_paged
 from .paged_decode import merge_splits, sm_count, split_buffers
 
 
@@ -65,20 +65,13 @@ def sparse_prefill_triton(
     correct. Returns [R, Hq, D] in q's dtype."""
     from .sparse_prefill_jit import sparse_prefill_kernel
 
-    rows, num_q_heads, head_dim = check_paged_inputs(
+    rows, num_q_heads, head_dim, block_tables = check_triton_paged(
         q, key_cache, value_cache, block_tables, context_lengths
     )
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the triton kernel")
-    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride on head_dim; got strides {t.stride()}")
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    if block_tables.stride(-1) != 1:  # rows may share one table through a zero stride
-        block_tables = block_tables.contiguous()
     starts, num_tiles = tile_starts(block_tables, tuning.block_m)
     # one program per tile of a single segment; tiles added by segment starts are taken
     # in turn by the same programs (the tile count is only known on the device). Few
