@@ -72,8 +72,39 @@ def _per_query_head(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)
 
 
+def _only_rows(needed: torch.Tensor, fn, q, meta, block_tables, *per_row):
+    """Run ``fn`` on the rows ``needed`` [R] bool only and scatter into zeros: every op
+    is called over the whole batch with other rows' lengths masked to 0, and rebuilding
+    their histories would dominate this reference. (Reads the mask on the host: the
+    reference is the oracle, not the graph-safe path.)"""
+    index = needed.nonzero().flatten()
+    sub_meta = {name: tensor[index] for name, tensor in meta.items()}
+    result = fn(q[index], sub_meta, block_tables[index], *(t[index] for t in per_row))
+    if isinstance(result, tuple):
+        return tuple(_scatter(t, index, q.shape[0]) for t in result)
+    return _scatter(result, index, q.shape[0])
+
+
+def _scatter(t: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    fill = -1 if t.dtype == torch.int32 else 0
+    full = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    full[index] = t
+    return full
+
+
 def packed_decode_reference(q, store, layer, meta, key_cache, value_cache, block_tables,
                             context_lengths, scale=None) -> torch.Tensor:  # fmt: skip
+    def run(q, meta, block_tables, context_lengths):
+        return _decode_rows(
+            q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths, scale
+        )
+
+    return _only_rows(context_lengths > 0, run, q, meta, block_tables, context_lengths)
+
+
+def _decode_rows(
+    q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths, scale
+):
     rows, num_q_heads, head_dim = q.shape
     if rows == 0:
         return torch.empty_like(q)
@@ -93,6 +124,16 @@ def packed_dense_source(q, store, layer, meta, key_cache, value_cache, block_tab
                         context_lengths, ratio, k_bucket, scale=None):  # fmt: skip
     """``dense_source`` over packed KV: the loop-2 statistics of the reconstructed history
     (same outputs as :func:`~.torch_sparse_decode.dense_source`)."""
+
+    def run(q, meta, block_tables, context_lengths):
+        return _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables,
+                            context_lengths, ratio, k_bucket, scale)  # fmt: skip
+
+    return _only_rows(context_lengths > 0, run, q, meta, block_tables, context_lengths)
+
+
+def _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths,
+                 ratio, k_bucket, scale):  # fmt: skip
     from .torch_sparse_decode import source_statistics
 
     rows, num_q_heads, head_dim = q.shape
@@ -111,6 +152,17 @@ def packed_sparse_correction(q, store, layer, meta, key_cache, value_cache, bloc
                              indices, mass, output, contribution, scale=None):  # fmt: skip
     """``sparse_correction`` over packed KV: the selected keys read from the reconstructed
     history of this depth (only those positions enter the softmax)."""
+
+    def run(q, meta, block_tables, indices, mass, output, contribution):
+        return _correction_rows(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                indices, mass, output, contribution, scale)  # fmt: skip
+
+    needed = (indices >= 0).flatten(1).any(1)
+    return _only_rows(needed, run, q, meta, block_tables, indices, mass, output, contribution)
+
+
+def _correction_rows(q, store, layer, meta, key_cache, value_cache, block_tables, indices, mass,
+                     output, contribution, scale):  # fmt: skip
     rows, num_q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     keys, values = packed_history(store, layer, meta, key_cache, value_cache, block_tables, q.dtype)
