@@ -52,6 +52,13 @@ def _info(args: argparse.Namespace) -> int:
         effective = resolve(config, chosen, request, registry)
         report["effective_config"] = json.loads(effective.canonical_json())
         report["digest"] = effective.digest()
+        quant = config.kv_residual_quantization
+        if quant.enabled:
+            from .packed_kv import bytes_per_token_report
+
+            report["kv_bytes"] = bytes_per_token_report(
+                request.num_kv_heads, request.head_dim, quant.group_size, config.num_loops
+            )
     except ConfigError as exc:
         report["effective_config"] = None
         report["digest"] = None
@@ -140,6 +147,11 @@ def _print_text(report: dict) -> None:
     if report.get("digest"):
         print(f"\neffective config (digest {report['digest']}):")
         print(json.dumps(report["effective_config"], indent=2, sort_keys=True))
+        if report.get("kv_bytes"):
+            kv = report["kv_bytes"]
+            print(f"\npacked KV: {kv['packed_bytes_per_token_per_level_per_layer']:.0f} B per token, level "
+                  f"and layer vs BF16 {kv['bf16_bytes_per_token_per_depth_per_layer']} B per depth "
+                  f"({kv['dense_levels_ratio_vs_bf16']:.2f}x smaller with dense levels)")  # fmt: skip
     elif report.get("error"):
         print(f"\nno effective config: {report['error']}")
 

@@ -265,3 +265,18 @@ class PackedKVStore:
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
         }  # fmt: skip
+
+
+def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_depths: int) -> dict:
+    """Steady packed bytes per token, per layer, from a one-page store's real tensors: a
+    dense level costs one page per group; BF16 planes cost 2 x 2 x Hkv x D per depth."""
+    store = PackedKVStore(1, 1, kv_heads, head_dim, group_size)
+    level = store.page_bytes() / group_size
+    bf16 = 2 * 2 * kv_heads * head_dim
+    return {
+        "packed_bytes_per_token_per_level_per_layer": level,
+        "bf16_bytes_per_token_per_depth_per_layer": bf16,
+        "dense_levels_ratio_vs_bf16": bf16 / level,
+        "depths": num_depths,
+        "note": "compact levels (token-sparse depths) cost pages only for active rows plus a 4-byte map entry per row",
+    }

@@ -170,3 +170,20 @@ def test_append_extends_levels_and_a_dense_level_turns_compact(rng):
         torch.testing.assert_close(k, expected[:, 0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="already encoded"):
         store.encode(4, first_k, first_v)
+
+
+def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "q.json"
+    config.write_text(json.dumps({"kv_residual_quantization": {"enabled": True}}))
+    result = subprocess.run(
+        [sys.executable, "-m", "flashloop_backend.cli", "info", "--config", str(config), "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    kv = json.loads(result.stdout)["kv_bytes"]
+    # Ouro-1.4B attention: 16 KV heads x 128 dims -> (64 + 8 + 64 + 8) bytes per head
+    assert kv["packed_bytes_per_token_per_level_per_layer"] == 16 * 144
+    assert kv["bf16_bytes_per_token_per_depth_per_layer"] == 16 * 512
