@@ -187,3 +187,23 @@ def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
     # Ouro-1.4B attention: 16 KV heads x 128 dims -> (64 + 8 + 64 + 8) bytes per head
     assert kv["packed_bytes_per_token_per_level_per_layer"] == 16 * 144
     assert kv["bf16_bytes_per_token_per_depth_per_layer"] == 16 * 512
+
+
+def test_packed_reader_rejects_bad_metadata(rng):
+    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+
+    store = PackedKVStore(8, L, H, D, G, device=DEVICE)
+    store.encode(
+        0, [k.to(DEVICE) for k in _versions(rng, 16)], [v.to(DEVICE) for v in _versions(rng, 16)]
+    )
+    meta = level_metadata(store, [0], [1], DEVICE)
+    cache = torch.zeros(2, 16, H, D, device=DEVICE)
+    args = (torch.zeros(1, H, D, device=DEVICE), store, 0)
+    tail = (cache, cache, torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
+            torch.tensor([16], dtype=torch.int32, device=DEVICE))  # fmt: skip
+    bad = dict(meta, packed_lengths=meta["packed_lengths"].long())
+    with pytest.raises(ValueError, match="meta\\['packed_lengths'\\] must be int32"):
+        packed_decode_triton(*args, bad, *tail)
+    short = dict(meta, level_kinds=meta["level_kinds"][:, :1])
+    with pytest.raises(ValueError, match="metadata rows/levels disagree"):
+        packed_decode_triton(*args, short, *tail)

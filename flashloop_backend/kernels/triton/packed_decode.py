@@ -67,6 +67,13 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
             f"metadata rows/levels disagree: tables {tuple(tables.shape)}, kinds {tuple(kinds.shape)}, "
             f"packed {tuple(packed.shape)} for {rows} rows"
         )
+    for name, tensor in meta.items():
+        if tensor.dtype != torch.int32 or tensor.device != q.device:
+            raise ValueError(
+                f"meta[{name!r}] must be int32 on {q.device}; got {tensor.dtype} on {tensor.device}"
+            )
+    if store.k_codes.device != q.device:
+        raise ValueError(f"the packed store lives on {store.k_codes.device}; q is on {q.device}")
     out = torch.empty_like(q)
     if rows == 0:
         return out
