@@ -47,3 +47,17 @@ def test_combination_runs_and_batching_is_invisible(flags):
     assert all(len(r.output_token_ids) == 6 for r in mixed)
     effective = resolve(config, "flashloop", REQUEST)
     assert (effective.kv_encoding is not None) == flags["kv_residual_quantization"]
+
+
+def test_graph_safety_is_asked_of_the_packed_ops_the_config_routes_to():
+    from flashloop_backend.capabilities import Capability
+    from flashloop_backend.kernels.ops import OpName
+
+    spec = Registry.discover().backends["flashloop"]
+    both = _config({"token_sparse_prefill": False, "sparse_decode_attention": True,
+                    "kv_residual_quantization": True})  # fmt: skip
+    needs = spec._op_needs(REQUEST.with_required({Capability.GRAPH_SAFE_SPARSE}), both)
+    for op in (OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION):
+        assert Capability.GRAPH_SAFE_SPARSE in needs[op][1]
+    plain = spec._op_needs(REQUEST.with_required({Capability.GRAPH_SAFE_SPARSE}), FlashLoopConfig())
+    assert OpName.PACKED_SOURCE not in plain  # nothing routes there without KV quantization

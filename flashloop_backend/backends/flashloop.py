@@ -50,6 +50,10 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
     Capability.CUDA_GRAPHS: None,
     Capability.ASYNC_SCHEDULING: None,
 }
+PACKED_VERSION = {
+    OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
+    OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
+}
 # Ops whose call path this version of the backend drives.
 PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
 PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
@@ -77,7 +81,10 @@ class FlashLoopSpec(BackendSpec):
         needs = {r.op: (r.feature, r.capabilities) for r in required_ops(config)}
         for cap in request.required:
             ops = CAPABILITY_OPS[cap]
-            for op in ops if ops is not None else tuple(needs):
+            targets = tuple(needs) if ops is None else ops
+            # the configuration may route the packed-KV version of a listed op instead
+            targets += tuple(PACKED_VERSION[o] for o in targets if PACKED_VERSION.get(o) in needs)
+            for op in targets:
                 why, caps = needs.get(op, (f"required capability {cap.value}", frozenset()))
                 needs[op] = (why, caps | {cap})
         return needs
