@@ -41,6 +41,12 @@ def test_demo_runs_and_reports_speed_and_kv():
     assert result.returncode == 0, result.stderr
     assert "backend: " in result.stdout
     assert "tokens/s" in result.stdout and "bytes/token" in result.stdout
+    # the closing side-by-side table, measured in the same run
+    assert "| | dense | FlashLoop, all on | ratio |" in result.stdout
+    for row in ("tokens/s (this machine)", "KV bytes per held token", "Δ bits/byte vs dense"):
+        assert row in result.stdout
+    skipped = cli("demo", "--max-new-tokens", "2", "--no-compare")
+    assert skipped.returncode == 0 and "FlashLoop, all on" not in skipped.stdout
 
 
 def _model_dir(tmp_path, **overrides):

@@ -254,6 +254,8 @@ class FlashLoopBackend(DenseCallSurface):
                 states.write(layer, slots, incarnations, mine, *stats)
             elif op in (OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION):
                 indices, mass, ref_out, contribution = states.read(layer, view.slots[order])
+                # rows routed elsewhere may hold another token's state: they select nothing
+                indices = torch.where(mine[:, None, None], indices, -1)
                 result = choice.impl.fn(
                     gathered_q, *memory, indices, mass, ref_out, contribution, scale
                 )

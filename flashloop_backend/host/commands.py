@@ -123,6 +123,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"{kv_tokens} tokens held {kv_tokens * per_token / 1024:.1f} KiB; "
         f"pool {engine.kv.key_pool.numel() * engine.kv.key_pool.element_size() * 2 / 2**20:.1f} MiB"
     )
+    if not args.no_compare:
+        from .showcase import side_by_side
+
+        side_by_side(engine.model, tokenizer, prompts, args.block_size, args.max_new_tokens)
     return 0
 
 
@@ -211,6 +215,10 @@ def add_commands(sub) -> None:
     demo = sub.add_parser("demo", help="main job: generate on the embedded model")
     _common(demo, str(embedded_model_path()))
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument(
+        "--no-compare", action="store_true",
+        help="skip the closing dense vs FlashLoop (all on) table",
+    )  # fmt: skip
     demo.set_defaults(handler=_demo)
     gen = sub.add_parser("generate", help="generate from any Ouro checkpoint")
     _common(gen, None)
