@@ -104,3 +104,14 @@ def test_kv_quantization_runs_the_packed_path_and_changes_the_prompt_kv_only_sli
     )
     combined = evaluate(model, tokenizer, TEXT, both, "auto", SMALL)
     assert combined["kl_mean"] > 0 and combined["top1_agreement"] >= 0.5
+
+
+def test_all_features_on_evaluate_with_recycled_slots(embedded):
+    """Scoring then passkey requests reuse token-state slots while other rows prefill; a
+    state a row does not own must never reach the correction (it indexed past the batch's
+    block tables before rows routed elsewhere were cleared)."""
+    from flashloop_backend.host.showcase import ALL_ON, QUICK_EVAL
+
+    model, tokenizer = embedded
+    report = evaluate(model, tokenizer, TEXT, ALL_ON, "flashloop", QUICK_EVAL)
+    assert report["top1_agreement"] >= 0.5
