@@ -61,3 +61,16 @@ def test_graph_safety_is_asked_of_the_packed_ops_the_config_routes_to():
         assert Capability.GRAPH_SAFE_SPARSE in needs[op][1]
     plain = spec._op_needs(REQUEST.with_required({Capability.GRAPH_SAFE_SPARSE}), FlashLoopConfig())
     assert OpName.PACKED_SOURCE not in plain  # nothing routes there without KV quantization
+
+
+def test_host_reading_packed_references_do_not_claim_async_scheduling():
+    from flashloop_backend.capabilities import Capability
+
+    registry = Registry.discover()
+    spec = registry.backends["flashloop"]
+    plain = spec.capabilities(registry, FlashLoopConfig(), registry.env, "cpu")
+    packed = spec.capabilities(registry, _config({"token_sparse_prefill": False,
+                               "sparse_decode_attention": False, "kv_residual_quantization": True}),
+                               registry.env, "cpu")  # fmt: skip
+    assert Capability.ASYNC_SCHEDULING in plain
+    assert Capability.ASYNC_SCHEDULING not in packed and Capability.PACKED_KV_READ in packed

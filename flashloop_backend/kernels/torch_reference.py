@@ -99,10 +99,13 @@ SPARSE_DECODE_SUPPORT = Support(
 )
 
 
+# The packed-KV references read which rows they serve on the host (``torch_packed``), so
+# they cannot be queued ahead asynchronously.
 PACKED_SUPPORT = Support(
     devices=SUPPORT.devices,
     dtypes=SUPPORT.dtypes,
-    capabilities=SUPPORT.capabilities | {Capability.PACKED_KV_READ},
+    capabilities=(SUPPORT.capabilities - {Capability.ASYNC_SCHEDULING})
+    | {Capability.PACKED_KV_READ},
 )
 
 
