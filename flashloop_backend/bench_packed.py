@@ -74,7 +74,8 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
-    from .kernels.triton.packed_decode import level_metadata, packed_decode_triton
+    from .kernels.triton.packed_decode import packed_decode_triton
+    from .packed_kv import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
     results = {"context": context, "concurrency": batch, "depths": {}}

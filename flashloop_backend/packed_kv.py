@@ -22,6 +22,8 @@ import torch
 from .reference import QuantizedInt4, dequantize_int4, quantize_int4
 
 ENCODING_VERSION = 1
+# level kinds in reader metadata (the Triton reader spells COMPACT as its own constexpr)
+LEVEL_DENSE, LEVEL_COMPACT, LEVEL_EMPTY = 0, 1, 2
 
 
 def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: bool) -> dict:
@@ -280,3 +282,35 @@ def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_de
         "depths": num_depths,
         "note": "compact levels (token-sparse depths) cost pages only for active rows plus a 4-byte map entry per row",
     }
+
+
+def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: list[int],
+                   device: torch.device | str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Per-row reader metadata, built once per batch on the host: ``level_tables`` [R, Lv,
+    P] int32 page ids per level, ``level_maps`` [R, Lv, Tp] int32 logical -> compact row,
+    ``level_kinds`` [R, Lv] int32 (0 dense, 1 compact, 2 empty), ``packed_lengths`` [R]
+    int32. A row at depth d reads levels 0..d; Lv = deepest such depth + 1. A row whose
+    sequence is None or not in the store (padding, not packed yet) reads BF16 only."""
+    entries = [store.sequences.get(s) if s is not None else None for s in sequences]
+    known = [(e, d) for e, d in zip(entries, depths, strict=True) if e is not None]
+    levels = max((d for _, d in known), default=0) + 1
+    pages = max((len(p) for e, _ in known for p in e.pages), default=1)
+    rows = max((e.rows for e, _ in known), default=1)
+    tables = torch.full((len(sequences), levels, max(pages, 1)), -1, dtype=torch.int32)
+    maps = torch.full((len(sequences), levels, max(rows, 1)), -1, dtype=torch.int32)
+    kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
+    packed = torch.zeros(len(sequences), dtype=torch.int32)
+    for i, (entry, depth) in enumerate(zip(entries, depths, strict=True)):
+        if entry is None:
+            continue
+        packed[i] = entry.rows
+        for level in range(min(depth + 1, len(entry.pages))):
+            if entry.pages[level]:
+                tables[i, level, : len(entry.pages[level])] = torch.tensor(entry.pages[level])
+                kinds[i, level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
+            if entry.maps[level] is not None:
+                maps[i, level, : entry.rows] = entry.maps[level].cpu()
+    return {
+        "level_tables": tables.to(device), "level_maps": maps.to(device),
+        "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),
+    }  # fmt: skip

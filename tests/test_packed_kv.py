@@ -91,7 +91,8 @@ def _attention(q, k, v, length):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
-    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.packed_kv import level_metadata
 
     rows, tail, block = 32, 20, 16
     store = PackedKVStore(24, L, H, D, G, device=DEVICE)
@@ -126,7 +127,8 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
 
 def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
     from flashloop_backend.kernels.torch_packed import packed_decode_reference
-    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.packed_kv import level_metadata
 
     rows = 32
     store = PackedKVStore(24, L, H, D, G, device=DEVICE)
@@ -190,7 +192,8 @@ def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
 
 
 def test_packed_reader_rejects_bad_metadata(rng):
-    from flashloop_backend.kernels.triton.packed_decode import level_metadata, packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.packed_kv import level_metadata
 
     store = PackedKVStore(8, L, H, D, G, device=DEVICE)
     store.encode(

@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..dispatch import BatchView
-from ..kernels.triton.packed_decode import level_metadata
-from ..packed_kv import PackedKVStore
+from ..packed_kv import PackedKVStore, level_metadata
 
 
 class PackedState:
@@ -28,6 +27,7 @@ class PackedState:
         self.store, self.quantize = store, quantize
         self.policy, self.tail_size = policy, tail_size
         self._planned: tuple[BatchView, dict[str, torch.Tensor]] | None = None
+        self._ordered: dict[str, torch.Tensor] | None = None
 
     @property
     def group_size(self) -> int:
@@ -63,32 +63,17 @@ class PackedState:
     def plan(self, view: BatchView, sequences: list[int], depths: list[int]) -> None:
         """Reader metadata for every row of ``view`` (host planning step; padding rows and
         sequences not packed yet read BF16 only)."""
-        known = [s if s in self.store.sequences else None for s in sequences]
-        packed_rows = [i for i, s in enumerate(known) if s is not None]
-        meta = level_metadata(
-            self.store,
-            [known[i] for i in packed_rows],
-            [depths[i] for i in packed_rows],
-            view.device,
-        )
-        rows = view.num_rows
-        full = {
-            "level_tables": torch.full((rows, *meta["level_tables"].shape[1:]), -1, dtype=torch.int32),
-            "level_maps": torch.full((rows, *meta["level_maps"].shape[1:]), -1, dtype=torch.int32),
-            "level_kinds": torch.full((rows, meta["level_kinds"].shape[1]), 2, dtype=torch.int32),
-            "packed_lengths": torch.zeros(rows, dtype=torch.int32),
-        }  # fmt: skip
-        index = torch.tensor(packed_rows, dtype=torch.long)
-        for name, tensor in full.items():
-            if packed_rows:
-                tensor[index] = meta[name].cpu()
-            full[name] = tensor.to(view.device)
-        self._planned = (view, full)
+        self._planned = (view, level_metadata(self.store, sequences, depths, view.device))
+        self._ordered = None
 
     def meta_for(self, view: BatchView, order: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The planned metadata in the backend's gathered row order (computed once per
+        batch: every layer gathers the same order)."""
         if self._planned is None or self._planned[0] is not view:
             raise RuntimeError(
                 "packed KV metadata was not planned for this batch: the host calls "
                 "backend.plan_packed(view, request_ids, depths) after building it"
             )
-        return {name: tensor[order] for name, tensor in self._planned[1].items()}
+        if self._ordered is None:
+            self._ordered = {name: tensor[order] for name, tensor in self._planned[1].items()}
+        return self._ordered

@@ -59,12 +59,14 @@ def active_rows(
     """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
     token-sparse schedule, generated rows by their exit depth); None if all did."""
     prompt = len(r.prompt)
-    depths = []
+    depths = []  # built on the host, moved once decided
     for depth in range(loops):
         if sparse:
             prompt_part = r.schedule.active_history[depth][start : min(end, prompt)].cpu()
         else:
             prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)
         exits = torch.tensor(r.exit_depths[max(start, prompt) - prompt : max(0, end - prompt)])
-        depths.append(torch.cat([prompt_part, exits >= depth]).to(device))
-    return None if all(bool(a.all()) for a in depths) else depths
+        depths.append(torch.cat([prompt_part, exits >= depth]))
+    if all(bool(a.all()) for a in depths):
+        return None
+    return [a.to(device) for a in depths]

@@ -107,9 +107,9 @@ class PagedKVCache:
         keys, values = [], []
         first, last = start // self.block_size, -(-end // self.block_size)
         for plane in self._tables[request_id].planes:
-            index = torch.tensor(plane[first:last], dtype=torch.long, device=self.key_pool.device)
-            if (index < 0).any():
+            if any(block < 0 for block in plane[first:last]):  # checked on the host list
                 raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
+            index = torch.tensor(plane[first:last], dtype=torch.long, device=self.key_pool.device)
             for pool, out in ((self.key_pool, keys), (self.value_pool, values)):
                 rows = pool[index].transpose(1, 2).reshape(-1, *pool.shape[1:2], *pool.shape[3:])
                 out.append(rows[: end - start])

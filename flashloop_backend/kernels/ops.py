@@ -78,7 +78,7 @@ class PackedKVWrite(Protocol):
 class PackedDecode(Protocol):
     """``packed_decode``: decode attention of q [R, Hq, D] over each row's history: rows
     below ``meta["packed_lengths"]`` reconstructed from the packed store at the row's
-    depth (``meta`` from ``kernels.triton.packed_decode.level_metadata``), later rows from
+    depth (``meta`` from ``packed_kv.level_metadata``), later rows from
     the BF16 paged cache through block_tables [R, MB]. Returns [R, Hq, D] q.dtype."""
 
     def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-LEVEL_COMPACT, LEVEL_EMPTY = 1, 2
+from ..packed_kv import LEVEL_COMPACT, LEVEL_EMPTY
 
 
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):

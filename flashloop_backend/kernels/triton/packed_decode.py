@@ -11,36 +11,6 @@ from ...packed_kv import PackedKVStore
 from ..validate import check_paged_inputs
 from .paged_decode import merge_splits, sm_count, split_buffers
 
-LEVEL_DENSE, LEVEL_COMPACT, LEVEL_EMPTY = 0, 1, 2
-
-
-def level_metadata(store: PackedKVStore, sequences: list[int], depths: list[int],
-                   device: torch.device | str) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Per-row reader metadata, built once per batch on the host: ``level_tables`` [R, Lv,
-    P] int32 page ids per level, ``level_maps`` [R, Lv, Tp] int32 logical -> compact row,
-    ``level_kinds`` [R, Lv] int32 (0 dense, 1 compact, 2 empty), ``packed_lengths`` [R]
-    int32. Lv = deepest depth read + 1; a row at depth d reads levels 0..d."""
-    levels = max(depths, default=0) + 1
-    pages = max((len(p) for s in sequences for p in store.sequences[s].pages), default=1)
-    rows = max((store.sequences[s].rows for s in sequences), default=1)
-    tables = torch.full((len(sequences), levels, max(pages, 1)), -1, dtype=torch.int32)
-    maps = torch.full((len(sequences), levels, max(rows, 1)), -1, dtype=torch.int32)
-    kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
-    packed = torch.zeros(len(sequences), dtype=torch.int32)
-    for i, (sequence, depth) in enumerate(zip(sequences, depths, strict=True)):
-        entry = store.sequences[sequence]
-        packed[i] = entry.rows
-        for level in range(min(depth + 1, len(entry.pages))):
-            if entry.pages[level]:
-                tables[i, level, : len(entry.pages[level])] = torch.tensor(entry.pages[level])
-                kinds[i, level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
-            if entry.maps[level] is not None:
-                maps[i, level, : entry.rows] = entry.maps[level].cpu()
-    return {
-        "level_tables": tables.to(device), "level_maps": maps.to(device),
-        "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),
-    }  # fmt: skip
-
 
 def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                          key_cache, value_cache, block_tables, context_lengths,
