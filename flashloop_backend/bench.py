@@ -301,13 +301,14 @@ def bench_end_to_end(
         _timed_workload(engine, prompts, new_tokens)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        warm_steps = engine.steps
         ids, first, done, total = _timed_workload(engine, prompts, new_tokens)
         ttft = [first[i] for i in ids]
         tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
         results[name] = {
             "prefill_latency_s": max(ttft), "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
             "tpot_ms": {"median": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
-            "throughput_tokens_s": concurrency * new_tokens / total, "total_s": total, "host_steps": engine.steps,
+            "throughput_tokens_s": concurrency * new_tokens / total, "total_s": total, "host_steps": engine.steps - warm_steps,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),

@@ -146,13 +146,12 @@ class Engine:
             rows = sum(g.count for g in groups)
             pad_to = -(-rows // self.pad_to_multiple) * self.pad_to_multiple
         batch = build_batch(groups, self.kv, self.device, pad_to)
+        hidden = torch.cat([self._input_hidden(g) for g in groups])
+        pad = batch.view.num_rows - batch.num_real_rows
         if self.quantized:  # host planning: which rows read which packed levels
             owners = [g.request_id for g in groups for _ in range(g.count)]
             depths = [g.depth for g in groups for _ in range(g.count)]
-            pad = batch.view.num_rows - batch.num_real_rows
             self.backend.plan_packed(batch.view, owners + [-1] * pad, depths + [0] * pad)
-        hidden = torch.cat([self._input_hidden(g) for g in groups])
-        pad = batch.view.num_rows - batch.num_real_rows
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         with torch.no_grad():
