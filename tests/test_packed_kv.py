@@ -210,3 +210,36 @@ def test_packed_reader_rejects_bad_metadata(rng):
     short = dict(meta, level_kinds=meta["level_kinds"][:, :1])
     with pytest.raises(ValueError, match="metadata rows/levels disagree"):
         packed_decode_triton(*args, short, *tail)
+
+
+def test_cache_and_store_refuse_bad_packing_requests(rng):
+    from flashloop_backend.host.kvcache import PagedKVCache
+
+    kv = PagedKVCache(16, 1, 4, 1, 16, 2, torch.float32, "cpu")
+    kv.reserve(0, 16)
+    with pytest.raises(ValueError, match="num_tokens=6 is not a multiple of block_size=4"):
+        kv.drop_prefix(0, 6)
+    with pytest.raises(ValueError, match="start=2 is not a multiple of block_size=4"):
+        kv.gather_planes(0, 2, 8)
+    assert kv.drop_prefix(0, 8) == 4
+    with pytest.raises(ValueError, match=r"positions \[0, 12\) of request 0 were freed"):
+        kv.gather_planes(0, 0, 12)
+    store = PackedKVStore(16, L, H, D, G)
+    store.append(0, _versions(rng, 16), _versions(rng, 16))
+    with pytest.raises(ValueError, match="sequence 0 has 4 depths; got 2"):
+        store.append(0, _versions(rng, 16, 2), _versions(rng, 16, 2))
+
+
+def test_backend_refuses_an_unplanned_packed_batch(rng):
+    from flashloop_backend.backends.packed_state import PackedState
+    from flashloop_backend.dispatch import BatchView
+
+    state = PackedState(PackedKVStore(4, L, H, D, G), None, "fixed_prompt", 64)
+    one = torch.zeros(1, dtype=torch.int64)
+    view = BatchView(one, one, one.to(torch.int8), one, one, one, one, one.int() + 1,
+                     torch.zeros(1, 1, 1, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(RuntimeError, match="packed KV metadata was not planned for this batch"):
+        state.meta_for(view, torch.zeros(1, dtype=torch.long))
+    state.plan(view, [-1], [0])  # a row without packed data reads BF16 only
+    meta = state.meta_for(view, torch.zeros(1, dtype=torch.long))
+    assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
