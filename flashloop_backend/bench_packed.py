@@ -5,6 +5,7 @@ the store really holds (from its tensors) against BF16 copy-on-exit planes."""
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import torch
 
@@ -72,9 +73,19 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
     return record
 
 
+def _tunings(sweep: bool) -> list:
+    """The registered reader, design 2 at every depth, and a launch sweep at depth 1."""
+    from .kernels.triton.packed_decode import DEFAULT_TUNING, PackedTuning
+
+    out = [DEFAULT_TUNING, PackedTuning(design="tiles", programs_per_sm=2)]
+    if sweep:
+        out += [PackedTuning(num_warps=w, programs_per_sm=p) for w in (2, 4, 8) for p in (2, 4, 16)]
+    return out
+
+
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
-    from .kernels.triton.packed_decode import packed_decode_triton
+    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
     from .packed_kv import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
@@ -98,22 +109,29 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
         store, _ = _store(batch, rows, 1, sparse, gen)
         for depth in range(4):
             meta = level_metadata(store, list(range(batch)), [depth] * batch, "cuda")
-            ms = _graph_ms(
-                lambda m=meta, s=store: packed_decode_triton(q, s, 0, m, kc, vc, tables, lengths)
-            )
             levels = store.sequences[0].pages[: depth + 1]
             read = sum(len(p) for p in levels) * store.page_bytes() * batch
             read += (
                 sum(m.numel() * 4 for m in store.sequences[0].maps[: depth + 1] if m is not None)
                 * batch
             )
-            key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
-            results["depths"][key] = {
-                "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
-                "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
-            }  # fmt: skip
-            log(f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
-                f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {read / (ms / 1e3) / 1e12:.2f} TB/s")  # fmt: skip
+            first = depth == 0 and not sparse
+            for tuning in _tunings(first):
+                ms = _graph_ms(
+                    lambda m=meta, s=store, t=tuning: packed_decode_triton(
+                        q, s, 0, m, kc, vc, tables, lengths, tuning=t
+                    )
+                )
+                key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
+                if tuning != DEFAULT_TUNING:
+                    key += f"_{tuning.design}_w{tuning.num_warps}_p{tuning.programs_per_sm}"
+                results["depths"][key] = {
+                    "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
+                    "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
+                    "tuning": asdict(tuning),
+                }  # fmt: skip
+                log(f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
+                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {read / (ms / 1e3) / 1e12:.2f} TB/s")  # fmt: skip
         del store
         torch.cuda.empty_cache()
     return results

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One H200 call: GPU tests of the new kernels, then packed-KV, prefill and e2e records.
+# One H200 call: GPU tests of the packed-KV reader and of the host with every feature,
+# the packed reader benchmark (designs and launch sweep), then e2e with KV quantization.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pytest -q tests/test_packed_kv.py tests/test_sparse_prefill_kernel.py tests/test_kernels_triton.py \
-  tests/test_gpu_dense.py -k "packed or prefill or dense_source or correction or features" 2>&1 | tee "$OUT/gpu_tests_packed_prefill.log" | tail -3
-flashloop-backend bench packed --contexts 8192,32768 --concurrency 1,16 --out "$OUT/bench_packed_kv.json"
-flashloop-backend bench prefill --contexts 8192,32768 --retentions 0.25,0.10 --out "$OUT/bench_prefill_attention.json"
-for ctx in 8192 32768; do
-  flashloop-backend bench e2e --backends flashinfer,flashloop --config configs/token_sparse_prefill.json \
-    --contexts "$ctx" --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_token_sparse_prefill_${ctx}.json"
+python3 -m pytest -q tests/test_packed_kv.py tests/test_gpu_dense.py tests/test_feature_combinations.py \
+  -k "packed or features or combination" 2>&1 | tee "$OUT/gpu_tests_packed.log" | tail -3
+flashloop-backend bench packed --contexts 8192,32768 --concurrency 1,16 --out "$OUT/bench_packed_kv.json" \
+  2>&1 | tee "$OUT/bench_packed.log" | tail -60
+for cfg in kv_quant_fixed_prompt all_on; do
+  flashloop-backend bench e2e --backends flashinfer,flashloop --config "configs/$cfg.json" \
+    --contexts 8192 --concurrency 1,16 --new-tokens 16 --out "$OUT/bench_e2e_${cfg}_8192.json" 2>&1 | tail -8
 done

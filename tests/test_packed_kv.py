@@ -89,9 +89,10 @@ def _attention(q, k, v, length):
     return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), v[:length])
 
 
+@pytest.mark.parametrize("design", ["fold", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
-    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, design, rng):
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
     from flashloop_backend.packed_kv import level_metadata
 
     rows, tail, block = 32, 20, 16
@@ -112,7 +113,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
-        tables.int().to(DEVICE), lengths.int().to(DEVICE),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(design=design),
     )  # fmt: skip
     for i, (sequence, depth) in enumerate(zip(sequences, depths, strict=True)):
         k, v = store.reconstruct(sequence, depth, layer)

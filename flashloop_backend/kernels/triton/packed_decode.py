@@ -4,6 +4,7 @@ splits the groups over programs from shapes only (no host sync), merges the spli
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -11,16 +12,31 @@ from ...packed_kv import PackedKVStore
 from ..validate import check_paged_inputs
 from .paged_decode import merge_splits, sm_count, split_buffers
 
+DESIGNS = ("fold", "tiles")  # registered first; "tiles" (design 2) kept for the benchmark
+
+
+@dataclass(frozen=True)
+class PackedTuning:
+    """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``)."""
+
+    num_warps: int = 4
+    programs_per_sm: int = 8
+    design: str = "fold"
+
+
+DEFAULT_TUNING = PackedTuning()
+
 
 def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                          key_cache, value_cache, block_tables, context_lengths,
-                         scale: float | None = None) -> torch.Tensor:  # fmt: skip
+                         scale: float | None = None,
+                         tuning: PackedTuning = DEFAULT_TUNING) -> torch.Tensor:  # fmt: skip
     """Decode attention of q [R, Hq, D] over each row's history: positions below
     ``packed_lengths`` from the packed store (reconstructed at the row's depth in
     registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
     [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
-    from .packed_decode_jit import packed_decode_split_kernel
-
+    if tuning.design not in DESIGNS:
+        raise ValueError(f"packed reader design={tuning.design!r}; supported: {DESIGNS}")
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -50,14 +66,14 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = store.group_size
     groups = math.ceil(max(block_tables.shape[1] * block_size, maps.shape[2]) / g)
-    want = max(1, math.ceil(2 * sm_count(q.device) / (rows * num_q_heads)))
+    want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
     per_split = math.ceil(groups / splits)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     kc, kmin, kscale = store.k_codes[:, layer], store.k_min[:, layer], store.k_scale[:, layer]
     vc, vmin, vscale = store.v_codes[:, layer], store.v_min[:, layer], store.v_scale[:, layer]
     block_tables = block_tables.contiguous()
-    packed_decode_split_kernel[(rows, num_q_heads, splits)](
+    args = (
         q, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, packed,
         key_cache, value_cache, block_tables, context_lengths,
         part_out, part_max, part_sum,
@@ -70,7 +86,17 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
         per_split,
-        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g, BLOCK_SIZE=block_size,
-        LEVELS=tables.shape[1], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
+                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1], num_warps=tuning.num_warps)  # fmt: skip
+    grid = (rows, num_q_heads, splits)
+    if tuning.design == "fold":
+        from .packed_decode_jit import packed_decode_split_kernel
+
+        packed_decode_split_kernel[grid](*args, **shape)
+    else:
+        from .packed_decode_tiles_jit import packed_decode_split_kernel as tiles_kernel
+
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        tiles_kernel[grid](*args, **shape, DOT_PRECISION=precision)
     return merge_splits(part_out, part_max, part_sum, out)
