@@ -74,12 +74,15 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 
 def _tunings(sweep: bool) -> list:
-    """The registered reader, design 2 at every depth, and a launch sweep at depth 1."""
+    """Both readers at every depth, and a launch sweep of both at depth 1."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING, PackedTuning
 
-    out = [DEFAULT_TUNING, PackedTuning(design="tiles", programs_per_sm=2)]
+    out = [DEFAULT_TUNING, PackedTuning(design="halves")]
     if sweep:
-        out += [PackedTuning(num_warps=w, programs_per_sm=p) for w in (2, 4, 8) for p in (2, 4, 16)]
+        out += [
+            PackedTuning(num_warps=w, programs_per_sm=p, design=design)
+            for design in ("fold", "halves") for w in (2, 4, 8) for p in (2, 16)
+        ]  # fmt: skip
     return out
 
 

@@ -89,7 +89,7 @@ def _attention(q, k, v, length):
     return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), v[:length])
 
 
-@pytest.mark.parametrize("design", ["fold", "tiles"])
+@pytest.mark.parametrize("design", ["fold", "halves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, design, rng):
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton

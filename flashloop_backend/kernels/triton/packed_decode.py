@@ -12,7 +12,7 @@ from ...packed_kv import PackedKVStore
 from ..validate import check_paged_inputs
 from .paged_decode import merge_splits, sm_count, split_buffers
 
-DESIGNS = ("fold", "tiles")  # registered first; "tiles" (design 2) kept for the benchmark
+DESIGNS = ("fold", "halves")  # design 3 (joined tiles) and 4 (even/odd halves)
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
 
         packed_decode_split_kernel[grid](*args, **shape)
     else:
-        from .packed_decode_tiles_jit import packed_decode_split_kernel as tiles_kernel
+        from .packed_decode_halves_jit import packed_decode_split_kernel as halves_kernel
 
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        tiles_kernel[grid](*args, **shape, DOT_PRECISION=precision)
+        halves_kernel[grid](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out)
