@@ -74,15 +74,14 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 
 def _tunings(sweep: bool) -> list:
-    """Both readers at every depth, and a launch sweep of both at depth 1."""
+    """The registered launch at every depth and a launch sweep at depth 1."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING, PackedTuning
 
-    out = [DEFAULT_TUNING, PackedTuning(design="halves")]
+    out = [DEFAULT_TUNING]
     if sweep:
         out += [
-            PackedTuning(num_warps=w, programs_per_sm=p, design=design)
-            for design in ("fold", "halves") for w in (2, 4, 8) for p in (2, 16)
-        ]  # fmt: skip
+            PackedTuning(num_warps=w, programs_per_sm=p) for w in (1, 2, 4) for p in (4, 8, 16, 32)
+        ]
     return out
 
 
@@ -126,8 +125,8 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                     )
                 )
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
-                if tuning != DEFAULT_TUNING:
-                    key += f"_{tuning.design}_w{tuning.num_warps}_p{tuning.programs_per_sm}"
+                if tuning != DEFAULT_TUNING or (first and len(results["depths"]) > 0):
+                    key += f"_w{tuning.num_warps}_p{tuning.programs_per_sm}"
                 results["depths"][key] = {
                     "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
                     "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,

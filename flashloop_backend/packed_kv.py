@@ -2,11 +2,14 @@
 deeper depths, paged by groups of G tokens (G = ``group_size``, 64 by default).
 
 Layout of one page (one group of G consecutive rows of one level, all layers):
-  K codes  [L, Hkv, D, G/2] uint8   K is grouped per channel across the G rows (post-RoPE)
+  K codes  [L, G, Hkv, D/2] uint8   K is grouped per channel across the G rows (post-RoPE)
   K params [L, Hkv, D]      fp16    minimum and scale per (channel, group)
-  V codes  [L, G, Hkv, D/2] uint8   V is grouped per row across G channels
+  V codes  [L, Hkv, D, G/2] uint8   V is grouped per row across G channels
   V params [L, G, Hkv, D/G] fp16
-Two codes per byte, the lower row/channel in the low nibble. A level of a sequence is a
+Two codes per byte, the lower one in the low nibble. The bytes pair codes along the axis
+a decode dot reduces over, not along the group axis: K bytes hold two channels of a row
+(q . k sums over channels) and V bytes two rows of a channel (p . V sums over rows), so a
+reader's reductions stay inside a thread. A level of a sequence is a
 list of pages. A *dense* level covers every logical row; a *compact* level (token-sparse
 prefill depths) stores only the rows that recomputed it, packed in order, with a map
 logical row -> compact row (-1: absent, the row inherits the previous reconstruction; an
@@ -21,9 +24,19 @@ import torch
 
 from .reference import QuantizedInt4, dequantize_int4, quantize_int4
 
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2  # 2: bytes pair channels of K rows and rows of V channels
 # level kinds in reader metadata (the Triton reader spells COMPACT as its own constexpr)
 LEVEL_DENSE, LEVEL_COMPACT, LEVEL_EMPTY = 0, 1, 2
+
+
+def _unpack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N/2] -> codes [..., N], the low nibble first."""
+    return torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
+
+
+def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., N] -> uint8 [..., N/2], pairs along the last axis, the first low."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: bool) -> dict:
@@ -64,14 +77,14 @@ class PackedKVStore:
         self.group_size = g
         self.shape = (num_layers, kv_heads, head_dim)
         self.k_codes = torch.zeros(
-            (num_pages, num_layers, kv_heads, head_dim, half), dtype=torch.uint8, device=device
+            (num_pages, num_layers, g, kv_heads, head_dim // 2), dtype=torch.uint8, device=device
         )
         self.k_min = torch.zeros(
             (num_pages, num_layers, kv_heads, head_dim), dtype=torch.float16, device=device
         )
         self.k_scale = torch.zeros_like(self.k_min)
         self.v_codes = torch.zeros(
-            (num_pages, num_layers, g, kv_heads, head_dim // 2), dtype=torch.uint8, device=device
+            (num_pages, num_layers, kv_heads, head_dim, half), dtype=torch.uint8, device=device
         )
         self.v_min = torch.zeros(
             (num_pages, num_layers, g, kv_heads, head_dim // g), dtype=torch.float16, device=device
@@ -190,17 +203,19 @@ class PackedKVStore:
         levels.maps[depth] = torch.cat([mapping, block])
 
     def _write(self, pages: list[int], qk: QuantizedInt4, qv: QuantizedInt4) -> None:
-        """qk codes [G, L, H, D, g/2] (groups along rows) and qv codes [T, L, H, D/g, g/2]."""
+        """qk codes [L, H, D, G, g/2] (groups along rows) and qv codes [T, L, H, D/g, g/2]
+        (groups along channels), re-paired into the page layout."""
         index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
         num_layers, heads, dim = self.shape
         g = self.group_size
-        # K: quantize moved rows last -> [L, H, D, G, g/2]; pages want [G, L, H, D, g/2]
-        self.k_codes[index] = qk.codes.permute(3, 0, 1, 2, 4).to(self.k_codes.device)
+        # K codes [L, H, D, G, g] -> [G, L, g, H, D], channel pairs per byte
+        k = _unpack(qk.codes).permute(3, 0, 4, 1, 2)
+        self.k_codes[index] = _pack_pairs(k).to(self.k_codes.device)
         self.k_min[index] = qk.minimum.permute(3, 0, 1, 2).to(self.k_codes.device)
         self.k_scale[index] = qk.scale.permute(3, 0, 1, 2).to(self.k_codes.device)
-        # V: [T, L, H, D/g, g/2] -> [G, g, L, H, D/2] -> pages [G, L, g, H, D/2]
-        codes = qv.codes.reshape(len(pages), g, num_layers, heads, dim // 2)
-        self.v_codes[index] = codes.permute(0, 2, 1, 3, 4).to(self.k_codes.device)
+        # V codes [T, L, H, D] -> [G, g, L, H, D] -> [G, L, H, D, g], row pairs per byte
+        v = _unpack(qv.codes).reshape(len(pages), g, num_layers, heads, dim).permute(0, 2, 3, 4, 1)
+        self.v_codes[index] = _pack_pairs(v).to(self.k_codes.device)
         params = (qv.minimum, qv.scale)
         for pool, p in zip((self.v_min, self.v_scale), params, strict=True):
             pool[index] = (
@@ -234,20 +249,15 @@ class PackedKVStore:
     def _decode_pages(self, pages: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
         g = self.group_size
-        low, high = self.k_codes[index, layer] & 15, self.k_codes[index, layer] >> 4
-        codes = torch.stack((low, high), -1).flatten(-2).float()  # [P, H, D, g]
+        codes = _unpack(self.k_codes[index, layer]).float()  # [P, g, H, D]
         k = (
-            self.k_min[index, layer, ..., None].float()
-            + self.k_scale[index, layer, ..., None].float() * codes
+            self.k_min[index, layer][:, None].float()
+            + self.k_scale[index, layer][:, None].float() * codes
         )
-        k = k.permute(0, 3, 1, 2).reshape(len(pages) * g, *k.shape[1:3])
-        low, high = self.v_codes[index, layer] & 15, self.v_codes[index, layer] >> 4
-        codes = torch.stack((low, high), -1).flatten(-2).float()  # [P, g, H, D]
-        shape = (*codes.shape[:-1], codes.shape[-1] // g, g)
-        v = self.v_min[index, layer, ..., None].float() + self.v_scale[
-            index, layer, ..., None
-        ].float() * codes.reshape(shape)
-        return k, v.reshape(len(pages) * g, *codes.shape[2:])  # fmt: skip
+        codes = _unpack(self.v_codes[index, layer]).permute(0, 3, 1, 2).float()  # [P, g, H, D]
+        v_min = self.v_min[index, layer].float().repeat_interleave(g, dim=-1)
+        v = v_min + self.v_scale[index, layer].float().repeat_interleave(g, dim=-1) * codes
+        return k.flatten(0, 1), v.flatten(0, 1)
 
     def accounting(self) -> dict:
         """Steady bytes of what is stored, from the tensors: payload (codes), parameters,

@@ -22,12 +22,12 @@ def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     h = torch.arange(heads, device=rows.device)[None, None, :, None]
     d = torch.arange(dim, device=rows.device)[None, None, None, :]
     p4, w4 = page[..., None, None], within[..., None, None]
-    k_byte = store.k_codes[p4, layer, h, d, w4 // 2]  # [R, T, H, D]: only the byte needed
-    k_code = ((k_byte >> (4 * (w4 % 2)).to(torch.uint8)) & 15).float()
+    k_byte = store.k_codes[p4, layer, w4, h, d // 2]  # [R, T, H, D]: only the byte needed
+    k_code = ((k_byte >> (4 * (d % 2)).to(torch.uint8)) & 15).float()
     k = store.k_min[page, layer].float() + store.k_scale[page, layer].float() * k_code
     channel = torch.arange(dim, device=rows.device)
-    v_bytes = store.v_codes[page, layer, within][..., channel // 2]  # [R, T, H, D]
-    v_code = ((v_bytes >> (4 * (channel % 2)).to(torch.uint8)) & 15).float()
+    v_byte = store.v_codes[p4, layer, h, d, w4 // 2]
+    v_code = ((v_byte >> (4 * (w4 % 2)).to(torch.uint8)) & 15).float()
     group = channel // g
     v_min = store.v_min[page, layer, within][..., group].float()
     v_scale = store.v_scale[page, layer, within][..., group].float()

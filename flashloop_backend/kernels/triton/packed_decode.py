@@ -12,16 +12,13 @@ from ...packed_kv import PackedKVStore
 from ..validate import check_paged_inputs
 from .paged_decode import merge_splits, sm_count, split_buffers
 
-DESIGNS = ("fold", "halves")  # design 3 (joined tiles) and 4 (even/odd halves)
-
 
 @dataclass(frozen=True)
 class PackedTuning:
     """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``)."""
 
-    num_warps: int = 4
-    programs_per_sm: int = 8
-    design: str = "fold"
+    num_warps: int = 2
+    programs_per_sm: int = 16
 
 
 DEFAULT_TUNING = PackedTuning()
@@ -35,8 +32,8 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     ``packed_lengths`` from the packed store (reconstructed at the row's depth in
     registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
     [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
-    if tuning.design not in DESIGNS:
-        raise ValueError(f"packed reader design={tuning.design!r}; supported: {DESIGNS}")
+    from .packed_decode_jit import packed_decode_split_kernel
+
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -89,13 +86,5 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1], num_warps=tuning.num_warps)  # fmt: skip
-    grid = (rows, num_q_heads, splits)
-    if tuning.design == "fold":
-        from .packed_decode_jit import packed_decode_split_kernel
-
-        packed_decode_split_kernel[grid](*args, **shape)
-    else:
-        from .packed_decode_halves_jit import packed_decode_split_kernel as halves_kernel
-
-        halves_kernel[grid](*args, **shape)
+    packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out)

@@ -1,15 +1,16 @@
 """Triton code for decode attention over packed INT4 KV (wrapper in ``packed_decode.py``).
 
-No tensor-core dots and no int->float conversion instructions: a decode row is one query
-vector, so QK and PV are FP32 multiply-adds with reductions, and each 4-bit code c
-becomes the float 1 + c/16 by writing it into the mantissa of 1.0 (integer ops only;
-`cvt` runs at a quarter of the FMA rate on Hopper). The affine map is folded around it:
-min + scale * c = (min - 16 scale) + 16 scale * (1 + c/16). For K (parameters per
-channel across a group) the scale is folded into the query once per group and level, so
-a K code costs one multiply-add.
+A decode row is one query vector, so QK and PV are FP32 multiply-adds with reductions, and
+the page layout (``packed_kv``) pairs codes along the reduced axis: a K byte holds two
+channels of a row, a V byte two rows of a channel. Each thread therefore sums its own
+bytes before any shuffle. A 4-bit code c becomes the float 1 + c/16 by writing it into the
+mantissa of 1.0 (integer ops only; `cvt` runs at a quarter of the FMA rate on Hopper), and
+the affine map is folded around it: min + scale * c = (min - 16 scale) + 16 scale (1 + c/16).
+K's per-channel scale is folded into the query once per page, V's per-row scale into p.
 
-Two codes share a byte (the lower row / channel in the low nibble); nibbles are split
-and re-interleaved with ``tl.join`` so every tile is in natural row / channel order.
+Tiles: K of a page as its even and odd rows [G/2, D/2] (p comes out split the same way,
+which is what V's row pairs need); V as [D/G, G, G/2] (channel group, channel, row pair);
+the output as [D/G, G] (channel g * G + c).
 """
 
 import triton
@@ -21,60 +22,63 @@ NIBBLE_MANTISSA = tl.constexpr(0x00780000)  # a nibble at mantissa bits 19..22: 
 
 
 @triton.jit
-def _unit_codes(codes, N: tl.constexpr, M: tl.constexpr):
-    """uint8 bytes [N, M/2] -> FP32 1 + c/16 for both nibbles, interleaved: [N, M]."""
-    word = codes.to(tl.int32)
-    low = (((word << 19) & NIBBLE_MANTISSA) | ONE_BITS).to(tl.float32, bitcast=True)
-    high = (((word << 15) & NIBBLE_MANTISSA) | ONE_BITS).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.join(low, high), (N, M))
+def _units(word, SHIFT: tl.constexpr):
+    """int32 bytes -> FP32 1 + c/16 of the nibble at bit SHIFT (0 low, 4 high)."""
+    return (((word << (19 - SHIFT)) & NIBBLE_MANTISSA) | ONE_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _per_channel_group(params, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
-    """[ROWS, D/G] parameters of V's channel groups broadcast to every channel: [ROWS, D]."""
-    spread = tl.broadcast_to(params[:, :, None], (ROWS, HEAD_DIM // GROUP, GROUP))
-    return tl.reshape(spread, (ROWS, HEAD_DIM))
+def _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h,
+                  HEAD_DIM: tl.constexpr):  # fmt: skip
+    """K's parameters of one page folded into the query: 16 q scale for even and odd
+    channels [D/2] and the constant sum q (min - 16 scale)."""
+    pair = tl.arange(0, HEAD_DIM // 2)
+    where = page * skm_p + kv_head * skm_h + 2 * pair
+    min_e = tl.load(kmin_ptr + where).to(tl.float32)
+    min_o = tl.load(kmin_ptr + where + 1).to(tl.float32)
+    scale_e = tl.load(kscale_ptr + where).to(tl.float32)
+    scale_o = tl.load(kscale_ptr + where + 1).to(tl.float32)
+    offset = tl.sum(q_e * (min_e - 16.0 * scale_e) + q_o * (min_o - 16.0 * scale_o), axis=0)
+    return 16.0 * q_e * scale_e, 16.0 * q_o * scale_o, offset
 
 
 @triton.jit
-def _dense_logits(q, kc_ptr, kmin_ptr, kscale_ptr, page, kv_head, skc_p, skc_h, skc_d, skm_p, skm_h,
+def _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, parity, skc_p, skc_t, skc_h,
                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """q . k [G] for the G rows of one dense level page (q [D] FP32, pre-scaled)."""
-    ch = tl.arange(0, HEAD_DIM)
-    codes = tl.load(kc_ptr + page * skc_p + kv_head * skc_h + ch[:, None] * skc_d
-                    + tl.arange(0, GROUP // 2)[None, :])  # fmt: skip
-    k_min = tl.load(kmin_ptr + page * skm_p + kv_head * skm_h + ch).to(tl.float32)
-    k_scale = tl.load(kscale_ptr + page * skm_p + kv_head * skm_h + ch).to(tl.float32)
-    folded = q * (16.0 * k_scale)
-    offset = tl.sum(q * (k_min - 16.0 * k_scale), axis=0)
-    return offset + tl.sum(folded[:, None] * _unit_codes(codes, HEAD_DIM, GROUP), axis=0)
+    """q . k [G/2] of a dense page's rows 2 r + parity."""
+    rows = 2 * tl.arange(0, GROUP // 2) + parity
+    word = tl.load(kc_ptr + page * skc_p + rows[:, None] * skc_t + kv_head * skc_h
+                   + tl.arange(0, HEAD_DIM // 2)[None, :]).to(tl.int32)  # fmt: skip
+    terms = fold_e[None, :] * _units(word, 0) + fold_o[None, :] * _units(word, 4)
+    return offset + tl.sum(terms, axis=1)
 
 
 @triton.jit
-def _dense_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, svc_p, svc_t, svc_h, svm_p, svm_t, svm_h,
-                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """sum_j p_j v_j [D] over the G rows of one dense level page (p [G] FP32)."""
-    rows = tl.arange(0, GROUP)
-    codes = tl.load(vc_ptr + page * svc_p + rows[:, None] * svc_t + kv_head * svc_h
-                    + tl.arange(0, HEAD_DIM // 2)[None, :])  # fmt: skip
-    param = (
-        page * svm_p
-        + rows[:, None] * svm_t
-        + kv_head * svm_h
-        + tl.arange(0, HEAD_DIM // GROUP)[None, :]
+def _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, svc_p, svc_h, svc_d,
+                  svm_p, svm_t, svm_h, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """sum_t p_t v_t [D/G, G] over a dense page's rows (p_e, p_o [G/2]: even, odd rows)."""
+    groups = tl.arange(0, HEAD_DIM // GROUP)
+    pairs = tl.arange(0, GROUP // 2)
+    channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
+    word = tl.load(vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d
+                   + pairs[None, None, :]).to(tl.int32)  # fmt: skip
+    param = page * svm_p + (2 * pairs)[None, :] * svm_t + kv_head * svm_h + groups[:, None]
+    min_e = tl.load(vmin_ptr + param).to(tl.float32)  # [D/G, G/2]
+    min_o = tl.load(vmin_ptr + param + svm_t).to(tl.float32)
+    scale_e = tl.load(vscale_ptr + param).to(tl.float32)
+    scale_o = tl.load(vscale_ptr + param + svm_t).to(tl.float32)
+    weight_e = (16.0 * p_e[None, :] * scale_e)[:, None, :]
+    weight_o = (16.0 * p_o[None, :] * scale_o)[:, None, :]
+    offset = tl.sum(
+        p_e[None, :] * (min_e - 16.0 * scale_e) + p_o[None, :] * (min_o - 16.0 * scale_o), axis=1
     )
-    v_min = tl.load(vmin_ptr + param).to(tl.float32)
-    v_scale = tl.load(vscale_ptr + param).to(tl.float32)
-    weight = p[:, None] * 16.0 * v_scale  # [G, D/G]
-    offset = p[:, None] * (v_min - 16.0 * v_scale)
-    units = _unit_codes(codes, GROUP, HEAD_DIM)
-    spread = _per_channel_group(weight, GROUP, HEAD_DIM, GROUP)
-    return tl.sum(spread * units + _per_channel_group(offset, GROUP, HEAD_DIM, GROUP), axis=0)
+    terms = weight_e * _units(word, 0) + weight_o * _units(word, 4)
+    return offset[:, None] + tl.sum(terms, axis=2)
 
 
 @triton.jit
 def _compact_rows(maps, table, pos, GROUP: tl.constexpr):
-    """Pages, rows within the page and presence [G] of a compact level's logical rows."""
+    """Pages, rows within the page and presence of a compact level's logical rows pos."""
     rows = tl.load(maps + pos)
     present = rows >= 0
     page = tl.load(table + rows // GROUP, mask=present, other=0).to(tl.int64)
@@ -82,37 +86,37 @@ def _compact_rows(maps, table, pos, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _compact_logits(q, kc_ptr, kmin_ptr, kscale_ptr, page, within, present, kv_head,
-                    skc_p, skc_h, skc_d, skm_p, skm_h, HEAD_DIM: tl.constexpr):  # fmt: skip
-    """q . r [G] for residual rows gathered from a compact level (absent rows: 0)."""
-    ch = tl.arange(0, HEAD_DIM)
-    where = page[None, :] * skc_p + kv_head * skc_h + ch[:, None] * skc_d
-    byte = tl.load(kc_ptr + where + (within // 2)[None, :], mask=present[None, :], other=0)
-    codes = ((byte.to(tl.int32) >> ((within % 2) * 4)[None, :]) & 15).to(tl.float32)
-    param = page[None, :] * skm_p + kv_head * skm_h + ch[:, None]
-    k_min = tl.load(kmin_ptr + param, mask=present[None, :], other=0.0).to(tl.float32)
-    k_scale = tl.load(kscale_ptr + param, mask=present[None, :], other=0.0).to(tl.float32)
-    return tl.sum(q[:, None] * (k_min + k_scale * codes), axis=0)
+def _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, page, within, present, kv_head,
+                    skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """q . r for residual rows gathered from a compact level (absent rows: 0)."""
+    pair = tl.arange(0, HEAD_DIM // 2)[None, :]
+    word = tl.load(kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + pair,
+                   mask=present[:, None], other=0).to(tl.int32)  # fmt: skip
+    param = (page * skm_p + kv_head * skm_h)[:, None] + 2 * pair
+    min_e = tl.load(kmin_ptr + param, mask=present[:, None], other=0.0).to(tl.float32)
+    min_o = tl.load(kmin_ptr + param + 1, mask=present[:, None], other=0.0).to(tl.float32)
+    scale_e = tl.load(kscale_ptr + param, mask=present[:, None], other=0.0).to(tl.float32)
+    scale_o = tl.load(kscale_ptr + param + 1, mask=present[:, None], other=0.0).to(tl.float32)
+    k_e = min_e + scale_e * (word & 15).to(tl.float32)
+    k_o = min_o + scale_o * (word >> 4).to(tl.float32)
+    return tl.sum(q_e[None, :] * k_e + q_o[None, :] * k_o, axis=1)
 
 
 @triton.jit
 def _compact_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, within, present, kv_head,
-                    svc_p, svc_t, svc_h, svm_p, svm_t, svm_h,
+                    svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
                     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """sum_j p_j r_j [D] over residual rows gathered from a compact level."""
-    row = page[:, None] * svc_p + within[:, None] * svc_t + kv_head * svc_h
-    codes = tl.load(
-        vc_ptr + row + tl.arange(0, HEAD_DIM // 2)[None, :], mask=present[:, None], other=0
-    )
-    param = (page[:, None] * svm_p + within[:, None] * svm_t + kv_head * svm_h
-             + tl.arange(0, HEAD_DIM // GROUP)[None, :])  # fmt: skip
-    v_min = tl.load(vmin_ptr + param, mask=present[:, None], other=0.0).to(tl.float32)
-    v_scale = tl.load(vscale_ptr + param, mask=present[:, None], other=0.0).to(tl.float32)
-    weight = p[:, None] * 16.0 * v_scale
-    offset = p[:, None] * (v_min - 16.0 * v_scale)
-    units = _unit_codes(codes, GROUP, HEAD_DIM)  # absent rows: zero parameters, no term
-    spread = _per_channel_group(weight, GROUP, HEAD_DIM, GROUP)
-    return tl.sum(spread * units + _per_channel_group(offset, GROUP, HEAD_DIM, GROUP), axis=0)
+    """sum_j p_j r_j [D/G, G] over residual rows gathered from a compact level."""
+    groups = tl.arange(0, HEAD_DIM // GROUP)
+    channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
+    row = (page * svc_p + kv_head * svc_h + within // 2)[None, None, :]
+    word = tl.load(vc_ptr + row + channel * svc_d, mask=present[None, None, :], other=0)
+    codes = ((word.to(tl.int32) >> ((within % 2) * 4)[None, None, :]) & 15).to(tl.float32)
+    param = (page * svm_p + within * svm_t + kv_head * svm_h)[None, :] + groups[:, None]
+    v_min = tl.load(vmin_ptr + param, mask=present[None, :], other=0.0).to(tl.float32)
+    v_scale = tl.load(vscale_ptr + param, mask=present[None, :], other=0.0).to(tl.float32)
+    values = v_min[:, None, :] + v_scale[:, None, :] * codes
+    return tl.sum(p[None, None, :] * values, axis=2)
 
 
 @triton.jit
@@ -123,7 +127,7 @@ def packed_decode_split_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr,
     scale,
     stride_qr, stride_qh,
-    skc_p, skc_h, skc_d, skm_p, skm_h, svc_p, svc_t, svc_h, svm_p, svm_t, svm_h,
+    skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
     stride_lr, stride_ll, stride_mr, stride_ml, stride_kr,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
     stride_pr, stride_ph, stride_ps, stride_sr, stride_sh,
@@ -139,77 +143,225 @@ def packed_decode_split_kernel(
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // GROUP_Q
-    d = tl.arange(0, HEAD_DIM)
-    offs = tl.arange(0, GROUP)
-    q = tl.load(q_ptr + row * stride_qr + head * stride_qh + d).to(tl.float32) * scale
+    query = q_ptr + row * stride_qr + head * stride_qh
+    pair = tl.arange(0, HEAD_DIM // 2)
+    q_e = tl.load(query + 2 * pair).to(tl.float32) * scale
+    q_o = tl.load(query + 2 * pair + 1).to(tl.float32) * scale
     length = tl.load(lengths_ptr + row)
     packed_groups = tl.load(packed_ptr + row) // GROUP
     tables = level_tables_ptr + row * stride_lr
     maps = level_maps_ptr + row * stride_mr
+    kinds = level_kinds_ptr + row * stride_kr
     m_i = float("-inf")
     l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM // GROUP, GROUP], tl.float32)
     first = split * groups_per_split
     last = first + groups_per_split
     for group in range(first, tl.minimum(last, packed_groups)):
-        pos = group * GROUP + offs
+        pos_e = group * GROUP + 2 * tl.arange(0, GROUP // 2)
         page = tl.load(tables + group).to(tl.int64)
-        s = _dense_logits(q, kc_ptr, kmin_ptr, kscale_ptr, page, kv_head,
-                          skc_p, skc_h, skc_d, skm_p, skm_h, HEAD_DIM, GROUP)  # fmt: skip
-        for level in tl.static_range(1, LEVELS):
-            kind = tl.load(level_kinds_ptr + row * stride_kr + level)
-            if kind == 0:
-                level_page = tl.load(tables + level * stride_ll + group).to(tl.int64)
-                s += _dense_logits(q, kc_ptr, kmin_ptr, kscale_ptr, level_page, kv_head,
-                                   skc_p, skc_h, skc_d, skm_p, skm_h, HEAD_DIM, GROUP)  # fmt: skip
-            elif kind == COMPACT:
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, tables + level * stride_ll, pos, GROUP
-                )
-                s += _compact_logits(q, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
-                                     skc_p, skc_h, skc_d, skm_p, skm_h, HEAD_DIM)  # fmt: skip
-        s = tl.where(pos < length, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe)
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + _dense_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head,
-                                          svc_p, svc_t, svc_h, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)  # fmt: skip
-        for level in tl.static_range(1, LEVELS):
-            kind = tl.load(level_kinds_ptr + row * stride_kr + level)
-            if kind == 0:
-                level_page = tl.load(tables + level * stride_ll + group).to(tl.int64)
-                acc += _dense_values(p, vc_ptr, vmin_ptr, vscale_ptr, level_page, kv_head,
-                                     svc_p, svc_t, svc_h, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)  # fmt: skip
-            elif kind == COMPACT:
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, tables + level * stride_ll, pos, GROUP
-                )
-                acc += _compact_values(p, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
-                                       svc_p, svc_t, svc_h, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)  # fmt: skip
-        m_i = m_new
-    for group in range(tl.maximum(first, packed_groups), last):
-        pos = group * GROUP + offs
-        visible = pos < length
-        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0)
-        slot = page.to(tl.int64)[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
-        k = tl.load(
-            k_ptr + slot + kv_head * stride_kh + d[None, :], mask=visible[:, None], other=0.0
+        fold_e, fold_o, offset = _folded_query(
+            q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM
         )
+        s_e = _dense_logits(
+            fold_e, fold_o, offset, kc_ptr, page, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP
+        )
+        s_o = _dense_logits(
+            fold_e, fold_o, offset, kc_ptr, page, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP
+        )
+        for level in tl.static_range(1, LEVELS):
+            kind = tl.load(kinds + level)
+            table = tables + level * stride_ll
+            if kind == 0:
+                lpage = tl.load(table + group).to(tl.int64)
+                fold_e, fold_o, offset = _folded_query(
+                    q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM
+                )
+                s_e += _dense_logits(
+                    fold_e,
+                    fold_o,
+                    offset,
+                    kc_ptr,
+                    lpage,
+                    kv_head,
+                    0,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+                s_o += _dense_logits(
+                    fold_e,
+                    fold_o,
+                    offset,
+                    kc_ptr,
+                    lpage,
+                    kv_head,
+                    1,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+            elif kind == COMPACT:
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e, GROUP
+                )
+                s_e += _compact_logits(
+                    q_e,
+                    q_o,
+                    kc_ptr,
+                    kmin_ptr,
+                    kscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    skm_p,
+                    skm_h,
+                    HEAD_DIM,
+                )
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e + 1, GROUP
+                )
+                s_o += _compact_logits(
+                    q_e,
+                    q_o,
+                    kc_ptr,
+                    kmin_ptr,
+                    kscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    skm_p,
+                    skm_h,
+                    HEAD_DIM,
+                )
+        s_e = tl.where(pos_e < length, s_e, float("-inf"))
+        s_o = tl.where(pos_e + 1 < length, s_o, float("-inf"))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=0), tl.max(s_o, axis=0)))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p_e = tl.exp(s_e - m_safe)
+        p_o = tl.exp(s_o - m_safe)
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p_e, axis=0) + tl.sum(p_o, axis=0)
+        acc = acc * alpha + _dense_values(
+            p_e,
+            p_o,
+            vc_ptr,
+            vmin_ptr,
+            vscale_ptr,
+            page,
+            kv_head,
+            svc_p,
+            svc_h,
+            svc_d,
+            svm_p,
+            svm_t,
+            svm_h,
+            HEAD_DIM,
+            GROUP,
+        )
+        for level in tl.static_range(1, LEVELS):
+            kind = tl.load(kinds + level)
+            table = tables + level * stride_ll
+            if kind == 0:
+                lpage = tl.load(table + group).to(tl.int64)
+                acc += _dense_values(
+                    p_e,
+                    p_o,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    lpage,
+                    kv_head,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+            elif kind == COMPACT:
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e, GROUP
+                )
+                acc += _compact_values(
+                    p_e,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e + 1, GROUP
+                )
+                acc += _compact_values(
+                    p_o,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+        m_i = m_new
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(query + d).to(tl.float32) * scale
+    channel = tl.arange(0, HEAD_DIM // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    for group in range(tl.maximum(first, packed_groups), last):
+        pos = group * GROUP + tl.arange(0, GROUP)
+        visible = pos < length
+        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(
+            tl.int64
+        )
+        slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         s = tl.where(visible, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe)
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        vslot = page.to(tl.int64)[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt
+        vslot = page * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
         v = tl.load(
-            v_ptr + vslot + kv_head * stride_vh + d[None, :], mask=visible[:, None], other=0.0
+            v_ptr + vslot[:, None, None] + channel[None, :, :],
+            mask=visible[:, None, None],
+            other=0.0,
         )
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        acc = acc * alpha + tl.sum(p[:, None, None] * v.to(tl.float32), axis=0)
         m_i = m_new
-    base = part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps
-    tl.store(base + d, acc)
+    tl.store(part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + channel, acc)
     tl.store(part_max_ptr + row * stride_sr + head * stride_sh + split, m_i)
     tl.store(part_sum_ptr + row * stride_sr + head * stride_sh + split, l_i)
