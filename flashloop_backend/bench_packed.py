@@ -73,15 +73,17 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
     return record
 
 
-def _tunings(sweep: bool) -> list:
-    """The registered launch at every depth and a launch sweep at depth 1."""
+def _tunings(sweep: str | None) -> list:
+    """The registered launch, and launch sweeps at depth 1 and deeper (dense levels)."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING, PackedTuning
 
     out = [DEFAULT_TUNING]
-    if sweep:
+    if sweep == "depth1":
         out += [
-            PackedTuning(num_warps=w, programs_per_sm=p) for w in (1, 2, 4) for p in (4, 8, 16, 32)
+            PackedTuning(num_warps=w, programs_per_sm=p) for w in (1, 2, 4) for p in (8, 16, 32)
         ]
+    elif sweep == "deep":
+        out += [PackedTuning(deep_num_warps=w, programs_per_sm=p) for w in (2, 4) for p in (16, 32)]
     return out
 
 
@@ -117,16 +119,17 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 sum(m.numel() * 4 for m in store.sequences[0].maps[: depth + 1] if m is not None)
                 * batch
             )
-            first = depth == 0 and not sparse
-            for tuning in _tunings(first):
+            sweep = None if sparse else ("depth1" if depth == 0 else "deep")
+            for tuning in _tunings(sweep):
                 ms = _graph_ms(
                     lambda m=meta, s=store, t=tuning: packed_decode_triton(
                         q, s, 0, m, kc, vc, tables, lengths, tuning=t
                     )
                 )
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
-                if tuning != DEFAULT_TUNING or (first and len(results["depths"]) > 0):
-                    key += f"_w{tuning.num_warps}_p{tuning.programs_per_sm}"
+                if tuning != DEFAULT_TUNING:
+                    warps = tuning.num_warps if depth == 0 else tuning.deep_num_warps
+                    key += f"_w{warps}_p{tuning.programs_per_sm}"
                 results["depths"][key] = {
                     "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
                     "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,

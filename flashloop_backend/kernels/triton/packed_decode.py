@@ -17,8 +17,9 @@ from .paged_decode import merge_splits, sm_count, split_buffers
 class PackedTuning:
     """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``)."""
 
-    num_warps: int = 2
-    programs_per_sm: int = 16
+    num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
+    programs_per_sm: int = 32
+    deep_num_warps: int = 1  # when residual levels are read (more live tiles per group)
 
 
 DEFAULT_TUNING = PackedTuning()
@@ -85,6 +86,7 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         per_split,
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
-                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1], num_warps=tuning.num_warps)  # fmt: skip
+                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1],
+                 num_warps=tuning.num_warps if tables.shape[1] == 1 else tuning.deep_num_warps)  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out)
