@@ -128,7 +128,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 )
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
                 if tuning != DEFAULT_TUNING:
-                    warps = tuning.num_warps if depth == 0 else tuning.deep_num_warps
+                    warps = tuning.num_warps if depth <= 1 else tuning.deep_num_warps
                     key += f"_w{warps}_p{tuning.programs_per_sm}"
                 results["depths"][key] = {
                     "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,

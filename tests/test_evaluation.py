@@ -56,6 +56,11 @@ def test_dense_vs_dense_is_exactly_zero(embedded):
     assert report["top1_agreement"] == 1.0
     assert report["passkey_accuracy"]["dense"] == report["passkey_accuracy"]["config"]
     assert report["dense_digest"] == report["config_digest"]
+    windows = report["per_window"]
+    assert len(windows) == SMALL.windows
+    assert all(
+        w["delta_bits_per_byte_percent"] == 0.0 and w["top1_agreement"] == 1.0 for w in windows
+    )
 
 
 @pytest.mark.parametrize(
@@ -115,3 +120,29 @@ def test_all_features_on_evaluate_with_recycled_slots(embedded):
     model, tokenizer = embedded
     report = evaluate(model, tokenizer, TEXT, ALL_ON, "flashloop", QUICK_EVAL)
     assert report["top1_agreement"] >= 0.5
+
+
+def test_feature_combinations_cover_every_subset_with_the_config_settings():
+    from flashloop_backend.evaluation import feature_combinations
+
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    combos = feature_combinations(config)
+    assert len(combos) == 8 and combos[0][0] == () and len(combos[-1][0]) == 3
+    assert len({features for features, _ in combos}) == 8
+    for features, combo in combos:
+        assert combo.enabled_features() == features
+        for name in features:  # each feature keeps the settings the config gave it
+            assert getattr(combo, name) == getattr(config, name)
+    with pytest.raises(ValueError, match="enables at least one feature"):
+        feature_combinations(FlashLoopConfig())
+
+
+def test_eval_combinations_needs_a_feature(tmp_path):
+    result = _cli("eval", "--combinations", "--windows", "1")
+    assert result.returncode == 2 and "enables at least one feature" in result.stderr
+
+
+def test_the_demo_table_and_configs_all_on_describe_the_same_configuration():
+    from flashloop_backend.host.showcase import ALL_ON
+
+    assert FlashLoopConfig.from_dict(json.load(open("configs/all_on.json"))) == ALL_ON

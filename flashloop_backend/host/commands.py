@@ -177,6 +177,8 @@ def _eval(args: argparse.Namespace) -> int:
         passkey_samples=args.passkey_samples, seed=args.seed,
     )  # fmt: skip
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    if args.combinations:
+        return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
     try:
         report = evaluate(model, tokenizer, text, config, args.backend, settings, args.block_size,
                           progress=lambda label: log(f"  scored {label}"))  # fmt: skip
@@ -194,6 +196,46 @@ def _eval(args: argparse.Namespace) -> int:
             f"KL mean {report['kl_mean']:.3g} p99 {report['kl_p99']:.3g}; top-1 agreement {report['top1_agreement']:.4f}"
         )
         print(f"passkey {report['passkey_accuracy']}")
+    return 0
+
+
+def _passkey_mean(cells: dict[str, float]) -> float:
+    return sum(cells.values()) / max(1, len(cells))
+
+
+def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
+    """``eval --combinations``: every on/off combination of the config's features."""
+    from ..evaluation import evaluate, feature_combinations
+
+    try:
+        combos = feature_combinations(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    records = []
+    for i, (features, combo) in enumerate(combos, 1):
+        log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
+        try:
+            report = evaluate(model, tokenizer, text, combo, args.backend, settings,
+                              args.block_size, progress=lambda label: log(f"  scored {label}"))  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        records.append({"features": list(features), **report})
+        if args.out:  # written after every combination: a long run loses nothing finished
+            param = next(model.parameters())
+            record = {"kind": "eval_combinations", "model": str(args.model), "text_source": source,
+                      "device": str(param.device), "dtype": str(param.dtype),
+                      "config": config.model_dump(mode="json"), "combinations": records}  # fmt: skip
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    print(f"{'features':<62} {'d bits/byte':>12} {'95% CI':>18} {'top-1':>7} {'passkey':>15}")
+    for r in records:
+        ci = "[{:+.2f}, {:+.2f}]".format(*r["delta_ci95_percent"])
+        keys = r["passkey_accuracy"]
+        passkey = f"{_passkey_mean(keys['config']):.2f} / {_passkey_mean(keys['dense']):.2f}"
+        print(f"{' + '.join(r['features']) or 'dense':<62} {r['delta_bits_per_byte_percent']:>+11.2f}% "
+              f"{ci:>18} {r['top1_agreement']:>7.4f} {passkey:>15}")  # fmt: skip
     return 0
 
 
@@ -240,6 +282,10 @@ def add_commands(sub) -> None:
     )
     ev.add_argument("--passkey-samples", type=int, default=8, help="per (context, depth) cell")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument(
+        "--combinations", action="store_true",
+        help="evaluate every on/off combination of the features the config enables",
+    )  # fmt: skip
     ev.add_argument("--out", help="also write the JSON record here")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(handler=_eval)

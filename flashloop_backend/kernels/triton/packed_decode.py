@@ -19,7 +19,7 @@ class PackedTuning:
 
     num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
     programs_per_sm: int = 32
-    deep_num_warps: int = 1  # when residual levels are read (more live tiles per group)
+    deep_num_warps: int = 2  # with two or more residual levels (more live tiles per group)
 
 
 DEFAULT_TUNING = PackedTuning()
@@ -87,6 +87,6 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1],
-                 num_warps=tuning.num_warps if tables.shape[1] == 1 else tuning.deep_num_warps)  # fmt: skip
+                 num_warps=tuning.num_warps if tables.shape[1] <= 2 else tuning.deep_num_warps)  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out)
