@@ -211,12 +211,12 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         combos = feature_combinations(config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    records = []
+    records, dense_cache = [], {}
     for i, (features, combo) in enumerate(combos, 1):
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
         try:
-            report = evaluate(model, tokenizer, text, combo, args.backend, settings,
-                              args.block_size, progress=lambda label: log(f"  scored {label}"))  # fmt: skip
+            report = evaluate(model, tokenizer, text, combo, args.backend, settings, args.block_size,
+                              progress=lambda label: log(f"  scored {label}"), dense_cache=dense_cache)  # fmt: skip
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         records.append({"features": list(features), **report})
