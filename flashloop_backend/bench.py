@@ -253,6 +253,23 @@ def _timed_workload(engine, prompts, new_tokens):
     return ids, first, done, time.perf_counter() - start
 
 
+def random_ouro(layers: int | None, block_size: int):
+    """Ouro-1.4B shapes with random bf16 weights on the GPU (no download), and the
+    matching support request."""
+    from .host.model import OuroModel
+
+    device = _require_cuda()
+    cfg = ouro_1p4b_shapes(layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = OuroModel(cfg).to(torch.bfloat16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    request = SupportRequest("cuda", torch.bfloat16, cfg.head_dim, block_size,
+                             cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
+    return model, request
+
+
 def bench_end_to_end(
     backends: list[str],
     context: int,
@@ -269,23 +286,9 @@ def bench_end_to_end(
     applies to the ``flashloop`` backend; every other backend runs dense. Prefill speedups
     are against the first backend, measured in the same process."""
     from .host.engine import Engine
-    from .host.model import OuroModel
 
-    device = _require_cuda()
-    cfg = ouro_1p4b_shapes(layers)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = OuroModel(cfg).to(torch.bfloat16).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    request = SupportRequest(
-        "cuda",
-        torch.bfloat16,
-        cfg.head_dim,
-        block_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-    )
+    model, request = random_ouro(layers, block_size)
+    cfg = model.config
     registry = Registry.discover()
     tokens_per_request = context + new_tokens
     num_blocks = concurrency * math.ceil(tokens_per_request / block_size) * cfg.total_ut_steps + 8

@@ -189,7 +189,12 @@ def _bench(args: argparse.Namespace) -> int:
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     config = load_config(args.config) if args.config else FlashLoopConfig()
-    if args.mode == "packed":
+    if args.mode == "serving":
+        from .bench_serving import bench_serving
+
+        record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
+                               args.layers, args.rate, log=bench.progress_log)  # fmt: skip
+    elif args.mode == "packed":
         from .bench_packed import bench_packed_kv
 
         record = bench_packed_kv(args.contexts, args.concurrency, log=bench.progress_log)
@@ -243,9 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="GPU benchmarks: kernel level or end to end through the host"
     )
-    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed"])
+    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed", "serving"])
     bench.add_argument(
-        "--config", help="e2e: FlashLoop config file for the flashloop backend (others: dense)"
+        "--rate", type=float, default=2.0, help="serving: fixed-arrival requests per second"
+    )
+    bench.add_argument(
+        "--config",
+        help="e2e / serving: FlashLoop config file for the flashloop backend (others: dense)",
     )
     bench.add_argument(
         "--retentions", type=_float_list, default=[0.25, 0.10], help="prefill: token retentions"

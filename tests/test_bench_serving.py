@@ -1,0 +1,109 @@
+"""The serving benchmark's workload driver and summaries on the embedded model (CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig, embedded_model_path
+from flashloop_backend.bench_serving import (
+    Arrival,
+    RequestTimes,
+    fixed_arrival_schedule,
+    run_workload,
+    serve_variants,
+    summarize,
+    variants_for,
+)
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, load_model
+from flashloop_backend.registry import Registry
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(embedded_model_path())
+
+
+def _request(model):
+    cfg = model.config
+    return SupportRequest("cpu", torch.float32, cfg.head_dim, 16, cfg.num_attention_heads,
+                          cfg.num_key_value_heads)  # fmt: skip
+
+
+def test_fixed_arrival_schedule_is_seeded_and_evenly_spaced():
+    a = fixed_arrival_schedule(5, 2.0, [8, 16], [4], seed=3)
+    assert [x.at_s for x in a] == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert a == fixed_arrival_schedule(5, 2.0, [8, 16], [4], seed=3)
+    assert {x.prompt_len for x in a} <= {8, 16} and {x.output_len for x in a} == {4}
+    with pytest.raises(ValueError, match="rate_per_s=0"):
+        fixed_arrival_schedule(5, 0.0, [8], [4])
+    with pytest.raises(ValueError, match="positive lengths"):
+        fixed_arrival_schedule(5, 1.0, [0], [4])
+
+
+def test_summary_percentiles_from_hand_made_times():
+    times = [
+        RequestTimes(0.0, 8, [1.0, 1.5, 2.0], finished_s=2.0),
+        RequestTimes(1.0, 8, [4.0, 4.2], finished_s=4.2),
+        RequestTimes(2.0, 8, error="MemoryError: no room"),
+    ]
+    s = summarize(times, wall_s=5.0)
+    assert (
+        s["completed"] == 2
+        and s["failed_requests"] == 1
+        and s["errors"] == ["MemoryError: no room"]
+    )
+    assert s["ttft_s"]["p50"] == pytest.approx(2.0)  # TTFTs 1.0 and 3.0
+    assert s["tpot_ms"]["p50"] == pytest.approx(350.0)  # 500 and 200 ms
+    assert s["itl_ms"]["p99"] == pytest.approx(500.0)
+    assert s["output_tokens"] == 5 and s["throughput_tokens_s"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("concurrency", [None, 2])
+def test_workloads_complete_every_request_with_one_time_per_token(model, concurrency):
+    backend = Registry.discover().create("torch", _request(model), FlashLoopConfig())
+    engine = Engine(model, backend, num_blocks=256, block_size=16)
+    arrivals = fixed_arrival_schedule(4, 50.0, [12, 30], [3, 5], seed=1)
+    s = run_workload(engine, arrivals, model.config.vocab_size, concurrency=concurrency)
+    assert s["completed"] == 4 and s["failed_requests"] == 0
+    assert s["output_tokens"] == sum(a.output_len for a in arrivals)
+    assert s["ttft_s"]["p50"] > 0 and s["latency_s"]["p99"] >= s["ttft_s"]["p99"]
+
+
+def test_a_refused_request_fails_alone(model):
+    backend = Registry.discover().create("torch", _request(model), FlashLoopConfig())
+    engine = Engine(model, backend, num_blocks=4, block_size=16)  # 64 tokens of pool
+    arrivals = [Arrival(0.0, 10, 2), Arrival(0.0, 5000, 2), Arrival(0.0, 8, 2)]
+    s = run_workload(engine, arrivals, model.config.vocab_size, concurrency=3)
+    assert s["completed"] == 2 and s["failed_requests"] == 1
+    assert "max_position_embeddings" in s["errors"][0] or "KV blocks" in s["errors"][0]
+
+
+def test_variants_are_dense_each_feature_alone_and_cumulative(model):
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    names = [v.name for v in variants_for(config, baseline="torch")]
+    assert names == [
+        "dense", "token_sparse_prefill alone", "sparse_decode_attention alone",
+        "kv_residual_quantization alone", "token_sparse_prefill + sparse_decode_attention",
+        "token_sparse_prefill + sparse_decode_attention + kv_residual_quantization",
+    ]  # fmt: skip
+    variants = [v for v in variants_for(config, baseline="torch") if v.name in ("dense", names[-1])]
+    workloads = [
+        {
+            "name": "closed_2",
+            "arrivals": fixed_arrival_schedule(3, 100.0, [70], [4]),
+            "concurrency": 2,
+        }
+    ]
+    records = serve_variants(
+        model, _request(model), variants, workloads, 256, 16, log=lambda m: None
+    )
+    assert [r["variant"] for r in records] == ["dense", names[-1]]
+    assert all(r["completed"] == 3 for r in records)
+    dense, all_on = records
+    assert dense["memory"]["packed_pool_bytes"] == 0 and all_on["memory"]["packed_pool_bytes"] > 0
+    assert (
+        all_on["memory"]["reference_state_bytes"] > 0
+        and dense["config_digest"] != all_on["config_digest"]
+    )
