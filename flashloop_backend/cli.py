@@ -236,6 +236,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .report import make_plots
+
+    results = Path(args.results)
+    if not results.is_dir():
+        raise ConfigError(f"--results {args.results!r} is not a directory of JSON records")
+    written = make_plots(results, Path(args.out))
+    return 0 if written else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -275,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(handler=_bench)
+    report = sub.add_parser("report", help="PNG plots from the committed JSON records")
+    report.add_argument("--results", default="results", help="directory of JSON records")
+    report.add_argument("--out", default="docs/figures", help="where the PNGs go")
+    report.set_defaults(handler=_report)
     from .host.commands import add_commands  # the host's torch model loads only when used
 
     add_commands(sub)

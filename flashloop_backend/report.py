@@ -1,0 +1,182 @@
+"""PNG plots generated from the committed JSON records (``flashloop-backend report``):
+speedup vs context, KV bytes per token, quality per feature combination, quality vs speed.
+Every number drawn is read from a record; a missing record skips its plot and says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _registered_depth1(case: dict) -> dict:
+    """The depth-1 entry timed with today's registered launch (records keep sweeps)."""
+    from .kernels.triton.packed_decode import DEFAULT_TUNING
+
+    want = (DEFAULT_TUNING.num_warps, DEFAULT_TUNING.programs_per_sm)
+    for key, entry in case["depths"].items():
+        tuning = entry.get("tuning", {})
+        if (
+            key.startswith("dense_levels_depth1")
+            and (tuning.get("num_warps"), tuning.get("programs_per_sm")) == want
+        ):
+            return entry
+    return case["depths"]["dense_levels_depth1"]
+
+
+def _speedup_vs_context(results: Path, plt):
+    sparse = _load(results, "bench_sparse_decode.json")
+    prefill = _load(results, "bench_prefill_attention.json")
+    packed = _load(results, "bench_packed_kv.json")
+    if not (sparse and prefill and packed):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted({c["concurrency"] for c in sparse["cases"]}):
+        cases = sorted(
+            (c for c in sparse["cases"] if c["concurrency"] == batch), key=lambda c: c["context"]
+        )
+        ax.plot([c["context"] for c in cases], [c["sparse_correction_speedup"] for c in cases], "o-",
+                label=f"sparse correction {sparse['ratio']} vs FlashInfer decode, batch {batch}")  # fmt: skip
+    for retention in sorted({s["retention"] for c in prefill["cases"] for s in c["sparse"]}):
+        points = [(c["context"], c["dense_flashinfer_ms"] / s["ms"]) for c in prefill["cases"]
+                  for s in c["sparse"] if s["retention"] == retention]  # fmt: skip
+        ax.plot(
+            *zip(*sorted(points), strict=True),
+            "s--",
+            label=f"token-sparse prefill kernel, retention {retention}",
+        )
+    for case in packed["decode"]:
+        depth1 = _registered_depth1(case)
+        ax.plot([case["context"]], [depth1["speedup_vs_flashinfer_bf16"]], "^", markersize=9,
+                label=f"packed INT4 reader depth 1, batch {case['concurrency']}")  # fmt: skip
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="speedup vs dense (x)",
+           title="FlashLoop kernels vs dense, H200 (per layer call, same run)")  # fmt: skip
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _memory_per_token(results: Path, plt):
+    packed = _load(results, "bench_packed_kv.json")
+    if not packed:
+        return None
+    acc = packed["accounting"]
+    names = [
+        "BF16, 4 copy-on-exit planes",
+        "INT4 base + 3 residuals",
+        "INT4 + token sparsity [1,1,.25,.10]",
+    ]
+    values = [acc["bf16_bytes_per_token_4_depths"], acc["dense_levels"]["steady_bytes_per_token"],
+              acc["token_sparse_1_1_0.25_0.10"]["steady_bytes_per_token"]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, [v / 1024 for v in values], color=["gray", "tab:blue", "tab:green"])
+    for bar, value in zip(bars, values, strict=True):
+        ax.annotate(f"{values[0] / value:.2f}x smaller" if value != values[0] else "baseline",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")  # fmt: skip
+    ax.set(
+        ylabel="steady KV KiB per prompt token (24 layers)",
+        title="KV bytes per token from the store's tensors",
+    )
+    ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+def _quality_by_combination(results: Path, plt):
+    record = _load(results, "eval_combinations_cpu.json")
+    if not record:
+        return None
+    rows = record["combinations"]
+    short = {
+        "token_sparse_prefill": "TSP",
+        "sparse_decode_attention": "SDA",
+        "kv_residual_quantization": "KVQ",
+    }
+    labels = [" + ".join(short[f] for f in r["features"]) or "dense" for r in rows]
+    delta = [r["delta_bits_per_byte_percent"] for r in rows]
+    low = [d - r["delta_ci95_percent"][0] for d, r in zip(delta, rows, strict=True)]
+    high = [r["delta_ci95_percent"][1] - d for d, r in zip(delta, rows, strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(labels, delta, yerr=[low, high], capsize=4, color="tab:purple")
+    for i, r in enumerate(rows):
+        ax.annotate(
+            f"top-1 {r['top1_agreement']:.3f}",
+            (i, 0),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            rotation=90,
+        )
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set(
+        ylabel="Δ bits/byte vs dense (%), 95% CI",
+        title="Quality of every feature combination (embedded model, CPU)",
+    )
+    ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+def _quality_vs_speed(results: Path, plt):
+    """One point per feature alone: its measured speed figure (named on the point) against
+    its Δ bits/byte on the embedded model."""
+    sparse = _load(results, "bench_sparse_decode.json")
+    packed = _load(results, "bench_packed_kv.json")
+    e2e = _load(results, "bench_e2e_token_sparse_prefill_32768.json")
+    evals = {n: _load(results, f) for n, f in (("sparse", "eval_sparse_decode_cpu.json"),
+             ("prefill", "eval_token_sparse_w64_cpu.json"), ("quant", "eval_kv_quant_fixed_prompt_cpu.json"))}  # fmt: skip
+    if not (sparse and packed and e2e) or not all(evals.values()):
+        return None
+    big = max(sparse["cases"], key=lambda c: (c["context"], c["concurrency"]))
+    runs = e2e["runs"][0]["results"]
+    first, last = next(iter(runs)), list(runs)[-1]  # the baseline first
+    case = max(packed["decode"], key=lambda c: c["concurrency"])
+    points = [
+        ("sparse decode 0.10: 4-loop attention sum vs dense, 32K x 16",
+         big["four_loop_speedup"], evals["sparse"]),
+        ("token-sparse prefill [1,1,.25,.10]: 32K prompt through the host",
+         runs[first]["prefill_latency_s"] / runs[last]["prefill_latency_s"], evals["prefill"]),
+        ("INT4 KV: packed reader depth 1 vs FlashInfer BF16, 32K x 16",
+         _registered_depth1(case)["speedup_vs_flashinfer_bf16"], evals["quant"]),
+    ]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, speed, ev in points:
+        ax.plot([speed], [ev["delta_bits_per_byte_percent"]], "o", markersize=9, label=label)
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.axvline(1.0, color="gray", lw=0.8)
+    ax.set(xlabel="measured speedup (x), H200", ylabel="Δ bits/byte vs dense (%), embedded model",
+           title="Quality vs speed, each feature alone")  # fmt: skip
+    ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS = {
+    "speedup_vs_context.png": _speedup_vs_context,
+    "memory_per_token.png": _memory_per_token,
+    "quality_by_combination.png": _quality_by_combination,
+    "quality_vs_speed.png": _quality_vs_speed,
+}
+
+
+def make_plots(results: Path, out: Path, log=print) -> list[Path]:
+    """Write every plot whose records exist; return the written paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in PLOTS.items():
+        fig = draw(results, plt)
+        if fig is None:
+            log(f"  {name}: skipped, its records are not in {results}")
+            continue
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+        log(f"  wrote {out / name}")
+    return written
