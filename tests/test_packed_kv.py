@@ -243,3 +243,71 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
     state.plan(view, [-1], [0])  # a row without packed data reads BF16 only
     meta = state.meta_for(view, torch.zeros(1, dtype=torch.long))
     assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
+
+
+def _sparse_case(rng):
+    """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
+    from flashloop_backend.packed_kv import level_metadata
+
+    rows = 32
+    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 4 == 1] * 2
+    for s, act in ((0, None), (1, active)):
+        keys, values = _versions(rng, rows), _versions(rng, rows)
+        store.encode(s, [k.to(DEVICE) for k in keys], [v.to(DEVICE) for v in values],
+                     None if act is None else [a.to(DEVICE) for a in act])  # fmt: skip
+    cache_k = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
+    cache_v = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
+    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 6, 7]]).int().to(DEVICE)
+    lengths = torch.tensor([40, 50, 32]).int().to(DEVICE)
+    q = torch.randn(3, H, D, generator=rng).to(DEVICE)
+    meta = level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE)
+    return (q, store, 0, meta, cache_k, cache_v, tables), lengths
+
+
+@pytest.mark.parametrize("sample", [16, 4096], ids=["sample16", "sample64"])
+def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
+    from flashloop_backend.kernels.torch_packed import packed_dense_source
+    from flashloop_backend.kernels.triton.dense_source import SelectTuning
+    from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
+
+    args, lengths = _sparse_case(rng)
+    ref = packed_dense_source(*args, lengths, 0.25, 16)
+    small = SelectTuning(sample=min(sample, 64), candidates=64 if sample > 16 else 16, block=16)
+    got = packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small)
+    for name, r, g in zip(
+        ("out", "indices", "mass", "output", "contribution"), ref, got, strict=True
+    ):
+        if name == "indices":  # the reference orders by probability, the kernel by position
+            r, g = r.sort(-1).values, g.sort(-1).values
+            assert torch.equal(r, g), name
+        else:
+            torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5, msg=name)
+    assert (got[1] >= 0).sum(-1).tolist() == [[10, 10], [13, 13], [8, 8]]  # ceil(0.25 T)
+
+
+def test_triton_packed_correction_reads_only_the_selected_keys_like_the_reference(rng):
+    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.triton.packed_sparse import (
+        packed_gather,
+        packed_sparse_correction_triton,
+    )
+
+    args, lengths = _sparse_case(rng)
+    _, indices, mass, output, contribution = packed_dense_source(*args, lengths, 0.25, 16)
+    state = (indices, mass, output, contribution)
+    torch.testing.assert_close(packed_sparse_correction_triton(*args, *state),
+                               packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip
+    # the gather reconstructs exactly the reference history at the chosen positions
+    q, store, layer, meta, cache_k, cache_v, tables = args
+    keys, values = packed_gather(store, layer, meta, cache_k, cache_v, tables, indices, q.dtype)
+    from flashloop_backend.kernels.torch_packed import packed_history
+
+    hist_k, hist_v = packed_history(store, layer, meta, cache_k, cache_v, tables, q.dtype)
+    for r in range(3):
+        for h in range(H):
+            chosen = indices[r, h][indices[r, h] >= 0].long()
+            n = chosen.numel()
+            torch.testing.assert_close(keys[r, h, :n], hist_k[r, chosen, h], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(values[r, h, :n], hist_v[r, chosen, h], atol=1e-6, rtol=1e-6)
+            assert not keys[r, h, n:].any()  # -1: zeros

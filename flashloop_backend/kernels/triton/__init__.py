@@ -56,6 +56,18 @@ def _packed_kv_write(*args, **kwargs):
     return quantize_int4_triton(*args, **kwargs)
 
 
+def _packed_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    from .packed_sparse import packed_dense_source_triton
+
+    return packed_dense_source_triton(*args, **kwargs)
+
+
+def _packed_correction(*args, **kwargs) -> torch.Tensor:
+    from .packed_sparse import packed_sparse_correction_triton
+
+    return packed_sparse_correction_triton(*args, **kwargs)
+
+
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
     from .sparse_decode import sparse_correction_triton
 
@@ -89,7 +101,16 @@ def provider() -> KernelProvider:
     )  # fmt: skip
     impl[OpName.PACKED_DECODE] = KernelImpl(OpName.PACKED_DECODE, _packed_decode, packed)
     impl[OpName.PACKED_KV_WRITE] = KernelImpl(OpName.PACKED_KV_WRITE, _packed_kv_write, packed)
+    packed_sparse = Support(
+        devices=packed.devices, dtypes=packed.dtypes, head_dims=packed.head_dims,
+        block_sizes=packed.block_sizes, python_modules=packed.python_modules,
+        capabilities=packed.capabilities | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
+    )  # fmt: skip
+    impl[OpName.PACKED_SOURCE] = KernelImpl(OpName.PACKED_SOURCE, _packed_source, packed_sparse)
+    impl[OpName.PACKED_CORRECTION] = KernelImpl(
+        OpName.PACKED_CORRECTION, _packed_correction, packed_sparse
+    )
     return KernelProvider(
         name="triton", version=__version__, priority=20,
-        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction, packed INT4 KV", impls=impl,
+        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction, packed INT4 KV (decode, source, correction)", impls=impl,
     )  # fmt: skip

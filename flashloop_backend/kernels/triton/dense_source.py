@@ -105,7 +105,7 @@ def dense_source_triton(
         k_bucket,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
-        CANDIDATES=tuning.candidates, num_warps=tuning.num_warps,
+        CANDIDATES=tuning.candidates, CONTRIBUTE=True, num_warps=tuning.num_warps,
     )  # fmt: skip
     return out, indices, mass, output, contribution
 

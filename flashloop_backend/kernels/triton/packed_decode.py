@@ -27,12 +27,15 @@ DEFAULT_TUNING = PackedTuning()
 
 def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                          key_cache, value_cache, block_tables, context_lengths,
-                         scale: float | None = None,
-                         tuning: PackedTuning = DEFAULT_TUNING) -> torch.Tensor:  # fmt: skip
+                         scale: float | None = None, tuning: PackedTuning = DEFAULT_TUNING,
+                         logits: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """Decode attention of q [R, Hq, D] over each row's history: positions below
     ``packed_lengths`` from the packed store (reconstructed at the row's depth in
     registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
-    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
+    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype (or ``out_dtype``).
+    Selection statistics (``packed_dense_source``): ``logits`` [R, Hq, T >= the grid's
+    span] FP32 receives every visible key's scaled logit, ``lse`` [R, Hq] FP32 the LSE."""
     from .packed_decode_jit import packed_decode_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
@@ -58,12 +61,16 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
             )
     if store.k_codes.device != q.device:
         raise ValueError(f"the packed store lives on {store.k_codes.device}; q is on {q.device}")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     if rows == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = store.group_size
     groups = math.ceil(max(block_tables.shape[1] * block_size, maps.shape[2]) / g)
+    if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
+        raise ValueError(
+            f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
+        )
     want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
     per_split = math.ceil(groups / splits)
@@ -74,7 +81,7 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     args = (
         q, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, packed,
         key_cache, value_cache, block_tables, context_lengths,
-        part_out, part_max, part_sum,
+        part_out, part_max, part_sum, logits if logits is not None else part_max,
         scale,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
@@ -83,10 +90,11 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
+        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
         per_split,
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
-                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1],
+                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
                  num_warps=tuning.num_warps if tables.shape[1] <= 2 else tuning.deep_num_warps)  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
-    return merge_splits(part_out, part_max, part_sum, out)
+    return merge_splits(part_out, part_max, part_sum, out, lse)

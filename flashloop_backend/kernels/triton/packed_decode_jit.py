@@ -124,21 +124,23 @@ def packed_decode_split_kernel(
     q_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
     level_tables_ptr, level_maps_ptr, level_kinds_ptr, packed_ptr,
     k_ptr, v_ptr, tables_ptr, lengths_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, logits_ptr,
     scale,
     stride_qr, stride_qh,
     skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
     stride_lr, stride_ll, stride_mr, stride_ml, stride_kr,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
     stride_pr, stride_ph, stride_ps, stride_sr, stride_sh,
+    stride_gr, stride_gh,
     groups_per_split,
     GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr,
+    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr,
 ):  # fmt: skip
     """One (row, query head, split) over groups of GROUP rows: groups below the row's
     packed length are read from the levels (base + the LEVELS - 1 residual levels; dense
     pages directly, compact levels through their map; nothing is written back), later
-    groups from the BF16 paged cache. FP32 online softmax; partial state per split."""
+    groups from the BF16 paged cache. FP32 online softmax; partial state per split.
+    STORE_LOGITS: every visible key's scaled logit goes to ``logits`` [R, Hq, T] too."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,6 +250,10 @@ def packed_decode_split_kernel(
                 )
         s_e = tl.where(pos_e < length, s_e, float("-inf"))
         s_o = tl.where(pos_e + 1 < length, s_o, float("-inf"))
+        if STORE_LOGITS:
+            logits_row = logits_ptr + row * stride_gr + head * stride_gh
+            tl.store(logits_row + pos_e, s_e, mask=pos_e < length)
+            tl.store(logits_row + pos_e + 1, s_o, mask=pos_e + 1 < length)
         m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=0), tl.max(s_o, axis=0)))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p_e = tl.exp(s_e - m_safe)
@@ -349,6 +355,8 @@ def packed_decode_split_kernel(
         slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         s = tl.where(visible, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
+        if STORE_LOGITS:
+            tl.store(logits_ptr + row * stride_gr + head * stride_gh + pos, s, mask=visible)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe)

@@ -106,6 +106,7 @@ def select_statistics_kernel(
     bucket,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr,
+    CONTRIBUTE: tl.constexpr,
 ):  # fmt: skip
     """One (row, query head): exact top-K of the row's scaled logits (ties to the earlier
     position) on order-preserving keys, then one pass in position order that writes the
@@ -149,12 +150,13 @@ def select_statistics_kernel(
             idx_ptr + row * stride_ir + head * stride_ih + slot_out, pos.to(tl.int32), mask=take
         )
         p = tl.where(take, tl.exp(logit - lse), 0.0)
-        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=take, other=0).to(
-            tl.int64
-        )
-        v = tl.load(v_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
-        contribution += tl.sum(p[:, None] * v, 0)
+        if CONTRIBUTE:  # else the caller sums p * v itself (packed KV: not in pages)
+            page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=take, other=0).to(
+                tl.int64
+            )
+            v = tl.load(v_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                        mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
+            contribution += tl.sum(p[:, None] * v, 0)
         mass += tl.sum(p, 0)
         written += tl.sum(take.to(tl.int32), 0)
         ties_seen += tl.sum(tie.to(tl.int32), 0)

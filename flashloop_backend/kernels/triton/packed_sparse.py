@@ -1,0 +1,127 @@
+"""Sparse decode over packed INT4 KV without host syncs (the ``packed_dense_source`` and
+``packed_sparse_correction`` contracts, ``ops.py``): the loop-2 source runs the packed
+reader with logits, the Triton top-K selection, and sums p * v over the selected keys
+reconstructed by ``packed_gather_kernel``; the correction reconstructs only the selected
+keys and runs the small softmax over them in torch (shapes fixed by the bucket)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...packed_kv import PackedKVStore
+from ...reference import ratio_fraction
+from .dense_source import DEFAULT_SELECT, SelectTuning
+from .packed_decode import packed_decode_triton
+
+BLOCK_N = 32
+
+
+def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor], key_cache,
+                  value_cache, block_tables, positions: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V [R, Hq, N, D] in ``dtype`` at ``positions`` [R, Hq, N] int32 (-1: zeros):
+    the row's reconstruction at its depth below its packed length, BF16 pages above."""
+    from .packed_gather_jit import packed_gather_kernel
+
+    rows, num_q_heads, count = positions.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    if positions.dtype != torch.int32 or positions.device != key_cache.device:
+        raise ValueError(f"positions must be int32 on {key_cache.device}; got {positions.dtype} on {positions.device}")  # fmt: skip
+    if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"positions for {num_q_heads} query heads do not fit the store's {tuple(store.shape[1:])} / cache's {num_kv_heads} x {head_dim}")  # fmt: skip
+    out_k = torch.empty((rows, num_q_heads, count, head_dim), dtype=dtype, device=key_cache.device)
+    out_v = torch.empty_like(out_k)
+    if rows == 0 or count == 0:
+        return out_k, out_v
+    positions, block_tables = positions.contiguous(), block_tables.contiguous()
+    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    kc, kmin, kscale = store.k_codes[:, layer], store.k_min[:, layer], store.k_scale[:, layer]
+    vc, vmin, vscale = store.v_codes[:, layer], store.v_min[:, layer], store.v_scale[:, layer]
+    packed_gather_kernel[(rows, num_q_heads, math.ceil(count / BLOCK_N))](
+        positions, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, meta["packed_lengths"],
+        key_cache, value_cache, block_tables, out_k, out_v,
+        positions.stride(0), positions.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
+        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
+        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        out_k.stride(0), out_k.stride(1), out_k.stride(2),
+        count,
+        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
+        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return out_k, out_v
+
+
+def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                    indices, mass, output, contribution, scale=None):  # fmt: skip
+    """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
+    ``indices`` [R, Hq, Kb] only. Returns [R, Hq, D] in q's dtype."""
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys, values = packed_gather(store, layer, meta, key_cache, value_cache, block_tables,
+                                 indices.to(torch.int32), q.dtype)  # fmt: skip
+    valid = indices >= 0
+    logits = torch.einsum("rhd,rhkd->rhk", q.float(), keys.float()) * scale
+    local = torch.nan_to_num(torch.softmax(logits.masked_fill(~valid, float("-inf")), -1), nan=0.0)
+    fresh = torch.einsum("rhk,rhkd->rhd", local, values.float())
+    return (output - contribution + mass[..., None] * fresh).to(q.dtype)
+
+
+def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
+                               context_lengths, ratio, k_bucket, scale=None,
+                               tuning: SelectTuning = DEFAULT_SELECT):  # fmt: skip
+    """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
+    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
+    from .select_jit import select_statistics_kernel
+
+    rows, num_q_heads, head_dim = q.shape
+    block_size = key_cache.shape[1]
+    g = store.group_size
+    span = math.ceil(max(block_tables.shape[1] * block_size, meta["level_maps"].shape[2]) / g) * g
+    num, den = ratio_fraction(ratio)
+    if rows and k_bucket < min(span, -(-span * num // den)):
+        raise ValueError(f"k_bucket={k_bucket} cannot hold the keys selected from {span}")
+    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
+    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
+    output = packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                  context_lengths, scale, logits=logits, lse=lse,
+                                  out_dtype=torch.float32)  # fmt: skip
+    out = torch.empty_like(q)
+    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
+    unused = torch.empty_like(output)  # the kernel's contribution: not summed here (CONTRIBUTE)
+    if rows == 0:
+        return out, indices, mass, output, unused
+    scratch = torch.empty(
+        (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
+    )
+    block_tables = block_tables.contiguous()
+    select_statistics_kernel[(rows, num_q_heads)](
+        logits, lse, context_lengths, value_cache, block_tables, output,
+        out, indices, mass, unused, scratch,
+        num, den,
+        logits.stride(0), logits.stride(1),
+        lse.stride(0),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        output.stride(0), output.stride(1),
+        out.stride(0), out.stride(1),
+        indices.stride(0), indices.stride(1),
+        mass.stride(0),
+        unused.stride(0), unused.stride(1),
+        k_bucket,
+        GROUP=num_q_heads // key_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
+        CANDIDATES=tuning.candidates, CONTRIBUTE=False, num_warps=tuning.num_warps,
+    )  # fmt: skip
+    _, values = packed_gather(
+        store, layer, meta, key_cache, value_cache, block_tables, indices, q.dtype
+    )
+    chosen = torch.gather(logits, 2, indices.long().clamp(min=0)) - lse[..., None]
+    probs = torch.where(indices >= 0, torch.exp(chosen), 0.0)
+    contribution = torch.einsum("rhk,rhkd->rhd", probs, values.float())
+    return out, indices, mass, output, contribution
