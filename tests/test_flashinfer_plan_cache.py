@@ -1,0 +1,45 @@
+"""The FlashInfer adapter's plan reuse, on CPU with a stand-in for the FlashInfer wrapper:
+a plan is reused for the same unmodified tensors or equal contents, never for changed ones."""
+
+import torch
+
+from flashloop_backend.kernels.flashinfer import FlashInferPagedAttention
+
+
+class _Wrapper:
+    def run(self, q, caches):
+        return torch.zeros_like(q)
+
+
+def _adapter(plans: list):
+    adapter = object.__new__(FlashInferPagedAttention)  # no flashinfer import on CPU
+    adapter._key, adapter.use_prefill, adapter.decode = None, False, _Wrapper()
+
+    def plan(tables, lengths, device, *rest):
+        plans.append((tables.clone(), lengths.clone()))
+        adapter.empty_rows = (lengths == 0).to(device)
+
+    adapter.plan = plan
+    return adapter
+
+
+def test_plan_reused_for_the_same_tensors_and_redone_when_they_change(monkeypatch):
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
+    plans = []
+    adapter = _adapter(plans)
+    q = torch.randn(2, 2, 16)
+    cache = torch.randn(4, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([20, 30], dtype=torch.int32)
+    for _ in range(3):  # every layer of one traversal
+        adapter(q, cache, cache, tables, lengths)
+    assert len(plans) == 1 and not compared  # same objects: no device comparison (a sync)
+    tables[1, 1] = 0  # modified in place: same object, new version
+    adapter(q, cache, cache, tables, lengths)
+    assert len(plans) == 2 and plans[-1][0][1, 1] == 0
+    adapter(q, cache, cache, tables.clone(), lengths.clone())  # equal contents, new objects
+    assert len(plans) == 2 and compared
+    adapter(q, cache, cache, tables, torch.tensor([21, 30], dtype=torch.int32))
+    assert len(plans) == 3
