@@ -60,6 +60,12 @@ def _speedup_vs_context(results: Path, plt):
     return fig
 
 
+def _bar_labels(fig, ax, ylabel: str, title: str):
+    ax.set(ylabel=ylabel, title=title)
+    ax.tick_params(axis="x", labelsize=8)  # long category names
+    return fig
+
+
 def _memory_per_token(results: Path, plt):
     packed = _load(results, "bench_packed_kv.json")
     if not packed:
@@ -77,12 +83,8 @@ def _memory_per_token(results: Path, plt):
     for bar, value in zip(bars, values, strict=True):
         ax.annotate(f"{values[0] / value:.2f}x smaller" if value != values[0] else "baseline",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")  # fmt: skip
-    ax.set(
-        ylabel="steady KV KiB per prompt token (24 layers)",
-        title="KV bytes per token from the store's tensors",
-    )
-    ax.tick_params(axis="x", labelsize=8)
-    return fig
+    return _bar_labels(fig, ax, "steady KV KiB per prompt token (24 layers)",
+                       "KV bytes per token from the store's tensors")  # fmt: skip
 
 
 def _quality_by_combination(results: Path, plt):
@@ -111,12 +113,8 @@ def _quality_by_combination(results: Path, plt):
             rotation=90,
         )
     ax.axhline(0.0, color="gray", lw=0.8)
-    ax.set(
-        ylabel="Δ bits/byte vs dense (%), 95% CI",
-        title="Quality of every feature combination (embedded model, CPU)",
-    )
-    ax.tick_params(axis="x", labelsize=8)
-    return fig
+    return _bar_labels(fig, ax, "Δ bits/byte vs dense (%), 95% CI",
+                       "Quality of every feature combination (embedded model, CPU)")  # fmt: skip
 
 
 def _quality_vs_speed(results: Path, plt):

@@ -125,9 +125,8 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=tol, rtol=tol)
 
 
-def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
-    from flashloop_backend.kernels.torch_packed import packed_decode_reference
-    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+def _sparse_case(rng):
+    """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
     from flashloop_backend.packed_kv import level_metadata
 
     rows = 32
@@ -143,8 +142,15 @@ def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
     lengths = torch.tensor([40, 50, 32]).int().to(DEVICE)
     q = torch.randn(3, H, D, generator=rng).to(DEVICE)
     meta = level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE)
-    args = (q, store, 0, meta, cache_k, cache_v, tables, lengths)
-    torch.testing.assert_close(packed_decode_reference(*args), packed_decode_triton(*args),
+    return (q, store, 0, meta, cache_k, cache_v, tables), lengths
+
+
+def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
+    from flashloop_backend.kernels.torch_packed import packed_decode_reference
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+
+    args, lengths = _sparse_case(rng)
+    torch.testing.assert_close(packed_decode_reference(*args, lengths), packed_decode_triton(*args, lengths),
                                atol=2e-5, rtol=2e-5)  # fmt: skip
 
 
@@ -243,26 +249,6 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
     state.plan(view, [-1], [0])  # a row without packed data reads BF16 only
     meta = state.meta_for(view, torch.zeros(1, dtype=torch.long))
     assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
-
-
-def _sparse_case(rng):
-    """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
-    from flashloop_backend.packed_kv import level_metadata
-
-    rows = 32
-    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
-    active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 4 == 1] * 2
-    for s, act in ((0, None), (1, active)):
-        keys, values = _versions(rng, rows), _versions(rng, rows)
-        store.encode(s, [k.to(DEVICE) for k in keys], [v.to(DEVICE) for v in values],
-                     None if act is None else [a.to(DEVICE) for a in act])  # fmt: skip
-    cache_k = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
-    cache_v = torch.randn(8, 16, H, D, generator=rng).to(DEVICE)
-    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 6, 7]]).int().to(DEVICE)
-    lengths = torch.tensor([40, 50, 32]).int().to(DEVICE)
-    q = torch.randn(3, H, D, generator=rng).to(DEVICE)
-    meta = level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE)
-    return (q, store, 0, meta, cache_k, cache_v, tables), lengths
 
 
 @pytest.mark.parametrize("sample", [16, 4096], ids=["sample16", "sample64"])

@@ -71,14 +71,12 @@ def dense_source_triton(
 
     Paged inputs as ``paged_attention_triton``; the value cache is read again only at the
     selected positions."""
-    from .select_jit import select_statistics_kernel
-
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size = key_cache.shape[1]
     span = _check_bucket(block_tables, block_size, ratio, k_bucket)
     logits, lse, output = _logits_and_output(
         q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )
-    rows, num_q_heads, head_dim = q.shape
+    rows, num_q_heads, _ = q.shape
     block_tables = block_tables.contiguous()
     out = torch.empty_like(q)
     indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
@@ -89,6 +87,20 @@ def dense_source_triton(
     )
     if rows == 0:
         return out, indices, mass, output, contribution
+    launch_selection(logits, lse, context_lengths, value_cache, block_tables, output, out,
+                     indices, mass, contribution, scratch, ratio, tuning, contribute=True)  # fmt: skip
+    return out, indices, mass, output, contribution
+
+
+def launch_selection(logits, lse, context_lengths, value_cache, block_tables, output, out, indices,
+                     mass, contribution, scratch, ratio, tuning: SelectTuning, contribute: bool) -> None:  # fmt: skip
+    """The top-K selection over ``logits`` [R, Hq, T] / ``lse`` [R, Hq]: writes ``indices``,
+    ``mass``, ``out`` (``output`` in q's dtype) and, if ``contribute``, ``contribution``
+    from the value cache (packed KV sums it itself: its values are not in pages)."""
+    from .select_jit import select_statistics_kernel
+
+    rows, num_q_heads, k_bucket = indices.shape
+    _, block_size, num_kv_heads, head_dim = value_cache.shape
     select_statistics_kernel[(rows, num_q_heads)](
         logits, lse, context_lengths, value_cache, block_tables, output,
         out, indices, mass, contribution, scratch,
@@ -105,9 +117,8 @@ def dense_source_triton(
         k_bucket,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
-        CANDIDATES=tuning.candidates, CONTRIBUTE=True, num_warps=tuning.num_warps,
+        CANDIDATES=tuning.candidates, CONTRIBUTE=contribute, num_warps=tuning.num_warps,
     )  # fmt: skip
-    return out, indices, mass, output, contribution
 
 
 def order_key(logits: torch.Tensor) -> torch.Tensor:

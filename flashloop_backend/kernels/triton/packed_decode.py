@@ -25,6 +25,25 @@ class PackedTuning:
 DEFAULT_TUNING = PackedTuning()
 
 
+def layer_pools(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, ...]:
+    """K codes, min, scale, V codes, min, scale of one layer (the packed kernels' order)."""
+    return tuple(pool[:, layer] for pool in store.pools)
+
+
+def packed_strides(pools, meta, key_cache, value_cache, block_tables) -> tuple[int, ...]:
+    """The strides every packed kernel takes in this order: layer pools, level metadata,
+    the BF16 paged cache and its block tables."""
+    kc, kmin, _, vc, vmin, _ = pools
+    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    return (
+        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
+        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
+        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+    )  # fmt: skip
+
+
 def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                          key_cache, value_cache, block_tables, context_lengths,
                          scale: float | None = None, tuning: PackedTuning = DEFAULT_TUNING,
@@ -75,20 +94,15 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     splits = max(1, min(want, groups))
     per_split = math.ceil(groups / splits)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
-    kc, kmin, kscale = store.k_codes[:, layer], store.k_min[:, layer], store.k_scale[:, layer]
-    vc, vmin, vscale = store.v_codes[:, layer], store.v_min[:, layer], store.v_scale[:, layer]
+    pools = layer_pools(store, layer)
     block_tables = block_tables.contiguous()
     args = (
-        q, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, packed,
+        q, *pools, tables, maps, kinds, packed,
         key_cache, value_cache, block_tables, context_lengths,
         part_out, part_max, part_sum, logits if logits is not None else part_max,
         scale,
         q.stride(0), q.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
-        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
         logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
         per_split,

@@ -119,6 +119,7 @@ def _compact_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, within, present, kv_h
     return tl.sum(p[None, None, :] * values, axis=2)
 
 
+# fmt: off
 @triton.jit
 def packed_decode_split_kernel(
     q_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
@@ -135,7 +136,7 @@ def packed_decode_split_kernel(
     groups_per_split,
     GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr,
-):  # fmt: skip
+):
     """One (row, query head, split) over groups of GROUP rows: groups below the row's
     packed length are read from the levels (base + the LEVELS - 1 residual levels; dense
     pages directly, compact levels through their map; nothing is written back), later
@@ -162,92 +163,24 @@ def packed_decode_split_kernel(
     for group in range(first, tl.minimum(last, packed_groups)):
         pos_e = group * GROUP + 2 * tl.arange(0, GROUP // 2)
         page = tl.load(tables + group).to(tl.int64)
-        fold_e, fold_o, offset = _folded_query(
-            q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM
-        )
-        s_e = _dense_logits(
-            fold_e, fold_o, offset, kc_ptr, page, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP
-        )
-        s_o = _dense_logits(
-            fold_e, fold_o, offset, kc_ptr, page, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP
-        )
+        fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM)
+        s_e = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
+        s_o = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
-                fold_e, fold_o, offset = _folded_query(
-                    q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM
-                )
-                s_e += _dense_logits(
-                    fold_e,
-                    fold_o,
-                    offset,
-                    kc_ptr,
-                    lpage,
-                    kv_head,
-                    0,
-                    skc_p,
-                    skc_t,
-                    skc_h,
-                    HEAD_DIM,
-                    GROUP,
-                )
-                s_o += _dense_logits(
-                    fold_e,
-                    fold_o,
-                    offset,
-                    kc_ptr,
-                    lpage,
-                    kv_head,
-                    1,
-                    skc_p,
-                    skc_t,
-                    skc_h,
-                    HEAD_DIM,
-                    GROUP,
-                )
+                fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM)
+                s_e += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
+                s_o += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
             elif kind == COMPACT:
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, table, pos_e, GROUP
-                )
-                s_e += _compact_logits(
-                    q_e,
-                    q_o,
-                    kc_ptr,
-                    kmin_ptr,
-                    kscale_ptr,
-                    cpage,
-                    within,
-                    present,
-                    kv_head,
-                    skc_p,
-                    skc_t,
-                    skc_h,
-                    skm_p,
-                    skm_h,
-                    HEAD_DIM,
-                )
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, table, pos_e + 1, GROUP
-                )
-                s_o += _compact_logits(
-                    q_e,
-                    q_o,
-                    kc_ptr,
-                    kmin_ptr,
-                    kscale_ptr,
-                    cpage,
-                    within,
-                    present,
-                    kv_head,
-                    skc_p,
-                    skc_t,
-                    skc_h,
-                    skm_p,
-                    skm_h,
-                    HEAD_DIM,
-                )
+                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
+                s_e += _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
+                                       skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM)
+                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e + 1, GROUP)
+                s_o += _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
+                                       skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM)
         s_e = tl.where(pos_e < length, s_e, float("-inf"))
         s_o = tl.where(pos_e + 1 < length, s_o, float("-inf"))
         if STORE_LOGITS:
@@ -260,88 +193,22 @@ def packed_decode_split_kernel(
         p_o = tl.exp(s_o - m_safe)
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p_e, axis=0) + tl.sum(p_o, axis=0)
-        acc = acc * alpha + _dense_values(
-            p_e,
-            p_o,
-            vc_ptr,
-            vmin_ptr,
-            vscale_ptr,
-            page,
-            kv_head,
-            svc_p,
-            svc_h,
-            svc_d,
-            svm_p,
-            svm_t,
-            svm_h,
-            HEAD_DIM,
-            GROUP,
-        )
+        acc = acc * alpha + _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head,
+                                          svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
-                acc += _dense_values(
-                    p_e,
-                    p_o,
-                    vc_ptr,
-                    vmin_ptr,
-                    vscale_ptr,
-                    lpage,
-                    kv_head,
-                    svc_p,
-                    svc_h,
-                    svc_d,
-                    svm_p,
-                    svm_t,
-                    svm_h,
-                    HEAD_DIM,
-                    GROUP,
-                )
+                acc += _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, lpage, kv_head,
+                                     svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
             elif kind == COMPACT:
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, table, pos_e, GROUP
-                )
-                acc += _compact_values(
-                    p_e,
-                    vc_ptr,
-                    vmin_ptr,
-                    vscale_ptr,
-                    cpage,
-                    within,
-                    present,
-                    kv_head,
-                    svc_p,
-                    svc_h,
-                    svc_d,
-                    svm_p,
-                    svm_t,
-                    svm_h,
-                    HEAD_DIM,
-                    GROUP,
-                )
-                cpage, within, present = _compact_rows(
-                    maps + level * stride_ml, table, pos_e + 1, GROUP
-                )
-                acc += _compact_values(
-                    p_o,
-                    vc_ptr,
-                    vmin_ptr,
-                    vscale_ptr,
-                    cpage,
-                    within,
-                    present,
-                    kv_head,
-                    svc_p,
-                    svc_h,
-                    svc_d,
-                    svm_p,
-                    svm_t,
-                    svm_h,
-                    HEAD_DIM,
-                    GROUP,
-                )
+                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
+                acc += _compact_values(p_e, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
+                                       svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
+                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e + 1, GROUP)
+                acc += _compact_values(p_o, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
+                                       svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
         m_i = m_new
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(query + d).to(tl.float32) * scale
@@ -349,9 +216,7 @@ def packed_decode_split_kernel(
     for group in range(tl.maximum(first, packed_groups), last):
         pos = group * GROUP + tl.arange(0, GROUP)
         visible = pos < length
-        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(
-            tl.int64
-        )
+        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
         slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         s = tl.where(visible, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
@@ -363,13 +228,10 @@ def packed_decode_split_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         vslot = page * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-        v = tl.load(
-            v_ptr + vslot[:, None, None] + channel[None, :, :],
-            mask=visible[:, None, None],
-            other=0.0,
-        )
+        v = tl.load(v_ptr + vslot[:, None, None] + channel[None, :, :], mask=visible[:, None, None], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None, None] * v.to(tl.float32), axis=0)
         m_i = m_new
     tl.store(part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + channel, acc)
     tl.store(part_max_ptr + row * stride_sr + head * stride_sh + split, m_i)
     tl.store(part_sum_ptr + row * stride_sr + head * stride_sh + split, l_i)
+# fmt: on

@@ -12,8 +12,8 @@ import torch
 
 from ...packed_kv import PackedKVStore
 from ...reference import ratio_fraction
-from .dense_source import DEFAULT_SELECT, SelectTuning
-from .packed_decode import packed_decode_triton
+from .dense_source import DEFAULT_SELECT, SelectTuning, launch_selection
+from .packed_decode import layer_pools, packed_decode_triton, packed_strides
 
 BLOCK_N = 32
 
@@ -37,17 +37,12 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
         return out_k, out_v
     positions, block_tables = positions.contiguous(), block_tables.contiguous()
     tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
-    kc, kmin, kscale = store.k_codes[:, layer], store.k_min[:, layer], store.k_scale[:, layer]
-    vc, vmin, vscale = store.v_codes[:, layer], store.v_min[:, layer], store.v_scale[:, layer]
+    pools = layer_pools(store, layer)
     packed_gather_kernel[(rows, num_q_heads, math.ceil(count / BLOCK_N))](
-        positions, kc, kmin, kscale, vc, vmin, vscale, tables, maps, kinds, meta["packed_lengths"],
+        positions, *pools, tables, maps, kinds, meta["packed_lengths"],
         key_cache, value_cache, block_tables, out_k, out_v,
         positions.stride(0), positions.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
-        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
         out_k.stride(0), out_k.stride(1), out_k.stride(2),
         count,
         GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
@@ -76,9 +71,7 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
                                tuning: SelectTuning = DEFAULT_SELECT):  # fmt: skip
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
-    from .select_jit import select_statistics_kernel
-
-    rows, num_q_heads, head_dim = q.shape
+    rows, num_q_heads, _ = q.shape
     block_size = key_cache.shape[1]
     g = store.group_size
     span = math.ceil(max(block_tables.shape[1] * block_size, meta["level_maps"].shape[2]) / g) * g
@@ -99,25 +92,8 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
     scratch = torch.empty(
         (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
     )
-    block_tables = block_tables.contiguous()
-    select_statistics_kernel[(rows, num_q_heads)](
-        logits, lse, context_lengths, value_cache, block_tables, output,
-        out, indices, mass, unused, scratch,
-        num, den,
-        logits.stride(0), logits.stride(1),
-        lse.stride(0),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        output.stride(0), output.stride(1),
-        out.stride(0), out.stride(1),
-        indices.stride(0), indices.stride(1),
-        mass.stride(0),
-        unused.stride(0), unused.stride(1),
-        k_bucket,
-        GROUP=num_q_heads // key_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
-        CANDIDATES=tuning.candidates, CONTRIBUTE=False, num_warps=tuning.num_warps,
-    )  # fmt: skip
+    launch_selection(logits, lse, context_lengths, value_cache, block_tables.contiguous(), output,
+                     out, indices, mass, unused, scratch, ratio, tuning, contribute=False)  # fmt: skip
     _, values = packed_gather(
         store, layer, meta, key_cache, value_cache, block_tables, indices, q.dtype
     )
