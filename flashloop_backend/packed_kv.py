@@ -150,37 +150,51 @@ class PackedKVStore:
             )
         if levels is None:
             levels = SequenceLevels(0, [[] for _ in keys], [None for _ in keys])
-        recon_k = recon_v = None
-        for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+        presents = []
+        for depth in range(len(keys)):
             present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
-            if present is not None and present.numel() == rows:
-                present = None  # every row recomputed this level
-            pages: list[int] = []
-            if present is None or present.numel():
-                target_k = k.float() if recon_k is None else k.float() - recon_k
-                target_v = v.float() if recon_v is None else v.float() - recon_v
-                if present is not None:
-                    target_k, target_v = target_k[present], target_v[present]
-                count = target_k.shape[0]
-                padded = -(-count // g) * g
-                if padded != count:  # a compact level's last group: repeat its last row
-                    fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
-                    target_k, target_v = target_k[fill], target_v[fill]
-                qk = quantize(target_k, g, 0)  # per channel across rows
-                qv = quantize(target_v, g, -1)  # per row across channels
-                pages = self._allocate(padded // g)
-                self._write(pages, qk, qv)
-                dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
-                if present is None:
-                    recon_k = dk if recon_k is None else recon_k + dk
-                    recon_v = dv if recon_v is None else recon_v + dv
-                else:
-                    recon_k, recon_v = recon_k.clone(), recon_v.clone()
-                    recon_k[present] += dk
-                    recon_v[present] += dv
-            self._extend_level(levels, depth, pages, present, rows, k.device)
+            presents.append(None if present is not None and present.numel() == rows else present)
+        pages = [self._allocate(-(-c // g)) for c in counts]
+        # one layer at a time: the FP32 conversion scratch is one layer's, not all layers'
+        for layer in range(keys[0].shape[1]):
+            recon_k = recon_v = None
+            for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+                if pages[depth]:
+                    recon_k, recon_v = self._encode_level(
+                        k[:, layer], v[:, layer], recon_k, recon_v, presents[depth],
+                        pages[depth], layer, quantize,
+                    )  # fmt: skip
+        for depth, device in enumerate(k.device for k in keys):
+            self._extend_level(levels, depth, pages[depth], presents[depth], rows, device)
         levels.rows += rows
         self.sequences[sequence] = levels
+
+    def _encode_level(
+        self, k, v, recon_k, recon_v, present, pages: list[int], layer: int, quantize
+    ):
+        """Quantize one layer's level (k, v [T, Hkv, D], residuals against the running
+        reconstruction, only the ``present`` rows when compact) into ``pages``; return the
+        updated reconstruction."""
+        g = self.group_size
+        target_k = k.float() if recon_k is None else k.float() - recon_k
+        target_v = v.float() if recon_v is None else v.float() - recon_v
+        if present is not None:
+            target_k, target_v = target_k[present], target_v[present]
+        count = target_k.shape[0]
+        padded = len(pages) * g
+        if padded != count:  # a compact level's last group: repeat its last row
+            fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
+            target_k, target_v = target_k[fill], target_v[fill]
+        qk = quantize(target_k, g, 0)  # per channel across rows
+        qv = quantize(target_v, g, -1)  # per row across channels
+        self._write(pages, layer, qk, qv)
+        dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
+        if present is None:
+            return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
+        recon_k, recon_v = recon_k.clone(), recon_v.clone()
+        recon_k[present] += dk
+        recon_v[present] += dv
+        return recon_k, recon_v
 
     def _extend_level(self, levels: SequenceLevels, depth: int, pages: list[int],
                       present: torch.Tensor | None, rows: int, device) -> None:  # fmt: skip
@@ -202,27 +216,20 @@ class PackedKVStore:
         levels.pages[depth].extend(pages)
         levels.maps[depth] = torch.cat([mapping, block])
 
-    def _write(self, pages: list[int], qk: QuantizedInt4, qv: QuantizedInt4) -> None:
-        """qk codes [L, H, D, G, g/2] (groups along rows) and qv codes [T, L, H, D/g, g/2]
-        (groups along channels), re-paired into the page layout."""
+    def _write(self, pages: list[int], layer: int, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
+        """One layer: qk codes [H, D, G, g/2] (groups along rows) and qv codes [T, H, D/g,
+        g/2] (groups along channels), re-paired into the page layout."""
         index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
-        num_layers, heads, dim = self.shape
+        _, heads, dim = self.shape
         g = self.group_size
-        # K codes [L, H, D, G, g] -> [G, L, g, H, D], channel pairs per byte
-        k = _unpack(qk.codes).permute(3, 0, 4, 1, 2)
-        self.k_codes[index] = _pack_pairs(k).to(self.k_codes.device)
-        self.k_min[index] = qk.minimum.permute(3, 0, 1, 2).to(self.k_codes.device)
-        self.k_scale[index] = qk.scale.permute(3, 0, 1, 2).to(self.k_codes.device)
-        # V codes [T, L, H, D] -> [G, g, L, H, D] -> [G, L, H, D, g], row pairs per byte
-        v = _unpack(qv.codes).reshape(len(pages), g, num_layers, heads, dim).permute(0, 2, 3, 4, 1)
-        self.v_codes[index] = _pack_pairs(v).to(self.k_codes.device)
-        params = (qv.minimum, qv.scale)
-        for pool, p in zip((self.v_min, self.v_scale), params, strict=True):
-            pool[index] = (
-                p.reshape(len(pages), g, num_layers, heads, dim // g)
-                .permute(0, 2, 1, 3, 4)
-                .to(pool.device)
-            )
+        k = _unpack(qk.codes).permute(2, 3, 0, 1)  # [G, g, H, D]: channel pairs per byte
+        self.k_codes[index, layer] = _pack_pairs(k).to(self.k_codes.device)
+        self.k_min[index, layer] = qk.minimum.permute(2, 0, 1).to(self.k_codes.device)
+        self.k_scale[index, layer] = qk.scale.permute(2, 0, 1).to(self.k_codes.device)
+        v = _unpack(qv.codes).reshape(len(pages), g, heads, dim).permute(0, 2, 3, 1)  # [G, H, D, g]
+        self.v_codes[index, layer] = _pack_pairs(v).to(self.k_codes.device)
+        for pool, p in zip((self.v_min, self.v_scale), (qv.minimum, qv.scale), strict=True):
+            pool[index, layer] = p.reshape(len(pages), g, heads, dim // g).to(pool.device)
 
     def reconstruct(
         self, sequence: int, depth: int, layer: int
