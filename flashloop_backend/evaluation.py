@@ -229,6 +229,7 @@ def evaluate(
         "per_window": [
             {
                 "start": start,
+                "bits_per_byte": {k: v[i] / math.log(2) / nbytes[i] for k, v in nll.items()},
                 "delta_bits_per_byte_percent": rel_delta([i]),
                 "top1_agreement": float(agree[i].mean()),
             }

@@ -229,12 +229,12 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
-    print(f"{'features':<62} {'d bits/byte':>12} {'95% CI':>18} {'top-1':>7} {'passkey':>15}")
+    print(f"{'features':<76} {'d bits/byte':>12} {'95% CI':>18} {'top-1':>7} {'passkey':>15}")
     for r in records:
         ci = "[{:+.2f}, {:+.2f}]".format(*r["delta_ci95_percent"])
         keys = r["passkey_accuracy"]
         passkey = f"{_passkey_mean(keys['config']):.2f} / {_passkey_mean(keys['dense']):.2f}"
-        print(f"{' + '.join(r['features']) or 'dense':<62} {r['delta_bits_per_byte_percent']:>+11.2f}% "
+        print(f"{' + '.join(r['features']) or 'dense':<76} {r['delta_bits_per_byte_percent']:>+11.2f}% "
               f"{ci:>18} {r['top1_agreement']:>7.4f} {passkey:>15}")  # fmt: skip
     return 0
 
