@@ -97,21 +97,13 @@ def _quality_by_combination(results: Path, plt):
         "sparse_decode_attention": "SDA",
         "kv_residual_quantization": "KVQ",
     }
-    labels = [" + ".join(short[f] for f in r["features"]) or "dense" for r in rows]
+    labels = [(" + ".join(short[f] for f in r["features"]) or "dense") + f"\ntop-1 {r['top1_agreement']:.3f}"
+              for r in rows]  # fmt: skip
     delta = [r["delta_bits_per_byte_percent"] for r in rows]
     low = [d - r["delta_ci95_percent"][0] for d, r in zip(delta, rows, strict=True)]
     high = [r["delta_ci95_percent"][1] - d for d, r in zip(delta, rows, strict=True)]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar(labels, delta, yerr=[low, high], capsize=4, color="tab:purple")
-    for i, r in enumerate(rows):
-        ax.annotate(
-            f"top-1 {r['top1_agreement']:.3f}",
-            (i, 0),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            rotation=90,
-        )
     ax.axhline(0.0, color="gray", lw=0.8)
     return _bar_labels(fig, ax, "Δ bits/byte vs dense (%), 95% CI",
                        "Quality of every feature combination (embedded model, CPU)")  # fmt: skip
