@@ -115,10 +115,12 @@ def test_all_features_on_evaluate_with_recycled_slots(embedded):
     """Scoring then passkey requests reuse token-state slots while other rows prefill; a
     state a row does not own must never reach the correction (it indexed past the batch's
     block tables before rows routed elsewhere were cleared)."""
-    from flashloop_backend.host.showcase import ALL_ON, QUICK_EVAL
+    from flashloop_backend.host.showcase import ALL_ON
 
     model, tokenizer = embedded
-    report = evaluate(model, tokenizer, TEXT, ALL_ON, "flashloop", QUICK_EVAL)
+    settings = EvalSettings(windows=4, context=128, continuation=32, passkey_contexts=(128,),
+                            passkey_samples=2, bootstrap=200)  # fmt: skip
+    report = evaluate(model, tokenizer, TEXT, ALL_ON, "flashloop", settings)
     assert report["top1_agreement"] >= 0.5
 
 

@@ -19,7 +19,7 @@ ALL_ON = FlashLoopConfig(
     kv_residual_quantization={"enabled": True, "policy": "fixed_prompt", "group_size": 64},
 )
 QUICK_EVAL = EvalSettings(
-    windows=4, context=128, continuation=32, passkey_contexts=(128,), passkey_samples=2,
+    windows=8, context=256, continuation=64, passkey_contexts=(256,), passkey_samples=2,
     bootstrap=200,
 )  # fmt: skip
 
