@@ -13,9 +13,9 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -34,7 +34,9 @@ def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict)
     return out
 
 
-def _compile(label: str, fn, pointers: dict[str, str], floats: set[str], constexprs: dict, warps: int) -> bool:
+def _compile(
+    label: str, fn, pointers: dict[str, str], floats: set[str], constexprs: dict, warps: int
+) -> bool:
     try:
         source = ASTSource(fn, _signature(fn, pointers, floats, constexprs), constexprs)
         triton.compile(source, target=TARGET, options={"num_warps": warps})
@@ -58,19 +60,30 @@ def main() -> int:
     ok = True
     for levels in (1, 2, 4):
         for logits in (False, True):
-            shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, STORE_LOGITS=logits)
+            shape = dict(
+                GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, STORE_LOGITS=logits
+            )
             ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits}",
                            packed_decode_split_kernel, store, {"scale"}, shape, 1 if levels <= 2 else 2)  # fmt: skip
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)
-        ok &= _compile(f"packed_gather LEVELS={levels}", packed_gather_kernel, store, set(), shape, 4)
+        ok &= _compile(
+            f"packed_gather LEVELS={levels}", packed_gather_kernel, store, set(), shape, 4
+        )
     select = {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32", "v_ptr": "*bf16",
               "tables_ptr": "*i32", "output_ptr": "*fp32", "out_ptr": "*bf16", "idx_ptr": "*i32",
               "mass_ptr": "*fp32", "contrib_ptr": "*fp32", "scratch_ptr": "*i32"}  # fmt: skip
     for contribute in (True, False):
         shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, RADIX_BITS=8, SAMPLE=4096,
                      CANDIDATES=4096, CONTRIBUTE=contribute)  # fmt: skip
-        ok &= _compile(f"select_statistics CONTRIBUTE={contribute}", select_statistics_kernel, select, set(), shape, 8)
+        ok &= _compile(
+            f"select_statistics CONTRIBUTE={contribute}",
+            select_statistics_kernel,
+            select,
+            set(),
+            shape,
+            8,
+        )
     return 0 if ok else 1
 
 
