@@ -1,4 +1,4 @@
-"""Compile the packed-KV and selection Triton kernels for sm_90 (H100/H200) on a machine
+"""Compile every Triton kernel of the package for sm_90 (H100/H200) on a machine
 without a GPU: the interpreter does not catch what only the GPU front end rejects (a
 reshape shape built from a tensor once kept a design from compiling there). Prints one
 line per variant; exits 1 if any fails.
@@ -84,7 +84,55 @@ def main() -> int:
             shape,
             8,
         )
+    ok &= _dense_kernels()
     return 0 if ok else 1
+
+
+def _dense_kernels() -> bool:
+    """The paged decode (with and without logits), split merge, sparse correction, tiled
+    prefill and quantize kernels at their registered launch shapes."""
+    from flashloop_backend.kernels.triton.paged_decode_jit import (
+        merge_splits_kernel,
+        paged_attention_split_kernel,
+    )
+    from flashloop_backend.kernels.triton.quantize_jit import quantize_int4_kernel
+    from flashloop_backend.kernels.triton.sparse_decode_jit import sparse_correction_split_kernel
+    from flashloop_backend.kernels.triton.sparse_prefill_jit import sparse_prefill_kernel
+
+    paged = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32",
+             "lengths_ptr": "*i32", "idx_ptr": "*i32", "tile_start_ptr": "*i32", "num_tiles_ptr": "*i32"}  # fmt: skip
+    ok = True
+    for logits in (False, True):
+        shape = dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGES=4, USE_DOT=True,
+                     DOT_PRECISION="tf32", STORE_LOGITS=logits)  # fmt: skip
+        ok &= _compile(
+            f"paged_attention STORE_LOGITS={logits}",
+            paged_attention_split_kernel,
+            paged,
+            {"scale"},
+            shape,
+            4,
+        )
+    for lse, correct in ((False, False), (True, False), (False, True)):
+        shape = dict(NUM_SPLITS=17, SPLITS_PAD=32, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
+        merge = {"out_ptr": "*bf16"}
+        ok &= _compile(
+            f"merge_splits STORE_LSE={lse} CORRECT={correct}",
+            merge_splits_kernel,
+            merge,
+            set(),
+            shape,
+            4,
+        )
+    shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=64, DOT_PRECISION="tf32")
+    ok &= _compile("sparse_correction", sparse_correction_split_kernel, paged, {"scale"}, shape, 4)
+    shape = dict(
+        GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32"
+    )
+    ok &= _compile("sparse_prefill", sparse_prefill_kernel, paged, {"scale"}, shape, 8)
+    quant = {"x_ptr": "*bf16", "codes_ptr": "*u8", "min_ptr": "*fp16", "scale_ptr": "*fp16"}
+    ok &= _compile("quantize_int4", quantize_int4_kernel, quant, set(), {"GROUP": 64}, 4)
+    return ok
 
 
 if __name__ == "__main__":
