@@ -177,6 +177,8 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
     """Every workload on every variant, one engine per variant with an untimed warm-up
     workload first (kernels compile on first use). ``workloads``: dicts with ``name``,
     ``arrivals`` and ``concurrency`` (None = open loop)."""
+    import torch
+
     from .host.engine import Engine
     from .registry import Registry, resolve
 
@@ -185,7 +187,18 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
     records = []
     for variant in variants:
         backend = registry.create(variant.backend, request, variant.config)
-        engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size)
+        try:
+            engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size)
+        except (MemoryError, torch.OutOfMemoryError) as exc:  # this variant's pool does not fit
+            records.append(
+                {
+                    "variant": variant.name,
+                    "backend": variant.backend,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
+            log(f"  serving {variant.name}: KV pool of {num_blocks} blocks does not fit: {exc}")
+            continue
         digest = resolve(variant.config, variant.backend, request, registry).digest()
         run_workload(engine, workloads[0]["arrivals"][:2], vocab, concurrency=2, sync=sync)
         for workload in workloads:

@@ -107,3 +107,26 @@ def test_variants_are_dense_each_feature_alone_and_cumulative(model):
         all_on["memory"]["reference_state_bytes"] > 0
         and dense["config_digest"] != all_on["config_digest"]
     )
+
+
+def test_a_pool_that_does_not_fit_is_recorded_not_raised(model, monkeypatch):
+    import flashloop_backend.host.engine as engine_module
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine_module, "Engine", no_room)
+    variants = variants_for(
+        FlashLoopConfig.from_dict(json.load(open("configs/all_on.json"))), "torch"
+    )[:1]
+    workloads = [
+        {"name": "w", "arrivals": fixed_arrival_schedule(1, 1.0, [8], [2]), "concurrency": 1}
+    ]
+    records = serve_variants(model, _request(model), variants, workloads, 8, 16, log=lambda m: None)
+    assert records == [
+        {
+            "variant": "dense",
+            "backend": "torch",
+            "error": "OutOfMemoryError: CUDA out of memory (simulated)",
+        }
+    ]
