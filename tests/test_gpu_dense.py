@@ -87,29 +87,30 @@ def test_host_on_gpu_agrees_with_cpu_reference(backend):
     assert (cpu.exp() * (cpu - gpu)).sum(-1).mean().item() < 0.02  # KL(fp32 || bf16)
 
 
-@pytest.mark.parametrize(
-    "features",
-    [
-        {"sparse_decode_attention": {"enabled": True, "key_retention": 0.25}},
-        {
-            "token_sparse_prefill": {
-                "enabled": True,
-                "window_size": 64,
-                "retention": [1, 1, 0.5, 0.25],
-            }
-        },
-        {"kv_residual_quantization": {"enabled": True}},
-        {
-            "kv_residual_quantization": {"enabled": True},
-            "token_sparse_prefill": {
-                "enabled": True,
-                "window_size": 64,
-                "retention": [1, 1, 0.5, 0.25],
-            },
-        },
-    ],
-    ids=["sparse_decode", "token_sparse_prefill", "kv_quant", "kv_quant_token_sparse"],
-)
+def _all_on_combinations() -> list:
+    """Every non-empty combination of configs/all_on.json's features, plus the RFC's
+    aggressive token sparsity alone and with KV quantization (compact levels)."""
+    import json
+    from pathlib import Path
+
+    from flashloop_backend.evaluation import feature_combinations
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"
+    combos = feature_combinations(FlashLoopConfig.from_dict(json.loads(path.read_text())))
+    params = [
+        pytest.param(config, id="+".join(features)) for features, config in combos if features
+    ]
+    aggressive = {"enabled": True, "window_size": 64, "retention": [1, 1, 0.5, 0.25]}
+    params.append(
+        pytest.param(FlashLoopConfig(token_sparse_prefill=aggressive), id="token_sparse_0.5_0.25")
+    )
+    params.append(pytest.param(FlashLoopConfig(token_sparse_prefill=aggressive,
+                                               kv_residual_quantization={"enabled": True}),
+                               id="token_sparse_0.5_0.25+kv_quant"))  # fmt: skip
+    return params
+
+
+@pytest.mark.parametrize("features", _all_on_combinations())
 def test_flashloop_features_on_gpu_agree_with_cpu(features):
     """The flashloop backend with GPU kernels (Triton sparse correction, device selection)
     against the same configuration on the CPU reference path, teacher-forced."""
@@ -121,7 +122,7 @@ def test_flashloop_features_on_gpu_agree_with_cpu(features):
     )
     tokens = [256, *tokenizer.encode(text).ids]
     context, target = tokens[:128], tokens[128:176]
-    config = FlashLoopConfig.from_dict(features)
+    config = features
     runs = {}
     for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
         model = load_model(path, device, dtype)
