@@ -5,7 +5,7 @@ the store really holds (from its tensors) against BF16 copy-on-exit planes."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -73,23 +73,23 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
     return record
 
 
-def _tunings(sweep: str | None) -> list:
-    """The registered launch, and launch sweeps at depth 1 and deeper (dense levels)."""
-    from .kernels.triton.packed_decode import DEFAULT_TUNING, PackedTuning
+def _tunings(levels: int, sweep: bool) -> list:
+    """The registered launch, then (``sweep``) the warp count that applies to ``levels``
+    levels against programs per SM, each launch once."""
+    from .kernels.triton.packed_decode import DEFAULT_TUNING
 
+    field = "num_warps" if levels <= 2 else "deep_num_warps"
     out = [DEFAULT_TUNING]
-    if sweep == "depth1":
-        out += [
-            PackedTuning(num_warps=w, programs_per_sm=p) for w in (1, 2, 4) for p in (8, 16, 32)
-        ]
-    elif sweep == "deep":
-        out += [PackedTuning(deep_num_warps=w, programs_per_sm=p) for w in (2, 4) for p in (16, 32)]
+    if sweep:
+        grid = [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p})
+                for w in (1, 2, 4) for p in (8, 16, 32)]  # fmt: skip
+        out += [t for t in grid if t != DEFAULT_TUNING]
     return out
 
 
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
-    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
+    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton, warps_for
     from .packed_kv import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
@@ -119,8 +119,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 sum(m.numel() * 4 for m in store.sequences[0].maps[: depth + 1] if m is not None)
                 * batch
             )
-            sweep = None if sparse else ("depth1" if depth == 0 else "deep")
-            for tuning in _tunings(sweep):
+            for tuning in _tunings(depth + 1, sweep=not sparse):
                 ms = _graph_ms(
                     lambda m=meta, s=store, t=tuning: packed_decode_triton(
                         q, s, 0, m, kc, vc, tables, lengths, tuning=t
@@ -128,8 +127,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 )
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
                 if tuning != DEFAULT_TUNING:
-                    warps = tuning.num_warps if depth <= 1 else tuning.deep_num_warps
-                    key += f"_w{warps}_p{tuning.programs_per_sm}"
+                    key += f"_w{warps_for(tuning, depth + 1)}_p{tuning.programs_per_sm}"
                 results["depths"][key] = {
                     "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
                     "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,

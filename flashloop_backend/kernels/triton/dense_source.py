@@ -37,13 +37,12 @@ class SelectTuning:
 DEFAULT_SELECT = SelectTuning()
 
 
-def _check_bucket(block_tables, block_size, ratio, k_bucket) -> int:
-    span = block_tables.shape[1] * block_size
+def check_bucket(span: int, rows: int, ratio: float, k_bucket: int) -> None:
+    """``k_bucket`` must hold the keys the ratio selects from ``span`` positions."""
     num, den = ratio_fraction(ratio)
     need = min(span, -(-span * num // den))
-    if block_tables.shape[0] and k_bucket < need:
+    if rows and k_bucket < need:
         raise ValueError(f"k_bucket={k_bucket} cannot hold the {need} keys selected from {span}")
-    return span
 
 
 def _logits_and_output(q, key_cache, value_cache, block_tables, context_lengths, scale, span):
@@ -72,7 +71,8 @@ def dense_source_triton(
     Paged inputs as ``paged_attention_triton``; the value cache is read again only at the
     selected positions."""
     block_size = key_cache.shape[1]
-    span = _check_bucket(block_tables, block_size, ratio, k_bucket)
+    span = block_tables.shape[1] * block_size
+    check_bucket(span, block_tables.shape[0], ratio, k_bucket)
     logits, lse, output = _logits_and_output(
         q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )
@@ -138,7 +138,8 @@ def dense_source_torch_topk(
     descending probability) and a torch gather for the contribution."""
     rows, num_q_heads, _ = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    span = _check_bucket(block_tables, block_size, ratio, k_bucket)
+    span = block_tables.shape[1] * block_size
+    check_bucket(span, block_tables.shape[0], ratio, k_bucket)
     logits, lse, output = _logits_and_output(
         q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )

@@ -25,6 +25,19 @@ class PackedTuning:
 DEFAULT_TUNING = PackedTuning()
 
 
+def warps_for(tuning: PackedTuning, levels: int) -> int:
+    """Warps of a launch that reads ``levels`` levels (base + residuals)."""
+    return tuning.num_warps if levels <= 2 else tuning.deep_num_warps
+
+
+def packed_span(
+    store: PackedKVStore, meta: dict[str, torch.Tensor], block_tables, block_size: int
+) -> int:
+    """Positions the readers cover: whole groups over the packed rows and the BF16 pages."""
+    g = store.group_size
+    return math.ceil(max(block_tables.shape[1] * block_size, meta["level_maps"].shape[2]) / g) * g
+
+
 def layer_pools(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, ...]:
     """K codes, min, scale, V codes, min, scale of one layer (the packed kernels' order)."""
     return tuple(pool[:, layer] for pool in store.pools)
@@ -85,7 +98,7 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = store.group_size
-    groups = math.ceil(max(block_tables.shape[1] * block_size, maps.shape[2]) / g)
+    groups = packed_span(store, meta, block_tables, block_size) // g
     if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
         raise ValueError(
             f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
@@ -109,6 +122,6 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
-                 num_warps=tuning.num_warps if tables.shape[1] <= 2 else tuning.deep_num_warps)  # fmt: skip
+                 num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out, lse)

@@ -11,9 +11,8 @@ import math
 import torch
 
 from ...packed_kv import PackedKVStore
-from ...reference import ratio_fraction
-from .dense_source import DEFAULT_SELECT, SelectTuning, launch_selection
-from .packed_decode import layer_pools, packed_decode_triton, packed_strides
+from .dense_source import DEFAULT_SELECT, SelectTuning, check_bucket, launch_selection
+from .packed_decode import layer_pools, packed_decode_triton, packed_span, packed_strides
 
 BLOCK_N = 32
 
@@ -72,12 +71,8 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
     rows, num_q_heads, _ = q.shape
-    block_size = key_cache.shape[1]
-    g = store.group_size
-    span = math.ceil(max(block_tables.shape[1] * block_size, meta["level_maps"].shape[2]) / g) * g
-    num, den = ratio_fraction(ratio)
-    if rows and k_bucket < min(span, -(-span * num // den)):
-        raise ValueError(f"k_bucket={k_bucket} cannot hold the keys selected from {span}")
+    span = packed_span(store, meta, block_tables, key_cache.shape[1])
+    check_bucket(span, rows, ratio, k_bucket)
     logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
     lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
     output = packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
