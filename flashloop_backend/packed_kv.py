@@ -139,9 +139,11 @@ class PackedKVStore:
         levels = self.sequences.get(sequence)
         if levels is not None and len(levels.pages) != len(keys):
             raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {len(keys)}")
-        counts = [
-            rows if d == 0 or active is None else int(active[d].sum()) for d in range(len(keys))
-        ]
+        presents = []  # per depth: the rows that recomputed it, None when all did
+        for depth in range(len(keys)):
+            present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
+            presents.append(None if present is not None and present.numel() == rows else present)
+        counts = [rows if p is None else p.numel() for p in presents]
         needed = sum(-(-c // g) for c in counts)
         if needed > len(self._free):  # checked up front: a failed append allocates nothing
             raise MemoryError(
@@ -150,10 +152,6 @@ class PackedKVStore:
             )
         if levels is None:
             levels = SequenceLevels(0, [[] for _ in keys], [None for _ in keys])
-        presents = []
-        for depth in range(len(keys)):
-            present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
-            presents.append(None if present is not None and present.numel() == rows else present)
         pages = [self._allocate(-(-c // g)) for c in counts]
         # one layer at a time: the FP32 conversion scratch is one layer's, not all layers'
         for layer in range(keys[0].shape[1]):
@@ -164,8 +162,8 @@ class PackedKVStore:
                         k[:, layer], v[:, layer], recon_k, recon_v, presents[depth],
                         pages[depth], layer, quantize,
                     )  # fmt: skip
-        for depth, device in enumerate(k.device for k in keys):
-            self._extend_level(levels, depth, pages[depth], presents[depth], rows, device)
+        for depth, k in enumerate(keys):
+            self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
         levels.rows += rows
         self.sequences[sequence] = levels
 
