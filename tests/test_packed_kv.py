@@ -297,3 +297,25 @@ def test_triton_packed_correction_reads_only_the_selected_keys_like_the_referenc
             torch.testing.assert_close(keys[r, h, :n], hist_k[r, chosen, h], atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(values[r, h, :n], hist_v[r, chosen, h], atol=1e-6, rtol=1e-6)
             assert not keys[r, h, n:].any()  # -1: zeros
+
+
+def test_packed_sparse_wrappers_name_bad_inputs(rng):
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_sparse import (
+        packed_dense_source_triton,
+        packed_gather,
+    )
+
+    args, lengths = _sparse_case(rng)
+    q, store, layer, meta, cache_k, cache_v, tables = args
+    positions = torch.zeros(3, H, 4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="positions must be int32"):
+        packed_gather(store, layer, meta, cache_k, cache_v, tables, positions, q.dtype)
+    with pytest.raises(ValueError, match="do not fit the store"):
+        packed_gather(store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
+                      positions.int(), q.dtype)  # fmt: skip
+    with pytest.raises(ValueError, match="k_bucket=4 cannot hold the 16 keys selected from 64"):
+        packed_dense_source_triton(*args, lengths, 0.25, 4)
+    short = torch.empty(3, H, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"logits must be \[3, 2, >= 64\]"):
+        packed_decode_triton(*args, lengths, logits=short, lse=torch.empty(3, H, device=DEVICE))

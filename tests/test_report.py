@@ -25,3 +25,14 @@ def test_a_missing_record_skips_its_plot_and_says_so(tmp_path):
     written = make_plots(partial, tmp_path / "out", log=messages.append)
     assert [p.name for p in written] == ["memory_per_token.png"]
     assert sum("skipped" in m for m in messages) == len(PLOTS) - 1
+
+
+def test_report_cli_names_a_missing_results_directory(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "none"
+    result = subprocess.run([sys.executable, "-m", "flashloop_backend.cli", "report", "--results", str(missing),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and f"--results '{missing}' is not a directory" in result.stderr
+    assert not (tmp_path / "out").exists()
