@@ -173,10 +173,12 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
 
 
 def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
-                   block_size: int, sync=lambda: None, log=print) -> list[dict]:  # fmt: skip
+                   block_size: int, sync=lambda: None, log=print,
+                   on_variant: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
     """Every workload on every variant, one engine per variant with an untimed warm-up
     workload first (kernels compile on first use). ``workloads``: dicts with ``name``,
-    ``arrivals`` and ``concurrency`` (None = open loop)."""
+    ``arrivals`` and ``concurrency`` (None = open loop). ``on_variant`` receives the
+    records so far after each variant (a long run keeps what it measured)."""
     import torch
 
     from .host.engine import Engine
@@ -198,6 +200,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                 }
             )
             log(f"  serving {variant.name}: KV pool of {num_blocks} blocks does not fit: {exc}")
+            on_variant(records)
             continue
         digest = resolve(variant.config, variant.backend, request, registry).digest()
         run_workload(engine, workloads[0]["arrivals"][:2], vocab, concurrency=2, sync=sync)
@@ -215,15 +218,18 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             log(f"  serving {variant.name:<40} {workload['name']:<28} "
                 f"{summary['throughput_tokens_s']:8.1f} tok/s, failed {summary['failed_requests']}")  # fmt: skip
         del engine, backend
+        on_variant(records)
     return records
 
 
 def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[int],
-                  new_tokens: int, layers: int | None, rate_per_s: float, log=print) -> dict:  # fmt: skip
+                  new_tokens: int, layers: int | None, rate_per_s: float, log=print,
+                  on_partial: Callable[[dict], None] = lambda record: None) -> dict:  # fmt: skip
     """The GPU record: a fixed-arrival mixed workload (prompts drawn from ``contexts``,
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
     closed-loop matrix contexts x concurrency (2 x concurrency requests each), on dense
-    ``baseline`` and each feature of ``config`` alone and cumulatively, one process."""
+    ``baseline`` and each feature of ``config`` alone and cumulatively, one process.
+    ``on_partial`` receives the record after each variant."""
     import math
 
     import torch
@@ -243,12 +249,18 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
          "arrivals": fixed_arrival_schedule(2 * conc, 1.0, [ctx], [new_tokens])}
         for ctx in contexts for conc in concurrency
     ]  # fmt: skip
-    records = serve_variants(model, request, variants_for(config, baseline), workloads, num_blocks,
-                             block_size, sync=torch.cuda.synchronize, log=log)  # fmt: skip
-    return {
-        "kind": "serving", "environment": environment_record(),
-        "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
-        "kv_pool_blocks": num_blocks, "block_size": block_size, "new_tokens": new_tokens,
-        "method": "eager host (no CUDA graphs), one engine per variant after an untimed warm-up",
-        "config": config.model_dump(mode="json"), "runs": records,
-    }  # fmt: skip
+    environment = environment_record()
+
+    def record(runs: list[dict]) -> dict:
+        return {
+            "kind": "serving", "environment": environment,
+            "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
+            "kv_pool_blocks": num_blocks, "block_size": block_size, "new_tokens": new_tokens,
+            "method": "eager host (no CUDA graphs), one engine per variant after an untimed warm-up",
+            "config": config.model_dump(mode="json"), "runs": runs,
+        }  # fmt: skip
+
+    runs = serve_variants(model, request, variants_for(config, baseline), workloads, num_blocks,
+                          block_size, sync=torch.cuda.synchronize, log=log,
+                          on_variant=lambda runs: on_partial(record(list(runs))))  # fmt: skip
+    return record(runs)

@@ -192,8 +192,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serving":
         from .bench_serving import bench_serving
 
+        def keep(partial: dict) -> None:
+            if args.out:
+                with open(args.out, "w") as handle:
+                    handle.write(json.dumps(partial, indent=2) + "\n")
+
         record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
-                               args.layers, args.rate, log=bench.progress_log)  # fmt: skip
+                               args.layers, args.rate, log=bench.progress_log, on_partial=keep)  # fmt: skip
     elif args.mode == "packed":
         from .bench_packed import bench_packed_kv
 
