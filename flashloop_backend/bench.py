@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from . import __version__
-from .capabilities import SupportRequest
+from .capabilities import Capability, SupportRequest
 from .config import ConfigError, FlashLoopConfig
 from .registry import Registry, resolve
 
@@ -270,6 +270,20 @@ def random_ouro(layers: int | None, block_size: int):
     return model, request
 
 
+def graph_variant(name: str, concurrency: int, max_context: int):
+    """(backend name, GraphSettings or None) of a benchmark entry: ``name+graphs`` captures
+    buckets of powers of two up to ``concurrency`` for contexts up to ``max_context``."""
+    from .host.graphs import GraphSettings
+
+    base, _, suffix = name.partition("+")
+    if suffix not in ("", "graphs"):
+        raise ConfigError(f"benchmark entry {name!r}: the only suffix is '+graphs'")
+    if not suffix:
+        return base, None
+    buckets = tuple(2**i for i in range(math.ceil(math.log2(max(1, concurrency))) + 1))
+    return base, GraphSettings(buckets=buckets, max_context=max_context)
+
+
 def bench_end_to_end(
     backends: list[str],
     context: int,
@@ -283,8 +297,10 @@ def bench_end_to_end(
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
-    applies to the ``flashloop`` backend; every other backend runs dense. Prefill speedups
-    are against the first backend, measured in the same process."""
+    applies to the ``flashloop`` backend; every other backend runs dense. A name ending in
+    ``+graphs`` (``flashloop+graphs``) runs decode-only steps from CUDA graphs, its kernels
+    chosen with the ``cuda_graphs`` capability. Prefill speedups are against the first
+    backend, measured in the same process."""
     from .host.engine import Engine
 
     model, request = random_ouro(layers, block_size)
@@ -295,10 +311,13 @@ def bench_end_to_end(
     prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     results = {}
     for name in backends:
-        effective = (config or FlashLoopConfig()) if name == "flashloop" else FlashLoopConfig()
-        backend = registry.create(name, request, effective)
+        base, graphs = graph_variant(name, concurrency, tokens_per_request)
+        effective = (config or FlashLoopConfig()) if base == "flashloop" else FlashLoopConfig()
+        wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
+        backend = registry.create(base, wanted, effective)
         engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
-                        max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk)  # fmt: skip
+                        max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk,
+                        cuda_graphs=graphs)  # fmt: skip
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
         _timed_workload(engine, prompts, new_tokens)
@@ -315,7 +334,8 @@ def bench_end_to_end(
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
-            "config_digest": resolve(effective, name, request, registry).digest(),
+            "config_digest": resolve(effective, base, wanted, registry).digest(),
+            "graphs": engine.graphs.stats() if engine.graphs else None,
             "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)
             if backends[0] in results else 1.0,
         }  # fmt: skip

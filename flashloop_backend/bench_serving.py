@@ -130,7 +130,7 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
 def memory_breakdown(engine) -> dict:
     """Bytes the engine and backend hold, from their tensors: the BF16 KV pools, the
     packed store (pools, and what its pages hold now), the loop-2 reference states; CUDA
-    peaks when on a GPU. No CUDA graphs are captured by this host yet: graph bytes 0."""
+    peaks when on a GPU; the memory CUDA-graph captures added to the reserved pool."""
     import torch
 
     backend = engine.backend
@@ -141,7 +141,7 @@ def memory_breakdown(engine) -> dict:
         "packed_pool_bytes": sum(t.numel() * t.element_size() for t in packed.store.pools) if packed else 0,
         "packed_steady_bytes": packed.store.accounting()["steady_bytes"] if packed else 0,
         "reference_state_bytes": states.nbytes() if states is not None else 0,
-        "graph_bytes": 0,
+        "graph_bytes": engine.graphs.graph_bytes if engine.graphs else 0,
     }  # fmt: skip
     if engine.device.type == "cuda":
         record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
@@ -173,14 +173,17 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
 
 
 def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
-                   block_size: int, sync=lambda: None, log=print,
+                   block_size: int, sync=lambda: None, log=print, graphs=None,
                    on_variant: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
     """Every workload on every variant, one engine per variant with an untimed warm-up
     workload first (kernels compile on first use). ``workloads``: dicts with ``name``,
     ``arrivals`` and ``concurrency`` (None = open loop). ``on_variant`` receives the
-    records so far after each variant (a long run keeps what it measured)."""
+    records so far after each variant (a long run keeps what it measured). ``graphs``
+    (GraphSettings): every variant replays decode steps from CUDA graphs, its kernels
+    chosen with the ``cuda_graphs`` capability."""
     import torch
 
+    from .capabilities import Capability
     from .host.engine import Engine
     from .registry import Registry, resolve
 
@@ -188,9 +191,11 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
     vocab = model.config.vocab_size
     records = []
     for variant in variants:
-        backend = registry.create(variant.backend, request, variant.config)
+        wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
+        backend = registry.create(variant.backend, wanted, variant.config)
         try:
-            engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size)
+            engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
+                            cuda_graphs=graphs)  # fmt: skip
         except (MemoryError, torch.OutOfMemoryError) as exc:  # this variant's pool does not fit
             records.append(
                 {
@@ -202,7 +207,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             log(f"  serving {variant.name}: KV pool of {num_blocks} blocks does not fit: {exc}")
             on_variant(records)
             continue
-        digest = resolve(variant.config, variant.backend, request, registry).digest()
+        digest = resolve(variant.config, variant.backend, wanted, registry).digest()
         run_workload(engine, workloads[0]["arrivals"][:2], vocab, concurrency=2, sync=sync)
         for workload in workloads:
             if engine.device.type == "cuda":
@@ -213,7 +218,8 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                 engine, workload["arrivals"], vocab, workload["concurrency"], sync
             )
             summary.update(variant=variant.name, backend=variant.backend, workload=workload["name"],
-                           config_digest=digest, memory=memory_breakdown(engine))  # fmt: skip
+                           config_digest=digest, memory=memory_breakdown(engine),
+                           graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip
             records.append(summary)
             log(f"  serving {variant.name:<40} {workload['name']:<28} "
                 f"{summary['throughput_tokens_s']:8.1f} tok/s, failed {summary['failed_requests']}")  # fmt: skip
@@ -234,12 +240,13 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
 
     import torch
 
-    from .bench import environment_record, random_ouro
+    from .bench import environment_record, graph_variant, random_ouro
 
     block_size = 16
     model, request = random_ouro(layers, block_size)
     most = max(concurrency)
     tokens = max(contexts) + new_tokens
+    baseline, graphs = graph_variant(baseline, most, tokens)
     num_blocks = most * math.ceil(tokens / block_size) * model.config.total_ut_steps + 8
     outputs = sorted({max(1, new_tokens // 2), new_tokens})
     workloads = [{"name": f"fixed_arrival_{rate_per_s}/s", "concurrency": None,
@@ -256,11 +263,12 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
             "kind": "serving", "environment": environment,
             "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
             "kv_pool_blocks": num_blocks, "block_size": block_size, "new_tokens": new_tokens,
-            "method": "eager host (no CUDA graphs), one engine per variant after an untimed warm-up",
+            "method": ("decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)")
+            + ", one engine per variant after an untimed warm-up",
             "config": config.model_dump(mode="json"), "runs": runs,
         }  # fmt: skip
 
     runs = serve_variants(model, request, variants_for(config, baseline), workloads, num_blocks,
-                          block_size, sync=torch.cuda.synchronize, log=log,
+                          block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
                           on_variant=lambda runs: on_partial(record(list(runs))))  # fmt: skip
     return record(runs)

@@ -183,10 +183,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     names = [n for n in args.backends.split(",") if n]
     registry = Registry.discover()
-    unknown = [n for n in names if n not in registry.backend_names()]
+    unknown = [n for n in names if n.partition("+")[0] not in registry.backend_names()]
     if not names or unknown:
         raise ConfigError(
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
+        )
+    graphed = [n for n in names if "+" in n]
+    if graphed and args.mode not in ("e2e", "serving"):
+        raise ConfigError(
+            f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e and serving only"
         )
     config = load_config(args.config) if args.config else FlashLoopConfig()
     if args.mode == "serving":
@@ -278,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--ratio", type=float, default=0.10, help="sparse: key retention")
     bench.add_argument(
-        "--backends", default="flashinfer,triton", help="comma-separated; the first is the baseline"
+        "--backends",
+        default="flashinfer,triton",
+        help="comma-separated; the first is the baseline; e2e: NAME+graphs replays decode steps from CUDA graphs",
     )
     bench.add_argument("--contexts", type=_int_list, default=[1024, 8192, 32768])
     bench.add_argument("--concurrency", type=_int_list, default=[1, 16])

@@ -300,19 +300,23 @@ def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_de
 
 
 def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: list[int],
-                   device: torch.device | str) -> dict[str, torch.Tensor]:  # fmt: skip
+                   device: torch.device | str,
+                   widths: tuple[int, int, int] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Per-row reader metadata, built once per batch on the host: ``level_tables`` [R, Lv,
     P] int32 page ids per level, ``level_maps`` [R, Lv, Tp] int32 logical -> compact row,
     ``level_kinds`` [R, Lv] int32 (0 dense, 1 compact, 2 empty), ``packed_lengths`` [R]
     int32. A row at depth d reads levels 0..d; Lv = deepest such depth + 1. A row whose
-    sequence is None or not in the store (padding, not packed yet) reads BF16 only."""
+    sequence is None or not in the store (padding, not packed yet) reads BF16 only.
+    ``widths`` (Lv, P, Tp) fixes the shapes (a CUDA graph's buffers); each must hold the
+    batch's own (:func:`level_widths`)."""
     entries = [store.sequences.get(s) if s is not None else None for s in sequences]
-    known = [(e, d) for e, d in zip(entries, depths, strict=True) if e is not None]
-    levels = max((d for _, d in known), default=0) + 1
-    pages = max((len(p) for e, _ in known for p in e.pages), default=1)
-    rows = max((e.rows for e, _ in known), default=1)
-    tables = torch.full((len(sequences), levels, max(pages, 1)), -1, dtype=torch.int32)
-    maps = torch.full((len(sequences), levels, max(rows, 1)), -1, dtype=torch.int32)
+    levels, pages, rows = natural = level_widths(store, sequences, depths)
+    if widths is not None:
+        if any(w < n for w, n in zip(widths, natural, strict=True)):
+            raise ValueError(f"metadata widths {widths} are below this batch's (levels, pages, rows) {natural}")  # fmt: skip
+        levels, pages, rows = widths
+    tables = torch.full((len(sequences), levels, pages), -1, dtype=torch.int32)
+    maps = torch.full((len(sequences), levels, rows), -1, dtype=torch.int32)
     kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
     packed = torch.zeros(len(sequences), dtype=torch.int32)
     for i, (entry, depth) in enumerate(zip(entries, depths, strict=True)):
@@ -329,3 +333,14 @@ def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: li
         "level_tables": tables.to(device), "level_maps": maps.to(device),
         "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),
     }  # fmt: skip
+
+
+def level_widths(store: PackedKVStore, sequences: list[int | None], depths: list[int]) -> tuple[int, int, int]:  # fmt: skip
+    """(levels, pages, rows) the metadata of this batch needs: the deepest packed row's
+    depth + 1 (the reader's LEVELS), the most pages of a level, the most packed rows."""
+    entries = [store.sequences.get(s) if s is not None else None for s in sequences]
+    known = [(e, d) for e, d in zip(entries, depths, strict=True) if e is not None]
+    levels = max((d for _, d in known), default=0) + 1
+    pages = max((len(p) for e, _ in known for p in e.pages), default=1)
+    rows = max((e.rows for e, _ in known), default=1)
+    return levels, max(pages, 1), max(rows, 1)

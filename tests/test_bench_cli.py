@@ -20,6 +20,7 @@ def cli(*args):
         (("bench", "fast"), "invalid choice"),
         (("bench", "prefill", "--retentions", "0.5,1.5"), "must list ratios in (0, 1]"),
         (("bench", "e2e", "--config", "/nonexistent.json"), "/nonexistent.json"),
+        (("bench", "kernel", "--backends", "triton+graphs"), "apply to e2e and serving only"),
     ],
 )
 def test_bench_argument_errors(args, fragment):
@@ -33,3 +34,15 @@ def test_bench_argument_errors(args, fragment):
 def test_bench_without_gpu_is_a_clean_error(mode):
     result = cli("bench", mode, "--backends", "torch")
     assert result.returncode == 2 and "no CUDA GPU" in result.stderr
+
+
+def test_graph_variant_names():
+    from flashloop_backend.bench import graph_variant
+    from flashloop_backend.config import ConfigError
+
+    assert graph_variant("triton", 16, 1040) == ("triton", None)
+    name, settings = graph_variant("flashloop+graphs", 12, 1040)
+    assert name == "flashloop" and settings.buckets == (1, 2, 4, 8, 16)
+    assert settings.max_context == 1040 and settings.capture
+    with pytest.raises(ConfigError, match="the only suffix is '\\+graphs'"):
+        graph_variant("triton+fast", 1, 8)

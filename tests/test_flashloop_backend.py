@@ -96,3 +96,62 @@ def test_batch_view_validates_shapes():
             context_lengths=torch.zeros(2, dtype=torch.int32),
             block_tables=torch.zeros(1, 2, 1, dtype=torch.int32),
         )
+
+
+def _all_on() -> FlashLoopConfig:
+    return FlashLoopConfig(
+        token_sparse_prefill={"enabled": True},
+        sparse_decode_attention={"enabled": True},
+        kv_residual_quantization={"enabled": True},
+    )
+
+
+def test_routable_ops_cover_every_route_of_every_combination():
+    """A decode-only batch launches only ``routable_ops(config, True)``: every route a
+    decode row can take (any depth, reference ready or not) must be in that set, and every
+    route of any row in the full set; prefill ops are left out of the decode set."""
+    from flashloop_backend.dispatch import ROUTE_CODES, routable_ops, route_rows
+    from flashloop_backend.evaluation import feature_combinations
+
+    M = RowMode
+    modes = [M.DECODE, M.VERIFY, M.PREFILL, M.INACTIVE, M.PAD] * 4
+    depths = [d for d in range(4) for _ in range(5)]
+    view = _view(modes, depths, [7] * 20, torch.zeros(4, 20, 2, dtype=torch.int32))
+    decode = torch.tensor([m in (M.DECODE, M.VERIFY) for m in modes])
+    code_to_op = {code: op for op, code in ROUTE_CODES.items()}
+    for _, config in feature_combinations(_all_on()):
+        for ready in (torch.zeros(20, dtype=torch.bool), torch.ones(20, dtype=torch.bool)):
+            routes = route_rows(view, config, ready)
+            seen = {code_to_op[int(c)] for c in routes if int(c) >= 0}
+            assert seen <= routable_ops(config, decode_only=False)
+            assert {code_to_op[int(c)] for c in routes[decode]} <= routable_ops(config, True)
+        assert "sparse_prefill" not in {op.value for op in routable_ops(config, True)}
+
+
+def test_decode_only_view_skips_prefill_ops(rng):
+    """With ``decode_only`` the token-sparse prefill kernel is not launched at all."""
+    from flashloop_backend.kernels.ops import OpName
+
+    config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+
+    calls = []
+    choice = backend.kernels[OpName.SPARSE_PREFILL]
+    original = choice.impl.fn
+    object.__setattr__(choice.impl, "fn", lambda *a, **k: calls.append(1) or original(*a, **k))
+    try:
+        kc = torch.randn(12, 4, 2, 16, generator=rng)
+        M = RowMode
+        planes = torch.randint(0, 12, (4, 2, 3), generator=rng, dtype=torch.int32)
+        q = torch.randn(2, 4, 16, generator=rng)
+        for decode_only in (False, True):
+            view = _view([M.DECODE, M.PAD], [0, 0], [5, 0], planes)
+            if decode_only:
+                from dataclasses import replace
+
+                view = replace(view, decode_only=True)
+            backend.forward(q, kc, kc, view)
+            assert len(calls) == (0 if decode_only else 1)
+            calls.clear()
+    finally:
+        object.__setattr__(choice.impl, "fn", original)

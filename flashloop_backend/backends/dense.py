@@ -81,6 +81,15 @@ class DenseBackend(DenseCallSurface):
         self.impl, self.capabilities, self.info = impl, capabilities, info
         self.dense_attention = impl.fn
 
+    def graph_blockers(self) -> list[str]:
+        """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
+        if Capability.CUDA_GRAPHS in self.capabilities:
+            return []
+        return [
+            f"dense_attention runs on {self.info.selected_backend!r}, which does not declare "
+            f"{Capability.CUDA_GRAPHS.value!r} here (declared: {sorted(c.value for c in self.capabilities)})"
+        ]
+
     def forward(
         self,
         q: torch.Tensor,

@@ -23,6 +23,7 @@ from ..dispatch import (
     config_capabilities,
     partition_rows,
     required_ops,
+    routable_ops,
     route_rows,
 )
 from ..kernels.ops import OpName
@@ -176,6 +177,26 @@ class FlashLoopBackend(DenseCallSurface):
         self.packed: PackedState | None = None
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
 
+    def graph_blockers(self) -> list[str]:
+        """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
+        Every op a decode row can route to must run on a kernel that declares
+        ``cuda_graphs`` (sparse ops also ``graph_safe_sparse``)."""
+        sparse = {OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION, *PACKED_VERSION.values()}
+        reasons = []
+        for op in sorted(routable_ops(self.config, decode_only=True), key=lambda o: o.value):
+            declared = self.kernels[op].impl.support.capabilities
+            needed = {Capability.CUDA_GRAPHS} | (
+                {Capability.GRAPH_SAFE_SPARSE} if op in sparse else set()
+            )
+            missing = sorted(c.value for c in needed - declared)
+            if missing:
+                reasons.append(
+                    f"op {op.value!r} runs on kernel provider {self.kernels[op].provider.name!r}, "
+                    f"which does not declare {missing} (create the backend with required "
+                    f"capability {Capability.CUDA_GRAPHS.value!r})"
+                )
+        return reasons
+
     def reserve_packed(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
                        device: torch.device | str) -> None:  # fmt: skip
         """Allocate the packed INT4 KV store (KV quantization only)."""
@@ -233,7 +254,10 @@ class FlashLoopBackend(DenseCallSurface):
         packed_args = None
         if self.packed is not None:
             packed_args = (self.packed.store, layer, self.packed.meta_for(view, order))
+        launched = routable_ops(self.config, view.decode_only)
         for op, choice in self.kernels.items():
+            if op not in launched:
+                continue
             mine = gathered_routes == ROUTE_CODES[op]
             masked = torch.where(mine, lengths, torch.zeros_like(lengths))
             memory = (key_cache, value_cache, tables)

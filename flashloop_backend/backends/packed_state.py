@@ -66,6 +66,11 @@ class PackedState:
         self._planned = (view, level_metadata(self.store, sequences, depths, view.device))
         self._ordered = None
 
+    def use_plan(self, view: BatchView, meta: dict[str, torch.Tensor]) -> None:
+        """Metadata the caller planned into its own buffers (a CUDA graph's fixed
+        addresses, filled before each replay) for ``view``."""
+        self._planned, self._ordered = (view, meta), None
+
     def meta_for(self, view: BatchView, order: torch.Tensor) -> dict[str, torch.Tensor]:
         """The planned metadata in the backend's gathered row order (computed once per
         batch: every layer gathers the same order)."""

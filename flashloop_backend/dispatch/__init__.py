@@ -10,6 +10,7 @@ from .router import (
     OpRequirement,
     config_capabilities,
     required_ops,
+    routable_ops,
     route_rows,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "config_capabilities",
     "partition_rows",
     "required_ops",
+    "routable_ops",
     "route_rows",
 ]

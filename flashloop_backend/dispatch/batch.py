@@ -31,6 +31,9 @@ class BatchView:
     window_ids:       [R] int64  prefill selection window (absolute), -1 for decode/padding
     context_lengths:  [R] int32  position + 1; 0 for padding rows
     block_tables:     [P, R, MB] int32  one block table per depth plane (LAST_EXITED)
+
+    decode_only (host-known, static): every row is DECODE, VERIFY or PAD, so the backend
+    launches only the ops decode rows can route to (a CUDA graph's execution mode).
     """
 
     positions: torch.Tensor
@@ -42,6 +45,7 @@ class BatchView:
     window_ids: torch.Tensor
     context_lengths: torch.Tensor
     block_tables: torch.Tensor
+    decode_only: bool = False
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]

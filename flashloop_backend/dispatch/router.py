@@ -66,6 +66,22 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     return tuple(needs)
 
 
+def routable_ops(config: FlashLoopConfig, decode_only: bool) -> frozenset[OpName]:
+    """Ops :func:`route_rows` can give some row of a batch: with ``decode_only`` only those
+    of decode rows (prefill ops would run on no rows)."""
+    decode = {OpName.DENSE_ATTENTION}
+    if config.kv_residual_quantization.enabled:
+        decode = {OpName.PACKED_DECODE}
+    if config.sparse_decode_attention.enabled:
+        decode |= set(sparse_decode_ops(config))
+    if decode_only:
+        return frozenset(decode)
+    prefill = {OpName.DENSE_ATTENTION}
+    if config.token_sparse_prefill.enabled:
+        prefill.add(OpName.SPARSE_PREFILL)
+    return frozenset(decode | prefill)
+
+
 def config_capabilities(config: FlashLoopConfig) -> frozenset[Capability]:
     """Backend-level capabilities a configuration implies (RFC §4)."""
     caps: set[Capability] = set()

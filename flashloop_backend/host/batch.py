@@ -43,7 +43,10 @@ def build_batch(
     kv: PagedKVCache,
     device: torch.device | str,
     pad_to: int | None = None,
+    table_width: int | None = None,
 ) -> Batch:
+    """The batch of ``groups`` (padded with PAD rows up to ``pad_to``) with every block
+    table ``table_width`` entries wide (default: the widest request's), on ``device``."""
     positions: list[int] = []
     depths: list[int] = []
     modes: list[int] = []
@@ -75,7 +78,10 @@ def build_batch(
     # One table per (request, depth) travels to the device; rows gather theirs there (a
     # prefill chunk would otherwise copy rows x depths x pages entries from the host).
     owners = list(dict.fromkeys(g.request_id for g in groups))
-    width = max([len(kv.block_table(r, 0)) for r in owners] or [1])
+    widest = max([len(kv.block_table(r, 0)) for r in owners] or [1])
+    if table_width is not None and table_width < widest:
+        raise ValueError(f"table_width={table_width} is below the widest block table ({widest})")
+    width = table_width or widest
     per_request = torch.full((kv.num_depths, len(owners) + 1, width), -1, dtype=torch.int32)
     for index, request_id in enumerate(owners):
         for depth in range(kv.num_depths):
@@ -100,5 +106,6 @@ def build_batch(
         window_ids=torch.full((len(positions),), -1, dtype=torch.int64, device=device),
         context_lengths=lengths.to(device),
         block_tables=planes,
+        decode_only=all(g.mode in (RowMode.DECODE, RowMode.VERIFY) for g in groups),
     )
     return Batch(view, torch.tensor(slots, dtype=torch.int64, device=device), tuple(groups), real)

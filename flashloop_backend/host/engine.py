@@ -17,6 +17,7 @@ import torch
 from ..dispatch import RowMode
 from .batch import Batch, RowGroup, build_batch
 from .features import kv_quantization, pack_rows, token_sparsity
+from .graphs import DecodeGraphs, GraphSettings
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
 from .prompt_schedule import PromptSchedule
@@ -49,6 +50,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         max_slots: int = 256,
         packed_pages: int | None = None,
+        cuda_graphs: GraphSettings | None = None,
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
@@ -82,6 +84,12 @@ class Engine:
             pages = packed_pages or max(1, num_blocks * block_size // self.quantized.group_size)
             backend.reserve_packed(pages, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                    cfg.head_dim, self.device)  # fmt: skip
+        # Decode-only steps replay captured traversals (None: every step runs eagerly).
+        self.graphs = None
+        if cuda_graphs is not None:
+            self.graphs = DecodeGraphs(cuda_graphs, self.kv, backend, cfg.hidden_size,
+                                       cfg.max_position_embeddings, self._traverse,
+                                       self.quantized is not None)  # fmt: skip
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -141,6 +149,13 @@ class Engine:
                     f"requests {waiting} wait for KV blocks but nothing runs to free them"
                 )
             return self._collect()
+        if self.graphs is not None and all(g.mode == RowMode.DECODE for g in groups):
+            out = self.graphs.run(groups, torch.cat([self._input_hidden(g) for g in groups]))
+            if out is not None:
+                with torch.no_grad():
+                    self._advance(groups, out)
+                self.steps += 1
+                return self._collect()
         pad_to = None
         if self.pad_to_multiple:
             rows = sum(g.count for g in groups)
@@ -155,12 +170,15 @@ class Engine:
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         with torch.no_grad():
-            out = self.model.recurrent(
-                hidden, batch.view.positions, _LayerAttention(self.kv, self.backend, batch)
-            )
+            out = self._traverse(hidden, batch)
             self._advance(groups, out[: batch.num_real_rows])
         self.steps += 1
         return self._collect()
+
+    def _traverse(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """One loop over every layer for the batch's rows: [R, hidden] -> [R, hidden]."""
+        ctx = _LayerAttention(self.kv, self.backend, batch)
+        return self.model.recurrent(hidden, batch.view.positions, ctx)
 
     def _admit(self) -> None:
         for request in self._requests.values():

@@ -1,0 +1,198 @@
+"""CUDA-graph capture and replay of the host's decode traversal (RFC §6.7).
+
+A step whose rows are all generated tokens runs from a graph captured for its bucket, the
+smallest configured batch size that holds the rows. Every input the traversal reads lives
+at a fixed address, allocated once for the largest bucket: the hidden states, the batch
+view (positions, depths, modes, slots, incarnations, lengths; block tables at a fixed
+width), the KV write slots and, with KV quantization, the packed reader's metadata at fixed
+widths. A step copies its rows into the leading part of those buffers; padding rows are
+PAD with length zero and slot -1 (their KV write lands in the cache's scratch block and the
+backend returns zeros for them). The loop-2 reference states and the packed store are the
+backend's own fixed device tensors.
+
+Graph key: (bucket, levels), where levels is the packed reader's ``LEVELS`` (a kernel
+variant: the deepest packed row's depth + 1; 1 without KV quantization). The first step of
+a key runs eagerly on the fixed buffers (compiling kernels), which is that step's result,
+then captures; later steps replay. A step the graphs cannot take (more rows than the
+largest bucket, a history wider than the capacity) runs eagerly with the same backend and
+kernels, never a dense substitute; its reason is logged once and counted in ``fallbacks``.
+
+``capture=False`` runs every step eagerly on the same buffers and shapes: bit-equal to a
+replay on the GPU (the tests' reference), and the planning path on a CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..config import ConfigError
+from ..dispatch import BatchView, RowMode
+from ..packed_kv import level_metadata, level_widths
+from .batch import Batch, RowGroup, build_batch
+from .kvcache import PagedKVCache
+
+LOG = logging.getLogger(__name__)
+VIEW_FIELDS = ("positions", "depths", "row_modes", "slots", "incarnations", "request_ids",
+               "window_ids", "context_lengths")  # fmt: skip
+
+
+class GraphSettings(BaseModel):
+    """CUDA graphs for decode steps: the batch-size buckets, the longest context a graph row
+    may attend (block tables and packed metadata are sized for it; None: the model's
+    ``max_position_embeddings``), and whether to capture (False: eager on the same buffers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    max_context: int | None = Field(default=None, ge=1)
+    capture: bool = True
+
+    @field_validator("buckets")
+    @classmethod
+    def _increasing(cls, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        if not buckets or buckets[0] < 1 or any(b >= c for b, c in itertools.pairwise(buckets)):
+            raise ValueError(f"buckets {buckets} must be positive and strictly increasing")
+        return buckets
+
+
+Traverse = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Graphs of one engine's decode traversal. ``traverse(hidden, batch)`` is the engine's
+    eager traversal (KV write and backend attention per layer) -> [R, hidden]."""
+
+    def __init__(self, settings: GraphSettings, kv: PagedKVCache, backend, hidden_size: int,
+                 max_context: int, traverse: Traverse, quantized: bool) -> None:  # fmt: skip
+        blockers = getattr(backend, "graph_blockers", lambda: ["it has no graph_blockers()"])()
+        if settings.capture and blockers:
+            raise ConfigError("CUDA graphs cannot capture this backend: " + "; ".join(blockers))
+        device = kv.key_pool.device
+        if settings.capture and device.type != "cuda":
+            raise ConfigError(f"CUDA graph capture needs a CUDA device; the KV cache is on {device}")  # fmt: skip
+        self.settings, self.kv, self.backend, self.traverse = settings, kv, backend, traverse
+        self.max_context = settings.max_context or max_context
+        self.width = math.ceil(self.max_context / kv.block_size)
+        rows, depths = settings.buckets[-1], kv.num_depths
+        self.hidden = torch.zeros(rows, hidden_size, dtype=kv.key_pool.dtype, device=device)
+        self.fields = {name: torch.zeros(rows, dtype=torch.int64, device=device) for name in VIEW_FIELDS}  # fmt: skip
+        self.fields["row_modes"] = self.fields["row_modes"].to(torch.int8)
+        self.fields["context_lengths"] = self.fields["context_lengths"].to(torch.int32)
+        self.tables = torch.full((depths, rows, self.width), -1, dtype=torch.int32, device=device)
+        self.kv_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.meta: dict[str, torch.Tensor] = {}
+        if quantized:
+            group = backend.packed.group_size
+            self.pages, self.packed_rows = self.width * kv.block_size // group, self.max_context
+            self.meta = {
+                "level_tables": torch.full((rows, depths, max(1, self.pages)), -1, dtype=torch.int32, device=device),
+                "level_maps": torch.full((rows, depths, self.packed_rows), -1, dtype=torch.int32, device=device),
+                "level_kinds": torch.zeros((rows, depths), dtype=torch.int32, device=device),
+                "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
+            }  # fmt: skip
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if settings.capture else None
+        self.fallbacks: Counter[str] = Counter()
+        self.replays = self.eager_steps = 0
+        self.graph_bytes = 0  # reserved memory the captures added (the shared graph pool)
+
+    # ------------------------------------------------------------ planning
+    def _reason(self, groups: list[RowGroup]) -> str | None:
+        """Why these rows cannot run from a graph (None: they can)."""
+        if any(g.mode != RowMode.DECODE or g.count != 1 for g in groups):
+            return "the step has non-decode rows"
+        if len(groups) > self.settings.buckets[-1]:
+            return (
+                f"{len(groups)} decode rows exceed the largest bucket {self.settings.buckets[-1]}"
+            )
+        widest = max(len(self.kv.block_table(g.request_id, 0)) for g in groups)
+        if widest > self.width:
+            return (f"a block table of {widest} blocks exceeds the graph capacity of {self.width} "
+                    f"(max_context={self.max_context})")  # fmt: skip
+        return None
+
+    def _view(self, bucket: int) -> BatchView:
+        fields = {name: tensor[:bucket] for name, tensor in self.fields.items()}
+        return BatchView(**fields, block_tables=self.tables[:, :bucket], decode_only=True)
+
+    def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:
+        """Copy this step's rows into the fixed buffers (padding rows after them)."""
+        batch = build_batch(groups, self.kv, "cpu", pad_to=bucket, table_width=self.width)
+        for name, tensor in self.fields.items():
+            tensor[:bucket].copy_(getattr(batch.view, name))
+        self.tables[:, :bucket].copy_(batch.view.block_tables)
+        self.kv_slots[:bucket].copy_(batch.slots)
+        self.hidden[: len(groups)].copy_(hidden)
+        self.hidden[len(groups) : bucket].zero_()
+
+    def _fill_packed(self, groups: list[RowGroup], bucket: int) -> tuple[int, str | None]:
+        """Plan the packed reader's metadata into its buffers: (levels, reason it cannot)."""
+        store = self.backend.packed.store
+        pad = bucket - len(groups)
+        owners = [g.request_id for g in groups] + [-1] * pad
+        depths = [g.depth for g in groups] + [0] * pad
+        levels, pages, rows = level_widths(store, owners, depths)
+        if pages > self.pages or rows > self.packed_rows:
+            return levels, f"a packed history of {rows} rows exceeds the graph capacity of {self.packed_rows}"  # fmt: skip
+        planned = level_metadata(store, owners, depths, "cpu", (levels, self.pages, self.packed_rows))  # fmt: skip
+        for name, buffer in self.meta.items():
+            view = buffer[:bucket, :levels] if buffer.dim() > 1 else buffer[:bucket]
+            view.copy_(planned[name])
+        return levels, None
+
+    # ------------------------------------------------------------ running
+    def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
+        """The traversal's output [rows, hidden] for decode ``groups`` with inputs ``hidden``
+        [rows, hidden]; None when these rows must run eagerly (reason in ``fallbacks``)."""
+        reason = self._reason(groups)
+        bucket = next((b for b in self.settings.buckets if b >= len(groups)), 0)
+        levels = 1
+        if reason is None and self.meta:
+            levels, reason = self._fill_packed(groups, bucket)
+        if reason is not None:
+            if reason not in self.fallbacks:
+                LOG.warning("decode step runs eagerly (same backend and kernels): %s", reason)
+            self.fallbacks[reason] += 1
+            return None
+        self._fill(groups, hidden, bucket)
+        view = self._view(bucket)
+        batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
+        packed_meta = {name: (b[:bucket, :levels] if b.dim() > 1 else b[:bucket]) for name, b in self.meta.items()}  # fmt: skip
+
+        def traverse() -> torch.Tensor:
+            if self.meta:  # the reader gathers this metadata inside the traversal
+                self.backend.packed.use_plan(view, packed_meta)
+            return self.traverse(self.hidden[:bucket], batch)
+
+        key = (bucket, levels)
+        with torch.no_grad():
+            if not self.settings.capture:
+                self.eager_steps += 1
+                return traverse()[: len(groups)]
+            if key in self.graphs:
+                graph, out = self.graphs[key]
+                graph.replay()
+                self.replays += 1
+                return out[: len(groups)].clone()  # the pool is shared: the next replay reuses it
+            out = traverse()  # this step's result; compiles every kernel before the capture
+            self.eager_steps += 1
+            before = torch.cuda.memory_reserved(self.hidden.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                static = traverse()
+            self.graph_bytes += torch.cuda.memory_reserved(self.hidden.device) - before
+            self.graphs[key] = (graph, static)
+            return out[: len(groups)]
+
+    def stats(self) -> dict:
+        return {
+            "graphs": sorted(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
+            "fallbacks": dict(self.fallbacks), "graph_bytes": self.graph_bytes,
+            "max_context": self.max_context, "buckets": list(self.settings.buckets),
+        }  # fmt: skip

@@ -1,0 +1,97 @@
+"""Decode steps through the CUDA-graph runner's fixed buffers (``capture=False`` on CPU:
+the same planning, bucket padding and fixed widths a captured graph reads) give the same
+tokens as the plain eager engine, for every feature combination; unsupported steps fall
+back to eager with a reason, and bad settings fail with the value and the allowed ones."""
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig
+from flashloop_backend.config import ConfigError
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.host.graphs import GraphSettings
+from flashloop_backend.registry import Registry
+
+from .host_helpers import tiny_model
+from .test_feature_combinations import COMBINATIONS, PROMPTS, REQUEST, _config, _engine
+
+EAGER_GRAPHS = GraphSettings(buckets=(1, 2, 4), max_context=128, capture=False)
+
+
+@pytest.mark.parametrize(
+    "flags", COMBINATIONS, ids=["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+)  # fmt: skip
+def test_graph_buffers_give_the_eager_tokens(flags):
+    model = tiny_model(seed=7)
+    config = _config(flags)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = _engine(model, config, max_batch_tokens=24).generate(PROMPTS, params)
+    engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=EAGER_GRAPHS)
+    graphed = engine.generate(PROMPTS, params)
+    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+    stats = engine.graphs.stats()
+    assert stats["eager_steps"] > 0  # decode-only steps went through the fixed buffers
+    assert set(stats["fallbacks"]) <= {"the step has non-decode rows"}
+
+
+def test_steps_beyond_the_buckets_or_capacity_run_eagerly_with_a_reason(caplog):
+    model = tiny_model(seed=7)
+    config = _config({"token_sparse_prefill": False, "sparse_decode_attention": True,
+                      "kv_residual_quantization": True})  # fmt: skip
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    plain = _engine(model, config).generate(PROMPTS, params)
+    small = GraphSettings(buckets=(1, 2), max_context=36, capture=False)
+    engine = _engine(model, config, cuda_graphs=small)
+    with caplog.at_level("WARNING"):
+        graphed = engine.generate(PROMPTS, params)
+    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+    reasons = " | ".join(engine.graphs.stats()["fallbacks"])
+    assert "3 decode rows exceed the largest bucket 2" in reasons
+    assert "exceeds the graph capacity" in reasons  # the 40-token prompt is wider than 36
+    assert "runs eagerly (same backend and kernels)" in caplog.text
+
+
+def test_padding_rows_leave_every_allocatable_block_as_eager():
+    """A bucket of 4 for one request: tokens and every allocatable KV block equal the plain
+    engine's (the three padding rows write only into the scratch block past them)."""
+    model = tiny_model(seed=3)
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.3})
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    plain = _engine(model, config)
+    tokens = plain.generate(PROMPTS[:1], params)[0].output_token_ids
+    engine = _engine(model, config, cuda_graphs=GraphSettings(buckets=(4,), max_context=64, capture=False))  # fmt: skip
+    assert engine.generate(PROMPTS[:1], params)[0].output_token_ids == tokens
+    blocks, tol = plain.kv.num_blocks, {"atol": 1e-4, "rtol": 1e-3}  # GEMMs of 4 rows vs 1
+    torch.testing.assert_close(engine.kv.key_pool[:blocks], plain.kv.key_pool[:blocks], **tol)
+    torch.testing.assert_close(engine.kv.value_pool[:blocks], plain.kv.value_pool[:blocks], **tol)
+
+
+def test_settings_are_checked():
+    with pytest.raises(
+        ValueError, match=r"buckets \(4, 2\) must be positive and strictly increasing"
+    ):
+        GraphSettings(buckets=(4, 2))
+    with pytest.raises(ValueError, match="max_context"):
+        GraphSettings(max_context=0)
+    with pytest.raises(ValueError, match="extra"):
+        GraphSettings(bucket=(1,))
+
+
+def test_capture_needs_a_graph_safe_backend_and_a_cuda_device():
+    model = tiny_model()
+    backend = Registry.discover().create("flashloop", REQUEST, FlashLoopConfig())
+    with pytest.raises(ConfigError, match=r"cannot capture this backend: op 'dense_attention' runs on kernel provider 'torch_reference'.*cuda_graphs"):  # fmt: skip
+        Engine(model, backend, num_blocks=16, block_size=4, cuda_graphs=GraphSettings())
+
+
+def test_graph_blockers_name_the_ops_of_every_combination():
+    """Every combination names exactly the decode ops whose CPU kernels lack cuda_graphs."""
+    from flashloop_backend.dispatch import routable_ops
+
+    for flags in COMBINATIONS:
+        config = _config(flags)
+        backend = Registry.discover().create("flashloop", REQUEST, config)
+        named = {reason.split("'")[1] for reason in backend.graph_blockers()}
+        assert named == {op.value for op in routable_ops(config, decode_only=True)}
+    dense = Registry.discover().create("torch", REQUEST, FlashLoopConfig())
+    assert "does not declare 'cuda_graphs'" in dense.graph_blockers()[0]
