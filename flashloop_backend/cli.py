@@ -194,13 +194,14 @@ def _bench(args: argparse.Namespace) -> int:
             f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e and serving only"
         )
     config = load_config(args.config) if args.config else FlashLoopConfig()
+
+    def keep(partial: dict) -> None:
+        if args.out:
+            with open(args.out, "w") as handle:
+                handle.write(json.dumps(partial, indent=2) + "\n")
+
     if args.mode == "serving":
         from .bench_serving import bench_serving
-
-        def keep(partial: dict) -> None:
-            if args.out:
-                with open(args.out, "w") as handle:
-                    handle.write(json.dumps(partial, indent=2) + "\n")
 
         record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
                                args.layers, args.rate, log=bench.progress_log, on_partial=keep)  # fmt: skip
@@ -220,24 +221,13 @@ def _bench(args: argparse.Namespace) -> int:
         record = bench.bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
                                             log=bench.progress_log)  # fmt: skip
     else:
-        records = [
-            bench.bench_end_to_end(
-                names,
-                ctx,
-                conc,
-                args.new_tokens,
-                args.layers,
-                log=bench.progress_log,
-                config=config,
-            )
-            for ctx in args.contexts
-            for conc in args.concurrency
-        ]
-        record = {
-            "kind": "end_to_end_host",
-            "runs": records,
-            "environment": bench.environment_record(),
-        }
+        record = {"kind": "end_to_end_host", "runs": [], "environment": bench.environment_record()}
+        for ctx in args.contexts:
+            for conc in args.concurrency:
+                record["runs"].append(bench.bench_end_to_end(
+                    names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log, config=config
+                ))  # fmt: skip
+                keep(record)  # a long sweep keeps what it measured
     text = json.dumps(record, indent=2)
     if args.out:
         with open(args.out, "w") as handle:
