@@ -22,6 +22,7 @@ from ..dispatch import (
     RowMode,
     config_capabilities,
     partition_rows,
+    prefill_route_ops,
     required_ops,
     routable_ops,
     route_rows,
@@ -251,41 +252,39 @@ class FlashLoopBackend(DenseCallSurface):
         lengths = view.context_lengths[order]
         gathered_routes = routes[order]
         out = torch.zeros_like(gathered_q)
-        packed_args = None
-        if self.packed is not None:
-            packed_args = (self.packed.store, layer, self.packed.meta_for(view, order))
+        meta = self.packed.meta_for(view, order) if self.packed is not None else None
+        prefill_ops = prefill_route_ops(self.config)
         launched = routable_ops(self.config, view.decode_only)
+        bound = view.num_rows if view.decode_bound is None else view.decode_bound
         for op, choice in self.kernels.items():
-            if op not in launched:
+            n = view.num_rows if op in prefill_ops else bound  # decode ops: the decode segment
+            if op not in launched or n == 0:
                 continue
-            mine = gathered_routes == ROUTE_CODES[op]
-            masked = torch.where(mine, lengths, torch.zeros_like(lengths))
-            memory = (key_cache, value_cache, tables)
+            mine = gathered_routes[:n] == ROUTE_CODES[op]
+            masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
+            memory = (key_cache, value_cache, tables[:n])
             if op in PACKED_READ_OPS:
-                if packed_args is None:
+                if meta is None:
                     raise RuntimeError(
                         "KV quantization needs reserve_packed(...) before the first forward"
                     )
-                memory = (*packed_args, *memory)
+                memory = (self.packed.store, layer, {k: t[:n] for k, t in meta.items()}, *memory)
+            q_n = gathered_q[:n]
             if op in PAGED_OPS or op == OpName.PACKED_DECODE:
-                result = choice.impl.fn(gathered_q, *memory, masked, scale)
+                result = choice.impl.fn(q_n, *memory, masked, scale)
             elif op in (OpName.DENSE_SOURCE, OpName.PACKED_SOURCE):
                 ratio = self.config.sparse_decode_attention.key_retention
-                result, *stats = choice.impl.fn(
-                    gathered_q, *memory, masked, ratio, states.k_bucket, scale
-                )
-                slots, incarnations = view.slots[order], view.incarnations[order]
+                result, *stats = choice.impl.fn(q_n, *memory, masked, ratio, states.k_bucket, scale)
+                slots, incarnations = view.slots[order][:n], view.incarnations[order][:n]
                 states.write(layer, slots, incarnations, mine, *stats)
             elif op in (OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION):
-                indices, mass, ref_out, contribution = states.read(layer, view.slots[order])
+                indices, mass, ref_out, contribution = states.read(layer, view.slots[order][:n])
                 # rows routed elsewhere may hold another token's state: they select nothing
                 indices = torch.where(mine[:, None, None], indices, -1)
-                result = choice.impl.fn(
-                    gathered_q, *memory, indices, mass, ref_out, contribution, scale
-                )
+                result = choice.impl.fn(q_n, *memory, indices, mass, ref_out, contribution, scale)
             else:
                 continue
-            out = torch.where(mine[:, None, None], result, out)
+            out[:n] = torch.where(mine[:, None, None], result, out[:n])
         if states is not None:
             modes, depths = view.row_modes.long(), view.depths
             decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)

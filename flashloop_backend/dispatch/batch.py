@@ -34,6 +34,8 @@ class BatchView:
 
     decode_only (host-known, static): every row is DECODE, VERIFY or PAD, so the backend
     launches only the ops decode rows can route to (a CUDA graph's execution mode).
+    decode_bound (host-known): at most this many rows are DECODE/VERIFY, so ops only decode
+    rows route to run on that many rows of the decode-first order (None: on every row).
     """
 
     positions: torch.Tensor
@@ -46,6 +48,7 @@ class BatchView:
     context_lengths: torch.Tensor
     block_tables: torch.Tensor
     decode_only: bool = False
+    decode_bound: int | None = None
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
@@ -67,6 +70,8 @@ class BatchView:
                 f"block_tables must be [depth_planes, rows={rows}, max_blocks]; "
                 f"got {tuple(self.block_tables.shape)}"
             )
+        if self.decode_bound is not None and not 0 <= self.decode_bound <= rows:
+            raise ValueError(f"decode_bound={self.decode_bound} must lie in [0, rows={rows}]")
         devices = {t.device for t in (*per_row.values(), self.block_tables)}
         if len(devices) != 1:
             raise ValueError(f"batch view tensors span devices {sorted(map(str, devices))}")

@@ -66,20 +66,29 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     return tuple(needs)
 
 
+def decode_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
+    """Ops :func:`route_rows` can give a decode (or verify) row."""
+    decode = {
+        OpName.PACKED_DECODE if config.kv_residual_quantization.enabled else OpName.DENSE_ATTENTION
+    }
+    if config.sparse_decode_attention.enabled:
+        decode |= set(sparse_decode_ops(config))
+    return frozenset(decode)
+
+
+def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
+    """Ops :func:`route_rows` can give an active prefill row."""
+    if config.token_sparse_prefill.enabled:
+        return frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
+    return frozenset({OpName.DENSE_ATTENTION})
+
+
 def routable_ops(config: FlashLoopConfig, decode_only: bool) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give some row of a batch: with ``decode_only`` only those
     of decode rows (prefill ops would run on no rows)."""
-    decode = {OpName.DENSE_ATTENTION}
-    if config.kv_residual_quantization.enabled:
-        decode = {OpName.PACKED_DECODE}
-    if config.sparse_decode_attention.enabled:
-        decode |= set(sparse_decode_ops(config))
     if decode_only:
-        return frozenset(decode)
-    prefill = {OpName.DENSE_ATTENTION}
-    if config.token_sparse_prefill.enabled:
-        prefill.add(OpName.SPARSE_PREFILL)
-    return frozenset(decode | prefill)
+        return decode_route_ops(config)
+    return decode_route_ops(config) | prefill_route_ops(config)
 
 
 def config_capabilities(config: FlashLoopConfig) -> frozenset[Capability]:
