@@ -53,8 +53,11 @@ class ReferenceStates:
         width = indices.shape[-1]
         if width > self.k_bucket:
             raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
-        self.indices[target, layer] = -1
-        self.indices[target, layer, :, :width] = indices.to(torch.int32)
+        # one tensor write (a Python scalar would be copied from the host: not capturable)
+        padded = torch.nn.functional.pad(
+            indices.to(torch.int32), (0, self.k_bucket - width), value=-1
+        )
+        self.indices[target, layer] = padded
         self.mass[target, layer] = mass
         self.output[target, layer] = output
         self.contribution[target, layer] = contribution
