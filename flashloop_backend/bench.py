@@ -317,7 +317,7 @@ def bench_end_to_end(
         backend = registry.create(base, wanted, effective)
         engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
                         max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk,
-                        cuda_graphs=graphs)  # fmt: skip
+                        cuda_graphs=graphs, max_context=tokens_per_request)  # fmt: skip
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
         _timed_workload(engine, prompts, new_tokens)

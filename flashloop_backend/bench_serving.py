@@ -173,7 +173,7 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
 
 
 def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
-                   block_size: int, sync=lambda: None, log=print, graphs=None,
+                   block_size: int, sync=lambda: None, log=print, graphs=None, max_context=None,
                    on_variant: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
     """Every workload on every variant, one engine per variant with an untimed warm-up
     workload first (kernels compile on first use). ``workloads``: dicts with ``name``,
@@ -195,7 +195,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
         backend = registry.create(variant.backend, wanted, variant.config)
         try:
             engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
-                            cuda_graphs=graphs)  # fmt: skip
+                            cuda_graphs=graphs, max_context=max_context)  # fmt: skip
         except (MemoryError, torch.OutOfMemoryError) as exc:  # this variant's pool does not fit
             records.append(
                 {
@@ -270,5 +270,6 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
 
     runs = serve_variants(model, request, variants_for(config, baseline), workloads, num_blocks,
                           block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
+                          max_context=tokens,
                           on_variant=lambda runs: on_partial(record(list(runs))))  # fmt: skip
     return record(runs)

@@ -77,7 +77,7 @@ def test_a_refused_request_fails_alone(model):
     arrivals = [Arrival(0.0, 10, 2), Arrival(0.0, 5000, 2), Arrival(0.0, 8, 2)]
     s = run_workload(engine, arrivals, model.config.vocab_size, concurrency=3)
     assert s["completed"] == 2 and s["failed_requests"] == 1
-    assert "max_position_embeddings" in s["errors"][0] or "KV blocks" in s["errors"][0]
+    assert "max_context" in s["errors"][0] or "KV blocks" in s["errors"][0]
 
 
 def test_variants_are_dense_each_feature_alone_and_cumulative(model):

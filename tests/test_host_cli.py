@@ -59,7 +59,7 @@ def test_prompt_longer_than_max_positions(tmp_path):
     model_dir = _model_dir(tmp_path, vocab_size=258, max_position_embeddings=32)
     result = cli("generate", "--model", model_dir, "--prompt", "x" * 40, "--max-new-tokens", "4")
     assert result.returncode == 2
-    assert "exceeds max_position_embeddings=32" in result.stderr
+    assert "exceeds the engine's max_context=32" in result.stderr
     assert "Traceback" not in result.stderr
 
 

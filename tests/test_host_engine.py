@@ -126,7 +126,7 @@ def test_eos_and_stop_strings():
 def test_bad_requests():
     model = tiny_model()
     e = engine(model)
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings=256"):
+    with pytest.raises(ValueError, match="exceeds the engine's max_context=256"):
         e.add_request(list(range(1, 60)) * 4, SamplingParams(max_new_tokens=30))
     with pytest.raises(ValueError, match="empty"):
         e.add_request([])
@@ -166,3 +166,21 @@ def test_finalize_exit_copies_to_deeper_planes():
         assert kv.value_pool[block, 1, offset].tolist() == [[10.0, 10.0]]
     with pytest.raises(IndexError, match="outside request 0's reserved 4 tokens"):
         kv.slots(0, 0, [4])
+
+
+def test_max_context_bounds_requests_and_sizes_the_selection_bucket():
+    from flashloop_backend import FlashLoopConfig
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.registry import Registry
+    from flashloop_backend.sparse_state import key_bucket
+
+    model = tiny_model()
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.25})
+    request = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+    backend = Registry.discover().create("flashloop", request, config)
+    e = Engine(model, backend, num_blocks=64, block_size=4, max_context=100)
+    assert e.backend.states.k_bucket == key_bucket(0.25, 100) < key_bucket(0.25, 256)
+    with pytest.raises(ValueError, match="exceeds the engine's max_context=100"):
+        e.add_request(list(range(1, 60)) + list(range(1, 40)), SamplingParams(max_new_tokens=5))
+    with pytest.raises(ValueError, match=r"max_context=300 must lie in \[1, max_position_embeddings=256\]"):
+        Engine(model, backend, num_blocks=64, block_size=4, max_context=300)

@@ -51,8 +51,17 @@ class Engine:
         max_slots: int = 256,
         packed_pages: int | None = None,
         cuda_graphs: GraphSettings | None = None,
+        max_context: int | None = None,
     ) -> None:
+        """``max_context``: the longest prompt + output a request may have (vLLM's
+        max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
+        and upper bound: the model's ``max_position_embeddings``."""
         cfg = model.config
+        self.max_context = max_context or cfg.max_position_embeddings
+        if not 1 <= self.max_context <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_context={max_context} must lie in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
         param = next(model.parameters())
         self.model, self.backend, self.cfg = model, backend, cfg
         self.device, self.dtype = param.device, param.dtype
@@ -78,7 +87,7 @@ class Engine:
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         if hasattr(backend, "reserve_state"):
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
-                                  cfg.head_dim, cfg.max_position_embeddings, self.device)  # fmt: skip
+                                  cfg.head_dim, self.max_context, self.device)  # fmt: skip
         self.quantized = kv_quantization(backend, block_size)
         if self.quantized:  # a page per group of each level; the BF16 pool bounds how many
             pages = packed_pages or max(1, num_blocks * block_size // self.quantized.group_size)
@@ -88,7 +97,7 @@ class Engine:
         self.graphs = None
         if cuda_graphs is not None:
             self.graphs = DecodeGraphs(cuda_graphs, self.kv, backend, cfg.hidden_size,
-                                       cfg.max_position_embeddings, self._traverse,
+                                       self.max_context, self._traverse,
                                        self.quantized is not None)  # fmt: skip
 
     # ------------------------------------------------------------ requests
@@ -113,10 +122,10 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
         total = len(prompt) + params.max_new_tokens
-        if total > self.cfg.max_position_embeddings:
+        if total > self.max_context:
             raise ValueError(
                 f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} = {total} "
-                f"exceeds max_position_embeddings={self.cfg.max_position_embeddings}"
+                f"exceeds the engine's max_context={self.max_context}"
             )
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
             raise OutOfBlocksError(

@@ -182,6 +182,8 @@ class DecodeGraphs:
                 return out[: len(groups)].clone()  # the pool is shared: the next replay reuses it
             out = traverse()  # this step's result; compiles every kernel before the capture
             self.eager_steps += 1
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # as the capture does on entry: the delta is the graph's
             before = torch.cuda.memory_reserved(self.hidden.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
