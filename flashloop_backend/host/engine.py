@@ -10,6 +10,7 @@ runs out of blocks; a request that does not fit waits, one that can never fit is
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
 from .prompt_schedule import PromptSchedule
 from .requests import GenerationResult, Request, SamplingParams
+from .sampling import choose_tokens, finish_reason
 
 
 class _LayerAttention:
@@ -233,12 +235,17 @@ class Engine:
         return r.hidden[None]
 
     def _advance(self, groups: list[RowGroup], out: torch.Tensor) -> None:
-        row = 0
         loops = self.cfg.total_ut_steps
-        for group in groups:
+        starts = list(itertools.accumulate((g.count for g in groups), initial=0))
+        # exit hazards of every decode row that may still exit early: one host read
+        gated = [i for i, g in enumerate(groups) if g.mode != RowMode.PREFILL
+                 and self.cfg.exits_early and self._requests[g.request_id].depth < loops - 1]  # fmt: skip
+        lams = self.model.exit_lambda(out[[starts[i] for i in gated]]).tolist() if gated else []
+        hazard = dict(zip(gated, lams, strict=True))
+        emits: list[tuple[Request, torch.Tensor]] = []
+        for index, group in enumerate(groups):
             r = self._requests[group.request_id]
-            h = out[row : row + group.count]
-            row += group.count
+            h = out[starts[index] : starts[index] + group.count]
             if group.mode == RowMode.PREFILL:
                 r.prompt_hidden[group.start : group.start + group.count] = h
                 r.chunk_start += group.count
@@ -251,11 +258,11 @@ class Engine:
                         self._pack_prompt(r)
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
-                        self._emit(r, last)
+                        emits.append((r, last))
                 continue
             exit_now = r.depth == loops - 1
-            if not exit_now and self.cfg.exits_early:
-                lam = float(self.model.exit_lambda(h)[0])
+            if index in hazard:
+                lam = hazard[index]
                 spent = 1.0 - r.remaining * (1.0 - lam)  # cumulative exit probability so far
                 r.remaining *= 1.0 - lam
                 exit_now = spent >= self.cfg.early_exit_threshold
@@ -265,9 +272,10 @@ class Engine:
                 r.exit_depths.append(r.depth)
                 if self.quantized:
                     self._flush_tail(r)
-                self._emit(r, h[0])
+                emits.append((r, h[0]))
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
+        self._emit(emits)
 
     def _pack_prompt(self, r: Request) -> None:
         """Encode the completed prompt's whole groups at every depth (all but the BF16 tail
@@ -290,38 +298,28 @@ class Engine:
             end = packed.packed_rows(r.id) + packed.group_size
             pack_rows(self.kv, packed, r, end, self.sparsity is not None, self.cfg.total_ut_steps)
 
-    def _emit(self, r: Request, final_hidden: torch.Tensor) -> None:
-        """Sample the next token from a final hidden state and start its loops (or finish)."""
-        logits = self.model.coda(final_hidden[None])[0]
-        if r.logprobs is not None:
-            r.logprobs.append(torch.log_softmax(logits, dim=-1).cpu())
-        if r.forced is not None:
-            token = r.forced[len(r.output)]
-        elif r.params.temperature > 0:
-            probs = torch.softmax(logits / r.params.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=r.generator))
-        else:
-            token = int(torch.argmax(logits))
-        r.output.append(token)
-        if r.forced is not None:
-            r.finish_reason = "forced" if len(r.output) == len(r.forced) else ""
-        elif token == self.cfg.eos_token_id and not r.params.ignore_eos:
-            r.finish_reason = "eos"
-        elif (
-            r.params.stop
-            and self.detokenize
-            and any(s in self.detokenize(r.output) for s in r.params.stop)
-        ):
-            r.finish_reason = "stop"
-        elif len(r.output) >= r.params.max_new_tokens:
-            r.finish_reason = "length"
-        if r.finish_reason:
-            r.phase = "done"
+    def _emit(self, emits: list[tuple[Request, torch.Tensor]]) -> None:
+        """Next tokens from final hidden states (one coda call for the step), then start
+        each unfinished request's loops on its token."""
+        if not emits:
             return
-        r.phase, r.depth, r.remaining = "decode", 0, 1.0
-        r.hidden = self.model.prelude(torch.tensor([token], device=self.device))[0]
-        self._incarnations += 1  # a new token: its reference state starts empty
-        r.incarnation = self._incarnations
+        requests = [r for r, _ in emits]
+        tokens = choose_tokens(self.model, requests, torch.stack([h for _, h in emits]))
+        going = []
+        for r, token in zip(requests, tokens, strict=True):
+            r.output.append(token)
+            r.finish_reason = finish_reason(r, self.cfg.eos_token_id, self.detokenize)
+            if r.finish_reason:
+                r.phase = "done"
+            else:
+                going.append(r)
+        if not going:
+            return
+        ids = torch.tensor([r.output[-1] for r in going], device=self.device)
+        for r, hidden in zip(going, self.model.prelude(ids), strict=True):
+            r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
+            self._incarnations += 1  # a new token: its reference state starts empty
+            r.incarnation = self._incarnations
 
     def _collect(self) -> list[GenerationResult]:
         done = [r for r in self._requests.values() if r.phase == "done"]

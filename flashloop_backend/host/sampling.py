@@ -1,0 +1,46 @@
+"""Next tokens from final hidden states, many requests at a time: one coda call and one
+host read for every greedy row of a step (per-row reads were a host sync each)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .model import OuroModel
+from .requests import Request
+
+
+def choose_tokens(model: OuroModel, requests: list[Request], final_hidden: torch.Tensor) -> list[int]:  # fmt: skip
+    """The next token of each request from its final hidden state [N, hidden]: the forced
+    token (teacher forcing), a seeded sample (temperature > 0) or the argmax. Requests that
+    keep log-probs get the FP32 log-softmax appended."""
+    logits = model.coda(final_hidden)  # [N, vocab] FP32
+    greedy = torch.argmax(logits, dim=-1).tolist()  # one host read for the whole step
+    tokens = []
+    for row, r in enumerate(requests):
+        if r.logprobs is not None:
+            r.logprobs.append(torch.log_softmax(logits[row], dim=-1).cpu())
+        if r.forced is not None:
+            tokens.append(r.forced[len(r.output)])
+        elif r.params.temperature > 0:
+            probs = torch.softmax(logits[row] / r.params.temperature, dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+        else:
+            tokens.append(greedy[row])
+    return tokens
+
+
+def finish_reason(r: Request, eos_token_id: int | None,
+                  detokenize: Callable[[list[int]], str] | None) -> str:  # fmt: skip
+    """Why ``r`` stops after its latest output token ("" if it goes on)."""
+    token = r.output[-1]
+    if r.forced is not None:
+        return "forced" if len(r.output) == len(r.forced) else ""
+    if token == eos_token_id and not r.params.ignore_eos:
+        return "eos"
+    if r.params.stop and detokenize and any(s in detokenize(r.output) for s in r.params.stop):
+        return "stop"
+    if len(r.output) >= r.params.max_new_tokens:
+        return "length"
+    return ""
