@@ -182,5 +182,7 @@ def test_max_context_bounds_requests_and_sizes_the_selection_bucket():
     assert e.backend.states.k_bucket == key_bucket(0.25, 100) < key_bucket(0.25, 256)
     with pytest.raises(ValueError, match="exceeds the engine's max_context=100"):
         e.add_request(list(range(1, 60)) + list(range(1, 40)), SamplingParams(max_new_tokens=5))
-    with pytest.raises(ValueError, match=r"max_context=300 must lie in \[1, max_position_embeddings=256\]"):
+    with pytest.raises(
+        ValueError, match=r"max_context=300 must lie in \[1, max_position_embeddings=256\]"
+    ):
         Engine(model, backend, num_blocks=64, block_size=4, max_context=300)
