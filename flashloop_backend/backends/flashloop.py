@@ -15,22 +15,19 @@ from .. import __version__
 from ..capabilities import Capability, Environment, SupportRequest
 from ..config import FlashLoopConfig
 from ..dispatch import (
-    NOT_ROUTED,
     ROUTE_CODES,
-    SPARSE_START_DEPTH,
     BatchView,
-    RowMode,
     config_capabilities,
-    partition_rows,
     prefill_route_ops,
     required_ops,
     routable_ops,
-    route_rows,
+    with_references,
 )
 from ..kernels.ops import OpName
 from ..packed_kv import PackedKVStore
 from ..sparse_state import ReferenceStates, key_bucket
 from .base import BackendSpec, DenseCallSurface, SelectionInfo
+from .batch_plan import BatchPlan
 from .packed_state import PackedState
 
 if TYPE_CHECKING:
@@ -177,6 +174,7 @@ class FlashLoopBackend(DenseCallSurface):
         self.states: ReferenceStates | None = None
         self.packed: PackedState | None = None
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
+        self._plan: BatchPlan | None = None
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
@@ -243,14 +241,13 @@ class FlashLoopBackend(DenseCallSurface):
         states = self.states
         if self.config.sparse_decode_attention.enabled and states is None:
             raise RuntimeError("sparse decode needs reserve_state(...) before the first forward")
-        ready = states.ready(layer, view.slots, view.incarnations) if states is not None else None
-        partition = partition_rows(view.row_modes)
-        routes = route_rows(view, self.config, ready)
-        order = partition.order
+        if self._plan is None or self._plan.view is not view:  # once per batch, not per layer
+            self._plan = BatchPlan.of(view, self.config)
+        plan = self._plan
+        order, tables, lengths = plan.order, plan.tables, plan.lengths
+        ready = states.ready(layer, plan.slots, plan.incarnations) if states is not None else None
+        gathered_routes = with_references(plan.routes, plan.correctable, self.config, ready)
         gathered_q = q[order]
-        tables = view.row_block_tables()[order]
-        lengths = view.context_lengths[order]
-        gathered_routes = routes[order]
         out = torch.zeros_like(gathered_q)
         meta = self.packed.meta_for(view, order) if self.packed is not None else None
         prefill_ops = prefill_route_ops(self.config)
@@ -275,10 +272,9 @@ class FlashLoopBackend(DenseCallSurface):
             elif op in (OpName.DENSE_SOURCE, OpName.PACKED_SOURCE):
                 ratio = self.config.sparse_decode_attention.key_retention
                 result, *stats = choice.impl.fn(q_n, *memory, masked, ratio, states.k_bucket, scale)
-                slots, incarnations = view.slots[order][:n], view.incarnations[order][:n]
-                states.write(layer, slots, incarnations, mine, *stats)
+                states.write(layer, plan.slots[:n], plan.incarnations[:n], mine, *stats)
             elif op in (OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION):
-                indices, mass, ref_out, contribution = states.read(layer, view.slots[order][:n])
+                indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
                 # rows routed elsewhere may hold another token's state: they select nothing
                 indices = torch.where(mine[:, None, None], indices, -1)
                 result = choice.impl.fn(q_n, *memory, indices, mass, ref_out, contribution, scale)
@@ -286,12 +282,8 @@ class FlashLoopBackend(DenseCallSurface):
                 continue
             out[:n] = torch.where(mine[:, None, None], result, out[:n])
         if states is not None:
-            modes, depths = view.row_modes.long(), view.depths
-            decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
-            states.missing_reference += (decode & (depths >= SPARSE_START_DEPTH) & ~ready).sum()
-        kept = partition.inverse != NOT_ROUTED
-        restored = out[partition.inverse.clamp(min=0)]
-        return torch.where(kept[:, None, None], restored, torch.zeros_like(restored))
+            states.missing_reference += (plan.correctable & ~ready).sum()
+        return plan.restore(out)
 
 
 def factory() -> FlashLoopSpec:

@@ -8,12 +8,14 @@ from .router import (
     ROUTE_CODES,
     SPARSE_START_DEPTH,
     OpRequirement,
+    base_routes,
     config_capabilities,
     decode_route_ops,
     prefill_route_ops,
     required_ops,
     routable_ops,
     route_rows,
+    with_references,
 )
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "OpRequirement",
     "RowMode",
     "RowPartition",
+    "base_routes",
     "config_capabilities",
     "decode_route_ops",
     "partition_rows",
@@ -32,4 +35,5 @@ __all__ = [
     "required_ops",
     "routable_ops",
     "route_rows",
+    "with_references",
 ]

@@ -36,6 +36,9 @@ class BatchView:
     launches only the ops decode rows can route to (a CUDA graph's execution mode).
     decode_bound (host-known): at most this many rows are DECODE/VERIFY, so ops only decode
     rows route to run on that many rows of the decode-first order (None: on every row).
+
+    A backend plans a view once and reuses the plan for every layer (keyed by identity):
+    build a new view for every submission, and for every CUDA-graph capture.
     """
 
     positions: torch.Tensor

@@ -113,6 +113,14 @@ def route_rows(
     ``reference_ready`` ([R] bool) says which decode rows hold a valid loop-2 reference;
     rows without one run dense at sparse loops (RFC §3.2: never consume stale state).
     """
+    routes, correctable = base_routes(view, config)
+    return with_references(routes, correctable, config, reference_ready)
+
+
+def base_routes(view: BatchView, config: FlashLoopConfig) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The layer-independent half of :func:`route_rows`: each row's route as if no decode
+    row held a reference, and [R] bool the decode rows that would correct if one did
+    (None without sparse decode)."""
     modes = view.row_modes.long()
     depth = view.depths
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
@@ -124,11 +132,19 @@ def route_rows(
     if config.token_sparse_prefill.enabled:
         sparse_rows = prefill & (depth >= SPARSE_START_DEPTH)
         routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)
-    if config.sparse_decode_attention.enabled:
-        ready = reference_ready if reference_ready is not None else torch.zeros_like(decode)
-        source = decode & (depth == REFERENCE_DEPTH)
-        correct = decode & (depth >= SPARSE_START_DEPTH) & ready
-        source_op, correction_op = sparse_decode_ops(config)
-        routes = torch.where(source, ROUTE_CODES[source_op], routes)
-        routes = torch.where(correct, ROUTE_CODES[correction_op], routes)
-    return routes
+    if not config.sparse_decode_attention.enabled:
+        return routes, None
+    source = decode & (depth == REFERENCE_DEPTH)
+    routes = torch.where(source, ROUTE_CODES[sparse_decode_ops(config)[0]], routes)
+    return routes, decode & (depth >= SPARSE_START_DEPTH)
+
+
+def with_references(routes: torch.Tensor, correctable: torch.Tensor | None, config: FlashLoopConfig,
+                    reference_ready: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """Routes of :func:`base_routes` with the correction for rows whose reference is ready
+    (row order of the inputs is kept: any gathered order works)."""
+    if correctable is None:
+        return routes
+    ready = reference_ready if reference_ready is not None else torch.zeros_like(correctable)
+    correction = ROUTE_CODES[sparse_decode_ops(config)[1]]
+    return torch.where(correctable & ready, correction, routes)

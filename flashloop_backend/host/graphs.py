@@ -161,13 +161,16 @@ class DecodeGraphs:
             self.fallbacks[reason] += 1
             return None
         self._fill(groups, hidden, bucket)
-        view = self._view(bucket)
-        batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
         packed_meta = {name: (b[:bucket, :levels] if b.dim() > 1 else b[:bucket]) for name, b in self.meta.items()}  # fmt: skip
 
         def traverse() -> torch.Tensor:
-            if self.meta:  # the reader gathers this metadata inside the traversal
+            # A new view object each time: the backend plans once per view (gather order,
+            # routes, packed metadata), so the capture must see one no eager run planned,
+            # or the graph would replay the warm-up's plan instead of computing it.
+            view = self._view(bucket)
+            if self.meta:
                 self.backend.packed.use_plan(view, packed_meta)
+            batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
             return self.traverse(self.hidden[:bucket], batch)
 
         key = (bucket, levels)

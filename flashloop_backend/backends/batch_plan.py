@@ -1,0 +1,49 @@
+"""What the flashloop backend derives from a batch view once per batch; every layer of the
+traversal reuses it (only the loop-2 readiness changes from layer to layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FlashLoopConfig
+from ..dispatch import NOT_ROUTED, BatchView, base_routes, partition_rows
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Rows in the decode-first gather order ``order`` [R]:
+
+    tables [R, MB] int32, lengths [R] int32, slots / incarnations [R] int64 of each row;
+    routes [R] int64 the layer-independent routes (:func:`base_routes`); correctable [R]
+    bool (or None) the decode rows that correct when their reference is ready. ``kept``
+    [R] bool and ``source`` [R] int64 (original order) scatter the results back."""
+
+    view: BatchView
+    order: torch.Tensor
+    tables: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    incarnations: torch.Tensor
+    routes: torch.Tensor
+    correctable: torch.Tensor | None
+    kept: torch.Tensor
+    source: torch.Tensor
+
+    @staticmethod
+    def of(view: BatchView, config: FlashLoopConfig) -> BatchPlan:
+        partition = partition_rows(view.row_modes)
+        order = partition.order
+        routes, correctable = base_routes(view, config)
+        return BatchPlan(
+            view, order, view.row_block_tables()[order], view.context_lengths[order],
+            view.slots[order], view.incarnations[order], routes[order],
+            correctable[order] if correctable is not None else None,
+            partition.inverse != NOT_ROUTED, partition.inverse.clamp(min=0),
+        )  # fmt: skip
+
+    def restore(self, gathered: torch.Tensor) -> torch.Tensor:
+        """[R, ...] in gather order -> original row order; inactive and padding rows zero."""
+        restored = gathered[self.source]
+        return torch.where(self.kept[:, None, None], restored, torch.zeros_like(restored))
