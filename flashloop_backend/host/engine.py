@@ -17,7 +17,7 @@ import torch
 
 from ..dispatch import RowMode
 from .batch import Batch, RowGroup, build_batch
-from .features import kv_quantization, pack_rows, token_sparsity
+from .features import flush_tail, kv_quantization, pack_prompt, token_sparsity
 from .graphs import DecodeGraphs, GraphSettings
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
@@ -255,7 +255,9 @@ class Engine:
                     if r.depth == loops and self.on_prompt_done is not None:
                         self.on_prompt_done(self, r)
                     if r.depth == loops and self.quantized:
-                        self._pack_prompt(r)
+                        pack_prompt(
+                            self.kv, self.backend.packed, r, self.sparsity is not None, loops
+                        )
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         emits.append((r, last))
@@ -271,32 +273,11 @@ class Engine:
                     self.kv.finalize_exit(r.id, r.position, r.depth)
                 r.exit_depths.append(r.depth)
                 if self.quantized:
-                    self._flush_tail(r)
+                    flush_tail(self.kv, self.backend.packed, r, self.sparsity is not None, loops)
                 emits.append((r, h[0]))
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
         self._emit(emits)
-
-    def _pack_prompt(self, r: Request) -> None:
-        """Encode the completed prompt's whole groups at every depth (all but the BF16 tail
-        under ``rolling``)."""
-        rows = self.backend.packed.prompt_rows(len(r.prompt))
-        pack_rows(
-            self.kv,
-            self.backend.packed,
-            r,
-            rows,
-            self.sparsity is not None,
-            self.cfg.total_ut_steps,
-        )
-
-    def _flush_tail(self, r: Request) -> None:
-        """``rolling``: move whole groups of final rows from the BF16 tail to the store."""
-        packed = self.backend.packed
-        final_rows = len(r.prompt) + len(r.exit_depths)
-        while packed.flush_due(r.id, final_rows):
-            end = packed.packed_rows(r.id) + packed.group_size
-            pack_rows(self.kv, packed, r, end, self.sparsity is not None, self.cfg.total_ut_steps)
 
     def _emit(self, emits: list[tuple[Request, torch.Tensor]]) -> None:
         """Next tokens from final hidden states (one coda call for the step), then start

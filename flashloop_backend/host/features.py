@@ -53,6 +53,19 @@ def pack_rows(kv: PagedKVCache, packed, r: Request, end: int, sparse: bool, loop
     kv.drop_prefix(r.id, end)
 
 
+def pack_prompt(kv: PagedKVCache, packed, r: Request, sparse: bool, loops: int) -> None:
+    """Encode a completed prompt's whole groups at every depth (all but the BF16 tail under
+    ``rolling``)."""
+    pack_rows(kv, packed, r, packed.prompt_rows(len(r.prompt)), sparse, loops)
+
+
+def flush_tail(kv: PagedKVCache, packed, r: Request, sparse: bool, loops: int) -> None:
+    """``rolling``: move whole groups of final rows from the BF16 tail to the store."""
+    final_rows = len(r.prompt) + len(r.exit_depths)
+    while packed.flush_due(r.id, final_rows):
+        pack_rows(kv, packed, r, packed.packed_rows(r.id) + packed.group_size, sparse, loops)
+
+
 def active_rows(
     r: Request, start: int, end: int, sparse: bool, loops: int, device
 ) -> list[torch.Tensor] | None:
