@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 records issue 8 still needs, one call per stage (each stays under the 10-minute
+# call limit; every benchmark rewrites its JSON as it goes):
+#   tests    the CUDA-graph tests (replay vs eager, every combination) and the host-vs-CPU
+#            feature tests
+#   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
+#   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x)
+#   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
+#   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
+#            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
+case "${1:?stage: tests, graphs, decode, prefill or serving}" in
+  tests)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_gpu_graphs.py \
+      2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
+      -k features 2>&1 | tee "$OUT/gpu_tests_features.log" | tail -25 ;;
+  graphs)
+    bench e2e --config configs/all_on.json --backends triton,triton+graphs,flashloop,flashloop+graphs \
+      --contexts 1024 --concurrency 1,16 --out "$OUT/bench_e2e_graphs_1k.json" ;;
+  decode)
+    bench e2e --config configs/all_on.json --backends triton+graphs,flashloop+graphs \
+      --contexts 32768 --concurrency 16 --new-tokens 8 --out "$OUT/bench_e2e_graphs_32k.json" ;;
+  prefill)
+    bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
+      --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;
+  serving)
+    bench serving --backends triton+graphs --config configs/all_on.json --layers 6 \
+      --contexts 1024,8192 --concurrency 1,16 --out "$OUT/bench_serving_graphs.json" ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
