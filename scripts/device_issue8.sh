@@ -4,7 +4,8 @@
 #   tests    the CUDA-graph tests (replay vs eager, every combination) and the host-vs-CPU
 #            feature tests
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
-#   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x)
+#   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
+#            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
 #            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16)
@@ -23,7 +24,7 @@ case "${1:?stage: tests, graphs, decode, prefill or serving}" in
       --contexts 1024 --concurrency 1,16 --out "$OUT/bench_e2e_graphs_1k.json" ;;
   decode)
     bench e2e --config configs/all_on.json --backends triton+graphs,flashloop+graphs \
-      --contexts 32768 --concurrency 16 --new-tokens 8 --out "$OUT/bench_e2e_graphs_32k.json" ;;
+      --contexts 32768 --concurrency 16 --new-tokens 8 --layers 4 --out "$OUT/bench_e2e_graphs_32k.json" ;;
   prefill)
     bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;
