@@ -319,3 +319,21 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
     short = torch.empty(3, H, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"logits must be \[3, 2, >= 64\]"):
         packed_decode_triton(*args, lengths, logits=short, lse=torch.empty(3, H, device=DEVICE))
+
+
+def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
+    """Correction and loop-2 contribution with the selected keys split over several
+    programs (4 keys per split) equal the reference, like one split does."""
+    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.triton import packed_sparse
+    from flashloop_backend.kernels.triton.dense_source import SelectTuning
+
+    monkeypatch.setattr(packed_sparse, "KEYS_PER_SPLIT_MIN", 4)
+    args, lengths = _sparse_case(rng)
+    ref = packed_dense_source(*args, lengths, 0.25, 16)
+    small = SelectTuning(sample=16, candidates=16, block=16)
+    got = packed_sparse.packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small)
+    torch.testing.assert_close(got[4], ref[4], atol=2e-5, rtol=2e-5, msg="contribution")
+    state = ref[1:]
+    torch.testing.assert_close(packed_sparse.packed_sparse_correction_triton(*args, *state),
+                               packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip

@@ -23,6 +23,59 @@ def _level_rows(pos, row, level, tables, maps, kinds, stride_ll, stride_ml, stri
 
 
 @triton.jit
+def reconstruct_rows(
+    pos, row, kv_head, d, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
+    tables, maps, level_kinds_ptr, packed_ptr, k_ptr, v_ptr, tables_ptr,
+    skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
+    stride_ll, stride_ml, stride_kr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    LEVELS: tl.constexpr, WANT_K: tl.constexpr,
+):  # fmt: skip
+    """FP32 K and V [BLOCK_N, D] of one row's positions ``pos`` [BLOCK_N] (-1: zeros) for
+    KV head ``kv_head``: below the row's packed length the sum of its levels (base +
+    residuals present at its depth), above it the BF16 paged cache. ``tables`` / ``maps``
+    point at the row's level metadata. K stays zero unless ``WANT_K``."""
+    wanted = pos >= 0
+    in_packed = wanted & (pos < tl.load(packed_ptr + row))
+    k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for level in tl.static_range(LEVELS):
+        page, within, present = _level_rows(pos, row, level, tables, maps, level_kinds_ptr,
+                                            stride_ll, stride_ml, stride_kr, in_packed, GROUP)  # fmt: skip
+        mask = present[:, None]
+        if WANT_K:
+            k_byte = tl.load(kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + (d // 2)[None, :],
+                             mask=mask, other=0).to(tl.int32)  # fmt: skip
+            k_code = ((k_byte >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
+            k_param = (page * skm_p + kv_head * skm_h)[:, None] + d[None, :]
+            k += (
+                tl.load(kmin_ptr + k_param, mask=mask, other=0.0).to(tl.float32)
+                + tl.load(kscale_ptr + k_param, mask=mask, other=0.0).to(tl.float32) * k_code
+            )
+        v_byte = tl.load(vc_ptr + (page * svc_p + kv_head * svc_h + within // 2)[:, None] + d[None, :] * svc_d,
+                         mask=mask, other=0).to(tl.int32)  # fmt: skip
+        v_code = ((v_byte >> ((within % 2) * 4)[:, None]) & 15).to(tl.float32)
+        v_param = (page * svm_p + within * svm_t + kv_head * svm_h)[:, None] + (d // GROUP)[None, :]
+        v += (
+            tl.load(vmin_ptr + v_param, mask=mask, other=0.0).to(tl.float32)
+            + tl.load(vscale_ptr + v_param, mask=mask, other=0.0).to(tl.float32) * v_code
+        )
+    paged = wanted & ~in_packed
+    block = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=paged, other=0).to(
+        tl.int64
+    )
+    if WANT_K:
+        slot = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        k += tl.load(k_ptr + slot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(
+            tl.float32
+        )
+    vslot = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+    v += tl.load(v_ptr + vslot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def packed_gather_kernel(
     positions_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
     level_tables_ptr, level_maps_ptr, level_kinds_ptr, packed_ptr,
@@ -37,48 +90,22 @@ def packed_gather_kernel(
     LEVELS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """K and V [BLOCK_N, D] of one (row, query head)'s positions (-1: zeros), in the output
-    dtype: below the row's packed length the sum of its levels (base + residuals present
-    at its depth), above it the BF16 paged cache."""
+    dtype (:func:`reconstruct_rows`)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_head = head // GROUP_Q
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row * stride_pr + head * stride_ph + n, mask=n < count, other=-1)
-    wanted = pos >= 0
-    in_packed = wanted & (pos < tl.load(packed_ptr + row))
-    tables = level_tables_ptr + row * stride_lr
-    maps = level_maps_ptr + row * stride_mr
-    k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for level in tl.static_range(LEVELS):
-        page, within, present = _level_rows(pos, row, level, tables, maps, level_kinds_ptr,
-                                            stride_ll, stride_ml, stride_kr, in_packed, GROUP)  # fmt: skip
-        mask = present[:, None]
-        k_byte = tl.load(kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + (d // 2)[None, :],
-                         mask=mask, other=0).to(tl.int32)  # fmt: skip
-        k_code = ((k_byte >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
-        k_param = (page * skm_p + kv_head * skm_h)[:, None] + d[None, :]
-        k += (
-            tl.load(kmin_ptr + k_param, mask=mask, other=0.0).to(tl.float32)
-            + tl.load(kscale_ptr + k_param, mask=mask, other=0.0).to(tl.float32) * k_code
-        )
-        v_byte = tl.load(vc_ptr + (page * svc_p + kv_head * svc_h + within // 2)[:, None] + d[None, :] * svc_d,
-                         mask=mask, other=0).to(tl.int32)  # fmt: skip
-        v_code = ((v_byte >> ((within % 2) * 4)[:, None]) & 15).to(tl.float32)
-        v_param = (page * svm_p + within * svm_t + kv_head * svm_h)[:, None] + (d // GROUP)[None, :]
-        v += (
-            tl.load(vmin_ptr + v_param, mask=mask, other=0.0).to(tl.float32)
-            + tl.load(vscale_ptr + v_param, mask=mask, other=0.0).to(tl.float32) * v_code
-        )
-    paged = wanted & ~in_packed
-    block = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=paged, other=0).to(
-        tl.int64
-    )
-    slot = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-    k += tl.load(k_ptr + slot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(tl.float32)
-    vslot = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-    v += tl.load(v_ptr + vslot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(tl.float32)
+    k, v = reconstruct_rows(
+        pos, row, kv_head, d, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
+        level_tables_ptr + row * stride_lr, level_maps_ptr + row * stride_mr, level_kinds_ptr,
+        packed_ptr, k_ptr, v_ptr, tables_ptr,
+        skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
+        stride_ll, stride_ml, stride_kr,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
+        BLOCK_N, HEAD_DIM, GROUP, BLOCK_SIZE, LEVELS, True,
+    )  # fmt: skip
     out = row * stride_or + head * stride_oh + n[:, None] * stride_on + d[None, :]
     valid = (n < count)[:, None]
     tl.store(out_k_ptr + out, k.to(out_k_ptr.dtype.element_ty), mask=valid)

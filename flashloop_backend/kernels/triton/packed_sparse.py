@@ -1,8 +1,10 @@
 """Sparse decode over packed INT4 KV without host syncs (the ``packed_dense_source`` and
 ``packed_sparse_correction`` contracts, ``ops.py``): the loop-2 source runs the packed
 reader with logits, the Triton top-K selection, and sums p * v over the selected keys
-reconstructed by ``packed_gather_kernel``; the correction reconstructs only the selected
-keys and runs the small softmax over them in torch (shapes fixed by the bucket)."""
+reconstructed in registers; the correction reconstructs only the selected keys and runs
+the softmax over them in the same kernel (``packed_selected_jit.py``), split over programs
+from shapes only. ``packed_gather`` materialises chosen positions (a reconstruction tool
+the tests compare with the store's history)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from ...packed_kv import PackedKVStore
 from .dense_source import DEFAULT_SELECT, SelectTuning, check_bucket, launch_selection
 from .packed_decode import layer_pools, packed_decode_triton, packed_span, packed_strides
+from .paged_decode import merge_splits, sm_count, split_buffers
 
 BLOCK_N = 32
 
@@ -50,19 +53,63 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
     return out_k, out_v
 
 
+KEYS_PER_SPLIT_MIN = 64
+
+
+def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
+                          key_cache, value_cache, block_tables, indices: torch.Tensor,
+                          scale: float, logits: torch.Tensor | None = None,
+                          lse: torch.Tensor | None = None):  # fmt: skip
+    """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
+    reconstructed in registers: (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of
+    q k^T * scale, or with ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum
+    exp(logit - lse) v per split (the loop-2 contribution)."""
+    from .packed_selected_jit import packed_selected_split_kernel
+
+    rows, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32 [{rows}, {num_q_heads}, Kb]; got {indices.dtype} {tuple(indices.shape)}")  # fmt: skip
+    if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"q [R, {num_q_heads}, {head_dim}] does not fit the store's {tuple(store.shape[1:])} / cache's {num_kv_heads} heads")  # fmt: skip
+    bucket = indices.shape[-1]
+    want = max(1, math.ceil(2 * sm_count(q.device) / max(1, rows * num_q_heads)))
+    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    if rows == 0 or bucket == 0:
+        return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
+    indices, block_tables = indices.contiguous(), block_tables.contiguous()
+    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    pools = layer_pools(store, layer)
+    from_logits = logits is not None
+    packed_selected_split_kernel[(rows, num_q_heads, splits)](
+        q, indices, logits if from_logits else part_max, lse if from_logits else part_max,
+        *pools, tables, maps, kinds, meta["packed_lengths"],
+        key_cache, value_cache, block_tables, part_out, part_max, part_sum,
+        scale,
+        q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),
+        logits.stride(0) if from_logits else 0, logits.stride(1) if from_logits else 0,
+        lse.stride(0) if from_logits else 0,
+        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        math.ceil(bucket / splits), bucket,
+        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
+        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=BLOCK_N, FROM_LOGITS=from_logits,
+        num_warps=4,
+    )  # fmt: skip
+    return part_out, part_max, part_sum
+
+
 def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
                                     indices, mass, output, contribution, scale=None):  # fmt: skip
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
-    ``indices`` [R, Hq, Kb] only. Returns [R, Hq, D] in q's dtype."""
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    keys, values = packed_gather(store, layer, meta, key_cache, value_cache, block_tables,
-                                 indices.to(torch.int32), q.dtype)  # fmt: skip
-    valid = indices >= 0
-    logits = torch.einsum("rhd,rhkd->rhk", q.float(), keys.float()) * scale
-    local = torch.nan_to_num(torch.softmax(logits.masked_fill(~valid, float("-inf")), -1), nan=0.0)
-    fresh = torch.einsum("rhk,rhkd->rhd", local, values.float())
-    return (output - contribution + mass[..., None] * fresh).to(q.dtype)
+    ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    parts = packed_selected_parts(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                  indices.to(torch.int32), scale)  # fmt: skip
+    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
+    return merge_splits(*parts, torch.empty_like(q), correction=correction)
 
 
 def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
@@ -89,10 +136,7 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
     )
     launch_selection(logits, lse, context_lengths, value_cache, block_tables.contiguous(), output,
                      out, indices, mass, unused, scratch, ratio, tuning, contribute=False)  # fmt: skip
-    _, values = packed_gather(
-        store, layer, meta, key_cache, value_cache, block_tables, indices, q.dtype
-    )
-    chosen = torch.gather(logits, 2, indices.long().clamp(min=0)) - lse[..., None]
-    probs = torch.where(indices >= 0, torch.exp(chosen), 0.0)
-    contribution = torch.einsum("rhk,rhkd->rhd", probs, values.float())
-    return out, indices, mass, output, contribution
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    part_out, _, _ = packed_selected_parts(q, store, layer, meta, key_cache, value_cache,
+                                           block_tables, indices, scale, logits, lse)  # fmt: skip
+    return out, indices, mass, output, part_out.sum(2)
