@@ -95,3 +95,66 @@ def test_graph_blockers_name_the_ops_of_every_combination():
         assert named == {op.value for op in routable_ops(config, decode_only=True)}
     dense = Registry.discover().create("torch", REQUEST, FlashLoopConfig())
     assert "does not declare 'cuda_graphs'" in dense.graph_blockers()[0]
+
+
+def _every_row(needed, fn, q, meta, block_tables, *per_row):
+    """``torch_packed._only_rows`` without its host read of the mask (the reference picks
+    rows on the host, which a capture would bake in): every row runs, unneeded rows are
+    overwritten with the same fill."""
+    result = fn(q, meta, block_tables, *per_row)
+
+    def keep(t):
+        mask = needed.view(-1, *[1] * (t.dim() - 1))
+        return torch.where(mask, t, torch.full_like(t, -1 if t.dtype == torch.int32 else 0))
+
+    return tuple(keep(t) for t in result) if isinstance(result, tuple) else keep(result)
+
+
+@pytest.mark.parametrize(
+    "flags", COMBINATIONS, ids=["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+)  # fmt: skip
+def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
+    """Capture and replay with the CPU recorder: replays run no Python, so everything the
+    traversal needs must be read from the fixed buffers; the tokens equal eager's."""
+    from flashloop_backend.kernels import torch_packed
+
+    from .graph_recorder import RecordingCapture
+
+    monkeypatch.setattr(torch_packed, "_only_rows", _every_row)
+    model = tiny_model(seed=7)
+    config = _config(flags)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = _engine(model, config, max_batch_tokens=24).generate(PROMPTS, params)
+    settings = GraphSettings(buckets=(1, 2, 4), max_context=128)
+    engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=settings,
+                     graph_capture=RecordingCapture())  # fmt: skip
+    graphed = engine.generate(PROMPTS, params)
+    stats = engine.graphs.stats()
+    assert stats["replays"] > 0 and len(stats["graphs"]) >= 2, stats
+    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+
+
+def test_recorded_replays_catch_a_plan_made_outside_the_capture(monkeypatch):
+    """The negative control: if the capture reused the warm-up's batch view (so the
+    backend's per-view plan was made before capturing), replays keep the first step's
+    gather order and lengths and the tokens change."""
+    from flashloop_backend.host import graphs
+
+    from .graph_recorder import RecordingCapture
+
+    model = tiny_model(seed=7)
+    config = FlashLoopConfig()
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = _engine(model, config, max_batch_tokens=24).generate(PROMPTS, params)
+    made: dict[int, object] = {}
+    original = graphs.DecodeGraphs._view
+
+    def reused(self, bucket):
+        return made.setdefault(bucket, original(self, bucket))
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "_view", reused)
+    engine = _engine(model, config, max_batch_tokens=24,
+                     cuda_graphs=GraphSettings(buckets=(1, 2, 4), max_context=128),
+                     graph_capture=RecordingCapture())  # fmt: skip
+    graphed = engine.generate(PROMPTS, params)
+    assert [r.output_token_ids for r in graphed] != [r.output_token_ids for r in plain]

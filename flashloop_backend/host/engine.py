@@ -54,10 +54,12 @@ class Engine:
         packed_pages: int | None = None,
         cuda_graphs: GraphSettings | None = None,
         max_context: int | None = None,
+        graph_capture=None,
     ) -> None:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
-        and upper bound: the model's ``max_position_embeddings``."""
+        and upper bound: the model's ``max_position_embeddings``. ``graph_capture``: how
+        graphs are made (default CUDA graphs; tests pass a CPU recorder)."""
         cfg = model.config
         self.max_context = max_context or cfg.max_position_embeddings
         if not 1 <= self.max_context <= cfg.max_position_embeddings:
@@ -100,7 +102,7 @@ class Engine:
         if cuda_graphs is not None:
             self.graphs = DecodeGraphs(cuda_graphs, self.kv, backend, cfg.hidden_size,
                                        self.max_context, self._traverse,
-                                       self.quantized is not None)  # fmt: skip
+                                       self.quantized is not None, graph_capture)  # fmt: skip
 
     # ------------------------------------------------------------ requests
     def add_request(

@@ -64,18 +64,41 @@ class GraphSettings(BaseModel):
 Traverse = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
+class CudaCapture:
+    """How graphs are made: CUDA graphs sharing one memory pool. Tests substitute a
+    recorder with the same methods to run the capture/replay discipline on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.pool = device, torch.cuda.graph_pool_handle()
+
+    def reserved(self) -> int:
+        """Reserved bytes after the flush a capture does on entry."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
+    def new_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def capturing(self, graph: torch.cuda.CUDAGraph):
+        return torch.cuda.graph(graph, pool=self.pool)
+
+
 class DecodeGraphs:
     """Graphs of one engine's decode traversal. ``traverse(hidden, batch)`` is the engine's
     eager traversal (KV write and backend attention per layer) -> [R, hidden]."""
 
     def __init__(self, settings: GraphSettings, kv: PagedKVCache, backend, hidden_size: int,
-                 max_context: int, traverse: Traverse, quantized: bool) -> None:  # fmt: skip
+                 max_context: int, traverse: Traverse, quantized: bool, capture=None) -> None:  # fmt: skip
         blockers = getattr(backend, "graph_blockers", lambda: ["it has no graph_blockers()"])()
-        if settings.capture and blockers:
+        if settings.capture and capture is None and blockers:  # a CUDA capture
             raise ConfigError("CUDA graphs cannot capture this backend: " + "; ".join(blockers))
         device = kv.key_pool.device
-        if settings.capture and device.type != "cuda":
+        if settings.capture and capture is None and device.type != "cuda":
             raise ConfigError(f"CUDA graph capture needs a CUDA device; the KV cache is on {device}")  # fmt: skip
+        if settings.capture and capture is None:
+            capture = CudaCapture(device)
+        self.capture = capture
         self.settings, self.kv, self.backend, self.traverse = settings, kv, backend, traverse
         self.max_context = settings.max_context or max_context
         self.width = math.ceil(self.max_context / kv.block_size)
@@ -97,7 +120,6 @@ class DecodeGraphs:
                 "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
             }  # fmt: skip
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if settings.capture else None
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
         self.graph_bytes = 0  # reserved memory the captures added (the shared graph pool)
@@ -185,13 +207,11 @@ class DecodeGraphs:
                 return out[: len(groups)].clone()  # the pool is shared: the next replay reuses it
             out = traverse()  # this step's result; compiles every kernel before the capture
             self.eager_steps += 1
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # as the capture does on entry: the delta is the graph's
-            before = torch.cuda.memory_reserved(self.hidden.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            before = self.capture.reserved()
+            graph = self.capture.new_graph()
+            with self.capture.capturing(graph):
                 static = traverse()
-            self.graph_bytes += torch.cuda.memory_reserved(self.hidden.device) - before
+            self.graph_bytes += self.capture.reserved() - before
             self.graphs[key] = (graph, static)
             return out[: len(groups)]
 
