@@ -63,6 +63,8 @@ class SequenceLevels:
     rows: int  # packed logical rows (a multiple of the group size)
     pages: list[list[int]] = field(default_factory=list)  # [level] -> page ids
     maps: list[torch.Tensor | None] = field(default_factory=list)  # [level] -> [rows] int32
+    # the same maps on the host: per-batch reader metadata is planned there every step
+    host_maps: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class PackedKVStore:
@@ -151,7 +153,9 @@ class PackedKVStore:
                 f"{len(self._free)} free of {self.k_codes.shape[0]}"
             )
         if levels is None:
-            levels = SequenceLevels(0, [[] for _ in keys], [None for _ in keys])
+            levels = SequenceLevels(
+                0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
+            )
         pages = [self._allocate(-(-c // g)) for c in counts]
         # one layer at a time: the FP32 conversion scratch is one layer's, not all layers'
         for layer in range(keys[0].shape[1]):
@@ -199,20 +203,21 @@ class PackedKVStore:
         """Add ``rows`` logical rows to one level: dense (``present`` None) or the compact
         rows ``present`` stored in ``pages``."""
         g = self.group_size
-        mapping = levels.maps[depth]
+        mapping = levels.host_maps[depth]
         if present is None and mapping is None:
             levels.pages[depth].extend(pages)
             return
         if mapping is None:  # dense so far: its rows sit in page order
-            mapping = torch.arange(levels.rows, dtype=torch.int32, device=device)
+            mapping = torch.arange(levels.rows, dtype=torch.int32)
         first = len(levels.pages[depth]) * g  # compact rows of this append start a fresh page
-        block = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        block = torch.full((rows,), -1, dtype=torch.int32)
         if present is None:
-            block = first + torch.arange(rows, dtype=torch.int32, device=device)
-        else:
-            block[present] = first + torch.arange(present.numel(), dtype=torch.int32, device=device)
+            block = first + torch.arange(rows, dtype=torch.int32)
+        else:  # built on the host (one read per append); the device copy follows
+            block[present.cpu()] = first + torch.arange(present.numel(), dtype=torch.int32)
         levels.pages[depth].extend(pages)
-        levels.maps[depth] = torch.cat([mapping, block])
+        levels.host_maps[depth] = torch.cat([mapping, block])
+        levels.maps[depth] = levels.host_maps[depth].to(device)
 
     def _write(self, pages: list[int], layer: int, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
         """One layer: qk codes [H, D, G, g/2] (groups along rows) and qv codes [T, H, D/g,
@@ -327,8 +332,8 @@ def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: li
             if entry.pages[level]:
                 tables[i, level, : len(entry.pages[level])] = torch.tensor(entry.pages[level])
                 kinds[i, level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
-            if entry.maps[level] is not None:
-                maps[i, level, : entry.rows] = entry.maps[level].cpu()
+            if entry.host_maps[level] is not None:
+                maps[i, level, : entry.rows] = entry.host_maps[level]
     return {
         "level_tables": tables.to(device), "level_maps": maps.to(device),
         "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),

@@ -50,6 +50,8 @@ def test_compact_levels_store_only_active_rows_and_inherit(rng):
     for level in (2, 3):
         present = entry.maps[level] >= 0
         assert torch.equal(present, active[level])  # a map, not zero codes, marks absence
+        host = entry.host_maps[level]  # the planning copy: no device read per batch
+        assert host.device.type == "cpu" and torch.equal(host, entry.maps[level].cpu())
         assert len(entry.pages[level]) == -(-int(active[level].sum()) // G)
     for depth in range(4):
         k, _ = store.reconstruct(1, depth, 1)
