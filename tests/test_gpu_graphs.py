@@ -55,7 +55,9 @@ def test_replay_equals_eager_on_its_buffers(name, config):
         ("plain", None),
     ):
         engine = _engine(model, name, config, graphs)
-        tokens = [r.output_token_ids for r in engine.generate(prompts, params)]
+        tokens = None  # free-running tokens of the plain engine are not compared (other shapes)
+        if graphs is not None:
+            tokens = [r.output_token_ids for r in engine.generate(prompts, params)]
         logprobs = engine.generate(prompts, forced=forced, keep_logprobs=True)
         runs[label] = (tokens, torch.stack([r.logprobs for r in logprobs]))
         if label == "replay":
@@ -70,7 +72,7 @@ def test_replay_equals_eager_on_its_buffers(name, config):
     plain = runs["plain"][1]
     agreement = (logprobs.argmax(-1) == plain.argmax(-1)).float().mean().item()
     kl = (plain.exp() * (plain - logprobs)).sum(-1).mean().item()
-    assert agreement >= 0.95 and kl < 0.02, (agreement, kl, runs["plain"][0], tokens)
+    assert agreement >= 0.95 and kl < 0.02, (agreement, kl)
 
 
 def test_flashinfer_is_refused_for_capture_by_name():
