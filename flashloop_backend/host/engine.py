@@ -22,7 +22,7 @@ from .graphs import DecodeGraphs, GraphSettings
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
 from .prompt_schedule import PromptSchedule
-from .requests import GenerationResult, Request, SamplingParams
+from .requests import GenerationResult, Request, SamplingParams, checked_params
 from .sampling import choose_tokens, finish_reason
 
 
@@ -115,22 +115,8 @@ class Engine:
         """Queue a request. ``forced`` teacher-forces the continuation through the decode
         path (``max_new_tokens`` becomes its length); ``keep_logprobs`` records the FP32
         log-softmax before every output token."""
-        if forced is not None:
-            if not forced:
-                raise ValueError("forced continuation is empty")
-            params = SamplingParams(max_new_tokens=len(forced), ignore_eos=True)
-        params = params or SamplingParams()
-        if not prompt:
-            raise ValueError("prompt is empty; give at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
+        params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         total = len(prompt) + params.max_new_tokens
-        if total > self.max_context:
-            raise ValueError(
-                f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} = {total} "
-                f"exceeds the engine's max_context={self.max_context}"
-            )
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {total} tokens needs {self.kv.blocks_needed(total)} KV blocks but the "

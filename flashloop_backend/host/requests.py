@@ -58,3 +58,26 @@ class Request:
     @property
     def position(self) -> int:  # absolute position of the current decode token
         return len(self.prompt) + len(self.output) - 1
+
+
+def checked_params(prompt: list[int], params: SamplingParams | None, forced: list[int] | None,
+                   vocab_size: int, max_context: int) -> SamplingParams:  # fmt: skip
+    """The sampling parameters a request runs with (teacher forcing: ``forced``'s length,
+    EOS ignored), after checking the prompt's ids and the total length."""
+    if forced is not None:
+        if not forced:
+            raise ValueError("forced continuation is empty")
+        params = SamplingParams(max_new_tokens=len(forced), ignore_eos=True)
+    params = params or SamplingParams()
+    if not prompt:
+        raise ValueError("prompt is empty; give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {vocab_size})")
+    total = len(prompt) + params.max_new_tokens
+    if total > max_context:
+        raise ValueError(
+            f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} = {total} "
+            f"exceeds the engine's max_context={max_context}"
+        )
+    return params
