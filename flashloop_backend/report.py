@@ -1,5 +1,6 @@
 """PNG plots generated from the committed JSON records (``flashloop-backend report``):
-speedup vs context, KV bytes per token, quality per feature combination, quality vs speed.
+speedup vs context, KV bytes per token, quality per feature combination, quality vs speed,
+host decode eager vs CUDA graphs, serving TPOT.
 Every number drawn is read from a record; a missing record skips its plot and says so."""
 
 from __future__ import annotations
@@ -142,11 +143,57 @@ def _quality_vs_speed(results: Path, plt):
     return fig
 
 
+def _graphs_tpot(results: Path, plt):
+    """TPOT through the host of every entry of the ``bench_e2e_graphs*.json`` records
+    (eager and ``+graphs`` entries side by side)."""
+    bars = []
+    for path in sorted(results.glob("bench_e2e_graphs*.json")):
+        for run in json.loads(path.read_text())["runs"]:
+            for name, entry in run["results"].items():
+                label = f"{name}\n{run['context'] // 1024}K x {run['concurrency']}"
+                bars.append((label, entry["tpot_ms"]["median"]))
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(bars)), 4))
+    drawn = ax.bar([b[0] for b in bars], [b[1] for b in bars],
+                   color=["tab:orange" if "+graphs" in b[0] else "gray" for b in bars])  # fmt: skip
+    for bar, (_, value) in zip(drawn, bars, strict=True):
+        ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    return _bar_labels(fig, ax, "TPOT ms (median)",
+                       "Decode through the host, eager vs CUDA graphs (H200)")  # fmt: skip
+
+
+def _serving_tpot(results: Path, plt):
+    """TPOT p50 per variant and workload of the ``bench_serving*.json`` records."""
+    runs = [(path.stem, run) for path in sorted(results.glob("bench_serving*.json"))
+            for run in json.loads(path.read_text())["runs"] if run.get("tpot_ms")]  # fmt: skip
+    if not runs:
+        return None
+    workloads = list(dict.fromkeys(run["workload"] for _, run in runs))
+    variants = list(dict.fromkeys(f"{stem}: {run['variant']}" for stem, run in runs))
+    fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(workloads)), 4.5))
+    width = 0.8 / len(variants)
+    for index, variant in enumerate(variants):
+        values = {run["workload"]: run["tpot_ms"]["p50"] for stem, run in runs
+                  if f"{stem}: {run['variant']}" == variant}  # fmt: skip
+        xs = [w + index * width for w, name in enumerate(workloads) if name in values]
+        ax.bar(xs, [values[name] for name in workloads if name in values], width, label=variant)
+    short = [w.replace("closed_ctx", "closed ").replace("_conc", " x ").replace("_", " ") for w in workloads]  # fmt: skip
+    ax.set_xticks(
+        [w + 0.4 - width / 2 for w in range(len(workloads))], short, fontsize=7, rotation=15
+    )
+    ax.legend(fontsize=7)
+    return _bar_labels(fig, ax, "TPOT p50 ms", "Serving benchmark through the host (H200)")
+
+
 PLOTS = {
     "speedup_vs_context.png": _speedup_vs_context,
     "memory_per_token.png": _memory_per_token,
     "quality_by_combination.png": _quality_by_combination,
     "quality_vs_speed.png": _quality_vs_speed,
+    "graphs_tpot.png": _graphs_tpot,
+    "serving_tpot.png": _serving_tpot,
 }
 
 
