@@ -172,11 +172,25 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
     return out
 
 
+WARM_PROMPT, WARM_OUTPUT = 128, 4
+
+
+def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> None:
+    """Untimed: a closed loop of ``c`` short requests for every concurrency ``c`` the
+    workloads use (at least 2), so kernels compile and CUDA graphs of those batch sizes
+    (at every packed depth: the prompts span two 64-row groups) are captured before any
+    timing."""
+    sizes = sorted({2, *(w["concurrency"] for w in workloads if w["concurrency"])})
+    for size in sizes:
+        arrivals = fixed_arrival_schedule(size, 1.0, [WARM_PROMPT], [WARM_OUTPUT])
+        run_workload(engine, arrivals, vocab, concurrency=size, sync=sync)
+
+
 def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
                    block_size: int, sync=lambda: None, log=print, graphs=None, max_context=None,
                    on_variant: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
-    """Every workload on every variant, one engine per variant with an untimed warm-up
-    workload first (kernels compile on first use). ``workloads``: dicts with ``name``,
+    """Every workload on every variant, one engine per variant after an untimed
+    :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``: dicts with ``name``,
     ``arrivals`` and ``concurrency`` (None = open loop). ``on_variant`` receives the
     records so far after each variant (a long run keeps what it measured). ``graphs``
     (GraphSettings): every variant replays decode steps from CUDA graphs, its kernels
@@ -208,7 +222,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             on_variant(records)
             continue
         digest = resolve(variant.config, variant.backend, wanted, registry).digest()
-        run_workload(engine, workloads[0]["arrivals"][:2], vocab, concurrency=2, sync=sync)
+        warm_up(engine, workloads, vocab, sync)
         for workload in workloads:
             if engine.device.type == "cuda":
                 import torch
