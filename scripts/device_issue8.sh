@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 records issue 8 still needs, one call per stage (each stays under the 10-minute
 # call limit; every benchmark rewrites its JSON as it goes):
-#   tests    the CUDA-graph tests (replay vs eager, every combination) and the host-vs-CPU
-#            feature tests
+#   tests    the CUDA-graph tests (replay vs eager, every combination; a fresh machine
+#            compiles every Triton specialization first: TESTS=-k... narrows them)
+#   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
 #            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
@@ -13,11 +14,13 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
-case "${1:?stage: tests, graphs, decode, prefill or serving}" in
+case "${1:?stage: tests, features, graphs, decode, prefill or serving}" in
   tests)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_gpu_graphs.py \
-      2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
+    # shellcheck disable=SC2086
+    timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_graphs.py \
+      ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
+  features)
+    timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
       -k features 2>&1 | tee "$OUT/gpu_tests_features.log" | tail -25 ;;
   graphs)
     bench e2e --config configs/all_on.json --backends triton,triton+graphs,flashloop,flashloop+graphs \
