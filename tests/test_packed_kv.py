@@ -327,10 +327,10 @@ def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
     """Correction and loop-2 contribution with the selected keys split over several
     programs (4 keys per split) equal the reference, like one split does."""
     from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
-    from flashloop_backend.kernels.triton import packed_sparse
+    from flashloop_backend.kernels.triton import packed_sparse, sparse_decode
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
 
-    monkeypatch.setattr(packed_sparse, "KEYS_PER_SPLIT_MIN", 4)
+    monkeypatch.setattr(sparse_decode, "KEYS_PER_SPLIT_MIN", 4)
     args, lengths = _sparse_case(rng)
     ref = packed_dense_source(*args, lengths, 0.25, 16)
     small = SelectTuning(sample=16, candidates=16, block=16)

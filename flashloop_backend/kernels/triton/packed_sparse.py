@@ -15,7 +15,8 @@ import torch
 from ...packed_kv import PackedKVStore
 from .dense_source import DEFAULT_SELECT, SelectTuning, check_bucket, launch_selection
 from .packed_decode import layer_pools, packed_decode_triton, packed_span, packed_strides
-from .paged_decode import merge_splits, sm_count, split_buffers
+from .paged_decode import merge_splits, split_buffers
+from .sparse_decode import selected_key_splits
 
 BLOCK_N = 32
 
@@ -53,9 +54,6 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
     return out_k, out_v
 
 
-KEYS_PER_SPLIT_MIN = 64
-
-
 def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                           key_cache, value_cache, block_tables, indices: torch.Tensor,
                           scale: float, logits: torch.Tensor | None = None,
@@ -73,8 +71,7 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
     if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"q [R, {num_q_heads}, {head_dim}] does not fit the store's {tuple(store.shape[1:])} / cache's {num_kv_heads} heads")  # fmt: skip
     bucket = indices.shape[-1]
-    want = max(1, math.ceil(2 * sm_count(q.device) / max(1, rows * num_q_heads)))
-    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    splits, keys_per_split = selected_key_splits(rows, num_q_heads, max(1, bucket), q.device)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -93,7 +90,7 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
-        math.ceil(bucket / splits), bucket,
+        keys_per_split, bucket,
         GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
         BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=BLOCK_N, FROM_LOGITS=from_logits,
         num_warps=4,

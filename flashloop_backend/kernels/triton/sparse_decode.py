@@ -12,6 +12,14 @@ from .paged_decode import merge_splits, sm_count, split_buffers
 KEYS_PER_SPLIT_MIN = 64
 
 
+def selected_key_splits(rows: int, heads: int, bucket: int, device: torch.device) -> tuple[int, int]:  # fmt: skip
+    """(splits, keys per split) of a kernel over each (row, head)'s ``bucket`` selected
+    keys: about two programs per SM, at least ``KEYS_PER_SPLIT_MIN`` keys per split."""
+    want = max(1, math.ceil(2 * sm_count(device) / max(1, rows * heads)))
+    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    return splits, math.ceil(bucket / splits)
+
+
 def sparse_correction_triton(
     q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale=None
 ):
@@ -55,9 +63,7 @@ def sparse_correction_triton(
         return torch.empty_like(q)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     bucket = indices.shape[-1]
-    want = max(1, math.ceil(2 * sm_count(q.device) / (rows * num_q_heads)))
-    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
-    keys_per_split = math.ceil(bucket / splits)
+    splits, keys_per_split = selected_key_splits(rows, num_q_heads, bucket, q.device)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     sparse_correction_split_kernel[(rows, num_q_heads, splits)](
         q, key_cache, value_cache, block_tables, indices, part_out, part_max, part_sum,
