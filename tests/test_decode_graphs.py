@@ -13,13 +13,20 @@ from flashloop_backend.host.graphs import GraphSettings
 from flashloop_backend.registry import Registry
 
 from .host_helpers import tiny_model
-from .test_feature_combinations import COMBINATIONS, PROMPTS, REQUEST, _config, _engine
+from .test_feature_combinations import (
+    COMBINATION_IDS,
+    COMBINATIONS,
+    PROMPTS,
+    REQUEST,
+    _config,
+    _engine,
+)
 
 EAGER_GRAPHS = GraphSettings(buckets=(1, 2, 4), max_context=128, capture=False)
 
 
 @pytest.mark.parametrize(
-    "flags", COMBINATIONS, ids=["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
 )  # fmt: skip
 def test_graph_buffers_give_the_eager_tokens(flags):
     model = tiny_model(seed=7)
@@ -111,7 +118,7 @@ def _every_row(needed, fn, q, meta, block_tables, *per_row):
 
 
 @pytest.mark.parametrize(
-    "flags", COMBINATIONS, ids=["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
 )  # fmt: skip
 def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
     """Capture and replay with the CPU recorder: replays run no Python, so everything the

@@ -24,6 +24,8 @@ COMBINATIONS = [
     dict(zip(FEATURES, flags, strict=True)) for flags in itertools.product([False, True], repeat=3)
 ]
 
+COMBINATION_IDS = ["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+
 
 def _config(flags: dict[str, bool]) -> FlashLoopConfig:
     return FlashLoopConfig(**{name: FEATURES[name] for name, on in flags.items() if on})
@@ -35,7 +37,7 @@ def _engine(model, config, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "flags", COMBINATIONS, ids=["+".join(n for n, on in f.items() if on) or "dense" for f in COMBINATIONS]
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
 )  # fmt: skip
 def test_combination_runs_and_batching_is_invisible(flags):
     model = tiny_model(seed=7)
