@@ -163,10 +163,13 @@ class DecodeGraphs:
         if pages > self.pages or rows > self.packed_rows:
             return levels, f"a packed history of {rows} rows exceeds the graph capacity of {self.packed_rows}"  # fmt: skip
         planned = level_metadata(store, owners, depths, "cpu", (levels, self.pages, self.packed_rows))  # fmt: skip
-        for name, buffer in self.meta.items():
-            view = buffer[:bucket, :levels] if buffer.dim() > 1 else buffer[:bucket]
+        for name, view in self._meta_views(bucket, levels).items():
             view.copy_(planned[name])
         return levels, None
+
+    def _meta_views(self, bucket: int, levels: int) -> dict[str, torch.Tensor]:
+        """The leading rows (and levels) of the metadata buffers a bucket's graph reads."""
+        return {name: b[:bucket, :levels] if b.dim() > 1 else b[:bucket] for name, b in self.meta.items()}  # fmt: skip
 
     # ------------------------------------------------------------ running
     def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
@@ -183,7 +186,7 @@ class DecodeGraphs:
             self.fallbacks[reason] += 1
             return None
         self._fill(groups, hidden, bucket)
-        packed_meta = {name: (b[:bucket, :levels] if b.dim() > 1 else b[:bucket]) for name, b in self.meta.items()}  # fmt: skip
+        packed_meta = self._meta_views(bucket, levels)
 
         def traverse() -> torch.Tensor:
             # A new view object each time: the backend plans once per view (gather order,
