@@ -165,3 +165,36 @@ def test_recorded_replays_catch_a_plan_made_outside_the_capture(monkeypatch):
                      graph_capture=RecordingCapture())  # fmt: skip
     graphed = engine.generate(PROMPTS, params)
     assert [r.output_token_ids for r in graphed] != [r.output_token_ids for r in plain]
+
+
+def test_capture_on_a_cpu_cache_is_refused_by_device():
+    from flashloop_backend.host.graphs import DecodeGraphs
+    from flashloop_backend.host.kvcache import PagedKVCache
+
+    class GraphSafe:  # a backend whose decode kernels all declare cuda_graphs
+        def graph_blockers(self):
+            return []
+
+    kv = PagedKVCache(8, 1, 4, 2, 16, 4, torch.float32, "cpu")
+    with pytest.raises(
+        ConfigError, match="CUDA graph capture needs a CUDA device; the KV cache is on cpu"
+    ):
+        DecodeGraphs(GraphSettings(), kv, GraphSafe(), 64, 128, lambda h, b: h, quantized=False)
+
+
+def test_batch_shapes_are_checked():
+    from flashloop_backend.dispatch import BatchView, RowMode
+    from flashloop_backend.host.batch import RowGroup, build_batch
+    from flashloop_backend.host.kvcache import PagedKVCache
+
+    kv = PagedKVCache(64, 1, 4, 2, 16, 4, torch.float32, "cpu")
+    kv.reserve(0, 40)
+    groups = [RowGroup(0, RowMode.DECODE, 0, 30, 1)]
+    with pytest.raises(ValueError, match=r"table_width=3 is below the widest block table \(10\)"):
+        build_batch(groups, kv, "cpu", table_width=3)
+    view = build_batch(groups, kv, "cpu", pad_to=2).view
+    assert view.decode_only and view.decode_bound == 1
+    fields = {name: getattr(view, name) for name in ("positions", "depths", "row_modes", "slots",
+              "incarnations", "request_ids", "window_ids", "context_lengths", "block_tables")}  # fmt: skip
+    with pytest.raises(ValueError, match=r"decode_bound=3 must lie in \[0, rows=2\]"):
+        BatchView(**fields, decode_bound=3)

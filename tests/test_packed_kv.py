@@ -321,6 +321,17 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
     short = torch.empty(3, H, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"logits must be \[3, 2, >= 64\]"):
         packed_decode_triton(*args, lengths, logits=short, lse=torch.empty(3, H, device=DEVICE))
+    from flashloop_backend.kernels.triton.packed_sparse import packed_selected_parts
+
+    with pytest.raises(ValueError, match=r"indices must be int32 \[3, 2, Kb\]; got torch.int64"):
+        packed_selected_parts(*args, positions, 1.0)
+    with pytest.raises(ValueError, match="does not fit the store"):
+        packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
+                              positions.int(), 1.0)  # fmt: skip
+    from flashloop_backend.packed_kv import level_metadata
+
+    with pytest.raises(ValueError, match=r"metadata widths \(1, 1, 1\) are below this batch's"):
+        level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE, widths=(1, 1, 1))
 
 
 def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
