@@ -294,14 +294,19 @@ def bench_end_to_end(
     block_size: int = 16,
     log=print,
     config: FlashLoopConfig | None = None,
+    max_batch_tokens: int | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
     applies to the ``flashloop`` backend; every other backend runs dense. A name ending in
     ``+graphs`` (``flashloop+graphs``) runs decode-only steps from CUDA graphs, its kernels
     chosen with the ``cuda_graphs`` capability. Prefill speedups are against the first
-    backend, measured in the same process."""
+    backend, measured in the same process. ``max_batch_tokens`` defaults to one prefill chunk
+    per request: every prompt prefills in the same steps, so decode starts in lockstep and
+    TPOT is the decode of ``concurrency`` rows, not decode interleaved with other prefills."""
     from .host.engine import Engine
+
+    max_batch_tokens = max_batch_tokens or concurrency * prefill_chunk
 
     model, request = random_ouro(layers, block_size)
     cfg = model.config
@@ -316,7 +321,7 @@ def bench_end_to_end(
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(base, wanted, effective)
         engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
-                        max_batch_tokens=max(prefill_chunk, concurrency), prefill_chunk=prefill_chunk,
+                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
                         cuda_graphs=graphs, max_context=tokens_per_request)  # fmt: skip
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
@@ -347,7 +352,7 @@ def bench_end_to_end(
         "kind": "end_to_end_host", "environment": environment_record(),
         "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
         "context": context, "concurrency": concurrency, "new_tokens": new_tokens, "prefill_chunk": prefill_chunk,
-        "method": "second of two identical passes per backend (the first compiles kernels), same process",
+        "max_batch_tokens": max_batch_tokens, "method": "second of two identical passes per backend (the first compiles kernels), same process",
         "config": (config or FlashLoopConfig()).model_dump(mode="json"), "results": results,
     }  # fmt: skip
 

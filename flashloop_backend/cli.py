@@ -225,7 +225,8 @@ def _bench(args: argparse.Namespace) -> int:
         for ctx in args.contexts:
             for conc in args.concurrency:
                 record["runs"].append(bench.bench_end_to_end(
-                    names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log, config=config
+                    names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log, config=config,
+                    max_batch_tokens=args.max_batch_tokens,
                 ))  # fmt: skip
                 keep(record)  # a long sweep keeps what it measured
     text = json.dumps(record, indent=2)
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--layers", type=int, default=None, help="e2e: fewer layers than Ouro-1.4B's 24"
+    )
+    bench.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="e2e: tokens per host step (default: one 2048-token prefill chunk per request)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true")
