@@ -325,7 +325,8 @@ def bench_end_to_end(
                         cuda_graphs=graphs, max_context=tokens_per_request)  # fmt: skip
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
-        _timed_workload(engine, prompts, new_tokens)
+        *_, warm_s = _timed_workload(engine, prompts, new_tokens)
+        log(f"  e2e {name} ctx={context} conc={concurrency}: warm-up pass {warm_s:.1f} s")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         warm_steps = engine.steps

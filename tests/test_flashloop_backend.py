@@ -155,3 +155,38 @@ def test_decode_only_view_skips_prefill_ops(rng):
             calls.clear()
     finally:
         object.__setattr__(choice.impl, "fn", original)
+
+
+def test_prefill_rows_route_to_dense_prefill_and_decode_rows_to_dense_attention():
+    """Prefill rows of dense loops take the tiled prefill op (one K/V tile serves the
+    consecutive rows of a sequence), decode rows the decode op; with token-sparse prefill
+    its loops 3-4 rows take sparse_prefill."""
+    from flashloop_backend.dispatch import ROUTE_CODES, route_rows
+    from flashloop_backend.kernels.ops import OpName
+
+    M = RowMode
+    modes = [M.PREFILL] * 4 + [M.DECODE] * 4
+    depths = [0, 1, 2, 3] * 2
+    view = _view(modes, depths, [7] * 8, torch.zeros(4, 8, 2, dtype=torch.int32))
+    code = {op: ROUTE_CODES[op] for op in OpName}
+    dense = route_rows(view, FlashLoopConfig()).tolist()
+    assert dense == [code[OpName.DENSE_PREFILL]] * 4 + [code[OpName.DENSE_ATTENTION]] * 4
+    sparse = route_rows(view, FlashLoopConfig(token_sparse_prefill={"enabled": True})).tolist()
+    assert sparse[:4] == [code[OpName.DENSE_PREFILL]] * 2 + [code[OpName.SPARSE_PREFILL]] * 2
+
+
+def test_cuda_graphs_requirement_binds_decode_ops_only():
+    """Only the decode traversal is captured: a required ``cuda_graphs`` constrains the
+    kernels of ops decode rows route to, never the prefill ops (which may plan on the host)."""
+    from flashloop_backend.backends.flashloop import FlashLoopSpec
+    from flashloop_backend.capabilities import Capability
+    from flashloop_backend.dispatch import decode_route_ops, prefill_route_ops
+    from flashloop_backend.evaluation import feature_combinations
+
+    request = REQUEST.with_required({Capability.CUDA_GRAPHS})
+    for _, config in feature_combinations(_all_on()):
+        needs = FlashLoopSpec()._op_needs(request, config)
+        for op in decode_route_ops(config):
+            assert Capability.CUDA_GRAPHS in needs[op][1], (op, config)
+        for op in prefill_route_ops(config):
+            assert Capability.CUDA_GRAPHS not in needs[op][1], (op, config)

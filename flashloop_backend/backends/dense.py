@@ -1,8 +1,9 @@
 """Dense baseline backends: ``torch`` (reference), ``triton`` and ``flashinfer``.
 
-Each is one kernel provider's ``dense_attention`` behind vllm-rlt's dense call surface,
-with no FlashLoop features. They are the baselines every FlashLoop speed ratio is measured
-against, and the host's dense paths.
+Each is one kernel provider's ``dense_attention`` (decode rows, and vllm-rlt's dense call
+surface) plus a ``dense_prefill`` kernel for prefill rows, with no FlashLoop features. They
+are the baselines every FlashLoop speed ratio is measured against, and the host's dense
+paths.
 """
 
 from __future__ import annotations
@@ -15,19 +16,32 @@ from .. import __version__
 from ..capabilities import Capability, Environment, SupportRequest, not_supported_reasons
 from ..config import FlashLoopConfig
 from ..dispatch import BatchView, RowMode
-from ..kernels.ops import KernelImpl, OpName
+from ..kernels.ops import KernelImpl, OpName, PagedAttention
 from .base import BackendSpec, DenseCallSurface, SelectionInfo
 
 if TYPE_CHECKING:
-    from ..registry import Registry
+    from ..registry import KernelChoice, Registry
 
 
 class DenseBackendSpec(BackendSpec):
-    """A dense backend built from the ``dense_attention`` op of one kernel provider."""
+    """A dense backend built from the ``dense_attention`` op of one kernel provider.
 
-    def __init__(self, name: str, provider: str, priority: int, description: str) -> None:
+    Prefill rows run on ``prefill_provider``'s ``dense_prefill``, or with None on the
+    highest-priority usable one. Only decode steps are captured in CUDA graphs, so that
+    choice ignores a required ``cuda_graphs``."""
+
+    def __init__(self, name: str, provider: str, priority: int, description: str,
+                 prefill_provider: str | None) -> None:  # fmt: skip
         self.name, self.provider, self.priority = name, provider, priority
         self.version, self.description = __version__, description
+        self.prefill_provider = prefill_provider
+
+    def _prefill(self, registry: Registry, request: SupportRequest) -> KernelChoice:
+        """The ``dense_prefill`` kernel; ValueError naming every reason if none can serve."""
+        eager = SupportRequest(request.device, request.dtype, request.head_dim, request.block_size,
+                               request.num_q_heads, request.num_kv_heads,
+                               request.required - {Capability.CUDA_GRAPHS})  # fmt: skip
+        return registry.select_kernel(OpName.DENSE_PREFILL, eager, self.prefill_provider)
 
     def _impl(self, registry: Registry) -> tuple[KernelImpl | None, list[str]]:
         reasons = registry.kernel_reasons(self.provider, OpName.DENSE_ATTENTION, SupportRequest())
@@ -50,6 +64,10 @@ class DenseBackendSpec(BackendSpec):
         if impl is None:
             return [f"kernel provider {self.provider!r} is unusable: {'; '.join(reasons)}"]
         reasons = not_supported_reasons(impl.support, request, env)
+        try:
+            self._prefill(registry, request)
+        except ValueError as exc:
+            reasons.append(f"prefill rows: {exc}")
         if config.enabled_features():
             reasons.append(
                 f"FlashLoop features {list(config.enabled_features())} are enabled; "
@@ -66,20 +84,22 @@ class DenseBackendSpec(BackendSpec):
     ) -> DenseBackend:
         impl, _ = self._impl(registry)
         assert impl is not None  # not_supported_reasons ran first
-        return DenseBackend(impl, impl.support.capabilities_on(request.device), info)
+        prefill = self._prefill(registry, request).impl.fn
+        return DenseBackend(impl, prefill, impl.support.capabilities_on(request.device), info)
 
     def kernel_choices(
         self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
     ) -> dict[str, str]:
-        return {OpName.DENSE_ATTENTION.value: self.provider}
+        prefill = self._prefill(registry, request).provider.name
+        return {OpName.DENSE_ATTENTION.value: self.provider, OpName.DENSE_PREFILL.value: prefill}
 
 
 class DenseBackend(DenseCallSurface):
-    def __init__(
-        self, impl: KernelImpl, capabilities: frozenset[Capability], info: SelectionInfo
-    ) -> None:
+    def __init__(self, impl: KernelImpl, dense_prefill: PagedAttention,
+                 capabilities: frozenset[Capability], info: SelectionInfo) -> None:  # fmt: skip
         self.impl, self.capabilities, self.info = impl, capabilities, info
         self.dense_attention = impl.fn
+        self.dense_prefill = dense_prefill
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
@@ -99,11 +119,26 @@ class DenseBackend(DenseCallSurface):
         layer: int = 0,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Dense attention for every row of ``view``; inactive and padding rows get zeros."""
+        """Dense attention for every row of ``view``; inactive and padding rows get zeros.
+        Decode rows run on ``dense_attention``, prefill rows on ``dense_prefill``; a kernel
+        whose rows the host knows are absent (``decode_only``, ``decode_bound == 0``) is not
+        launched."""
         modes = view.row_modes.long()
-        skip = (modes == RowMode.INACTIVE) | (modes == RowMode.PAD)
-        lengths = torch.where(skip, torch.zeros_like(view.context_lengths), view.context_lengths)
-        return self.impl.fn(q, key_cache, value_cache, view.row_block_tables(), lengths, scale)
+        tables, lengths = view.row_block_tables(), view.context_lengths
+        decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
+        prefill = modes == RowMode.PREFILL
+        if self.dense_prefill is self.dense_attention:  # one kernel serves both: one launch
+            rows = torch.where(decode | prefill, lengths, torch.zeros_like(lengths))
+            return self.dense_attention(q, key_cache, value_cache, tables, rows, scale)
+        out = None
+        if not view.decode_only:
+            rows = torch.where(prefill, lengths, torch.zeros_like(lengths))
+            out = self.dense_prefill(q, key_cache, value_cache, tables, rows, scale)
+        if view.decode_bound != 0:
+            rows = torch.where(decode, lengths, torch.zeros_like(lengths))
+            dense = self.dense_attention(q, key_cache, value_cache, tables, rows, scale)
+            out = dense if out is None else torch.where(decode[:, None, None], dense, out)
+        return torch.zeros_like(q) if out is None else out
 
 
 def torch_factory() -> DenseBackendSpec:
@@ -112,6 +147,7 @@ def torch_factory() -> DenseBackendSpec:
         "torch_reference",
         10,
         "dense paged attention in plain torch (reference; CPU and GPU)",
+        prefill_provider="torch_reference",
     )
 
 
@@ -120,7 +156,9 @@ def triton_factory() -> DenseBackendSpec:
         "triton",
         "triton",
         80,
-        "dense paged attention in Triton (GPU; split-K, FP32 online softmax)",
+        "dense paged decode in Triton (GPU; split-K, FP32 online softmax); prefill rows on "
+        "the highest-priority dense_prefill kernel (FlashInfer when installed, else Triton tiles)",
+        prefill_provider=None,
     )
 
 
@@ -130,4 +168,5 @@ def flashinfer_factory() -> DenseBackendSpec:
         "flashinfer",
         90,
         "dense paged attention through FlashInfer (GPU; optional extra)",
+        prefill_provider="flashinfer",
     )

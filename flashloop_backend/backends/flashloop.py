@@ -18,6 +18,7 @@ from ..dispatch import (
     ROUTE_CODES,
     BatchView,
     config_capabilities,
+    decode_route_ops,
     prefill_route_ops,
     required_ops,
     routable_ops,
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from ..registry import KernelChoice, Registry
 
 # Which ops must carry a capability for the backend to claim it. ``None``: every op the
-# configuration routes to.
-CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
+# configuration routes to; ``"decode"``: every op it can route a decode row to.
+CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.SOURCE_STATISTICS: (OpName.DENSE_SOURCE,),
     Capability.NONCONSECUTIVE_QUERIES: (OpName.SPARSE_PREFILL,),
     Capability.PACKED_KV_READ: (OpName.PACKED_DECODE,),
@@ -46,7 +47,9 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | None] = {
     ),
     Capability.DEVICE_POSITIONS: None,
     Capability.PACKED_PREFILL: None,
-    Capability.CUDA_GRAPHS: None,
+    # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
+    # so their kernels may plan on the host
+    Capability.CUDA_GRAPHS: "decode",
     Capability.ASYNC_SCHEDULING: None,
 }
 PACKED_VERSION = {
@@ -54,7 +57,7 @@ PACKED_VERSION = {
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
 }
 # Ops whose call path this version of the backend drives.
-PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
+PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL})
 PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
 WIRED_OPS = (
     PAGED_OPS
@@ -80,6 +83,8 @@ class FlashLoopSpec(BackendSpec):
         needs = {r.op: (r.feature, r.capabilities) for r in required_ops(config)}
         for cap in request.required:
             ops = CAPABILITY_OPS[cap]
+            if ops == "decode":
+                ops = tuple(sorted(decode_route_ops(config), key=lambda o: o.value))
             targets = tuple(needs) if ops is None else ops
             # the configuration may route the packed-KV version of a listed op instead
             targets += tuple(PACKED_VERSION[o] for o in targets if PACKED_VERSION.get(o) in needs)

@@ -42,7 +42,10 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     With KV quantization (``fixed_prompt``) a prompt is packed once it has run every loop,
     so prefill reads BF16 and only decode reads packed KV."""
     quantized = config.kv_residual_quantization.enabled
-    needs = [OpRequirement(OpName.DENSE_ATTENTION, "dense", frozenset())]
+    needs = [
+        OpRequirement(OpName.DENSE_ATTENTION, "dense", frozenset()),
+        OpRequirement(OpName.DENSE_PREFILL, "dense", frozenset()),
+    ]
     if config.token_sparse_prefill.enabled:
         needs.append(
             OpRequirement(
@@ -79,8 +82,8 @@ def decode_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
 def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give an active prefill row."""
     if config.token_sparse_prefill.enabled:
-        return frozenset({OpName.DENSE_ATTENTION, OpName.SPARSE_PREFILL})
-    return frozenset({OpName.DENSE_ATTENTION})
+        return frozenset({OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL})
+    return frozenset({OpName.DENSE_PREFILL})
 
 
 def routable_ops(config: FlashLoopConfig, decode_only: bool) -> frozenset[OpName]:
@@ -126,7 +129,8 @@ def base_routes(view: BatchView, config: FlashLoopConfig) -> tuple[torch.Tensor,
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
     prefill = modes == RowMode.PREFILL
     routes = torch.full_like(depth, NOT_ROUTED)
-    routes = torch.where(decode | prefill, ROUTE_CODES[OpName.DENSE_ATTENTION], routes)
+    routes = torch.where(decode, ROUTE_CODES[OpName.DENSE_ATTENTION], routes)
+    routes = torch.where(prefill, ROUTE_CODES[OpName.DENSE_PREFILL], routes)
     if config.kv_residual_quantization.enabled:
         routes = torch.where(decode, ROUTE_CODES[OpName.PACKED_DECODE], routes)
     if config.token_sparse_prefill.enabled:

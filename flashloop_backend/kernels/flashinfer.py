@@ -147,12 +147,12 @@ def provider() -> KernelProvider:
         fi_version = "not installed"
     # Not offered for ``sparse_prefill``: the planner makes every nonconsecutive query row a
     # sequence of its own, which is correct but re-reads the context once per row.
+    # ``dense_prefill`` too: its planner makes each run of consecutive rows one causal sequence.
     impl = {
-        OpName.DENSE_ATTENTION: KernelImpl(
-            OpName.DENSE_ATTENTION, paged_attention_flashinfer, SUPPORT
-        )
+        op: KernelImpl(op, paged_attention_flashinfer, SUPPORT)
+        for op in (OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL)
     }
     return KernelProvider(
         name="flashinfer", version=f"{__version__} (flashinfer {fi_version})", priority=30,
-        description="FlashInfer batch paged decode (host-planned)", impls=impl,
+        description="FlashInfer batch paged decode and prefill (host-planned)", impls=impl,
     )  # fmt: skip

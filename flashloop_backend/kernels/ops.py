@@ -21,7 +21,8 @@ from ..capabilities import Support
 class OpName(str, Enum):
     """Attention segment operations (RFC §4)."""
 
-    DENSE_ATTENTION = "dense_attention"  # per-row causal paged attention (decode, dense prefill)
+    DENSE_ATTENTION = "dense_attention"  # per-row causal paged attention (decode rows)
+    DENSE_PREFILL = "dense_prefill"  # prefill rows of dense loops: consecutive rows share K/V tiles
     SPARSE_PREFILL = "sparse_prefill"  # active prefill rows at nonconsecutive positions
     DENSE_SOURCE = "dense_source"  # reference-loop decode attention + selection statistics
     SPARSE_CORRECTION = "sparse_correction"  # later-loop decode over selected keys + correction
@@ -35,7 +36,7 @@ class OpName(str, Enum):
 
 
 class PagedAttention(Protocol):
-    """``dense_attention`` and ``sparse_prefill``: each row is one query at absolute
+    """``dense_attention``, ``dense_prefill`` and ``sparse_prefill``: each row is one query at absolute
     position ``context_lengths[r] - 1`` attending causally to keys ``[0, context_lengths[r])``
     of its own block table, so rows may come from any request, depth or position.
 

@@ -128,6 +128,7 @@ def provider() -> KernelProvider:
         description="pure torch reference kernels (oracle; CPU and GPU)",
         impls={
             OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, SUPPORT),
+            OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, paged_attention, SUPPORT),
             OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, SUPPORT),
             OpName.DENSE_SOURCE: KernelImpl(
                 OpName.DENSE_SOURCE, dense_source, SPARSE_DECODE_SUPPORT

@@ -88,6 +88,9 @@ SPARSE_SUPPORT = Support(
 def provider() -> KernelProvider:
     impl = {
         OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, _paged, SUPPORT),
+        # the tiled kernel serves both: prefill rows of one sequence share each K/V tile,
+        # where the decode kernel would re-read the context once per row
+        OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, _sparse_prefill, SUPPORT),
         OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, _sparse_prefill, SUPPORT),
     }
     impl[OpName.SPARSE_CORRECTION] = KernelImpl(

@@ -1,0 +1,88 @@
+"""Dense backends: decode rows on ``dense_attention``, prefill rows on ``dense_prefill``,
+each launched only when the host says its rows may be present."""
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig
+from flashloop_backend.backends.base import SelectionInfo
+from flashloop_backend.backends.dense import DenseBackend
+from flashloop_backend.dispatch import RowMode
+from flashloop_backend.kernels.ops import KernelImpl, OpName
+from flashloop_backend.kernels.torch_reference import SUPPORT, paged_attention
+from flashloop_backend.registry import Registry
+
+from .test_flashloop_backend import REQUEST, _view
+
+
+class Spy:
+    """paged_attention that records the context lengths of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def __call__(self, q, kc, vc, tables, lengths, scale=None):
+        self.calls.append(lengths.tolist())
+        return paged_attention(q, kc, vc, tables, lengths, scale)
+
+
+def _backend():
+    decode, prefill = Spy(), Spy()
+    impl = KernelImpl(OpName.DENSE_ATTENTION, decode, SUPPORT)
+    info = SelectionInfo("test", "test", "test")
+    return DenseBackend(impl, prefill, frozenset(), info), decode, prefill
+
+
+def _mixed_view(rng, decode_only=False, decode_bound=None):
+    M = RowMode
+    modes = [M.DECODE, M.PREFILL, M.PREFILL, M.PAD, M.INACTIVE, M.VERIFY]
+    if decode_only:
+        modes = [M.DECODE, M.PAD, M.VERIFY]
+    elif decode_bound == 0:
+        modes = [M.PREFILL, M.PREFILL, M.INACTIVE]
+    tables = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    view = _view(modes, [1] * len(modes), list(range(3, 3 + len(modes))), tables)
+    fields = {k: getattr(view, k) for k in view.__dataclass_fields__}
+    fields.update(decode_only=decode_only, decode_bound=decode_bound)
+    return type(view)(**fields), modes
+
+
+@pytest.mark.parametrize(
+    ("decode_only", "decode_bound", "launched"),
+    [(False, None, ("decode", "prefill")), (True, 3, ("decode",)), (False, 0, ("prefill",))],
+    ids=["mixed", "decode_only", "prefill_only"],
+)
+def test_rows_run_on_their_kernel_and_match_the_reference(rng, decode_only, decode_bound, launched):
+    backend, decode, prefill = _backend()
+    view, modes = _mixed_view(rng, decode_only, decode_bound)
+    kc, vc = torch.randn(2, 12, 4, 2, 16, generator=rng)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    out = backend.forward(q, kc, vc, view)
+    assert ("decode",) * len(decode.calls) + ("prefill",) * len(prefill.calls) == launched
+    lengths = view.context_lengths.tolist()
+    is_decode = [m in (RowMode.DECODE, RowMode.VERIFY) for m in modes]
+    for spy, mine in ((decode, is_decode), (prefill, [m == RowMode.PREFILL for m in modes])):
+        for call in spy.calls:  # each kernel sees only its rows; the others have length 0
+            assert call == [n if m else 0 for n, m in zip(lengths, mine, strict=True)]
+    for r, mode in enumerate(modes):
+        if mode in (RowMode.PAD, RowMode.INACTIVE):
+            assert torch.equal(out[r], torch.zeros_like(out[r]))
+            continue
+        table = view.block_tables[1, r : r + 1]
+        ref = paged_attention(q[r : r + 1], kc, vc, table, view.context_lengths[r : r + 1])
+        torch.testing.assert_close(out[r : r + 1], ref)
+
+
+def test_dense_backends_report_both_kernels():
+    registry = Registry.discover()
+    choices = registry.backends["torch"].kernel_choices(REQUEST, FlashLoopConfig(), registry)
+    assert choices == {"dense_attention": "torch_reference", "dense_prefill": "torch_reference"}
+
+
+def test_prefill_provider_that_cannot_serve_is_a_reason():
+    from flashloop_backend.backends.dense import DenseBackendSpec
+
+    registry = Registry.discover()
+    spec = DenseBackendSpec("x", "torch_reference", 1, "test", prefill_provider="no_such")
+    reasons = spec.not_supported_reasons(REQUEST, FlashLoopConfig(), registry, registry.env)
+    assert any("prefill rows" in r and "no_such" in r for r in reasons), reasons
