@@ -226,7 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
             for conc in args.concurrency:
                 record["runs"].append(bench.bench_end_to_end(
                     names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log, config=config,
-                    max_batch_tokens=args.max_batch_tokens,
+                    max_batch_tokens=args.max_batch_tokens, warmup_context=args.warmup_context,
                 ))  # fmt: skip
                 keep(record)  # a long sweep keeps what it measured
     text = json.dumps(record, indent=2)
@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="e2e: tokens per host step (default: one 2048-token prefill chunk per request)",
+    )
+    bench.add_argument(
+        "--warmup-context",
+        type=int,
+        default=None,
+        help="e2e: prompt length of the untimed warm-up pass (default: the timed context)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true")

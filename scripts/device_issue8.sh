@@ -27,7 +27,8 @@ case "${1:?stage: tests, features, graphs, decode, prefill or serving}" in
       --contexts 1024 --concurrency 1,16 --out "$OUT/bench_e2e_graphs_1k.json" ;;
   decode)
     bench e2e --config configs/all_on.json --backends triton+graphs,flashloop+graphs \
-      --contexts 32768 --concurrency 16 --new-tokens 8 --layers 4 --out "$OUT/bench_e2e_graphs_32k.json" ;;
+      --contexts 32768 --concurrency 16 --new-tokens 8 --layers 4 --warmup-context 2048 \
+      --out "$OUT/bench_e2e_graphs_32k.json" ;;
   prefill)
     bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;

@@ -43,3 +43,26 @@ def test_plan_reused_for_the_same_tensors_and_redone_when_they_change(monkeypatc
     assert len(plans) == 2 and compared
     adapter(q, cache, cache, tables, torch.tensor([21, 30], dtype=torch.int32))
     assert len(plans) == 3
+
+
+def test_plan_sequences_groups_a_prefill_chunk_and_keeps_decode_rows_apart():
+    """Hand-worked plan, block size 4: a 3-row chunk of one sequence (positions 4-6, table
+    [3, 5]), a decode row at position 7 (table [1, 2]) and a padding row."""
+    from flashloop_backend.kernels.flashinfer import plan_sequences
+
+    tables = torch.tensor([[3, 5], [3, 5], [3, 5], [1, 2], [-1, -1]], dtype=torch.int32)
+    lengths = torch.tensor([5, 6, 7, 8, 0], dtype=torch.int32)
+    qo, kv_indptr, indices, last = plan_sequences(tables, lengths, 4)
+    assert qo.tolist() == [0, 3, 4, 5]  # sequences: the chunk, the decode row, the padding row
+    assert kv_indptr.tolist() == [0, 2, 4, 5]  # 7 keys -> 2 pages, 8 -> 2, padding -> 1
+    assert indices.tolist() == [3, 5, 1, 2, 0]
+    assert last.tolist() == [3, 4, 1]
+    assert all(t.dtype == torch.int32 for t in (qo, kv_indptr, indices, last))
+
+
+def test_plan_sequences_splits_rows_whose_lengths_do_not_continue():
+    from flashloop_backend.kernels.flashinfer import plan_sequences
+
+    tables = torch.tensor([[3, 5], [3, 5]], dtype=torch.int32)
+    qo, *_ = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)
+    assert qo.tolist() == [0, 1, 2]  # two decode rows of one table at the same position

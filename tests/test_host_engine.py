@@ -186,3 +186,20 @@ def test_max_context_bounds_requests_and_sizes_the_selection_bucket():
         ValueError, match=r"max_context=300 must lie in \[1, max_position_embeddings=256\]"
     ):
         Engine(model, backend, num_blocks=64, block_size=4, max_context=300)
+
+
+def test_table_tensor_follows_reserve_and_drop_prefix():
+    """The cached host tensor of a request's tables is rebuilt whenever they change."""
+    from flashloop_backend.host import PagedKVCache
+
+    kv = PagedKVCache(16, 1, 4, 1, 2, num_depths=2, dtype=torch.float32, device="cpu")
+    kv.reserve(0, 4)
+    first = kv.table_tensor(0)
+    assert first.tolist() == [kv.block_table(0, d) for d in range(2)]
+    assert kv.table_tensor(0) is first  # unchanged tables: the same tensor, no rebuild
+    kv.reserve(0, 12)
+    grown = kv.table_tensor(0)
+    assert grown.shape == (2, 3) and grown.tolist() == [kv.block_table(0, d) for d in range(2)]
+    kv.drop_prefix(0, 4)
+    assert kv.table_tensor(0)[:, 0].tolist() == [-1, -1]
+    assert kv.table_blocks(0) == 3

@@ -78,15 +78,14 @@ def build_batch(
     # One table per (request, depth) travels to the device; rows gather theirs there (a
     # prefill chunk would otherwise copy rows x depths x pages entries from the host).
     owners = list(dict.fromkeys(g.request_id for g in groups))
-    widest = max([len(kv.block_table(r, 0)) for r in owners] or [1])
+    widest = max([kv.table_blocks(r) for r in owners] or [1])
     if table_width is not None and table_width < widest:
         raise ValueError(f"table_width={table_width} is below the widest block table ({widest})")
     width = table_width or widest
     per_request = torch.full((kv.num_depths, len(owners) + 1, width), -1, dtype=torch.int32)
     for index, request_id in enumerate(owners):
-        for depth in range(kv.num_depths):
-            table = kv.block_table(request_id, depth)
-            per_request[depth, index, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        table = kv.table_tensor(request_id)
+        per_request[:, index, : table.shape[1]] = table
     owner_of = {request_id: index for index, request_id in enumerate(owners)}
     row_owner = [owner_of[g.request_id] for g in groups for _ in range(g.count)]
     row_owner += [len(owners)] * pad  # padding rows read the all -1 table

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -122,6 +123,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
+        self.fill_seconds = 0.0  # host time planning graph steps' inputs (not the replays)
         self.graph_bytes = 0  # reserved memory the captures added (the shared graph pool)
 
     # ------------------------------------------------------------ planning
@@ -133,7 +135,7 @@ class DecodeGraphs:
             return (
                 f"{len(groups)} decode rows exceed the largest bucket {self.settings.buckets[-1]}"
             )
-        widest = max(len(self.kv.block_table(g.request_id, 0)) for g in groups)
+        widest = max(self.kv.table_blocks(g.request_id) for g in groups)
         if widest > self.width:
             return (f"a block table of {widest} blocks exceeds the graph capacity of {self.width} "
                     f"(max_context={self.max_context})")  # fmt: skip
@@ -175,6 +177,7 @@ class DecodeGraphs:
     def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
         """The traversal's output [rows, hidden] for decode ``groups`` with inputs ``hidden``
         [rows, hidden]; None when these rows must run eagerly (reason in ``fallbacks``)."""
+        started = time.perf_counter()
         reason = self._reason(groups)
         bucket = next((b for b in self.settings.buckets if b >= len(groups)), 0)
         levels = 1
@@ -187,6 +190,7 @@ class DecodeGraphs:
             return None
         self._fill(groups, hidden, bucket)
         packed_meta = self._meta_views(bucket, levels)
+        self.fill_seconds += time.perf_counter() - started
 
         def traverse() -> torch.Tensor:
             # A new view object each time: the backend plans once per view (gather order,
@@ -222,5 +226,6 @@ class DecodeGraphs:
         return {
             "graphs": sorted(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
             "fallbacks": dict(self.fallbacks), "graph_bytes": self.graph_bytes,
+            "host_fill_ms_per_step": 1e3 * self.fill_seconds / max(1, self.replays + self.eager_steps),
             "max_context": self.max_context, "buckets": list(self.settings.buckets),
         }  # fmt: skip

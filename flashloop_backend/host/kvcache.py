@@ -21,6 +21,9 @@ class OutOfBlocksError(RuntimeError):
 class _Tables:
     planes: list[list[int]] = field(default_factory=list)  # [depth][block index] -> block id
     capacity_tokens: int = 0
+    # [depths, blocks] int32 host copy of ``planes``, rebuilt after a change: a step's batch
+    # reads it instead of converting every plane's list again (2K entries per plane at 32K)
+    cached: torch.Tensor | None = None
 
 
 class PagedKVCache:
@@ -72,6 +75,7 @@ class PagedKVCache:
         for plane in tables.planes:
             while len(plane) < per_plane:
                 plane.append(self._free.pop())
+                tables.cached = None
         tables.capacity_tokens = max(tables.capacity_tokens, per_plane * self.block_size)
 
     def release(self, request_id: int) -> None:
@@ -95,6 +99,7 @@ class PagedKVCache:
                     self._free.append(plane[index])
                     plane[index] = -1
                     freed += 1
+        self._tables[request_id].cached = None
         return freed
 
     def gather_planes(
@@ -135,6 +140,20 @@ class PagedKVCache:
 
     def block_table(self, request_id: int, depth: int) -> list[int]:
         return list(self._tables[request_id].planes[depth])
+
+    def table_blocks(self, request_id: int) -> int:
+        """Blocks in each of the request's block tables (every plane has as many)."""
+        return len(self._tables[request_id].planes[0])
+
+    def table_tensor(self, request_id: int) -> torch.Tensor:
+        """[depths, blocks] int32 on the host: every plane's block table (-1: freed).
+        Read-only: the same tensor is returned until the tables change."""
+        tables = self._tables[request_id]
+        if tables.cached is None:
+            tables.cached = torch.tensor(tables.planes, dtype=torch.int32).reshape(
+                self.num_depths, -1
+            )
+        return tables.cached
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided per-layer views [num_blocks, block_size, Hkv, D] of the pools."""

@@ -29,6 +29,38 @@ SUPPORT = Support(
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
+def plan_sequences(
+    tables: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR plan of rows with tables [R, MB] and lengths [R] (any device):
+    (qo_indptr [S + 1], kv_indptr [S + 1], page indices [sum of pages], last page length
+    [S]), int32 on the host. Consecutive rows with one table and consecutive lengths form a
+    causal sequence (a prefill chunk); other rows are sequences of one query. Padding rows
+    (length 0) are planned as one visible key (zeroed afterwards), so FlashInfer never sees
+    an empty sequence. The rows are grouped on the tables' device, so only each sequence's
+    table travels to the host (a 32K-row chunk would otherwise copy R x MB entries)."""
+    rows = lengths.shape[0]
+    lengths = lengths.long().clamp(min=1)
+    tables = tables.clamp(min=0)
+    starts_here = torch.ones(rows, dtype=torch.bool, device=lengths.device)
+    if rows > 1:
+        same = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
+        starts_here[1:] = ~same
+    first = torch.nonzero(starts_here).flatten()
+    ends = torch.cat([first[1:], first.new_tensor([rows])])
+    kv_len = lengths[ends - 1].cpu()
+    seq_tables = tables[first].cpu()
+    first = first.cpu()
+    pages = (kv_len + block_size - 1) // block_size
+    keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
+    indices = seq_tables[keep].to(torch.int32)
+    kv_indptr = torch.zeros(len(first) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(pages, 0)
+    last = (kv_len - (pages - 1) * block_size).to(torch.int32)
+    qo_indptr = torch.cat([first, first.new_tensor([rows])]).to(torch.int32)
+    return qo_indptr, kv_indptr, indices, last
+
+
 class FlashInferPagedAttention:
     """Per-row paged attention through FlashInfer (NHD layout). Consecutive rows with the same
     block table and consecutive context lengths (a prefill chunk) are planned as one causal
@@ -46,25 +78,10 @@ class FlashInferPagedAttention:
     def plan(
         self, tables, lengths, device, num_q_heads, num_kv_heads, head_dim, block_size, dtype, scale
     ):
-        """Plan from host copies of tables [R, MB] and lengths [R]: consecutive rows with one
-        table and consecutive lengths form a causal sequence; CSR page lists per sequence.
-        Padding rows (length 0) are planned as one visible key and zeroed afterwards, so
-        FlashInfer never sees an empty sequence."""
-        self.empty_rows = (lengths == 0).to(device)
-        lengths = lengths.clamp(min=1)
-        tables = tables.clamp(min=0)
-        continues = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
-        starts = [0, *(torch.nonzero(~continues).flatten() + 1).tolist()]
-        ends = [*starts[1:], len(lengths)]
-        kv_len = lengths[torch.tensor(ends) - 1]
-        pages = (kv_len + block_size - 1) // block_size
-        keep = torch.arange(tables.shape[1])[None, :] < pages[:, None]
-        indices = tables[torch.tensor(starts)][keep].to(torch.int32)
-        kv_indptr = torch.zeros(len(starts) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(pages, 0)
-        last = (kv_len - (pages - 1) * block_size).to(torch.int32)
-        qo_indptr = torch.tensor([*starts, len(lengths)], dtype=torch.int32)
-        self.use_prefill = len(starts) < len(lengths)
+        """Plan for tables [R, MB] and lengths [R] (see :func:`plan_sequences`)."""
+        self.empty_rows = lengths == 0
+        qo_indptr, kv_indptr, indices, last = plan_sequences(tables, lengths, block_size)
+        self.use_prefill = len(qo_indptr) - 1 < len(lengths)
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         if self.use_prefill:
             self.prefill.plan(
@@ -107,8 +124,8 @@ class FlashInferPagedAttention:
             or not (torch.equal(last[1], block_tables) and torch.equal(last[2], context_lengths))
         ):
             self.plan(
-                block_tables.long().cpu(),
-                context_lengths.long().cpu(),
+                block_tables,
+                context_lengths,
                 q.device,
                 num_q_heads,
                 num_kv_heads,
