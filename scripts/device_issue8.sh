@@ -2,7 +2,7 @@
 # The H200 records issue 8 still needs, one call per stage (each stays under the 10-minute
 # call limit; every benchmark rewrites its JSON as it goes):
 #   tests    the CUDA-graph tests (replay vs eager, every combination; a fresh machine
-#            compiles every Triton specialization first: TESTS=-k... narrows them)
+#            compiles every Triton specialization first: TESTS="<-k expression>" narrows them)
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
@@ -14,11 +14,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
-case "${1:?stage: tests, features, graphs, decode, prefill or serving}" in
+case "${1:?stage: tests, features, graphs, decode, prefill, profile or serving}" in
   tests)
-    # shellcheck disable=SC2086
-    timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_graphs.py \
-      ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
+    timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
+      tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
   features)
     timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
       -k features 2>&1 | tee "$OUT/gpu_tests_features.log" | tail -25 ;;
@@ -32,6 +31,10 @@ case "${1:?stage: tests, features, graphs, decode, prefill or serving}" in
   prefill)
     bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;
+  profile)
+    # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
+    timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \
+      --context 32768 --concurrency 16 --layers 2 --steps 8 2>&1 | tee "$OUT/profile_all_on_32k.log" | tail -40 ;;
   serving)
     bench serving --backends triton+graphs --config configs/all_on.json --layers 6 \
       --contexts 1024,8192 --concurrency 1,16 --out "$OUT/bench_serving_graphs.json" ;;
