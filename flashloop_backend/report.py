@@ -145,12 +145,14 @@ def _quality_vs_speed(results: Path, plt):
 
 def _graphs_tpot(results: Path, plt):
     """TPOT through the host of every entry of the ``bench_e2e_graphs*.json`` records
-    (eager and ``+graphs`` entries side by side)."""
+    (eager and ``+graphs`` entries side by side; each bar names its record and layers)."""
     bars = []
     for path in sorted(results.glob("bench_e2e_graphs*.json")):
+        record = path.stem.removeprefix("bench_e2e_graphs_")
         for run in json.loads(path.read_text())["runs"]:
+            layers = run["model"].rpartition(", ")[2] if "layers" in run["model"] else "24 layers"
             for name, entry in run["results"].items():
-                label = f"{name}\n{run['context'] // 1024}K x {run['concurrency']}"
+                label = f"{name}\n{run['context'] // 1024}K x {run['concurrency']}, {layers}\n[{record}]"
                 bars.append((label, entry["tpot_ms"]["median"]))
     if not bars:
         return None
