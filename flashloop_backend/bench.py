@@ -230,8 +230,10 @@ def ouro_1p4b_shapes(layers: int | None = None):
     )  # fmt: skip
 
 
-def _timed_workload(engine, prompts, new_tokens):
-    """Submit every prompt at once; (ids, first-token times, finish times, total seconds)."""
+def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
+    """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
+    ``kv_probe`` receives (tokens, KV bytes held) once, at the step where every request has
+    its first token (``Engine.kv_held``: one host call inside the timed window)."""
     from .host.engine import SamplingParams
 
     ids = [
@@ -251,6 +253,8 @@ def _timed_workload(engine, prompts, new_tokens):
                 first[rid] = now
         for f in finished:
             done[f.request_id] = now
+        if kv_probe is not None and not kv_probe and len(first) == len(ids):
+            kv_probe.append(engine.kv_held())
     return ids, first, done, time.perf_counter() - start
 
 
@@ -335,7 +339,8 @@ def bench_end_to_end(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         warm_steps = engine.steps
-        ids, first, done, total = _timed_workload(engine, prompts, new_tokens)
+        probe: list[tuple[int, int]] = []
+        ids, first, done, total = _timed_workload(engine, prompts, new_tokens, probe)
         ttft = [first[i] for i in ids]
         tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
         results[name] = {
@@ -345,6 +350,8 @@ def bench_end_to_end(
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
+            # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
+            "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
             "config_digest": resolve(effective, base, wanted, registry).digest(),
             "graphs": engine.graphs.stats() if engine.graphs else None,
             "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)

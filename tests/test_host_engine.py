@@ -203,3 +203,34 @@ def test_table_tensor_follows_reserve_and_drop_prefix():
     kv.drop_prefix(0, 4)
     assert kv.table_tensor(0)[:, 0].tolist() == [-1, -1]
     assert kv.table_blocks(0) == 3
+
+
+def test_kv_held_counts_packed_bytes_and_freed_blocks():
+    """With KV quantization the packed prompt's BF16 blocks go back to the pool: the held
+    bytes per token drop below dense's, counted from the pool and the store's tensors."""
+    import json
+    from pathlib import Path
+
+    from flashloop_backend import FlashLoopConfig, embedded_model_path
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.host import Engine, SamplingParams, load_model
+    from flashloop_backend.registry import Registry
+
+    model = load_model(embedded_model_path(), "cpu", torch.float32)
+    c = model.config
+    request = SupportRequest("cpu", torch.float32, c.head_dim, 16, c.num_attention_heads,
+                             c.num_key_value_heads)  # fmt: skip
+    quant = json.loads((Path(__file__).parents[1] / "configs" / "all_on.json").read_text())
+    held = {}
+    for name, config in (("dense", FlashLoopConfig()), ("quant", FlashLoopConfig.from_dict(quant))):
+        backend = Registry.discover().create("flashloop", request, config)
+        engine = Engine(model, backend, num_blocks=256, prefill_chunk=128)
+        engine.add_request(list(range(1, 257)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while not engine._requests[0].output:
+            engine.step()
+        tokens, nbytes = engine.kv_held()
+        assert tokens == 257
+        held[name] = nbytes / tokens
+    per_token_bf16 = engine.kv.bytes_per_token()
+    assert held["dense"] >= per_token_bf16  # whole blocks on every plane
+    assert held["quant"] < held["dense"] / 3, held

@@ -136,6 +136,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return any(r.phase != "done" for r in self._requests.values())
 
+    def kv_held(self) -> tuple[int, int]:
+        """(tokens of live requests, KV bytes they hold now): BF16 blocks in use on every
+        plane plus the packed store's steady bytes (KV quantization frees packed blocks)."""
+        per_block = self.kv.bytes_per_token() // self.cfg.total_ut_steps * self.kv.block_size
+        held = (self.kv.num_blocks - self.kv.free_blocks) * per_block
+        packed = getattr(self.backend, "packed", None)
+        if packed is not None:
+            held += packed.store.accounting()["steady_bytes"]
+        tokens = sum(len(r.prompt) + len(r.output) for r in self._requests.values())
+        return tokens, held
+
     # ------------------------------------------------------------ one step
     def step(self) -> list[GenerationResult]:
         """Admit what fits, run one traversal over the scheduled rows, return finished ones."""

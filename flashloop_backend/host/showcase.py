@@ -36,15 +36,11 @@ def _run(model, tokenizer, prompts, config, block_size, max_new_tokens) -> dict:
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     start, generated, best = time.perf_counter(), 0, (0, 0.0)
-    per_block = engine.kv.bytes_per_token() // engine.cfg.total_ut_steps * engine.kv.block_size
     while engine.has_unfinished():
         generated += sum(len(r.output_token_ids) for r in engine.step())
-        held = engine.kv.num_blocks - engine.kv.free_blocks  # BF16 blocks still in use
-        packed = engine.backend.packed
-        tokens = sum(len(r.prompt) + len(r.output) for r in engine._requests.values())
+        tokens, held = engine.kv_held()
         if tokens > best[0]:
-            stored = held * per_block + (packed.store.accounting()["steady_bytes"] if packed else 0)
-            best = (tokens, stored / tokens)
+            best = (tokens, held / tokens)
     seconds = time.perf_counter() - start
     return {"tokens_per_s": generated / seconds, "kv_bytes_per_token": best[1]}
 
