@@ -106,17 +106,19 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
     # the BF16 paged cache holds the tail rows [32, 52) of both sequences (pages 2-3 / 6-7)
     cache_k = torch.randn(8, block, H, D, generator=rng)
     cache_v = torch.randn(8, block, H, D, generator=rng)
-    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 2, 3], [-1, -1, 6, 7]])
-    sequences, depths = [0, 1, 0, 1], [0, 3, 2, 2]
-    lengths = torch.tensor([52, 45, 33, 52])
-    q = torch.randn(4, H, D, generator=rng)
+    tables = torch.tensor([[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 2, 3], [-1, -1, 6, 7]] * 2)[:5]
+    # the last row is routed to another op: length 0 although its sequence is packed
+    sequences, depths = [0, 1, 0, 1, 0], [0, 3, 2, 2, 3]
+    lengths = torch.tensor([52, 45, 33, 52, 0])
+    q = torch.randn(5, H, D, generator=rng)
     layer = 1
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
         tables.int().to(DEVICE), lengths.int().to(DEVICE),
     )  # fmt: skip
-    for i, (sequence, depth) in enumerate(zip(sequences, depths, strict=True)):
+    assert torch.equal(got[4].float().cpu(), torch.zeros(H, D))
+    for i, (sequence, depth) in enumerate(zip(sequences[:4], depths[:4], strict=True)):
         k, v = store.reconstruct(sequence, depth, layer)
         tail_k = cache_k[tables[i, 2:]].reshape(-1, H, D)[:tail].to(dtype).float()
         tail_v = cache_v[tables[i, 2:]].reshape(-1, H, D)[:tail].to(dtype).float()

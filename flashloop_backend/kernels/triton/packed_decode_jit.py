@@ -159,7 +159,9 @@ def packed_decode_split_kernel(
     l_i = 0.0
     acc = tl.zeros([HEAD_DIM // GROUP, GROUP], tl.float32)
     first = split * groups_per_split
-    last = first + groups_per_split
+    # groups past the row's length hold no visible key: a row routed to another op (length
+    # 0) costs its programs nothing, where it had read its whole packed history
+    last = tl.minimum(first + groups_per_split, tl.cdiv(length, GROUP))
     for group in range(first, tl.minimum(last, packed_groups)):
         pos_e = group * GROUP + 2 * tl.arange(0, GROUP // 2)
         page = tl.load(tables + group).to(tl.int64)
