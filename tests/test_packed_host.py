@@ -164,3 +164,33 @@ def test_rolling_mixed_batches_equal_one_by_one():
     ]
     alone = [_engine(model, config).generate([p], params)[0].output_token_ids for p in prompts]
     assert together == alone
+
+
+def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
+    """Chunked conversion gathers at most ``chunk`` rows at a time; with dense levels the
+    pages hold the same groups, so the log-probs are those of packing the prompt at once."""
+    import functools
+
+    from flashloop_backend.host import engine as engine_module
+    from flashloop_backend.host import features
+
+    model = tiny_model(seed=2)
+    forced = [3, 9, 27, 1, 4, 8]
+    config = FlashLoopConfig(kv_residual_quantization=QUANT)
+    whole = _logprobs(_engine(model, config), PROMPT, forced)
+    gathered = []
+    gather = engine_module.PagedKVCache.gather_planes
+
+    def spy(self, request_id, start, end):
+        gathered.append(end - start)
+        return gather(self, request_id, start, end)
+
+    monkeypatch.setattr(engine_module.PagedKVCache, "gather_planes", spy)
+    monkeypatch.setattr(
+        engine_module, "pack_prompt", functools.partial(features.pack_prompt, chunk=16)
+    )
+    chunked = _logprobs(_engine(model, config), PROMPT, forced)
+    assert gathered == [16, 16, 16]  # 48 prompt rows, groups of 16
+    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="chunk=24 must be a multiple of group_size=16"):
+        features.pack_prompt(None, _engine(model, config).backend.packed, None, False, 4, chunk=24)
