@@ -8,6 +8,7 @@
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
 #            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
+#   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
 #            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16)
 set -uo pipefail
