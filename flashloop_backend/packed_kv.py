@@ -65,6 +65,7 @@ class SequenceLevels:
     maps: list[torch.Tensor | None] = field(default_factory=list)  # [level] -> [rows] int32
     # the same maps on the host: per-batch reader metadata is planned there every step
     host_maps: list[torch.Tensor | None] = field(default_factory=list)
+    version: int = 0  # the store's append count at this entry's last append (unique)
 
 
 class PackedKVStore:
@@ -94,6 +95,7 @@ class PackedKVStore:
         self.v_scale = torch.zeros_like(self.v_min)  # fmt: skip
         self._free = list(range(num_pages - 1, -1, -1))
         self.sequences: dict[int, SequenceLevels] = {}
+        self._appends = 0
 
     @property
     def pools(self) -> tuple[torch.Tensor, ...]:
@@ -169,6 +171,8 @@ class PackedKVStore:
         for depth, k in enumerate(keys):
             self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
         levels.rows += rows
+        self._appends += 1
+        levels.version = self._appends
         self.sequences[sequence] = levels
 
     def _encode_level(
@@ -325,19 +329,47 @@ def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: li
     kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
     packed = torch.zeros(len(sequences), dtype=torch.int32)
     for i, (entry, depth) in enumerate(zip(entries, depths, strict=True)):
-        if entry is None:
-            continue
-        packed[i] = entry.rows
-        for level in range(min(depth + 1, len(entry.pages))):
-            if entry.pages[level]:
-                tables[i, level, : len(entry.pages[level])] = torch.tensor(entry.pages[level])
-                kinds[i, level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
-            if entry.host_maps[level] is not None:
-                maps[i, level, : entry.rows] = entry.host_maps[level]
+        write_row_levels(entry, tables[i], maps[i], depth + 1)
+        kinds[i], packed[i] = torch.tensor(row_kinds(entry, depth, levels)), row_packed(entry)
     return {
         "level_tables": tables.to(device), "level_maps": maps.to(device),
         "level_kinds": kinds.to(device), "packed_lengths": packed.to(device),
     }  # fmt: skip
+
+
+def write_row_levels(entry: SequenceLevels | None, tables: torch.Tensor, maps: torch.Tensor,
+                     levels: int) -> None:  # fmt: skip
+    """Write one row's page ids ``tables`` [Lv, P] and compact maps ``maps`` [Lv, Tp] (any
+    device; -1 where absent) for its sequence's first ``levels`` levels."""
+    if entry is None:
+        return
+    for level in range(min(levels, len(entry.pages), tables.shape[0])):
+        if entry.pages[level]:
+            pages = torch.tensor(entry.pages[level], dtype=torch.int32)
+            tables[level, : len(entry.pages[level])] = pages
+        if entry.host_maps[level] is not None:
+            maps[level, : entry.rows] = entry.host_maps[level]
+
+
+def row_kinds(entry: SequenceLevels | None, depth: int, levels: int) -> list[int]:
+    """Per level < ``levels``: how a row at ``depth`` reads it (``LEVEL_EMPTY`` past its
+    depth or the sequence's levels: readers skip the level, whatever its table holds)."""
+    kinds = [LEVEL_EMPTY] * levels
+    if entry is not None:
+        for level in range(min(depth + 1, len(entry.pages), levels)):
+            if entry.pages[level]:
+                kinds[level] = LEVEL_DENSE if entry.maps[level] is None else LEVEL_COMPACT
+    return kinds
+
+
+def row_packed(entry: SequenceLevels | None) -> int:
+    """Packed rows of the row's sequence (0: reads BF16 only)."""
+    return 0 if entry is None else entry.rows
+
+
+def level_version(entry: SequenceLevels | None) -> int | None:
+    """Differs whenever the row's page ids or maps may differ (another entry, an append)."""
+    return None if entry is None else entry.version
 
 
 def level_widths(store: PackedKVStore, sequences: list[int | None], depths: list[int]) -> tuple[int, int, int]:  # fmt: skip

@@ -198,3 +198,49 @@ def test_batch_shapes_are_checked():
               "incarnations", "request_ids", "window_ids", "context_lengths", "block_tables")}  # fmt: skip
     with pytest.raises(ValueError, match=r"decode_bound=3 must lie in \[0, rows=2\]"):
         BatchView(**fields, decode_bound=3)
+
+
+def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):
+    """The graph runner rewrites a row's page tables and maps only when its sequence or
+    packing changed: at every step, everything a reader can see (kinds, packed lengths,
+    and tables/maps of the levels a row reads) equals the per-batch plan's, while rows
+    finish at different steps and the others move up."""
+    from flashloop_backend.host.graphs import DecodeGraphs
+    from flashloop_backend.packed_kv import LEVEL_EMPTY, level_metadata
+
+    model = tiny_model(seed=7)
+    config = _config({"token_sparse_prefill": True, "kv_residual_quantization": True})
+    engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=EAGER_GRAPHS)
+    original, checked, rewrites = DecodeGraphs._fill_packed, [], []
+    fill_ = torch.Tensor.fill_
+
+    def counting_fill(tensor, value):
+        rewrites.append(1)
+        return fill_(tensor, value)
+
+    def compared(self, groups, bucket):
+        levels, reason = original(self, groups, bucket)
+        if reason is None:
+            pad = bucket - len(groups)
+            owners = [g.request_id for g in groups] + [-1] * pad
+            depths = [g.depth for g in groups] + [0] * pad
+            store = self.backend.packed.store
+            plan = level_metadata(
+                store, owners, depths, "cpu", (levels, self.pages, self.packed_rows)
+            )
+            mine = self._meta_views(bucket, levels)
+            assert torch.equal(mine["level_kinds"], plan["level_kinds"])
+            assert torch.equal(mine["packed_lengths"], plan["packed_lengths"])
+            read = plan["level_kinds"] != LEVEL_EMPTY
+            for name in ("level_tables", "level_maps"):
+                assert torch.equal(mine[name][read], plan[name][read]), name
+            checked.append(len(groups))
+        return levels, reason
+
+    monkeypatch.setattr(DecodeGraphs, "_fill_packed", compared)
+    monkeypatch.setattr(torch.Tensor, "fill_", counting_fill)
+    lengths = [3, 6, 9]  # requests leave at different steps: rows shift
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    engine.generate(PROMPTS, params)
+    assert len(set(checked)) > 1 and len(checked) > 10
+    assert len(rewrites) < len(checked)  # most steps rewrote no row's tables

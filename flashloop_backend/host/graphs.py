@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ConfigError
 from ..dispatch import BatchView, RowMode
-from ..packed_kv import level_metadata, level_widths
+from ..packed_kv import level_version, level_widths, row_kinds, row_packed, write_row_levels
 from .batch import Batch, RowGroup, build_batch
 from .kvcache import PagedKVCache
 
@@ -120,6 +120,7 @@ class DecodeGraphs:
                 "level_kinds": torch.zeros((rows, depths), dtype=torch.int32, device=device),
                 "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
             }  # fmt: skip
+        self._meta_rows: list[tuple | None] = [None] * rows  # what each row's tables/maps hold
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
@@ -156,7 +157,10 @@ class DecodeGraphs:
         self.hidden[len(groups) : bucket].zero_()
 
     def _fill_packed(self, groups: list[RowGroup], bucket: int) -> tuple[int, str | None]:
-        """Plan the packed reader's metadata into its buffers: (levels, reason it cannot)."""
+        """Plan the packed reader's metadata into its buffers: (levels, reason it cannot).
+        A row's page tables and maps (every level its sequence has) are rewritten only when
+        its sequence or that sequence's packing changed since the buffers last held them;
+        per step only the kinds (which levels the row's depth reads) and packed lengths."""
         store = self.backend.packed.store
         pad = bucket - len(groups)
         owners = [g.request_id for g in groups] + [-1] * pad
@@ -164,9 +168,20 @@ class DecodeGraphs:
         levels, pages, rows = level_widths(store, owners, depths)
         if pages > self.pages or rows > self.packed_rows:
             return levels, f"a packed history of {rows} rows exceeds the graph capacity of {self.packed_rows}"  # fmt: skip
-        planned = level_metadata(store, owners, depths, "cpu", (levels, self.pages, self.packed_rows))  # fmt: skip
-        for name, view in self._meta_views(bucket, levels).items():
-            view.copy_(planned[name])
+        entries = [store.sequences.get(owner) for owner in owners]
+        tables, maps = self.meta["level_tables"], self.meta["level_maps"]
+        for row, entry in enumerate(entries):
+            version = (owners[row], level_version(entry))
+            if entry is not None and self._meta_rows[row] != version:
+                tables[row].fill_(-1)
+                maps[row].fill_(-1)
+                write_row_levels(entry, tables[row], maps[row], tables.shape[1])
+                self._meta_rows[row] = version
+        all_levels = self.meta["level_kinds"].shape[1]
+        kinds = [row_kinds(e, d, all_levels) for e, d in zip(entries, depths, strict=True)]
+        self.meta["level_kinds"][:bucket].copy_(torch.tensor(kinds, dtype=torch.int32))
+        packed = torch.tensor([row_packed(e) for e in entries], dtype=torch.int32)
+        self.meta["packed_lengths"][:bucket].copy_(packed)
         return levels, None
 
     def _meta_views(self, bucket: int, levels: int) -> dict[str, torch.Tensor]:
