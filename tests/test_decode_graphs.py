@@ -156,8 +156,8 @@ def test_recorded_replays_catch_a_plan_made_outside_the_capture(monkeypatch):
     made: dict[int, object] = {}
     original = graphs.DecodeGraphs._view
 
-    def reused(self, bucket):
-        return made.setdefault(bucket, original(self, bucket))
+    def reused(self, bucket, depths):
+        return made.setdefault((bucket, depths), original(self, bucket, depths))
 
     monkeypatch.setattr(graphs.DecodeGraphs, "_view", reused)
     engine = _engine(model, config, max_batch_tokens=24,
@@ -193,11 +193,13 @@ def test_batch_shapes_are_checked():
     with pytest.raises(ValueError, match=r"table_width=3 is below the widest block table \(10\)"):
         build_batch(groups, kv, "cpu", table_width=3)
     view = build_batch(groups, kv, "cpu", pad_to=2).view
-    assert view.decode_only and view.decode_bound == 1
+    assert view.decode_only and view.decode_bound == 1 and view.decode_depths == {0}
     fields = {name: getattr(view, name) for name in ("positions", "depths", "row_modes", "slots",
               "incarnations", "request_ids", "window_ids", "context_lengths", "block_tables")}  # fmt: skip
     with pytest.raises(ValueError, match=r"decode_bound=3 must lie in \[0, rows=2\]"):
         BatchView(**fields, decode_bound=3)
+    with pytest.raises(ValueError, match=r"decode_depths=\[-1\] must be depths >= 0"):
+        BatchView(**fields, decode_depths=frozenset({-1}))
 
 
 def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):

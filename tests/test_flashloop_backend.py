@@ -190,3 +190,53 @@ def test_cuda_graphs_requirement_binds_decode_ops_only():
             assert Capability.CUDA_GRAPHS in needs[op][1], (op, config)
         for op in prefill_route_ops(config):
             assert Capability.CUDA_GRAPHS not in needs[op][1], (op, config)
+
+
+def test_routable_ops_by_decode_depth_cover_every_route_at_that_depth():
+    """``decode_depths`` narrows the launched ops to those a decode row at one of these
+    depths can take (reference ready or not), for every combination."""
+    from flashloop_backend.dispatch import ROUTE_CODES, routable_ops, route_rows
+    from flashloop_backend.evaluation import feature_combinations
+
+    code_to_op = {code: op for op, code in ROUTE_CODES.items()}
+    for _, config in feature_combinations(_all_on()):
+        for depth in range(4):
+            view = _view([RowMode.DECODE] * 2, [depth] * 2, [7] * 2, torch.zeros(4, 2, 2, dtype=torch.int32))  # fmt: skip
+            seen = set()
+            for ready in (torch.zeros(2, dtype=torch.bool), torch.ones(2, dtype=torch.bool)):
+                seen |= {code_to_op[int(c)] for c in route_rows(view, config, ready)}
+            assert seen == routable_ops(config, True, {depth}), (config, depth)
+        assert routable_ops(config, True, {0, 1, 2, 3}) == routable_ops(config, True)
+
+
+def test_decode_steps_launch_only_the_ops_of_their_depths(rng):
+    """A loop-1 decode step never launches the loop-2 source or the correction; a loop-2
+    step launches only the source."""
+    from dataclasses import replace
+
+    from flashloop_backend.kernels.ops import OpName
+
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.5})
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    backend.reserve_state(4, 1, 4, 16, 12, "cpu")
+    calls: list[OpName] = []
+    originals = {}
+    for op, choice in backend.kernels.items():
+        originals[op] = choice.impl.fn
+        spy = lambda *a, _op=op, _fn=choice.impl.fn, **k: calls.append(_op) or _fn(*a, **k)  # noqa: E731
+        object.__setattr__(choice.impl, "fn", spy)
+    try:
+        kc = torch.randn(12, 4, 2, 16, generator=rng)
+        planes = torch.randint(0, 12, (4, 2, 3), generator=rng, dtype=torch.int32)
+        q = torch.randn(2, 4, 16, generator=rng)
+        expected = {0: {OpName.DENSE_ATTENTION}, 1: {OpName.DENSE_SOURCE},
+                    2: {OpName.DENSE_ATTENTION, OpName.SPARSE_CORRECTION}}  # fmt: skip
+        for depth, ops in expected.items():
+            view = _view([RowMode.DECODE, RowMode.PAD], [depth, 0], [5, 0], planes)
+            view = replace(view, decode_only=True, decode_depths=frozenset({depth}))
+            backend.forward(q, kc, kc, view)
+            assert set(calls) == ops, (depth, calls)
+            calls.clear()
+    finally:
+        for op, fn in originals.items():
+            object.__setattr__(backend.kernels[op].impl, "fn", fn)

@@ -201,6 +201,10 @@ class FlashLoopBackend(DenseCallSurface):
                 )
         return reasons
 
+    def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
+        """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
+        return tuple(sorted(op.value for op in routable_ops(self.config, True, depths)))
+
     def reserve_packed(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
                        device: torch.device | str) -> None:  # fmt: skip
         """Allocate the packed INT4 KV store (KV quantization only)."""
@@ -256,7 +260,7 @@ class FlashLoopBackend(DenseCallSurface):
         out = torch.zeros_like(gathered_q)
         meta = self.packed.meta_for(view, order) if self.packed is not None else None
         prefill_ops = prefill_route_ops(self.config)
-        launched = routable_ops(self.config, view.decode_only)
+        launched = routable_ops(self.config, view.decode_only, view.decode_depths)
         bound = view.num_rows if view.decode_bound is None else view.decode_bound
         for op, choice in self.kernels.items():
             n = view.num_rows if op in prefill_ops else bound  # decode ops: the decode segment

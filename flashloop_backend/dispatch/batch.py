@@ -36,6 +36,8 @@ class BatchView:
     launches only the ops decode rows can route to (a CUDA graph's execution mode).
     decode_bound (host-known): at most this many rows are DECODE/VERIFY, so ops only decode
     rows route to run on that many rows of the decode-first order (None: on every row).
+    decode_depths (host-known): the loop depths of the DECODE/VERIFY rows, so ops no row at
+    those depths can route to are not launched (None: any depth).
 
     A backend plans a view once and reuses the plan for every layer (keyed by identity):
     build a new view for every submission, and for every CUDA-graph capture.
@@ -52,6 +54,7 @@ class BatchView:
     block_tables: torch.Tensor
     decode_only: bool = False
     decode_bound: int | None = None
+    decode_depths: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
@@ -75,6 +78,12 @@ class BatchView:
             )
         if self.decode_bound is not None and not 0 <= self.decode_bound <= rows:
             raise ValueError(f"decode_bound={self.decode_bound} must lie in [0, rows={rows}]")
+        if self.decode_depths is not None and any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.decode_depths
+        ):
+            raise ValueError(
+                f"decode_depths={sorted(self.decode_depths, key=str)} must be depths >= 0"
+            )
         devices = {t.device for t in (*per_row.values(), self.block_tables)}
         if len(devices) != 1:
             raise ValueError(f"batch view tensors span devices {sorted(map(str, devices))}")

@@ -7,6 +7,7 @@ dynamic half (:func:`route_rows`) labels each row on the device, without host re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +70,26 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     return tuple(needs)
 
 
-def decode_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
-    """Ops :func:`route_rows` can give a decode (or verify) row."""
-    decode = {
+def decode_route_ops(config: FlashLoopConfig, depths: Iterable[int] | None = None) -> frozenset[OpName]:  # fmt: skip
+    """Ops :func:`route_rows` can give a decode (or verify) row at one of ``depths`` (None:
+    at any depth)."""
+    dense = (
         OpName.PACKED_DECODE if config.kv_residual_quantization.enabled else OpName.DENSE_ATTENTION
-    }
-    if config.sparse_decode_attention.enabled:
-        decode |= set(sparse_decode_ops(config))
-    return frozenset(decode)
+    )
+    if not config.sparse_decode_attention.enabled:
+        return frozenset({dense})
+    source, correction = sparse_decode_ops(config)
+    if depths is None:
+        return frozenset({dense, source, correction})
+    ops: set[OpName] = set()
+    for depth in depths:
+        if depth == REFERENCE_DEPTH:
+            ops.add(source)
+        elif depth >= SPARSE_START_DEPTH:
+            ops |= {correction, dense}  # dense when the token's reference is not ready
+        else:
+            ops.add(dense)
+    return frozenset(ops)
 
 
 def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
@@ -86,12 +99,14 @@ def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
     return frozenset({OpName.DENSE_PREFILL})
 
 
-def routable_ops(config: FlashLoopConfig, decode_only: bool) -> frozenset[OpName]:
+def routable_ops(config: FlashLoopConfig, decode_only: bool,
+                 decode_depths: Iterable[int] | None = None) -> frozenset[OpName]:  # fmt: skip
     """Ops :func:`route_rows` can give some row of a batch: with ``decode_only`` only those
-    of decode rows (prefill ops would run on no rows)."""
+    of decode rows (prefill ops would run on no rows); with ``decode_depths`` only those
+    decode rows at these depths can take."""
     if decode_only:
-        return decode_route_ops(config)
-    return decode_route_ops(config) | prefill_route_ops(config)
+        return decode_route_ops(config, decode_depths)
+    return decode_route_ops(config, decode_depths) | prefill_route_ops(config)
 
 
 def config_capabilities(config: FlashLoopConfig) -> frozenset[Capability]:

@@ -107,5 +107,8 @@ def build_batch(
         block_tables=planes,
         decode_only=all(g.mode in (RowMode.DECODE, RowMode.VERIFY) for g in groups),
         decode_bound=sum(g.count for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)),
+        decode_depths=frozenset(
+            g.depth for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)
+        ),
     )
     return Batch(view, torch.tensor(slots, dtype=torch.int64, device=device), tuple(groups), real)

@@ -10,8 +10,10 @@ PAD with length zero and slot -1 (their KV write lands in the cache's scratch bl
 backend returns zeros for them). The loop-2 reference states and the packed store are the
 backend's own fixed device tensors.
 
-Graph key: (bucket, levels), where levels is the packed reader's ``LEVELS`` (a kernel
-variant: the deepest packed row's depth + 1; 1 without KV quantization). The first step of
+Graph key: (bucket, levels, ops), where levels is the packed reader's ``LEVELS`` (a
+kernel variant: the deepest packed row's depth + 1; 1 without KV quantization) and ops
+the backend's ``decode_ops(depths)`` for the loop depths of the step's rows (a loop-1 step
+never launches the loop-2 source or the correction). The first step of
 a key runs eagerly on the fixed buffers (compiling kernels), which is that step's result,
 then captures; later steps replay. A step the graphs cannot take (more rows than the
 largest bucket, a history wider than the capacity) runs eagerly with the same backend and
@@ -121,7 +123,7 @@ class DecodeGraphs:
                 "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
             }  # fmt: skip
         self._meta_rows: list[tuple | None] = [None] * rows  # what each row's tables/maps hold
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
         self.fill_seconds = 0.0  # host time planning graph steps' inputs (not the replays)
@@ -142,9 +144,10 @@ class DecodeGraphs:
                     f"(max_context={self.max_context})")  # fmt: skip
         return None
 
-    def _view(self, bucket: int) -> BatchView:
+    def _view(self, bucket: int, depths: frozenset[int]) -> BatchView:
         fields = {name: tensor[:bucket] for name, tensor in self.fields.items()}
-        return BatchView(**fields, block_tables=self.tables[:, :bucket], decode_only=True)
+        return BatchView(**fields, block_tables=self.tables[:, :bucket], decode_only=True,
+                         decode_depths=depths)  # fmt: skip
 
     def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:
         """Copy this step's rows into the fixed buffers (padding rows after them)."""
@@ -211,13 +214,16 @@ class DecodeGraphs:
             # A new view object each time: the backend plans once per view (gather order,
             # routes, packed metadata), so the capture must see one no eager run planned,
             # or the graph would replay the warm-up's plan instead of computing it.
-            view = self._view(bucket)
+            view = self._view(bucket, depths)
             if self.meta:
                 self.backend.packed.use_plan(view, packed_meta)
             batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
             return self.traverse(self.hidden[:bucket], batch)
 
-        key = (bucket, levels)
+        # the depths present decide which ops the traversal launches (and so captures)
+        depths = frozenset(g.depth for g in groups)
+        launched = getattr(self.backend, "decode_ops", lambda _: ())(depths)
+        key = (bucket, levels, launched)
         with torch.no_grad():
             if not self.settings.capture:
                 self.eager_steps += 1
