@@ -339,6 +339,8 @@ def bench_end_to_end(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         warm_steps = engine.steps
+        if engine.graphs is not None:
+            engine.graphs.time_replays()
         probe: list[tuple[int, int]] = []
         ids, first, done, total = _timed_workload(engine, prompts, new_tokens, probe)
         ttft = [first[i] for i in ids]
@@ -354,6 +356,7 @@ def bench_end_to_end(
             "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
             "config_digest": resolve(effective, base, wanted, registry).digest(),
             "graphs": engine.graphs.stats() if engine.graphs else None,
+            "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)
             if backends[0] in results else 1.0,
         }  # fmt: skip

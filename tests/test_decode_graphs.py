@@ -246,3 +246,36 @@ def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):
     engine.generate(PROMPTS, params)
     assert len(set(checked)) > 1 and len(checked) > 10
     assert len(rewrites) < len(checked)  # most steps rewrote no row's tables
+
+
+def test_replays_are_timed_per_graph_key_when_asked():
+    """After ``time_replays`` every replay is bracketed by the capture's events and
+    ``replay_ms`` reports each key's median and count."""
+    import time
+
+    from .graph_recorder import RecordingCapture
+
+    class Event:
+        def record(self):
+            self.at = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.at - self.at)
+
+    class TimedCapture(RecordingCapture):
+        def event(self):
+            return Event()
+
+    model = tiny_model(seed=7)
+    config = _config({"sparse_decode_attention": True})
+    engine = _engine(model, config, max_batch_tokens=24, graph_capture=TimedCapture(),
+                     cuda_graphs=GraphSettings(buckets=(1, 2, 4), max_context=128))  # fmt: skip
+    engine.graphs.time_replays()
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    timed = engine.graphs.replay_ms()
+    assert sum(t["replays"] for t in timed.values()) == engine.graphs.replays > 0
+    assert all(t["median_ms"] > 0 for t in timed.values())
+    assert any("sparse_correction" in key for key in timed)  # keys name the launched ops

@@ -86,6 +86,10 @@ class CudaCapture:
     def capturing(self, graph: torch.cuda.CUDAGraph):
         return torch.cuda.graph(graph, pool=self.pool)
 
+    def event(self) -> torch.cuda.Event:
+        """A timing event on the stream replays run on (recorded without a host sync)."""
+        return torch.cuda.Event(enable_timing=True)
+
 
 class DecodeGraphs:
     """Graphs of one engine's decode traversal. ``traverse(hidden, batch)`` is the engine's
@@ -127,6 +131,7 @@ class DecodeGraphs:
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
         self.fill_seconds = 0.0  # host time planning graph steps' inputs (not the replays)
+        self._timed: list[tuple[tuple, object, object]] | None = None
         self.graph_bytes = 0  # reserved memory the captures added (the shared graph pool)
 
     # ------------------------------------------------------------ planning
@@ -230,7 +235,14 @@ class DecodeGraphs:
                 return traverse()[: len(groups)]
             if key in self.graphs:
                 graph, out = self.graphs[key]
-                graph.replay()
+                if self._timed is None:
+                    graph.replay()
+                else:  # events around the replay: GPU time per key, read after the run
+                    start, end = self.capture.event(), self.capture.event()
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    self._timed.append((key, start, end))
                 self.replays += 1
                 return out[: len(groups)].clone()  # the pool is shared: the next replay reuses it
             out = traverse()  # this step's result; compiles every kernel before the capture
@@ -242,6 +254,19 @@ class DecodeGraphs:
             self.graph_bytes += self.capture.reserved() - before
             self.graphs[key] = (graph, static)
             return out[: len(groups)]
+
+    def time_replays(self) -> None:
+        """From now on, time every replay on the device (no host sync per step)."""
+        self._timed = []
+
+    def replay_ms(self) -> dict[str, dict]:
+        """GPU ms per replay of each graph key since :meth:`time_replays` (this syncs)."""
+        per_key: dict[tuple, list[float]] = {}
+        for key, start, end in self._timed or []:
+            end.synchronize()
+            per_key.setdefault(key, []).append(start.elapsed_time(end))
+        return {repr(key): {"median_ms": sorted(ms)[len(ms) // 2], "replays": len(ms)}
+                for key, ms in sorted(per_key.items())}  # fmt: skip
 
     def stats(self) -> dict:
         return {
