@@ -415,10 +415,15 @@ def _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket) -> dict:
     from .kernels.triton import dense_source as designs
     from .kernels.triton.paged_decode import paged_attention_triton
 
+    split = designs.SelectTuning(split_min_span=0)  # the split design at every span
+
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
         "radix_select": lambda: designs.dense_source_triton(
             q, kc, vc, tables, lengths, ratio, bucket
+        ),
+        "split_select": lambda: designs.dense_source_triton(
+            q, kc, vc, tables, lengths, ratio, bucket, tuning=split
         ),
         "torch_topk": lambda: designs.dense_source_torch_topk(
             q, kc, vc, tables, lengths, ratio, bucket

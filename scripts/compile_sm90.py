@@ -94,8 +94,32 @@ def main() -> int:
             shape,
             8,
         )
+    ok &= _split_selection()
     ok &= _dense_kernels()
     return 0 if ok else 1
+
+
+def _split_selection() -> bool:
+    """The split selection's digit (first and last), count and compact kernels."""
+    from flashloop_backend.kernels.triton.select_split_jit import (
+        select_compact_kernel,
+        select_count_kernel,
+        select_digit_kernel,
+    )
+
+    pointers = {"lengths_ptr": "*i32", "hist_ptr": "*i32", "counts_ptr": "*i32", "idx_ptr": "*i32",
+                "v_ptr": "*bf16", "tables_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
+    ok = True
+    for level in (0, 3):
+        ok &= _compile(f"select_digit LEVEL={level}", select_digit_kernel, pointers, set(),
+                       dict(LEVEL=level, BLOCK=1024), 4)  # fmt: skip
+    ok &= _compile("select_count", select_count_kernel, pointers, set(), dict(BLOCK=1024), 4)
+    for contribute in (False, True):
+        shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, SPLITS_PAD=64,
+                     CONTRIBUTE=contribute)  # fmt: skip
+        ok &= _compile(f"select_compact CONTRIBUTE={contribute}", select_compact_kernel,
+                       pointers, set(), shape, 4)  # fmt: skip
+    return ok
 
 
 def _dense_kernels() -> bool:

@@ -8,6 +8,8 @@
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
 #            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
+#   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
+#            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
 #            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16)
@@ -15,7 +17,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
-case "${1:?stage: tests, features, graphs, decode, prefill, profile or serving}" in
+case "${1:?stage: tests, features, graphs, decode, prefill, select, profile or serving}" in
   tests)
     timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
       tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
@@ -32,6 +34,8 @@ case "${1:?stage: tests, features, graphs, decode, prefill, profile or serving}"
   prefill)
     bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;
+  select)
+    bench sparse --contexts 8192,32768 --concurrency 1,16 --out "$OUT/bench_sparse_decode.json" ;;
   profile)
     # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
     timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \

@@ -120,16 +120,19 @@ def _dense_source_impls():
     # that fits the scratch, and one that overflows it (exact radix-select fallback)
     bracket = module.SelectTuning(sample=16, candidates=64, block=16)
     fallback = module.SelectTuning(sample=16, candidates=16, block=16)
+    # the split design on every span, several splits per (row, head)
+    split = module.SelectTuning(block=16, split_min_span=0, split_programs_per_sm=64, split_max=4)
     return {
         "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
         "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
+        "split": lambda *a: module.dense_source_triton(*a, tuning=split),
         "topk": module.dense_source_torch_topk,
     }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
-@pytest.mark.parametrize("impl", ["bracket", "radix", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
 def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
     from flashloop_backend.kernels.torch_sparse_decode import dense_source
 
@@ -144,7 +147,7 @@ def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
         torch.testing.assert_close(mine, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
 
 
-@pytest.mark.parametrize("impl", ["bracket", "radix", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
 def test_dense_source_ties_go_to_the_earlier_positions(impl, rng):
     q, _, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
     equal_keys = torch.ones_like(vc)  # every visible key has the same logit
@@ -193,3 +196,19 @@ def test_quantize_int4_rounding_constant_groups_and_errors():
     assert constant.scale.tolist() == [0.0, 0.0] and (constant.codes == 0).all()
     with pytest.raises(ValueError, match="group_size=24"):
         quantize_int4_triton(halves, 24)
+
+
+@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
+def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
+    """Two logit values: every larger key is taken, then the earliest ties up to K; with
+    the split design the larger keys and the ties fall in different splits."""
+    from flashloop_backend.kernels.torch_sparse_decode import dense_source
+
+    q, kc, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
+    q = torch.ones_like(q)
+    larger = torch.rand(kc.shape[:2], generator=rng) < 0.15
+    kc = torch.where(larger[:, :, None, None], 2.0, 1.0).expand_as(kc).contiguous().to(DEVICE)
+    expected = dense_source(q, kc, vc, tables, lengths, 0.3, 32)
+    got = _dense_source_impls()[impl](q, kc, vc, tables, lengths, 0.3, 32)
+    assert torch.equal(got[1].sort(-1).values, expected[1].sort(-1).values)
+    torch.testing.assert_close(got[2], expected[2])

@@ -255,7 +255,7 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
     assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
 
 
-@pytest.mark.parametrize("sample", [16, 4096], ids=["sample16", "sample64"])
+@pytest.mark.parametrize("sample", [16, 4096, 0], ids=["sample16", "sample64", "split"])
 def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
     from flashloop_backend.kernels.torch_packed import packed_dense_source
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
@@ -264,6 +264,8 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
     args, lengths = _sparse_case(rng)
     ref = packed_dense_source(*args, lengths, 0.25, 16)
     small = SelectTuning(sample=min(sample, 64), candidates=64 if sample > 16 else 16, block=16)
+    if not sample:  # the split design, several splits per (row, head)
+        small = SelectTuning(block=16, split_min_span=0, split_programs_per_sm=64, split_max=4)
     got = packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small)
     for name, r, g in zip(
         ("out", "indices", "mass", "output", "contribution"), ref, got, strict=True

@@ -11,13 +11,14 @@ int64 key); the benchmark keeps timing it beside the radix-select kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ...reference import ratio_fraction
 from ..torch_sparse_decode import selected_counts
-from .paged_decode import paged_attention_triton
+from .paged_decode import paged_attention_triton, sm_count
 
 LOW32 = 0xFFFFFFFF
 
@@ -25,13 +26,21 @@ LOW32 = 0xFFFFFFFF
 @dataclass(frozen=True)
 class SelectTuning:
     """Selection kernel shape: the strided sample that brackets the K-th key, the scratch
-    for keys inside the bracket (a miss or overflow falls back to an exact radix select)."""
+    for keys inside the bracket (a miss or overflow falls back to an exact radix select).
+    Rows spanning ``split_min_span`` keys or more use the split design instead
+    (``select_split_jit.py``): about ``split_programs_per_sm`` programs per SM, at most
+    ``split_max`` splits of a (row, head), each at least ``block`` keys. Not yet timed on
+    the H200, so off by default (``bench sparse`` times both designs side by side)."""
 
     sample: int = 4096
     candidates: int = 4096
     block: int = 1024
     radix_bits: int = 8
     num_warps: int = 8
+    split_min_span: int = 2**62
+    split_programs_per_sm: int = 8
+    split_max: int = 64
+    split_num_warps: int = 4
 
 
 DEFAULT_SELECT = SelectTuning()
@@ -101,6 +110,10 @@ def launch_selection(logits, lse, context_lengths, value_cache, block_tables, ou
 
     rows, num_q_heads, k_bucket = indices.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
+    if logits.shape[-1] >= tuning.split_min_span:
+        launch_split_selection(logits, lse, context_lengths, value_cache, block_tables, output,
+                               out, indices, mass, contribution, ratio, tuning, contribute)  # fmt: skip
+        return
     select_statistics_kernel[(rows, num_q_heads)](
         logits, lse, context_lengths, value_cache, block_tables, output,
         out, indices, mass, contribution, scratch,
@@ -119,6 +132,64 @@ def launch_selection(logits, lse, context_lengths, value_cache, block_tables, ou
         BLOCK=tuning.block, RADIX_BITS=tuning.radix_bits, SAMPLE=tuning.sample,
         CANDIDATES=tuning.candidates, CONTRIBUTE=contribute, num_warps=tuning.num_warps,
     )  # fmt: skip
+
+
+def launch_split_selection(logits, lse, context_lengths, value_cache, block_tables, output, out,
+                           indices, mass, contribution, ratio, tuning: SelectTuning,
+                           contribute: bool) -> None:  # fmt: skip
+    """:func:`launch_selection`'s result from (row, head, split) programs: one launch per
+    8-bit digit into shared histograms, one to count, one to compact in position order;
+    the splits' mass and contribution are summed afterwards (deterministic)."""
+    from .select_split_jit import (
+        DIGIT_COUNT,
+        select_compact_kernel,
+        select_count_kernel,
+        select_digit_kernel,
+    )
+
+    rows, num_q_heads, k_bucket = indices.shape
+    _, block_size, num_kv_heads, head_dim = value_cache.shape
+    span = logits.shape[-1]
+    want = math.ceil(
+        tuning.split_programs_per_sm * sm_count(logits.device) / max(1, rows * num_q_heads)
+    )
+    splits = max(1, min(tuning.split_max, want, math.ceil(span / tuning.block)))
+    per_split = math.ceil(span / splits)
+    device = logits.device
+    hist = torch.zeros((rows, num_q_heads, DIGIT_COUNT, 256), dtype=torch.int32, device=device)
+    counts = torch.empty((rows, num_q_heads, splits, 2), dtype=torch.int32, device=device)
+    mass_parts = torch.empty((rows, num_q_heads, splits), dtype=torch.float32, device=device)
+    contrib_parts = torch.empty(
+        (rows, num_q_heads, splits, head_dim), dtype=torch.float32, device=device
+    )
+    ratio_num, ratio_den = ratio_fraction(ratio)
+    grid = (rows, num_q_heads, splits)
+    common = (ratio_num, ratio_den, logits.stride(0), logits.stride(1), per_split)
+    for level in range(DIGIT_COUNT):
+        select_digit_kernel[grid](logits, context_lengths, hist, *common, LEVEL=level,
+                                  BLOCK=tuning.block, num_warps=tuning.split_num_warps)  # fmt: skip
+    select_count_kernel[grid](logits, context_lengths, hist, counts, *common, BLOCK=tuning.block,
+                              num_warps=tuning.split_num_warps)  # fmt: skip
+    select_compact_kernel[grid](
+        logits, lse, context_lengths, hist, counts, value_cache, block_tables, output,
+        out, indices, mass_parts, contrib_parts,
+        ratio_num, ratio_den,
+        logits.stride(0), logits.stride(1), lse.stride(0),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        output.stride(0), output.stride(1), out.stride(0), out.stride(1),
+        indices.stride(0), indices.stride(1),
+        per_split, k_bucket,
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK=tuning.block, SPLITS_PAD=triton_next_pow2(splits), CONTRIBUTE=contribute,
+        num_warps=tuning.split_num_warps,
+    )  # fmt: skip
+    torch.sum(mass_parts, dim=2, out=mass)
+    if contribute:
+        torch.sum(contrib_parts, dim=2, out=contribution)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def order_key(logits: torch.Tensor) -> torch.Tensor:
