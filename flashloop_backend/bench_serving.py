@@ -8,6 +8,7 @@ The workload functions take any engine, so the same code runs the embedded model
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -238,6 +239,9 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             log(f"  serving {variant.name:<40} {workload['name']:<28} "
                 f"{summary['throughput_tokens_s']:8.1f} tok/s, failed {summary['failed_requests']}")  # fmt: skip
         del engine, backend
+        gc.collect()  # the engine and its graph runner reference each other: free the pools
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         on_variant(records)
     return records
 
