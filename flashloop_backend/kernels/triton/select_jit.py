@@ -13,6 +13,40 @@ def _order_key(logit):
 
 
 @triton.jit
+def compact_selected(logits_row, idx_row, first, last, threshold, remaining, written, ties_seen,
+                     lse, v_head, tables_row, stride_vb, stride_vt, HEAD_DIM: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTRIBUTE: tl.constexpr):  # fmt: skip
+    """Positions [first, last) of one (row, head) in order: the keys above ``threshold`` and
+    the ties at it whose rank (after ``ties_seen`` earlier ones) is below ``remaining`` are
+    written to ``idx_row`` from slot ``written``. Returns their probability mass and, with
+    CONTRIBUTE, sum p * v from the paged values ([D] zeros otherwise: packed KV sums it)."""
+    offs = tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    mass = tl.zeros([], tl.float32)
+    contribution = tl.zeros([HEAD_DIM], tl.float32)
+    for start in range(first, last, BLOCK):
+        pos = start + offs
+        visible = pos < last
+        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
+        key = _order_key(logit)
+        tie = visible & (key == threshold)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
+        p = tl.where(take, tl.exp(logit - lse), 0.0)
+        if CONTRIBUTE:
+            page = tl.load(tables_row + pos // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
+            v = tl.load(v_head + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + d[None, :],
+                        mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
+            contribution += tl.sum(p[:, None] * v, 0)
+        mass += tl.sum(p, 0)
+        written += tl.sum(take.to(tl.int32), 0)
+        ties_seen += tl.sum(tie.to(tl.int32), 0)
+    return mass, contribution
+
+
+@triton.jit
 def _radix_threshold(logits_row, length, count, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     """The K-th largest key by radix select, most significant digit first (exact for any
     input; one histogram pass per digit). Returns (threshold key, ties to take at it)."""
@@ -133,33 +167,12 @@ def select_statistics_kernel(
 
     # ---- compaction in position order: indices, mass, contribution
     d = tl.arange(0, HEAD_DIM)
-    written = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    mass = tl.zeros([], tl.float32)
-    contribution = tl.zeros([HEAD_DIM], tl.float32)
-    for start in range(0, length, BLOCK):
-        pos = start + offs
-        visible = pos < length
-        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
-        key = _order_key(logit)
-        tie = visible & (key == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
-        slot_out = written + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(
-            idx_ptr + row * stride_ir + head * stride_ih + slot_out, pos.to(tl.int32), mask=take
-        )
-        p = tl.where(take, tl.exp(logit - lse), 0.0)
-        if CONTRIBUTE:  # else the caller sums p * v itself (packed KV: not in pages)
-            page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=take, other=0).to(
-                tl.int64
-            )
-            v = tl.load(v_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
-            contribution += tl.sum(p[:, None] * v, 0)
-        mass += tl.sum(p, 0)
-        written += tl.sum(take.to(tl.int32), 0)
-        ties_seen += tl.sum(tie.to(tl.int32), 0)
+    zero = tl.zeros([], tl.int32)
+    mass, contribution = compact_selected(
+        logits_row, idx_ptr + row * stride_ir + head * stride_ih, 0, length, threshold,
+        remaining, zero, zero, lse, v_ptr + kv_head * stride_vh, tables_ptr + row * stride_tr,
+        stride_vb, stride_vt, HEAD_DIM, BLOCK, BLOCK_SIZE, CONTRIBUTE,
+    )  # fmt: skip
     for start in range(count, bucket, BLOCK):
         pos = start + offs
         tl.store(idx_ptr + row * stride_ir + head * stride_ih + pos, -1, mask=pos < bucket)

@@ -9,7 +9,7 @@ earlier positions, indices in position order."""
 import triton
 import triton.language as tl
 
-from .select_jit import _order_key
+from .select_jit import _order_key, compact_selected
 
 DIGIT_COUNT = 4  # 8-bit digits of a 32-bit key
 DIGITS = tl.constexpr(DIGIT_COUNT)
@@ -132,29 +132,11 @@ def select_compact_kernel(
     kv_head = head // GROUP
     offs = tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
-    mass = tl.zeros([], tl.float32)
-    contribution = tl.zeros([HEAD_DIM], tl.float32)
-    for start in range(first, last, BLOCK):
-        pos = start + offs
-        visible = pos < last
-        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
-        key = _order_key(logit)
-        tie = visible & (key == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
-        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(idx_ptr + row * stride_ir + head * stride_ih + slot, pos.to(tl.int32), mask=take)
-        p = tl.where(take, tl.exp(logit - lse), 0.0)
-        if CONTRIBUTE:
-            page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=take, other=0).to(
-                tl.int64
-            )
-            v = tl.load(v_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
-            contribution += tl.sum(p[:, None] * v, 0)
-        mass += tl.sum(p, 0)
-        written += tl.sum(take.to(tl.int32), 0)
-        ties_seen += tl.sum(tie.to(tl.int32), 0)
+    mass, contribution = compact_selected(
+        logits_row, idx_ptr + row * stride_ir + head * stride_ih, first, last, threshold,
+        remaining, written, ties_seen, lse, v_ptr + kv_head * stride_vh, tables_ptr + row * stride_tr,
+        stride_vb, stride_vt, HEAD_DIM, BLOCK, BLOCK_SIZE, CONTRIBUTE,
+    )  # fmt: skip
     part = (row * tl.num_programs(1) + head) * splits + split
     tl.store(mass_parts_ptr + part, mass)
     tl.store(contrib_parts_ptr + part * HEAD_DIM + d, contribution)
