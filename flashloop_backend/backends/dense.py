@@ -8,6 +8,7 @@ paths.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,9 +39,7 @@ class DenseBackendSpec(BackendSpec):
 
     def _prefill(self, registry: Registry, request: SupportRequest) -> KernelChoice:
         """The ``dense_prefill`` kernel; ValueError naming every reason if none can serve."""
-        eager = SupportRequest(request.device, request.dtype, request.head_dim, request.block_size,
-                               request.num_q_heads, request.num_kv_heads,
-                               request.required - {Capability.CUDA_GRAPHS})  # fmt: skip
+        eager = replace(request, required=request.required - {Capability.CUDA_GRAPHS})
         return registry.select_kernel(OpName.DENSE_PREFILL, eager, self.prefill_provider)
 
     def _impl(self, registry: Registry) -> tuple[KernelImpl | None, list[str]]:

@@ -7,6 +7,7 @@ declares it. With every feature off it is the dense path (DESIGN §4).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,15 +106,7 @@ class FlashLoopSpec(BackendSpec):
                     f"backend {__version__} (wired: {sorted(o.value for o in WIRED_OPS)})"
                 )
                 continue
-            op_request = SupportRequest(
-                request.device,
-                request.dtype,
-                request.head_dim,
-                request.block_size,
-                request.num_q_heads,
-                request.num_kv_heads,
-                caps,
-            )
+            op_request = replace(request, required=caps)
             try:
                 override = config.kernel_overrides.get(op.value)
                 choices[op] = registry.select_kernel(op, op_request, override)

@@ -126,7 +126,7 @@ class DecodeGraphs:
                 "level_kinds": torch.zeros((rows, depths), dtype=torch.int32, device=device),
                 "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
             }  # fmt: skip
-        self._meta_rows: list[tuple | None] = [None] * rows  # what each row's tables/maps hold
+        self._meta_rows: list[int | None] = [None] * rows  # the entry version each row holds
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
@@ -179,7 +179,7 @@ class DecodeGraphs:
         entries = [store.sequences.get(owner) for owner in owners]
         tables, maps = self.meta["level_tables"], self.meta["level_maps"]
         for row, entry in enumerate(entries):
-            version = (owners[row], level_version(entry))
+            version = level_version(entry)  # unique per append across the store
             if entry is not None and self._meta_rows[row] != version:
                 tables[row].fill_(-1)
                 maps[row].fill_(-1)
