@@ -314,6 +314,9 @@ def bench_end_to_end(
     it compiles kernels and captures graphs, whose shapes do not depend on prompt length."""
     from .host.engine import Engine
 
+    for name, value in (("max_batch_tokens", max_batch_tokens), ("warmup_context", warmup_context)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1 (or left unset for the default)")
     max_batch_tokens = max_batch_tokens or concurrency * prefill_chunk
 
     model, request = random_ouro(layers, block_size)

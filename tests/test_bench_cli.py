@@ -46,3 +46,16 @@ def test_graph_variant_names():
     assert settings.max_context == 1040 and settings.capture
     with pytest.raises(ConfigError, match="the only suffix is '\\+graphs'"):
         graph_variant("triton+fast", 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [({"max_batch_tokens": 0}, "max_batch_tokens=0 must be >= 1"),
+     ({"warmup_context": -1}, "warmup_context=-1 must be >= 1")],
+)  # fmt: skip
+def test_end_to_end_rejects_bad_step_sizes_before_touching_the_gpu(kwargs, fragment):
+    from flashloop_backend.bench import bench_end_to_end
+    from flashloop_backend.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment):
+        bench_end_to_end(["triton"], 1024, 1, **kwargs)
