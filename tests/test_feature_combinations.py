@@ -65,6 +65,17 @@ def test_graph_safety_is_asked_of_the_packed_ops_the_config_routes_to():
     assert OpName.PACKED_SOURCE not in plain  # nothing routes there without KV quantization
 
 
+@pytest.mark.parametrize("flags", COMBINATIONS, ids=COMBINATION_IDS)
+def test_an_h200_claims_graphs_and_graph_safe_sparse_for_every_combination(flags):
+    """Only decode steps are captured, so an eager-only sparse prefill kernel must not take
+    ``graph_safe_sparse`` away (it did: the H200 test found no combination claiming it)."""
+    from flashloop_backend.capabilities import Capability, Environment
+
+    registry = Registry.discover(Environment(True, (9, 0), "NVIDIA H200"))
+    caps = registry.backends["flashloop"].capabilities(registry, _config(flags), registry.env, "cuda")  # fmt: skip
+    assert {Capability.CUDA_GRAPHS, Capability.GRAPH_SAFE_SPARSE} <= caps
+
+
 def test_host_reading_packed_references_do_not_claim_async_scheduling():
     from flashloop_backend.capabilities import Capability
 

@@ -41,11 +41,9 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.SOURCE_STATISTICS: (OpName.DENSE_SOURCE,),
     Capability.NONCONSECUTIVE_QUERIES: (OpName.SPARSE_PREFILL,),
     Capability.PACKED_KV_READ: (OpName.PACKED_DECODE,),
-    Capability.GRAPH_SAFE_SPARSE: (
-        OpName.SPARSE_PREFILL,
-        OpName.DENSE_SOURCE,
-        OpName.SPARSE_CORRECTION,
-    ),
+    # only decode steps are captured (DESIGN §4): sparse prefill runs eagerly, so graph
+    # safety is asked of the sparse decode ops alone
+    Capability.GRAPH_SAFE_SPARSE: (OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION),
     Capability.DEVICE_POSITIONS: None,
     Capability.PACKED_PREFILL: None,
     # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
