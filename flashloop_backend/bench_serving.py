@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .config import ConfigError
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -156,6 +158,23 @@ class Variant:
     backend: str
     config: object  # FlashLoopConfig
 
+    @property
+    def key(self) -> str:
+        """The name without spaces, as ``bench serving --variants`` takes it ("dense",
+        a feature name, or feature names joined by "+")."""
+        return self.name.removesuffix(" alone").replace(" + ", "+")
+
+
+def pick_variants(variants: list[Variant], keys: list[str] | None) -> list[Variant]:
+    """The variants whose :attr:`Variant.key` is in ``keys`` (None: all), in run order."""
+    if keys is None:
+        return variants
+    known = [v.key for v in variants]
+    unknown = [k for k in keys if k not in known]
+    if unknown or not keys:
+        raise ConfigError(f"unknown serving variants {unknown or keys}; this config has {known}")
+    return [v for v in variants if v.key in keys]
+
 
 def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
     """Dense on ``baseline``, then each feature of ``config`` alone and cumulatively (in
@@ -248,18 +267,21 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
 
 def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[int],
                   new_tokens: int, layers: int | None, rate_per_s: float, log=print,
-                  on_partial: Callable[[dict], None] = lambda record: None) -> dict:  # fmt: skip
+                  on_partial: Callable[[dict], None] = lambda record: None,
+                  variant_keys: list[str] | None = None) -> dict:  # fmt: skip
     """The GPU record: a fixed-arrival mixed workload (prompts drawn from ``contexts``,
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
     closed-loop matrix contexts x concurrency (2 x concurrency requests each), on dense
     ``baseline`` and each feature of ``config`` alone and cumulatively, one process.
-    ``on_partial`` receives the record after each variant."""
+    ``on_partial`` receives the record after each variant; ``variant_keys`` runs only
+    those variants (:func:`pick_variants`)."""
     import math
 
     import torch
 
     from .bench import environment_record, graph_variant, random_ouro
 
+    pick_variants(variants_for(config), variant_keys)  # a bad name fails before the GPU work
     block_size = 16
     model, request = random_ouro(layers, block_size)
     most = max(concurrency)
@@ -286,7 +308,8 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
             "config": config.model_dump(mode="json"), "runs": runs,
         }  # fmt: skip
 
-    runs = serve_variants(model, request, variants_for(config, baseline), workloads, num_blocks,
+    variants = pick_variants(variants_for(config, baseline), variant_keys)
+    runs = serve_variants(model, request, variants, workloads, num_blocks,
                           block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
                           max_context=tokens,
                           on_variant=lambda runs: on_partial(record(list(runs))))  # fmt: skip

@@ -203,8 +203,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serving":
         from .bench_serving import bench_serving
 
+        if not config.enabled_features():
+            raise ConfigError(
+                "bench serving compares features with dense: --config must enable at least one"
+            )
+
         record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
-                               args.layers, args.rate, log=bench.progress_log, on_partial=keep)  # fmt: skip
+                               args.layers, args.rate, log=bench.progress_log, on_partial=keep,
+                               variant_keys=args.variants.split(",") if args.variants else None)  # fmt: skip
     elif args.mode == "packed":
         from .bench_packed import bench_packed_kv
 
@@ -262,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="GPU benchmarks: kernel level or end to end through the host"
     )
     bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed", "serving"])
+    bench.add_argument(
+        "--variants",
+        help="serving: comma-separated variants to run (dense, a feature name, or feature "
+        "names joined by '+'; default: dense, each feature alone and cumulatively)",
+    )
     bench.add_argument(
         "--rate", type=float, default=2.0, help="serving: fixed-arrival requests per second"
     )

@@ -12,7 +12,8 @@
 #            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
-#            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16)
+#            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16; VARIANTS="dense,<key>"
+#            runs only those: keys as ``bench serving --variants``)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -42,6 +43,7 @@ case "${1:?stage: tests, features, graphs, decode, prefill, select, profile or s
       --context 32768 --concurrency 16 --layers 2 --steps 8 2>&1 | tee "$OUT/profile_all_on_32k.log" | tail -40 ;;
   serving)
     bench serving --backends triton+graphs --config configs/all_on.json --layers 6 \
-      --contexts 1024,8192 --concurrency 1,16 --out "$OUT/bench_serving_graphs.json" ;;
+      --contexts 1024,8192 --concurrency 1,16 ${VARIANTS:+--variants "$VARIANTS"} \
+      --out "$OUT/bench_serving_graphs${VARIANTS:+_picked}.json" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -21,6 +21,11 @@ def cli(*args):
         (("bench", "prefill", "--retentions", "0.5,1.5"), "must list ratios in (0, 1]"),
         (("bench", "e2e", "--config", "/nonexistent.json"), "/nonexistent.json"),
         (("bench", "kernel", "--backends", "triton+graphs"), "apply to e2e and serving only"),
+        (("bench", "serving"), "--config must enable at least one"),
+        (
+            ("bench", "serving", "--config", "configs/all_on.json", "--variants", "dense,all"),
+            "unknown serving variants ['all']",
+        ),
     ],
 )
 def test_bench_argument_errors(args, fragment):

@@ -10,6 +10,7 @@ from flashloop_backend.bench_serving import (
     Arrival,
     RequestTimes,
     fixed_arrival_schedule,
+    pick_variants,
     run_workload,
     serve_variants,
     summarize,
@@ -107,6 +108,20 @@ def test_variants_are_dense_each_feature_alone_and_cumulative(model):
         all_on["memory"]["reference_state_bytes"] > 0
         and dense["config_digest"] != all_on["config_digest"]
     )
+
+
+def test_variants_are_picked_by_key_in_run_order_and_unknown_keys_are_named():
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    variants = variants_for(config, baseline="torch")
+    all_on = "token_sparse_prefill+sparse_decode_attention+kv_residual_quantization"
+    picked = pick_variants(variants, [all_on, "dense"])
+    assert [v.name for v in picked] == ["dense", variants[-1].name]
+    assert [v.key for v in pick_variants(variants, ["kv_residual_quantization"])] == [
+        "kv_residual_quantization"
+    ]
+    assert pick_variants(variants, None) == variants
+    with pytest.raises(ValueError, match=r"unknown serving variants \['all'\].*'dense'"):
+        pick_variants(variants, ["dense", "all"])
 
 
 def test_a_pool_that_does_not_fit_is_recorded_not_raised(model, monkeypatch):
