@@ -75,7 +75,8 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 def _tunings(levels: int, sweep: bool) -> list:
     """The registered launch, then (``sweep``) the warp count that applies to ``levels``
-    levels against programs per SM, each launch once."""
+    levels against programs per SM at whole groups per step, and against rows per step
+    (32, 16: smaller tiles without spills, ``scripts/kernel_registers.py``), each once."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING
 
     field = "num_warps" if levels <= 2 else "deep_num_warps"
@@ -83,13 +84,23 @@ def _tunings(levels: int, sweep: bool) -> list:
     if sweep:
         grid = [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p})
                 for w in (1, 2, 4) for p in (8, 16, 32)]  # fmt: skip
+        grid += [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p, "rows_per_step": r})
+                 for r in (32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
         out += [t for t in grid if t != DEFAULT_TUNING]
     return out
 
 
+def tuning_label(tuning, levels: int) -> str:
+    """``_w{warps}_p{programs per SM}`` and ``_r{rows per step}`` when not a whole group."""
+    from .kernels.triton.packed_decode import warps_for
+
+    label = f"_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
+    return label + (f"_r{tuning.rows_per_step}" if tuning.rows_per_step else "")
+
+
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
-    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton, warps_for
+    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
     from .packed_kv import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
@@ -127,7 +138,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 )
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
                 if tuning != DEFAULT_TUNING:
-                    key += f"_w{warps_for(tuning, depth + 1)}_p{tuning.programs_per_sm}"
+                    key += tuning_label(tuning, depth + 1)
                 results["depths"][key] = {
                     "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
                     "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,

@@ -18,13 +18,11 @@ def _registered_depth1(case: dict) -> dict:
     """The depth-1 entry timed with today's registered launch (records keep sweeps)."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING
 
-    want = (DEFAULT_TUNING.num_warps, DEFAULT_TUNING.programs_per_sm)
+    fields = ("num_warps", "programs_per_sm", "rows_per_step")  # older records: no rows
+    want = tuple(getattr(DEFAULT_TUNING, f) for f in fields)
     for key, entry in case["depths"].items():
         tuning = entry.get("tuning", {})
-        if (
-            key.startswith("dense_levels_depth1")
-            and (tuning.get("num_warps"), tuning.get("programs_per_sm")) == want
-        ):
+        if key.startswith("dense_levels_depth1") and tuple(map(tuning.get, fields)) == want:
             return entry
     return case["depths"]["dense_levels_depth1"]
 

@@ -59,11 +59,10 @@ def main() -> int:
              "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16"}  # fmt: skip
     ok = True
     for levels in (1, 2, 4):
-        for logits in (False, True):
-            shape = dict(
-                GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, STORE_LOGITS=logits
-            )
-            ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits}",
+        for logits, rows in ((False, 64), (True, 64), (False, 16)):
+            shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
+                         STORE_LOGITS=logits, ROWS=rows)  # fmt: skip
+            ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} ROWS={rows}",
                            packed_decode_split_kernel, store, {"scale"}, shape, 1 if levels <= 2 else 2)  # fmt: skip
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)

@@ -91,13 +91,19 @@ def _attention(q, k, v, length):
     return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), v[:length])
 
 
+# (group size, rows per step): a whole group per step, or two steps per group
+STEPPING = [(G, None), (32, None), (32, 16)]
+STEPPING_IDS = [f"group{g}_rows{r or g}" for g, r in STEPPING]
+
+
+@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
-    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_per_step, rng):
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
     from flashloop_backend.packed_kv import level_metadata
 
     rows, tail, block = 32, 20, 16
-    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    store = PackedKVStore(24, L, H, D, group, device=DEVICE)
     active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 3 == 0] * 2
     versions = {s: (_versions(rng, rows), _versions(rng, rows)) for s in (0, 1)}
     store.encode(0, [k.to(DEVICE) for k in versions[0][0]], [v.to(DEVICE) for v in versions[0][1]])
@@ -115,7 +121,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
-        tables.int().to(DEVICE), lengths.int().to(DEVICE),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step),
     )  # fmt: skip
     assert torch.equal(got[4].float().cpu(), torch.zeros(H, D))
     for i, (sequence, depth) in enumerate(zip(sequences[:4], depths[:4], strict=True)):
@@ -129,12 +135,12 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, rng):
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=tol, rtol=tol)
 
 
-def _sparse_case(rng):
+def _sparse_case(rng, group: int = G):
     """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
     from flashloop_backend.packed_kv import level_metadata
 
     rows = 32
-    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    store = PackedKVStore(24, L, H, D, group, device=DEVICE)
     active = [torch.ones(rows, dtype=torch.bool)] * 2 + [torch.arange(rows) % 4 == 1] * 2
     for s, act in ((0, None), (1, active)):
         keys, values = _versions(rng, rows), _versions(rng, rows)
@@ -149,13 +155,26 @@ def _sparse_case(rng):
     return (q, store, 0, meta, cache_k, cache_v, tables), lengths
 
 
-def test_torch_reference_reader_agrees_with_the_triton_reader(rng):
+@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
+def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_step, rng):
     from flashloop_backend.kernels.torch_packed import packed_decode_reference
-    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
 
-    args, lengths = _sparse_case(rng)
-    torch.testing.assert_close(packed_decode_reference(*args, lengths), packed_decode_triton(*args, lengths),
-                               atol=2e-5, rtol=2e-5)  # fmt: skip
+    args, lengths = _sparse_case(rng, group)
+    tuning = PackedTuning(rows_per_step=rows_per_step)
+    torch.testing.assert_close(packed_decode_reference(*args, lengths),
+                               packed_decode_triton(*args, lengths, tuning=tuning), atol=2e-5, rtol=2e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [8, 24, 64])
+def test_rows_per_step_outside_the_group_is_refused_by_name(rows):
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, rows_per_step
+
+    with pytest.raises(
+        ValueError,
+        match=f"rows_per_step={rows} must be a power of two >= 16 dividing the group of 32",
+    ):
+        rows_per_step(PackedTuning(rows_per_step=rows), 32)
 
 
 def test_append_extends_levels_and_a_dense_level_turns_compact(rng):

@@ -20,6 +20,10 @@ class PackedTuning:
     num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
     programs_per_sm: int = 32
     deep_num_warps: int = 2  # with two or more residual levels (more live tiles per group)
+    # rows of a group per loop step (None: the whole group). Fewer rows per step keep the
+    # tiles in registers: at a whole 64-row group every launch uses 255 registers and
+    # spills (ptxas, scripts/kernel_registers.py); not yet timed, so the group stays default
+    rows_per_step: int | None = None
 
 
 DEFAULT_TUNING = PackedTuning()
@@ -28,6 +32,15 @@ DEFAULT_TUNING = PackedTuning()
 def warps_for(tuning: PackedTuning, levels: int) -> int:
     """Warps of a launch that reads ``levels`` levels (base + residuals)."""
     return tuning.num_warps if levels <= 2 else tuning.deep_num_warps
+
+
+def rows_per_step(tuning: PackedTuning, group_size: int) -> int:
+    """Rows of a group the reader takes per loop step: an even divisor of the group, at
+    least 16 (Triton tiles)."""
+    rows = tuning.rows_per_step or group_size
+    if rows < 16 or group_size % rows or rows & (rows - 1):
+        raise ValueError(f"rows_per_step={rows} must be a power of two >= 16 dividing the group of {group_size}")  # fmt: skip
+    return rows
 
 
 def packed_span(
@@ -122,6 +135,6 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
-                 num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
+                 ROWS=rows_per_step(tuning, g), num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out, lse)

@@ -43,10 +43,10 @@ def _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h,
 
 
 @triton.jit
-def _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, parity, skc_p, skc_t, skc_h,
-                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """q . k [G/2] of a dense page's rows 2 r + parity."""
-    rows = 2 * tl.arange(0, GROUP // 2) + parity
+def _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, first, parity, skc_p, skc_t,
+                  skc_h, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """q . k [ROWS/2] of a dense page's rows first + 2 r + parity."""
+    rows = first + 2 * tl.arange(0, ROWS // 2) + parity
     word = tl.load(kc_ptr + page * skc_p + rows[:, None] * skc_t + kv_head * skc_h
                    + tl.arange(0, HEAD_DIM // 2)[None, :]).to(tl.int32)  # fmt: skip
     terms = fold_e[None, :] * _units(word, 0) + fold_o[None, :] * _units(word, 4)
@@ -54,11 +54,13 @@ def _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, parity, skc_p, 
 
 
 @triton.jit
-def _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, svc_p, svc_h, svc_d,
-                  svm_p, svm_t, svm_h, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """sum_t p_t v_t [D/G, G] over a dense page's rows (p_e, p_o [G/2]: even, odd rows)."""
+def _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, first, svc_p, svc_h,
+                  svc_d, svm_p, svm_t, svm_h, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                  ROWS: tl.constexpr):  # fmt: skip
+    """sum_t p_t v_t [D/G, G] over a dense page's rows first .. first + ROWS (p_e, p_o
+    [ROWS/2]: even, odd rows; ``first`` even)."""
     groups = tl.arange(0, HEAD_DIM // GROUP)
-    pairs = tl.arange(0, GROUP // 2)
+    pairs = first // 2 + tl.arange(0, ROWS // 2)
     channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
     word = tl.load(vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d
                    + pairs[None, None, :]).to(tl.int32)  # fmt: skip
@@ -135,9 +137,10 @@ def packed_decode_split_kernel(
     stride_gr, stride_gh,
     groups_per_split,
     GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr,
+    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """One (row, query head, split) over groups of GROUP rows: groups below the row's
+    """One (row, query head, split) over groups of GROUP rows, ROWS rows per step (fewer
+    rows per step: smaller tiles, fewer registers per thread): groups below the row's
     packed length are read from the levels (base + the LEVELS - 1 residual levels; dense
     pages directly, compact levels through their map; nothing is written back), later
     groups from the BF16 paged cache. FP32 online softmax; partial state per split.
@@ -162,20 +165,22 @@ def packed_decode_split_kernel(
     # groups past the row's length hold no visible key: a row routed to another op (length
     # 0) costs its programs nothing, where it had read its whole packed history
     last = tl.minimum(first + groups_per_split, tl.cdiv(length, GROUP))
-    for group in range(first, tl.minimum(last, packed_groups)):
-        pos_e = group * GROUP + 2 * tl.arange(0, GROUP // 2)
+    for step in range(first * (GROUP // ROWS), tl.minimum(last, packed_groups) * (GROUP // ROWS)):
+        group = step // (GROUP // ROWS)
+        row0 = (step % (GROUP // ROWS)) * ROWS  # the step's first row in its group
+        pos_e = group * GROUP + row0 + 2 * tl.arange(0, ROWS // 2)
         page = tl.load(tables + group).to(tl.int64)
         fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM)
-        s_e = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
-        s_o = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
+        s_e = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, row0, 0, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
+        s_o = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, row0, 1, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
                 fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM)
-                s_e += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, 0, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
-                s_o += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, 1, skc_p, skc_t, skc_h, HEAD_DIM, GROUP)
+                s_e += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, row0, 0, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
+                s_o += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, row0, 1, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
             elif kind == COMPACT:
                 cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
                 s_e += _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
@@ -195,15 +200,15 @@ def packed_decode_split_kernel(
         p_o = tl.exp(s_o - m_safe)
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p_e, axis=0) + tl.sum(p_o, axis=0)
-        acc = acc * alpha + _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head,
-                                          svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
+        acc = acc * alpha + _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, row0,
+                                          svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP, ROWS)
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
-                acc += _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, lpage, kv_head,
-                                     svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
+                acc += _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, lpage, kv_head, row0,
+                                     svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP, ROWS)
             elif kind == COMPACT:
                 cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
                 acc += _compact_values(p_e, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
@@ -215,8 +220,8 @@ def packed_decode_split_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(query + d).to(tl.float32) * scale
     channel = tl.arange(0, HEAD_DIM // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    for group in range(tl.maximum(first, packed_groups), last):
-        pos = group * GROUP + tl.arange(0, GROUP)
+    for step in range(tl.maximum(first, packed_groups) * (GROUP // ROWS), last * (GROUP // ROWS)):
+        pos = step * ROWS + tl.arange(0, ROWS)
         visible = pos < length
         page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
         slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh

@@ -1,0 +1,75 @@
+"""Registers and spills of the packed INT4 decode reader per launch shape, from ptxas on
+the sm_90 PTX (no GPU needed): a static check of the reader's register pressure, which
+decides its occupancy (255 registers: at most 8 warps per SM) and its local-memory spill
+traffic. Launch-shape timings belong to ``flashloop-backend bench packed`` on the H200.
+
+    python3 scripts/kernel_registers.py [--levels 1,2,3,4] [--rows 64,32,16] [--warps 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton
+from compile_sm90 import TARGET, _signature
+from triton.compiler import ASTSource
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+STORE = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*fp16",
+         "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
+         "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
+         "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
+         "q_ptr": "*bf16"}  # fmt: skip
+
+
+def usage(levels: int, rows: int, warps: int) -> dict[str, int]:
+    """ptxas -v figures of one packed_decode_split_kernel variant (Ouro-1.4B shapes)."""
+    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
+
+    shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
+                 STORE_LOGITS=False, ROWS=rows)  # fmt: skip
+    fn = packed_decode_split_kernel
+    kernel = triton.compile(ASTSource(fn, _signature(fn, STORE, {"scale"}, shape), shape),
+                            target=TARGET, options={"num_warps": warps})  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run([str(PTXAS), "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": number(r"(\d+) bytes spill loads")}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,2,3,4")
+    parser.add_argument("--rows", default="64,32,16")
+    parser.add_argument("--warps", default="1,2,4")
+    args = parser.parse_args()
+    print("levels rows warps registers spill_stores_B spill_loads_B")
+    for levels in map(int, args.levels.split(",")):
+        for rows in map(int, args.rows.split(",")):
+            for warps in map(int, args.warps.split(",")):
+                u = usage(levels, rows, warps)
+                print(f"{levels:6d} {rows:4d} {warps:5d} {u['registers']:9d} "
+                      f"{u['spill_store_bytes']:14d} {u['spill_load_bytes']:13d}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
