@@ -29,8 +29,9 @@ class SelectTuning:
     for keys inside the bracket (a miss or overflow falls back to an exact radix select).
     Rows spanning ``split_min_span`` keys or more use the split design instead
     (``select_split_jit.py``): about ``split_programs_per_sm`` programs per SM, at most
-    ``split_max`` splits of a (row, head), each at least ``block`` keys. Not yet timed on
-    the H200, so off by default (``bench sparse`` times both designs side by side)."""
+    ``split_max`` splits of a (row, head), each at least ``block`` keys. Off: on the H200
+    it was 1.3-4.8x slower than the bracket design at 8K / 32K x 1 / 16
+    (``results/bench_sparse_decode.json``, ``split_select``)."""
 
     sample: int = 4096
     candidates: int = 4096
