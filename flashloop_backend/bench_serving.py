@@ -208,11 +208,11 @@ def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> Non
 
 def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
                    block_size: int, sync=lambda: None, log=print, graphs=None, max_context=None,
-                   on_variant: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
+                   on_record: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
     """Every workload on every variant, one engine per variant after an untimed
     :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``: dicts with ``name``,
-    ``arrivals`` and ``concurrency`` (None = open loop). ``on_variant`` receives the
-    records so far after each variant (a long run keeps what it measured). ``graphs``
+    ``arrivals`` and ``concurrency`` (None = open loop). ``on_record`` receives the
+    records so far after each workload (a run cut mid-variant keeps what it measured). ``graphs``
     (GraphSettings): every variant replays decode steps from CUDA graphs, its kernels
     chosen with the ``cuda_graphs`` capability."""
     import torch
@@ -239,7 +239,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                 }
             )
             log(f"  serving {variant.name}: KV pool of {num_blocks} blocks does not fit: {exc}")
-            on_variant(records)
+            on_record(records)
             continue
         digest = resolve(variant.config, variant.backend, wanted, registry).digest()
         warm_up(engine, workloads, vocab, sync)
@@ -255,13 +255,13 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                            config_digest=digest, memory=memory_breakdown(engine),
                            graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip
             records.append(summary)
+            on_record(records)
             log(f"  serving {variant.name:<40} {workload['name']:<28} "
                 f"{summary['throughput_tokens_s']:8.1f} tok/s, failed {summary['failed_requests']}")  # fmt: skip
         del engine, backend
         gc.collect()  # the engine and its graph runner reference each other: free the pools
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        on_variant(records)
     return records
 
 
@@ -273,7 +273,7 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
     closed-loop matrix contexts x concurrency (2 x concurrency requests each), on dense
     ``baseline`` and each feature of ``config`` alone and cumulatively, one process.
-    ``on_partial`` receives the record after each variant; ``variant_keys`` runs only
+    ``on_partial`` receives the record after each workload; ``variant_keys`` runs only
     those variants (:func:`pick_variants`)."""
     import math
 
@@ -312,5 +312,5 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
     runs = serve_variants(model, request, variants, workloads, num_blocks,
                           block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
                           max_context=tokens,
-                          on_variant=lambda runs: on_partial(record(list(runs))))  # fmt: skip
+                          on_record=lambda runs: on_partial(record(list(runs))))  # fmt: skip
     return record(runs)

@@ -124,6 +124,21 @@ def test_variants_are_picked_by_key_in_run_order_and_unknown_keys_are_named():
         pick_variants(variants, ["dense", "all"])
 
 
+def test_records_are_handed_on_after_every_workload(model):
+    """A run cut inside a variant keeps the workloads that variant finished."""
+    variants = variants_for(
+        FlashLoopConfig.from_dict(json.load(open("configs/all_on.json"))), "torch"
+    )[:1]
+    workloads = [
+        {"name": name, "arrivals": fixed_arrival_schedule(1, 1.0, [8], [2]), "concurrency": 1}
+        for name in ("first", "second")
+    ]
+    seen = []
+    serve_variants(model, _request(model), variants, workloads, 64, 16, log=lambda m: None,
+                   on_record=lambda records: seen.append([r["workload"] for r in records]))  # fmt: skip
+    assert seen == [["first"], ["first", "second"]]
+
+
 def test_a_pool_that_does_not_fit_is_recorded_not_raised(model, monkeypatch):
     import flashloop_backend.host.engine as engine_module
 
