@@ -16,21 +16,24 @@ SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
 def _versions(rows: int, layers: int, gen: torch.Generator, depths: int = 4) -> list[torch.Tensor]:
-    """Per-depth K or V [rows, layers, H, D] whose loop-to-loop change shrinks like Ouro's."""
+    """Per-depth K or V [rows, layers, H, D] on ``gen``'s device whose loop-to-loop change
+    shrinks like Ouro's."""
     shape = (rows, layers, HEADS, HEAD_DIM)
-    out = [torch.randn(shape, device="cuda", generator=gen)]
+    out = [torch.randn(shape, device=gen.device, generator=gen)]
     for step in range(1, depths):
-        out.append(out[-1] + (0.5 / step) * torch.randn(shape, device="cuda", generator=gen))
+        out.append(out[-1] + (0.5 / step) * torch.randn(shape, device=gen.device, generator=gen))
     return out
 
 
 def _active(rows: int, gen: torch.Generator) -> list[torch.Tensor]:
     """Nested active sets with SPARSITY's retention (windows of 64, like the host)."""
-    masks = [torch.ones(rows, dtype=torch.bool, device="cuda")]
+    masks = [torch.ones(rows, dtype=torch.bool, device=gen.device)]
     for ratio in SPARSITY[1:]:
         keep = masks[-1].clone()
         if ratio < 1.0:
-            scores = torch.rand(rows, device="cuda", generator=gen).masked_fill(~masks[-1], -1.0)
+            scores = torch.rand(rows, device=gen.device, generator=gen).masked_fill(
+                ~masks[-1], -1.0
+            )
             windows = scores.reshape(-1, GROUP)
             budget = max(1, math.ceil(ratio * GROUP))
             top = windows.topk(budget, dim=1).indices
@@ -43,17 +46,20 @@ def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Gene
     from .packed_kv import PackedKVStore
 
     pages = sequences * 4 * math.ceil(rows / GROUP) + 8
-    store = PackedKVStore(pages, layers, HEADS, HEAD_DIM, GROUP, device="cuda")
+    store = PackedKVStore(pages, layers, HEADS, HEAD_DIM, GROUP, device=gen.device)
+    cuda = gen.device.type == "cuda"
     transient = 0
     for s in range(sequences):
         keys, values = _versions(rows, layers, gen), _versions(rows, layers, gen)
         active = _active(rows, gen) if sparse else None
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()  # inputs and pools exist: only conversion counts
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()  # inputs and pools exist: conversion only
+            torch.cuda.reset_peak_memory_stats()
         store.encode(s, keys, values, active)
-        torch.cuda.synchronize()
-        transient = max(transient, torch.cuda.max_memory_allocated() - before)
+        if cuda:
+            torch.cuda.synchronize()
+            transient = max(transient, torch.cuda.max_memory_allocated() - before)
         del keys, values
     return store, transient
 
@@ -151,10 +157,63 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     return results
 
 
+def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_ms: float | None,
+                    ratio: float = 0.25, timer=_graph_ms, select=None) -> dict:  # fmt: skip
+    """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
+    (two-level read, selection, contribution) and the loop 3-4 correction over the
+    selected keys at three and four levels, dense and compact levels, each selected-key
+    block size; ``dense_ms``: FlashInfer BF16 decode of the same rows (same run);
+    ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
+    from .kernels.triton.dense_source import DEFAULT_SELECT
+    from .kernels.triton.packed_sparse import (
+        packed_dense_source_triton,
+        packed_sparse_correction_triton,
+    )
+    from .packed_kv import level_metadata
+    from .sparse_state import key_bucket
+
+    device = gen.device
+    pages = math.ceil(context / BLOCK_SIZE)  # BF16 pages: never read (the prompt is packed)
+    kc = torch.randn((batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM), device=device, generator=gen)
+    kc, vc = kc.bfloat16(), torch.randn_like(kc).bfloat16()
+    tables = torch.randperm(batch * pages, device=device, generator=gen).int().reshape(batch, pages)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    bucket = key_bucket(ratio, context)
+    results: dict = {"context": context, "concurrency": batch, "key_retention": ratio,
+                     "key_bucket": bucket, "dense_flashinfer_ms": dense_ms, "ops": {}}  # fmt: skip
+
+    def record(key: str, ms: float) -> None:
+        entry = {"ms": ms}
+        if dense_ms:
+            entry["vs_dense_decode"] = ms / dense_ms
+        results["ops"][key] = entry
+        log(f"  packed sparse ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us"
+            + (f" ({ms / dense_ms:.2f}x a dense decode)" if dense_ms else ""))  # fmt: skip
+
+    for sparse in (False, True):
+        name = "token_sparse" if sparse else "dense_levels"
+        store, _ = _store(batch, context, 1, sparse, gen)
+        meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
+        source = (q, store, 0, meta[1], kc, vc, tables, lengths, ratio, bucket, None, select or DEFAULT_SELECT)  # fmt: skip
+        _, indices, mass, output, contribution = packed_dense_source_triton(*source)
+        for block_n in (32, 16):
+            record(f"{name}_source_depth2_block{block_n}",
+                   timer(lambda s=source, b=block_n: packed_dense_source_triton(*s, block_n=b)))  # fmt: skip
+            for depth in (2, 3):
+                args = (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)  # fmt: skip
+                record(f"{name}_correction_depth{depth + 1}_block{block_n}",
+                       timer(lambda a=args, b=block_n: packed_sparse_correction_triton(*a, block_n=b)))  # fmt: skip
+        del store
+    return results
+
+
 def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print) -> dict:
     _require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = [_decode_case(c, b, gen, log) for c in contexts for b in concurrency]
+    sparse_ops = [sparse_ops_case(c["context"], c["concurrency"], gen, log, c["dense_flashinfer_ms"])
+                  for c in cases]  # fmt: skip
     accounting = _accounting(2048, 24, gen)
     log(f"  steady bytes/token over 4 depths: dense levels x{accounting['dense_levels']['ratio_vs_bf16']:.2f}, "
         f"token sparse x{accounting['token_sparse_1_1_0.25_0.10']['ratio_vs_bf16']:.2f} smaller than BF16")  # fmt: skip
@@ -163,5 +222,5 @@ def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print) -> d
         "shapes": {"heads": HEADS, "head_dim": HEAD_DIM, "group_size": GROUP, "block_size": BLOCK_SIZE,
                    "dtype": "bfloat16", "policy": "fixed_prompt (whole prompt packed, no tail)"},
         "method": "CUDA-graph replay medians (30 x 10 calls), FlashInfer BF16 decode of the same rows in the same run",
-        "decode": cases, "accounting": accounting,
+        "decode": cases, "sparse_ops": sparse_ops, "accounting": accounting,
     }  # fmt: skip

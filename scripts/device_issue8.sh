@@ -10,6 +10,9 @@
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
 #            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
+#   packed   the packed reader's launch sweep (rows per step 64 / 32 / 16) and the packed
+#            sparse ops (source, correction at 3-4 levels, selected-key blocks 32 / 16)
+#            at 32K x 16 beside FlashInfer (bench packed)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
 #            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16; VARIANTS="dense,<key>"
@@ -18,7 +21,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
-case "${1:?stage: tests, features, graphs, decode, prefill, select, profile or serving}" in
+case "${1:?stage: tests, features, graphs, decode, prefill, select, packed, profile or serving}" in
   tests)
     timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
       tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
@@ -37,6 +40,8 @@ case "${1:?stage: tests, features, graphs, decode, prefill, select, profile or s
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;
   select)
     bench sparse --contexts 8192,32768 --concurrency 1,16 --out "$OUT/bench_sparse_decode.json" ;;
+  packed)
+    bench packed --contexts 32768 --concurrency 16 --out "$OUT/bench_packed_kv.json" ;;
   profile)
     # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
     timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \

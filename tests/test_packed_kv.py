@@ -274,8 +274,11 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
     assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
 
 
-@pytest.mark.parametrize("sample", [16, 4096, 0], ids=["sample16", "sample64", "split"])
-def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
+@pytest.mark.parametrize(
+    ("sample", "block_n"), [(16, 32), (4096, 32), (0, 32), (4096, 16)],
+    ids=["sample16", "sample64", "split", "sample64_block16"],
+)  # fmt: skip
+def test_triton_packed_source_matches_the_reference_statistics(rng, sample, block_n):
     from flashloop_backend.kernels.torch_packed import packed_dense_source
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
     from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
@@ -285,7 +288,7 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
     small = SelectTuning(sample=min(sample, 64), candidates=64 if sample > 16 else 16, block=16)
     if not sample:  # the split design, several splits per (row, head)
         small = SelectTuning(block=16, split_min_span=0, split_programs_per_sm=64, split_max=4)
-    got = packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small)
+    got = packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small, block_n=block_n)
     for name, r, g in zip(
         ("out", "indices", "mass", "output", "contribution"), ref, got, strict=True
     ):
@@ -297,7 +300,8 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample):
     assert (got[1] >= 0).sum(-1).tolist() == [[10, 10], [13, 13], [8, 8]]  # ceil(0.25 T)
 
 
-def test_triton_packed_correction_reads_only_the_selected_keys_like_the_reference(rng):
+@pytest.mark.parametrize("block_n", [32, 16])
+def test_triton_packed_correction_reads_only_the_selected_keys_like_the_reference(rng, block_n):
     from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
     from flashloop_backend.kernels.triton.packed_sparse import (
         packed_gather,
@@ -307,7 +311,7 @@ def test_triton_packed_correction_reads_only_the_selected_keys_like_the_referenc
     args, lengths = _sparse_case(rng)
     _, indices, mass, output, contribution = packed_dense_source(*args, lengths, 0.25, 16)
     state = (indices, mass, output, contribution)
-    torch.testing.assert_close(packed_sparse_correction_triton(*args, *state),
+    torch.testing.assert_close(packed_sparse_correction_triton(*args, *state, block_n=block_n),
                                packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip
     # the gather reconstructs exactly the reference history at the chosen positions
     q, store, layer, meta, cache_k, cache_v, tables = args
@@ -348,6 +352,8 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
 
     with pytest.raises(ValueError, match=r"indices must be int32 \[3, 2, Kb\]; got torch.int64"):
         packed_selected_parts(*args, positions, 1.0)
+    with pytest.raises(ValueError, match="block_n=8 must be one of 16, 32, 64"):
+        packed_selected_parts(*args, positions.int(), 1.0, block_n=8)
     with pytest.raises(ValueError, match="does not fit the store"):
         packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
                               positions.int(), 1.0)  # fmt: skip
