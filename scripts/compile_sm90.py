@@ -73,11 +73,11 @@ def main() -> int:
 
     selected = {**store, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
                 "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
-    for levels in (1, 4):
+    for levels, block_n in ((1, 32), (4, 32), (4, 16)):
         for from_logits in (False, True):
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                         BLOCK_N=32, FROM_LOGITS=from_logits)  # fmt: skip
-            ok &= _compile(f"packed_selected LEVELS={levels} FROM_LOGITS={from_logits}",
+                         BLOCK_N=block_n, FROM_LOGITS=from_logits)  # fmt: skip
+            ok &= _compile(f"packed_selected LEVELS={levels} BLOCK_N={block_n} FROM_LOGITS={from_logits}",
                            packed_selected_split_kernel, selected, {"scale"}, shape, 4)  # fmt: skip
     select = {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32", "v_ptr": "*bf16",
               "tables_ptr": "*i32", "output_ptr": "*fp32", "out_ptr": "*bf16", "idx_ptr": "*i32",
