@@ -281,12 +281,14 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
 
     from .bench import environment_record, graph_variant, random_ouro
 
-    pick_variants(variants_for(config), variant_keys)  # a bad name fails before the GPU work
-    block_size = 16
-    model, request = random_ouro(layers, block_size)
+    if not config.enabled_features():
+        raise ConfigError("bench serving compares features with dense: --config must enable at least one")  # fmt: skip
     most = max(concurrency)
     tokens = max(contexts) + new_tokens
     baseline, graphs = graph_variant(baseline, most, tokens)
+    variants = pick_variants(variants_for(config, baseline), variant_keys)  # before GPU work
+    block_size = 16
+    model, request = random_ouro(layers, block_size)
     num_blocks = most * math.ceil(tokens / block_size) * model.config.total_ut_steps + 8
     outputs = sorted({max(1, new_tokens // 2), new_tokens})
     workloads = [{"name": f"fixed_arrival_{rate_per_s}/s", "concurrency": None,
@@ -308,7 +310,6 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
             "config": config.model_dump(mode="json"), "runs": runs,
         }  # fmt: skip
 
-    variants = pick_variants(variants_for(config, baseline), variant_keys)
     runs = serve_variants(model, request, variants, workloads, num_blocks,
                           block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
                           max_context=tokens,

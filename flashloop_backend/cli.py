@@ -203,11 +203,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serving":
         from .bench_serving import bench_serving
 
-        if not config.enabled_features():
-            raise ConfigError(
-                "bench serving compares features with dense: --config must enable at least one"
-            )
-
         record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
                                args.layers, args.rate, log=bench.progress_log, on_partial=keep,
                                variant_keys=args.variants.split(",") if args.variants else None)  # fmt: skip
