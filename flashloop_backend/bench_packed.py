@@ -80,18 +80,17 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 
 def _tunings(levels: int, sweep: bool) -> list:
-    """The registered launch, then (``sweep``) the warp count that applies to ``levels``
-    levels against programs per SM at whole groups per step, and against rows per step
-    (32, 16: smaller tiles without spills, ``scripts/kernel_registers.py``), each once."""
+    """The registered launch, then (``sweep``) rows per step 32 / 16 (smaller tiles without
+    spills, ``scripts/kernel_registers.py``) at 1 / 2 / 4 warps for ``levels`` levels and
+    16 / 32 programs per SM, each once. The warps x programs grid at whole groups is
+    recorded in ``results/bench_packed_kv_launch_sweep.log``."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING
 
     field = "num_warps" if levels <= 2 else "deep_num_warps"
     out = [DEFAULT_TUNING]
     if sweep:
-        grid = [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p})
-                for w in (1, 2, 4) for p in (8, 16, 32)]  # fmt: skip
-        grid += [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p, "rows_per_step": r})
-                 for r in (32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
+        grid = [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p, "rows_per_step": r})
+                for r in (32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
         out += [t for t in grid if t != DEFAULT_TUNING]
     return out
 

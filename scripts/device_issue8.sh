@@ -3,6 +3,7 @@
 # call limit; every benchmark rewrites its JSON as it goes):
 #   tests    the CUDA-graph tests (replay vs eager, every combination; a fresh machine
 #            compiles every Triton specialization first: TESTS="<-k expression>" narrows them)
+#   combos   tests and features together, in parallel workers (WORKERS, default 8)
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
@@ -10,7 +11,7 @@
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
 #            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
-#   packed   the packed reader's launch sweep (rows per step 64 / 32 / 16) and the packed
+#   packed   the packed reader at rows per step 64 / 32 / 16 x warps x programs per SM and the packed
 #            sparse ops (source, correction at 3-4 levels, selected-key blocks 32 / 16)
 #            at 32K x 16 beside FlashInfer (bench packed)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
@@ -20,11 +21,19 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bench() { timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tail -30; }
-case "${1:?stage: tests, features, graphs, decode, prefill, select, packed, profile or serving}" in
+# the whole log lands beside the JSON (a cut run keeps what it printed)
+bench() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_$STAGE.log" | tail -30; }
+STAGE=${1:-}
+case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, packed, profile or serving}" in
   tests)
     timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
       tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
+  combos)
+    # every combination's graph replay and GPU-vs-CPU host test at once (xdist workers share
+    # the Triton cache, so a fresh machine compiles in parallel)
+    timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE -n "${WORKERS:-8}" \
+      tests/test_gpu_graphs.py tests/test_gpu_dense.py -k "graphs or features" 2>&1 \
+      | tee "$OUT/gpu_tests_combinations.log" | tail -40 ;;
   features)
     timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
       -k features 2>&1 | tee "$OUT/gpu_tests_features.log" | tail -25 ;;
