@@ -80,27 +80,29 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 
 def _tunings(levels: int, sweep: bool) -> list:
-    """The registered launch, then (``sweep``) rows per step 32 / 16 (smaller tiles without
-    spills, ``scripts/kernel_registers.py``) at 1 / 2 / 4 warps for ``levels`` levels and
-    16 / 32 programs per SM, each once. The warps x programs grid at whole groups is
-    recorded in ``results/bench_packed_kv_launch_sweep.log``."""
+    """The registered launch, then (``sweep``) rows per step 64 / 32 / 16 at 1 / 2 / 4
+    warps and 16 / 32 programs per SM for ``levels`` levels, each once (the fields of
+    launches with that many levels: ``num_warps`` / ``rows_per_step`` up to two levels,
+    the ``deep_`` pair from three)."""
     from .kernels.triton.packed_decode import DEFAULT_TUNING
 
-    field = "num_warps" if levels <= 2 else "deep_num_warps"
+    warps, rows = ("num_warps", "rows_per_step") if levels <= 2 else ("deep_num_warps", "deep_rows_per_step")  # fmt: skip
     out = [DEFAULT_TUNING]
     if sweep:
-        grid = [replace(DEFAULT_TUNING, **{field: w, "programs_per_sm": p, "rows_per_step": r})
-                for r in (32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
+        grid = [replace(DEFAULT_TUNING, **{warps: w, "programs_per_sm": p, rows: r})
+                for r in (None, 32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
         out += [t for t in grid if t != DEFAULT_TUNING]
     return out
 
 
 def tuning_label(tuning, levels: int) -> str:
-    """``_w{warps}_p{programs per SM}`` and ``_r{rows per step}`` when not a whole group."""
-    from .kernels.triton.packed_decode import warps_for
+    """``_w{warps}_p{programs per SM}``, and ``_r{rows per step}`` when a 64-row group is
+    not read whole."""
+    from .kernels.triton.packed_decode import rows_per_step, warps_for
 
     label = f"_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
-    return label + (f"_r{tuning.rows_per_step}" if tuning.rows_per_step else "")
+    rows = rows_per_step(tuning, GROUP, levels)
+    return label + (f"_r{rows}" if rows != GROUP else "")
 
 
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:

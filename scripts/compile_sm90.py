@@ -57,13 +57,20 @@ def main() -> int:
              "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
              "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
              "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16"}  # fmt: skip
+    from flashloop_backend.kernels.triton.packed_decode import (
+        DEFAULT_TUNING,
+        rows_per_step,
+        warps_for,
+    )
+
     ok = True
     for levels in (1, 2, 4):
-        for logits, rows in ((False, 64), (True, 64), (False, 16)):
+        registered = rows_per_step(DEFAULT_TUNING, 64, levels)  # 64-row groups
+        for logits, rows in ((False, registered), (True, registered), (False, 16)):
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                          STORE_LOGITS=logits, ROWS=rows)  # fmt: skip
             ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} ROWS={rows}",
-                           packed_decode_split_kernel, store, {"scale"}, shape, 1 if levels <= 2 else 2)  # fmt: skip
+                           packed_decode_split_kernel, store, {"scale"}, shape, warps_for(DEFAULT_TUNING, levels))  # fmt: skip
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)
         ok &= _compile(

@@ -121,7 +121,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
-        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step),
     )  # fmt: skip
     assert torch.equal(got[4].float().cpu(), torch.zeros(H, D))
     for i, (sequence, depth) in enumerate(zip(sequences[:4], depths[:4], strict=True)):
@@ -161,20 +161,27 @@ def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_st
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
 
     args, lengths = _sparse_case(rng, group)
-    tuning = PackedTuning(rows_per_step=rows_per_step)
+    tuning = PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step)
     torch.testing.assert_close(packed_decode_reference(*args, lengths),
                                packed_decode_triton(*args, lengths, tuning=tuning), atol=2e-5, rtol=2e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [8, 24, 64])
-def test_rows_per_step_outside_the_group_is_refused_by_name(rows):
+@pytest.mark.parametrize("rows", [8, 24, 48])
+@pytest.mark.parametrize(("levels", "field"), [(2, "rows_per_step"), (3, "deep_rows_per_step")])
+def test_rows_per_step_not_a_power_of_two_from_16_is_refused_by_name(rows, levels, field):
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, rows_per_step
 
-    with pytest.raises(
-        ValueError,
-        match=f"rows_per_step={rows} must be a power of two >= 16 dividing the group of 32",
-    ):
-        rows_per_step(PackedTuning(rows_per_step=rows), 32)
+    with pytest.raises(ValueError, match=f"{field}={rows} must be a power of two >= 16"):
+        rows_per_step(PackedTuning(**{field: rows}), 32, levels)
+
+
+def test_rows_per_step_follows_the_level_count_and_caps_at_the_group():
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, rows_per_step
+
+    tuning = PackedTuning(rows_per_step=16, deep_rows_per_step=32)
+    assert [rows_per_step(tuning, 64, levels) for levels in (1, 2, 3, 4)] == [16, 16, 32, 32]
+    assert rows_per_step(tuning, 16, 3) == 16  # a smaller group is read whole
+    assert rows_per_step(PackedTuning(rows_per_step=None, deep_rows_per_step=None), 64, 4) == 64
 
 
 def test_append_extends_levels_and_a_dense_level_turns_compact(rng):

@@ -15,15 +15,20 @@ from .paged_decode import merge_splits, sm_count, split_buffers
 
 @dataclass(frozen=True)
 class PackedTuning:
-    """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``)."""
+    """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``).
+    Launches that read one or two levels take ``num_warps`` / ``rows_per_step``; three or
+    more (two residual levels and up) take the ``deep_`` pair."""
 
     num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
     programs_per_sm: int = 32
-    deep_num_warps: int = 2  # with two or more residual levels (more live tiles per group)
-    # rows of a group per loop step (None: the whole group). Fewer rows per step keep the
-    # tiles in registers: at a whole 64-row group every launch uses 255 registers and
-    # spills (ptxas, scripts/kernel_registers.py); not yet timed, so the group stays default
+    # rows of a group per loop step, at most (None or a larger value: the whole group).
+    # Fewer rows keep the tiles in registers (ptxas, scripts/kernel_registers.py); at one or
+    # two levels the whole 64-row group measured as fast (H200, 32K x 16)
     rows_per_step: int | None = None
+    # three or more levels: 1 warp, 32 rows per step measured 1.5x / 2.2x faster at 3 / 4
+    # levels than 2 warps over whole groups (results/bench_packed_rows_per_step.log)
+    deep_num_warps: int = 1
+    deep_rows_per_step: int | None = 32
 
 
 DEFAULT_TUNING = PackedTuning()
@@ -34,13 +39,21 @@ def warps_for(tuning: PackedTuning, levels: int) -> int:
     return tuning.num_warps if levels <= 2 else tuning.deep_num_warps
 
 
-def rows_per_step(tuning: PackedTuning, group_size: int) -> int:
-    """Rows of a group the reader takes per loop step: an even divisor of the group, at
-    least 16 (Triton tiles)."""
-    rows = tuning.rows_per_step or group_size
-    if rows < 16 or group_size % rows or rows & (rows - 1):
-        raise ValueError(f"rows_per_step={rows} must be a power of two >= 16 dividing the group of {group_size}")  # fmt: skip
-    return rows
+def rows_for(tuning: PackedTuning, levels: int) -> int | None:
+    """The configured rows per step of a launch that reads ``levels`` levels."""
+    return tuning.rows_per_step if levels <= 2 else tuning.deep_rows_per_step
+
+
+def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int:
+    """Rows of a group the reader takes per loop step: the configured power of two >= 16
+    (Triton tiles), or the whole group when that is smaller or none is configured."""
+    rows = rows_for(tuning, levels)
+    if rows is None:
+        return group_size
+    if rows < 16 or rows & (rows - 1):
+        name = "rows_per_step" if levels <= 2 else "deep_rows_per_step"
+        raise ValueError(f"{name}={rows} must be a power of two >= 16 (or None: the whole group)")
+    return min(rows, group_size)
 
 
 def packed_span(
@@ -135,6 +148,6 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
-                 ROWS=rows_per_step(tuning, g), num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
+                 ROWS=rows_per_step(tuning, g, tables.shape[1]), num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out, lse)
