@@ -1,6 +1,6 @@
 """PNG plots generated from the committed JSON records (``flashloop-backend report``):
 speedup vs context, KV bytes per token, quality per feature combination, quality vs speed,
-host decode eager vs CUDA graphs, serving TPOT.
+host decode eager vs CUDA graphs, serving TPOT vs dense.
 Every number drawn is read from a record; a missing record skips its plot and says so."""
 
 from __future__ import annotations
@@ -164,27 +164,42 @@ def _graphs_tpot(results: Path, plt):
                        "Decode through the host, eager vs CUDA graphs (H200)")  # fmt: skip
 
 
-def _serving_tpot(results: Path, plt):
-    """TPOT p50 per variant and workload of the ``bench_serving*.json`` records."""
-    runs = [(path.stem, run) for path in sorted(results.glob("bench_serving*.json"))
-            for run in json.loads(path.read_text())["runs"] if run.get("tpot_ms")]  # fmt: skip
-    if not runs:
+def serving_ratios(record: dict) -> dict[str, dict[str, float]]:
+    """Per variant, per workload: dense TPOT p50 / the variant's, both from ``record`` (one
+    run: the machine's run-to-run spread cancels). Dense itself and workloads that only one
+    of the two finished are left out."""
+    dense = {run["workload"]: run["tpot_ms"]["p50"] for run in record["runs"]
+             if run["variant"] == "dense" and run.get("tpot_ms")}  # fmt: skip
+    out: dict[str, dict[str, float]] = {}
+    for run in record["runs"]:
+        if run["variant"] != "dense" and run.get("tpot_ms") and run["workload"] in dense:
+            ratio = dense[run["workload"]] / run["tpot_ms"]["p50"]
+            out.setdefault(run["variant"], {})[run["workload"]] = ratio
+    return out
+
+
+def _serving_speedup(results: Path, plt):
+    """Each variant's TPOT p50 speedup over dense of the same ``bench_serving*.json`` record,
+    per workload (bars below 1 are slower than dense)."""
+    series = [(f"{variant} [{path.stem.removeprefix('bench_serving_')}]", ratios)
+              for path in sorted(results.glob("bench_serving*.json"))
+              for variant, ratios in serving_ratios(json.loads(path.read_text())).items()]  # fmt: skip
+    if not series:
         return None
-    workloads = list(dict.fromkeys(run["workload"] for _, run in runs))
-    variants = list(dict.fromkeys(f"{stem}: {run['variant']}" for stem, run in runs))
-    fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(workloads)), 4.5))
-    width = 0.8 / len(variants)
-    for index, variant in enumerate(variants):
-        values = {run["workload"]: run["tpot_ms"]["p50"] for stem, run in runs
-                  if f"{stem}: {run['variant']}" == variant}  # fmt: skip
-        xs = [w + index * width for w, name in enumerate(workloads) if name in values]
-        ax.bar(xs, [values[name] for name in workloads if name in values], width, label=variant)
+    workloads = list(dict.fromkeys(w for _, ratios in series for w in ratios))
+    fig, ax = plt.subplots(figsize=(max(8, 1.7 * len(workloads)), 6))
+    width = 0.8 / len(series)
+    for index, (label, ratios) in enumerate(series):
+        xs = [w + index * width for w, name in enumerate(workloads) if name in ratios]
+        ax.bar(xs, [ratios[name] for name in workloads if name in ratios], width, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
     short = [w.replace("closed_ctx", "closed ").replace("_conc", " x ").replace("_", " ") for w in workloads]  # fmt: skip
     ax.set_xticks(
         [w + 0.4 - width / 2 for w in range(len(workloads))], short, fontsize=7, rotation=15
     )
-    ax.legend(fontsize=7)
-    return _bar_labels(fig, ax, "TPOT p50 ms", "Serving benchmark through the host (H200)")
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    return _bar_labels(fig, ax, "dense TPOT p50 / variant TPOT p50 (same run)",
+                       "Serving benchmark through the host vs dense (H200)")  # fmt: skip
 
 
 PLOTS = {
@@ -193,7 +208,7 @@ PLOTS = {
     "quality_by_combination.png": _quality_by_combination,
     "quality_vs_speed.png": _quality_vs_speed,
     "graphs_tpot.png": _graphs_tpot,
-    "serving_tpot.png": _serving_tpot,
+    "serving_speedup.png": _serving_speedup,
 }
 
 

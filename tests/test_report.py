@@ -36,3 +36,16 @@ def test_report_cli_names_a_missing_results_directory(tmp_path):
                              "--out", str(tmp_path / "out")], capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and f"--results '{missing}' is not a directory" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_serving_ratios_compare_each_variant_to_dense_of_the_same_record():
+    from flashloop_backend.report import serving_ratios
+
+    def run(variant, workload, tpot):
+        return {"variant": variant, "workload": workload, "tpot_ms": {"p50": tpot}}
+
+    record = {"runs": [run("dense", "a", 10.0), run("dense", "b", 6.0), run("x alone", "a", 20.0),
+                       run("x alone", "b", 4.0), run("x alone", "c", 5.0),
+                       {"variant": "y", "workload": "a", "tpot_ms": None}]}  # fmt: skip
+    # c has no dense run and y finished nothing: both left out, never compared across runs
+    assert serving_ratios(record) == {"x alone": {"a": 0.5, "b": 1.5}}
