@@ -85,13 +85,17 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
     """Drive ``engine`` with ``arrivals``. ``concurrency`` None: open loop (each request
     enters at its arrival time); an int: closed loop (arrival times ignored, at most that
     many in flight, the next one entering when one finishes). A request the engine
-    refuses counts as failed with its reason; the run goes on."""
+    refuses counts as failed with its reason; the run goes on. ``kv_held``: the most KV
+    bytes the live requests held after any step (``Engine.kv_held``: BF16 blocks in use
+    plus the packed store's steady bytes), with their tokens; the probe's host time is
+    kept off the latency clock."""
     from .host.engine import SamplingParams
 
     rng = random.Random(seed)
     times: list[RequestTimes] = []
     live: dict[int, RequestTimes] = {}
     pending = list(arrivals)
+    held = (0, 0)  # (tokens, bytes) at the largest bytes seen
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -116,6 +120,10 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
         finished = engine.step()
         sync()
         now = clock() - start
+        probe = clock()
+        tokens, held_bytes = engine.kv_held()
+        held = max(held, (tokens, held_bytes), key=lambda h: h[1])
+        start += clock() - probe
         for rid, entry in live.items():
             request = engine._requests.get(rid)
             produced = len(request.output) if request is not None else None
@@ -127,19 +135,25 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
                 missing = len(result.output_token_ids) - len(entry.token_s)
                 entry.token_s.extend([now] * missing)
                 entry.finished_s = now
-    return summarize(times, clock() - start)
+    summary = summarize(times, clock() - start)
+    summary["kv_held"] = {"peak_bytes": held[1], "tokens_at_peak": held[0],
+                          "bytes_per_token_at_peak": held[1] / held[0] if held[0] else None}  # fmt: skip
+    return summary
 
 
 def memory_breakdown(engine) -> dict:
-    """Bytes the engine and backend hold, from their tensors: the BF16 KV pools, the
-    packed store (pools, and what its pages hold now), the loop-2 reference states; CUDA
-    peaks when on a GPU; the memory CUDA-graph captures added to the reserved pool."""
+    """Bytes the engine and backend hold, from their tensors: the weights, the BF16 KV
+    pools, the packed store (pools, and what its pages hold now), the loop-2 reference
+    states; the memory CUDA-graph captures added to the reserved pool; on a GPU the CUDA
+    peaks and the transient peak above the standing tensors (activations, conversion
+    scratch). The steady KV the requests held is the workload's ``kv_held``."""
     import torch
 
     backend = engine.backend
     packed = getattr(backend, "packed", None)
     states = getattr(backend, "states", None)
     record = {
+        "model_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
         "kv_pool_bytes": sum(t.numel() * t.element_size() for t in (engine.kv.key_pool, engine.kv.value_pool)),
         "packed_pool_bytes": sum(t.numel() * t.element_size() for t in packed.store.pools) if packed else 0,
         "packed_steady_bytes": packed.store.accounting()["steady_bytes"] if packed else 0,
@@ -149,6 +163,11 @@ def memory_breakdown(engine) -> dict:
     if engine.device.type == "cuda":
         record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        # above what stays allocated (weights, pools, reference state): activations and
+        # the prompt conversion's scratch (graph_bytes is reported apart, not subtracted)
+        standing = sum(record[k] for k in ("model_bytes", "kv_pool_bytes", "packed_pool_bytes",
+                                           "reference_state_bytes"))  # fmt: skip
+        record["transient_peak_bytes"] = record["peak_allocated_bytes"] - standing
     return record
 
 

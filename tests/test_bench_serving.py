@@ -70,6 +70,11 @@ def test_workloads_complete_every_request_with_one_time_per_token(model, concurr
     assert s["completed"] == 4 and s["failed_requests"] == 0
     assert s["output_tokens"] == sum(a.output_len for a in arrivals)
     assert s["ttft_s"]["p50"] > 0 and s["latency_s"]["p99"] >= s["ttft_s"]["p99"]
+    held = s["kv_held"]  # the largest KV the live requests held after a step
+    per_token = engine.kv.bytes_per_token()
+    assert 0 < held["tokens_at_peak"] <= sum(a.prompt_len + a.output_len for a in arrivals)
+    assert held["peak_bytes"] >= held["tokens_at_peak"] * per_token  # whole blocks held
+    assert held["bytes_per_token_at_peak"] == held["peak_bytes"] / held["tokens_at_peak"]
 
 
 def test_a_refused_request_fails_alone(model):
