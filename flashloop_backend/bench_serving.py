@@ -214,13 +214,22 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
 WARM_PROMPT, WARM_OUTPUT = 128, 4
 
 
+def warm_up_sizes(workloads: list[dict], buckets: tuple[int, ...] = ()) -> list[int]:
+    """Closed-loop sizes of the warm-up: every concurrency the workloads use (at least 2)
+    and every graph bucket up to the largest of them. A closed loop's decode batches shrink
+    through the smaller buckets as its requests finish; a graph first met inside a timed
+    window would put its capture step into that window's latencies."""
+    sizes = {2, *(w["concurrency"] for w in workloads if w["concurrency"])}
+    return sorted(sizes | {b for b in buckets if b <= max(sizes)})
+
+
 def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> None:
-    """Untimed: a closed loop of ``c`` short requests for every concurrency ``c`` the
-    workloads use (at least 2), so kernels compile and CUDA graphs of those batch sizes
-    (at every packed depth: the prompts span two 64-row groups) are captured before any
+    """Untimed: a closed loop of ``c`` short requests for every size of
+    :func:`warm_up_sizes`, so kernels compile and CUDA graphs of those batch sizes (at
+    every packed depth: the prompts span two 64-row groups) are captured before any
     timing."""
-    sizes = sorted({2, *(w["concurrency"] for w in workloads if w["concurrency"])})
-    for size in sizes:
+    buckets = tuple(engine.graphs.settings.buckets) if engine.graphs else ()
+    for size in warm_up_sizes(workloads, buckets):
         arrivals = fixed_arrival_schedule(size, 1.0, [WARM_PROMPT], [WARM_OUTPUT])
         run_workload(engine, arrivals, vocab, concurrency=size, sync=sync)
 
@@ -267,9 +276,15 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                 import torch
 
                 torch.cuda.reset_peak_memory_stats()
+            capturing = engine.graphs is not None and engine.graphs.settings.capture
+            captured = engine.graphs.stats()["eager_steps"] if capturing else 0
             summary = run_workload(
                 engine, workload["arrivals"], vocab, workload["concurrency"], sync
             )
+            if capturing:  # capture steps inside the timed window (0 when warm-up met all)
+                summary["graph_captures_in_window"] = (
+                    engine.graphs.stats()["eager_steps"] - captured
+                )
             summary.update(variant=variant.name, backend=variant.backend, workload=workload["name"],
                            config_digest=digest, memory=memory_breakdown(engine),
                            graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip

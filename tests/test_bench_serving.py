@@ -165,3 +165,11 @@ def test_a_pool_that_does_not_fit_is_recorded_not_raised(model, monkeypatch):
             "error": "OutOfMemoryError: CUDA out of memory (simulated)",
         }
     ]
+
+
+def test_warm_up_meets_every_graph_bucket_up_to_the_largest_concurrency():
+    from flashloop_backend.bench_serving import warm_up_sizes
+
+    workloads = [{"concurrency": None}, {"concurrency": 1}, {"concurrency": 16}]
+    assert warm_up_sizes(workloads, (1, 2, 4, 8, 16, 32)) == [1, 2, 4, 8, 16]
+    assert warm_up_sizes([{"concurrency": None}]) == [2]  # eager host: no buckets
