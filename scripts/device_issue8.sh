@@ -15,6 +15,8 @@
 #            sparse ops (source, correction at 3-4 levels, selected-key blocks 32 / 16)
 #            at 32K x 16 beside FlashInfer (bench packed)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
+#   conversion  a prompt's conversion to packed INT4 (8K rows, 6 layers) per chunk size,
+#            with its top ops (scripts/profile_conversion.py): the KV-quantization TTFT cost
 #   serving  the serving benchmark from CUDA graphs, dense Triton vs each feature alone
 #            and cumulatively (6 layers, 1K / 8K, concurrency 1 / 16; VARIANTS="dense,<key>"
 #            runs only those: keys as ``bench serving --variants``)
@@ -24,7 +26,7 @@ mkdir -p "$OUT"
 # the whole log lands beside the JSON (a cut run keeps what it printed)
 bench() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-540}" flashloop-backend bench "$@" 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_$STAGE.log" | tail -30; }
 STAGE=${1:-}
-case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, packed, profile or serving}" in
+case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, packed, profile, conversion or serving}" in
   tests)
     timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
       tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
@@ -55,6 +57,10 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
     # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
     timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \
       --context 32768 --concurrency 16 --layers 2 --steps 8 2>&1 | tee "$OUT/profile_all_on_32k.log" | tail -40 ;;
+  conversion)
+    # the prompt's conversion to packed INT4 per chunk size, and its top ops (TTFT cost)
+    timeout "${LIMIT_S:-540}" python3 scripts/profile_conversion.py --context 8192 --layers 6 \
+      --chunks 4096,1024,0 2>&1 | tee "$OUT/profile_conversion_8k.log" | tail -40 ;;
   serving)
     bench serving --backends triton+graphs --config configs/all_on.json --layers 6 \
       --contexts 1024,8192 --concurrency 1,16 ${VARIANTS:+--variants "$VARIANTS"} \

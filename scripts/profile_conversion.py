@@ -1,0 +1,95 @@
+"""Where a prompt's conversion to packed INT4 spends its time: ``pack_prompt`` on one
+request's BF16 KV (every layer and depth, dense levels), timed per chunk size, then one
+conversion under torch.profiler (top ops and the number of device launches).
+
+    python3 scripts/profile_conversion.py --context 8192 --layers 6 --chunks 4096,0
+
+Ouro-1.4B attention shapes by default (16 KV heads, head_dim 128, group 64). Chunk 0
+converts the whole prompt at once. On a GPU the quantizer is the Triton kernel the backend
+registers; on CPU the torch reference (tiny shapes: a smoke run)."""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from flashloop_backend.backends.packed_state import PackedState
+from flashloop_backend.host.features import pack_prompt
+from flashloop_backend.host.kvcache import PagedKVCache
+from flashloop_backend.host.requests import Request, SamplingParams
+from flashloop_backend.packed_kv import PackedKVStore
+
+DEPTHS, BLOCK = 4, 16
+
+
+def _setup(args, device):
+    blocks = -(-args.context // BLOCK) * DEPTHS + 4
+    kv = PagedKVCache(blocks, args.layers, BLOCK, args.heads, args.head_dim, DEPTHS, torch.bfloat16, device)  # fmt: skip
+    kv.key_pool.normal_()
+    kv.value_pool.normal_()
+    pages = -(-args.context // args.group) * DEPTHS + 4
+    store = PackedKVStore(pages, args.layers, args.heads, args.head_dim, args.group, device)
+    if device.type == "cuda":
+        from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
+    else:
+        from flashloop_backend.reference import quantize_int4 as quantize
+    return kv, PackedState(store, quantize, "fixed_prompt", args.group)
+
+
+def _convert(args, device, chunk: int) -> float:
+    """Seconds of one conversion of a fresh request (the KV pool already holds its rows)."""
+    kv, packed = _setup(args, device)
+    request = Request(0, [0] * args.context, SamplingParams(max_new_tokens=1), None)
+    kv.reserve(request.id, args.context)
+    chunk = chunk or -(-args.context // args.group) * args.group
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    pack_prompt(kv, packed, request, False, DEPTHS, chunk=chunk)
+    sync()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=16, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--chunks", default="4096,0", help="rows per chunk; 0: the whole prompt")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=20, help="ops listed")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    bad = [c for c in chunks if c < 0 or c % args.group]
+    if bad or args.context % args.group:
+        parser.error(f"--chunks {bad} and --context {args.context} must be multiples of --group {args.group}")  # fmt: skip
+    device = torch.device(args.device)
+    _convert(args, device, chunks[0])  # compiles the quantizer
+    record = {"context": args.context, "layers": args.layers, "kv_heads": args.heads,
+              "head_dim": args.head_dim, "group": args.group, "device": str(device), "seconds": {}}  # fmt: skip
+    for chunk in chunks:
+        times = [_convert(args, device, chunk) for _ in range(args.repeats)]
+        record["seconds"][str(chunk or "whole")] = sorted(times)[len(times) // 2]
+        print(f"  chunk {chunk or 'whole'}: median {1e3 * record['seconds'][str(chunk or 'whole')]:.1f} ms "
+              f"({args.context} rows x {args.layers} layers x {DEPTHS} depths)", file=sys.stderr)  # fmt: skip
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _convert(args, device, chunks[0])
+    events = prof.key_averages()
+    record["aten_calls"] = sum(e.count for e in events if e.key.startswith("aten::"))
+    record["device_launches"] = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=args.rows))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
