@@ -196,14 +196,16 @@ def pick_variants(variants: list[Variant], keys: list[str] | None) -> list[Varia
 
 
 def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
-    """Dense on ``baseline``, then each feature of ``config`` alone and cumulatively (in
-    the config's feature order) on the ``flashloop`` backend."""
+    """Dense on ``baseline``; the ``flashloop`` backend with no feature on (its dispatch
+    and kernels without any FlashLoop feature: what the features' figures sit on); then
+    each feature of ``config`` alone and cumulatively (in the config's feature order)."""
     from .config import FlashLoopConfig
     from .evaluation import feature_combinations
 
     combos = dict(feature_combinations(config))
     enabled = config.enabled_features()
-    out = [Variant("dense", baseline, FlashLoopConfig())]
+    out = [Variant("dense", baseline, FlashLoopConfig()),
+           Variant("flashloop_dense", "flashloop", FlashLoopConfig())]  # fmt: skip
     out += [Variant(f"{name} alone", "flashloop", combos[(name,)]) for name in enabled]
     for size in range(2, len(enabled) + 1):
         chosen = enabled[:size]

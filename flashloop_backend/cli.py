@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed", "serving"])
     bench.add_argument(
         "--variants",
-        help="serving: comma-separated variants to run (dense, a feature name, or feature "
-        "names joined by '+'; default: dense, each feature alone and cumulatively)",
+        help="serving: comma-separated variants to run (dense, flashloop_dense: the backend "
+        "with no feature, a feature name, or feature names joined by '+'; default: dense, "
+        "flashloop_dense, each feature alone and cumulatively)",
     )
     bench.add_argument(
         "--rate", type=float, default=2.0, help="serving: fixed-arrival requests per second"

@@ -90,7 +90,7 @@ def test_variants_are_dense_each_feature_alone_and_cumulative(model):
     config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
     names = [v.name for v in variants_for(config, baseline="torch")]
     assert names == [
-        "dense", "token_sparse_prefill alone", "sparse_decode_attention alone",
+        "dense", "flashloop_dense", "token_sparse_prefill alone", "sparse_decode_attention alone",
         "kv_residual_quantization alone", "token_sparse_prefill + sparse_decode_attention",
         "token_sparse_prefill + sparse_decode_attention + kv_residual_quantization",
     ]  # fmt: skip
@@ -125,6 +125,8 @@ def test_variants_are_picked_by_key_in_run_order_and_unknown_keys_are_named():
         "kv_residual_quantization"
     ]
     assert pick_variants(variants, None) == variants
+    control = pick_variants(variants, ["flashloop_dense"])[0]  # the backend, no feature on
+    assert control.backend == "flashloop" and not control.config.enabled_features()
     with pytest.raises(ValueError, match=r"unknown serving variants \['all'\].*'dense'"):
         pick_variants(variants, ["dense", "all"])
 
