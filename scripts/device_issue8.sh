@@ -3,7 +3,8 @@
 # call limit; every benchmark rewrites its JSON as it goes):
 #   tests    the CUDA-graph tests (replay vs eager, every combination; a fresh machine
 #            compiles every Triton specialization first: TESTS="<-k expression>" narrows them)
-#   combos   tests and features together, in parallel workers (WORKERS, default 8)
+#   combos   tests and features together, in parallel workers (WORKERS, default 8;
+#            TESTS narrows them as for tests)
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
@@ -34,7 +35,7 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
     # every combination's graph replay and GPU-vs-CPU host test at once (xdist workers share
     # the Triton cache, so a fresh machine compiles in parallel)
     timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE -n "${WORKERS:-8}" \
-      tests/test_gpu_graphs.py tests/test_gpu_dense.py -k "graphs or features" 2>&1 \
+      tests/test_gpu_graphs.py tests/test_gpu_dense.py -k "${TESTS:-graphs or features}" 2>&1 \
       | tee "$OUT/gpu_tests_combinations.log" | tail -40 ;;
   features)
     timeout 540 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE tests/test_gpu_dense.py \
