@@ -271,7 +271,8 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             log(f"  serving {variant.name}: KV pool of {num_blocks} blocks does not fit: {exc}")
             on_record(records)
             continue
-        digest = resolve(variant.config, variant.backend, wanted, registry).digest()
+        effective = resolve(variant.config, variant.backend, wanted, registry)
+        digest, kernels = effective.digest(), dict(effective.kernels)
         warm_up(engine, workloads, vocab, sync)
         for workload in workloads:
             if engine.device.type == "cuda":
@@ -288,7 +289,7 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
                     engine.graphs.stats()["eager_steps"] - captured
                 )
             summary.update(variant=variant.name, backend=variant.backend, workload=workload["name"],
-                           config_digest=digest, memory=memory_breakdown(engine),
+                           config_digest=digest, kernels=kernels, memory=memory_breakdown(engine),
                            graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip
             records.append(summary)
             on_record(records)
