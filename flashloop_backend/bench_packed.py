@@ -10,8 +10,13 @@ from dataclasses import asdict, replace
 import torch
 
 from .bench import HBM_BYTES_PER_S, _graph_ms, _require_cuda, environment_record
+from .config import ConfigError
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
+# (positions per step, warps) of the selected-key kernel: the registered 32 x 4 first.
+# ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
+# levels (4.7-32 KB of spills per thread); 16 x 2 spills about 1 KB, 16 x 4 under 0.2 KB
+SELECTED_LAUNCHES = [(32, 4), (16, 4), (16, 2)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
@@ -105,27 +110,36 @@ def tuning_label(tuning, levels: int) -> str:
     return label + (f"_r{rows}" if rows != GROUP else "")
 
 
-def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
+def _bf16_rows(context: int, batch: int, gen: torch.Generator):
+    """(q [B, H, D], key/value caches [pages, 16, H, D], block tables [B, pages], lengths
+    [B]) of ``batch`` rows at ``context`` in BF16 on ``gen``'s device, pages shuffled."""
+    device = gen.device
+    pages = math.ceil(context / BLOCK_SIZE)
+    kc = torch.randn((batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM), device=device, generator=gen)
+    kc, vc = kc.bfloat16(), torch.randn_like(kc).bfloat16()
+    tables = torch.randperm(batch * pages, device=device, generator=gen).int().reshape(batch, pages)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    return q, kc, vc, tables, lengths
+
+
+def _flashinfer_ms(q, kc, vc, tables, lengths) -> float:
+    """FlashInfer's BF16 paged decode of these rows, CUDA-graph median ms."""
     from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+
+    paged_attention_flashinfer(q, kc, vc, tables, lengths)
+    wrapper = _INSTANCES[q.device].decode
+    return _graph_ms(lambda: wrapper.run(q, (kc, vc)))
+
+
+def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
     from .packed_kv import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
     results = {"context": context, "concurrency": batch, "depths": {}}
-    pages = math.ceil(context / BLOCK_SIZE)
-    kc = torch.randn(
-        (batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM),
-        device="cuda",
-        dtype=torch.bfloat16,
-        generator=gen,
-    )
-    vc = torch.randn_like(kc)  # fmt: skip
-    tables = torch.randperm(batch * pages, device="cuda", generator=gen).int().reshape(batch, pages)
-    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    paged_attention_flashinfer(q, kc, vc, tables, lengths)
-    wrapper = _INSTANCES[q.device].decode
-    dense_ms = _graph_ms(lambda: wrapper.run(q, (kc, vc)))
+    q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)
+    dense_ms = _flashinfer_ms(q, kc, vc, tables, lengths)
     results["dense_flashinfer_ms"] = dense_ms
     for sparse in (False, True):
         store, _ = _store(batch, rows, 1, sparse, gen)
@@ -159,14 +173,17 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
 
 
 def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_ms: float | None,
-                    ratio: float = 0.25, timer=_graph_ms, select=None) -> dict:  # fmt: skip
+                    ratio: float = 0.25, timer=_graph_ms, select=None,
+                    launches=SELECTED_LAUNCHES) -> dict:  # fmt: skip
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
     (two-level read, selection, contribution) and the loop 3-4 correction over the
     selected keys at three and four levels, dense and compact levels, each selected-key
-    block size; ``dense_ms``: FlashInfer BF16 decode of the same rows (same run);
+    launch of ``launches`` (positions per step, warps); ``dense_ms``: FlashInfer BF16
+    decode of the same rows (same run; None: timed here on a GPU);
     ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
     from .kernels.triton.dense_source import DEFAULT_SELECT
     from .kernels.triton.packed_sparse import (
+        SELECTED_WARPS,
         packed_dense_source_triton,
         packed_sparse_correction_triton,
     )
@@ -174,12 +191,9 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
     from .sparse_state import key_bucket
 
     device = gen.device
-    pages = math.ceil(context / BLOCK_SIZE)  # BF16 pages: never read (the prompt is packed)
-    kc = torch.randn((batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM), device=device, generator=gen)
-    kc, vc = kc.bfloat16(), torch.randn_like(kc).bfloat16()
-    tables = torch.randperm(batch * pages, device=device, generator=gen).int().reshape(batch, pages)
-    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)  # BF16 pages: never read (packed)
+    if dense_ms is None and device.type == "cuda":
+        dense_ms = _flashinfer_ms(q, kc, vc, tables, lengths)
     bucket = key_bucket(ratio, context)
     results: dict = {"context": context, "concurrency": batch, "key_retention": ratio,
                      "key_bucket": bucket, "dense_flashinfer_ms": dense_ms, "ops": {}}  # fmt: skip
@@ -198,23 +212,36 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
         meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
         source = (q, store, 0, meta[1], kc, vc, tables, lengths, ratio, bucket, None, select or DEFAULT_SELECT)  # fmt: skip
         _, indices, mass, output, contribution = packed_dense_source_triton(*source)
-        for block_n in (32, 16):
-            record(f"{name}_source_depth2_block{block_n}",
-                   timer(lambda s=source, b=block_n: packed_dense_source_triton(*s, block_n=b)))  # fmt: skip
+        for block_n, warps in launches:
+            launch = {"block_n": block_n, "num_warps": warps}
+            suffix = f"_block{block_n}" + (f"_w{warps}" if warps != SELECTED_WARPS else "")
+            record(f"{name}_source_depth2{suffix}",
+                   timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)))  # fmt: skip
             for depth in (2, 3):
                 args = (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)  # fmt: skip
-                record(f"{name}_correction_depth{depth + 1}_block{block_n}",
-                       timer(lambda a=args, b=block_n: packed_sparse_correction_triton(*a, block_n=b)))  # fmt: skip
+                record(f"{name}_correction_depth{depth + 1}{suffix}",
+                       timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)))  # fmt: skip
         del store
     return results
 
 
-def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print) -> dict:
+PACKED_PARTS = ("decode", "sparse_ops")
+
+
+def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print,
+                    parts: tuple[str, ...] = PACKED_PARTS) -> dict:  # fmt: skip
+    """``parts``: the reader per depth with its launch sweep (``decode``) and the packed
+    sparse-decode ops (``sparse_ops``); each names FlashInfer's BF16 decode of its rows."""
+    unknown = sorted(set(parts) - set(PACKED_PARTS))
+    if unknown or not parts:
+        raise ConfigError(f"bench packed parts {unknown or list(parts)} are not among {list(PACKED_PARTS)}")  # fmt: skip
     _require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [_decode_case(c, b, gen, log) for c in contexts for b in concurrency]
-    sparse_ops = [sparse_ops_case(c["context"], c["concurrency"], gen, log, c["dense_flashinfer_ms"])
-                  for c in cases]  # fmt: skip
+    shapes = [(c, b) for c in contexts for b in concurrency]
+    cases = [_decode_case(c, b, gen, log) for c, b in shapes] if "decode" in parts else []
+    dense = {(c["context"], c["concurrency"]): c["dense_flashinfer_ms"] for c in cases}
+    sparse_ops = [sparse_ops_case(c, b, gen, log, dense.get((c, b)))
+                  for c, b in shapes] if "sparse_ops" in parts else []  # fmt: skip
     accounting = _accounting(2048, 24, gen)
     log(f"  steady bytes/token over 4 depths: dense levels x{accounting['dense_levels']['ratio_vs_bf16']:.2f}, "
         f"token sparse x{accounting['token_sparse_1_1_0.25_0.10']['ratio_vs_bf16']:.2f} smaller than BF16")  # fmt: skip

@@ -209,7 +209,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.mode == "packed":
         from .bench_packed import bench_packed_kv
 
-        record = bench_packed_kv(args.contexts, args.concurrency, log=bench.progress_log)
+        record = bench_packed_kv(args.contexts, args.concurrency, log=bench.progress_log,
+                                 parts=tuple(args.parts.split(",")))  # fmt: skip
     elif args.mode == "prefill":
         from .bench_prefill import bench_prefill_attention
 
@@ -280,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--retentions", type=_float_list, default=[0.25, 0.10], help="prefill: token retentions"
     )
     bench.add_argument("--ratio", type=float, default=0.10, help="sparse: key retention")
+    bench.add_argument(
+        "--parts",
+        default="decode,sparse_ops",
+        help="packed: cases to run (decode: the reader per depth with its launch sweep; "
+        "sparse_ops: the packed sparse-decode ops per selected-key launch)",
+    )
     bench.add_argument(
         "--backends",
         default="flashinfer,triton",

@@ -12,9 +12,10 @@
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
 #            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
-#   packed   the packed reader at rows per step 64 / 32 / 16 x warps x programs per SM and the packed
-#            sparse ops (source, correction at 3-4 levels, selected-key blocks 32 / 16)
-#            at 32K x 16 beside FlashInfer (bench packed)
+#   packed   the packed reader at rows per step 64 / 32 / 16 x warps x programs per SM and
+#            the packed sparse ops (source, correction at 3-4 levels) per selected-key launch
+#            (32 x 4, 16 x 4, 16 x 2 positions per step x warps), at 32K x 16 beside FlashInfer
+#            (bench packed; PARTS=sparse_ops runs only the sparse ops)
 #   profile  the top CUDA kernels of all-on decode steps at 32K x 16 (scripts/profile_decode.py)
 #   conversion  a prompt's conversion to packed INT4 (8K rows, 6 layers) per chunk size,
 #            with its top ops (scripts/profile_conversion.py): the KV-quantization TTFT cost
@@ -53,7 +54,7 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
   select)
     bench sparse --contexts 8192,32768 --concurrency 1,16 --out "$OUT/bench_sparse_decode.json" ;;
   packed)
-    bench packed --contexts 32768 --concurrency 16 --out "$OUT/bench_packed_kv.json" ;;
+    bench packed --contexts 32768 --concurrency 16 ${PARTS:+--parts "$PARTS"} --out "$OUT/bench_packed_kv${PARTS:+_$PARTS}.json" ;;
   profile)
     # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
     timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \

@@ -4,6 +4,7 @@ decides its occupancy (255 registers: at most 8 warps per SM) and its local-memo
 traffic. Launch-shape timings belong to ``flashloop-backend bench packed`` on the H200.
 
     python3 scripts/kernel_registers.py [--levels 1,2,3,4] [--rows 64,32,16] [--warps 1,2,4]
+        [--kernel decode|selected]
 """
 
 from __future__ import annotations
@@ -31,14 +32,31 @@ STORE = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*
          "q_ptr": "*bf16"}  # fmt: skip
 
 
-def usage(levels: int, rows: int, warps: int) -> dict[str, int]:
-    """ptxas -v figures of one packed_decode_split_kernel variant (Ouro-1.4B shapes)."""
-    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
+SELECTED = {**STORE, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+            "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
 
-    shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                 STORE_LOGITS=False, ROWS=rows)  # fmt: skip
-    fn = packed_decode_split_kernel
-    kernel = triton.compile(ASTSource(fn, _signature(fn, STORE, {"scale"}, shape), shape),
+
+def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[str, int]:
+    """ptxas -v figures of one variant (Ouro-1.4B shapes): the packed reader
+    (``decode``, ``rows`` per step) or the selected-key kernel of the loop 3-4 correction
+    (``selected``, ``rows`` positions per step)."""
+    if kernel == "decode":
+        from flashloop_backend.kernels.triton.packed_decode_jit import (
+            packed_decode_split_kernel as fn,
+        )
+
+        pointers = STORE
+        shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
+                     STORE_LOGITS=False, ROWS=rows)  # fmt: skip
+    else:
+        from flashloop_backend.kernels.triton.packed_selected_jit import (
+            packed_selected_split_kernel as fn,
+        )
+
+        pointers = SELECTED
+        shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
+                     BLOCK_N=rows, FROM_LOGITS=False)  # fmt: skip
+    kernel = triton.compile(ASTSource(fn, _signature(fn, pointers, {"scale"}, shape), shape),
                             target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(kernel.asm["ptx"])
@@ -60,12 +78,15 @@ def main() -> int:
     parser.add_argument("--levels", default="1,2,3,4")
     parser.add_argument("--rows", default="64,32,16")
     parser.add_argument("--warps", default="1,2,4")
+    parser.add_argument("--kernel", choices=["decode", "selected"], default="decode",
+                        help="decode: the packed reader; selected: the loop 3-4 correction's "
+                        "selected-key kernel (--rows: positions per step)")  # fmt: skip
     args = parser.parse_args()
-    print("levels rows warps registers spill_stores_B spill_loads_B")
+    print(f"{args.kernel}: levels rows warps registers spill_stores_B spill_loads_B")
     for levels in map(int, args.levels.split(",")):
         for rows in map(int, args.rows.split(",")):
             for warps in map(int, args.warps.split(",")):
-                u = usage(levels, rows, warps)
+                u = usage(levels, rows, warps, args.kernel)
                 print(f"{levels:6d} {rows:4d} {warps:5d} {u['registers']:9d} "
                       f"{u['spill_store_bytes']:14d} {u['spill_load_bytes']:13d}", flush=True)  # fmt: skip
     return 0

@@ -9,7 +9,7 @@ from flashloop_backend.kernels.triton.dense_source import SelectTuning
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; the GPU runs the bench")
-def test_sparse_ops_case_times_every_op_and_block_size(monkeypatch):
+def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
     monkeypatch.setattr(bench_packed, "HEADS", 2)
     monkeypatch.setattr(bench_packed, "HEAD_DIM", 32)
     monkeypatch.setattr(bench_packed, "GROUP", 16)
@@ -21,11 +21,21 @@ def test_sparse_ops_case_times_every_op_and_block_size(monkeypatch):
 
     small = SelectTuning(sample=16, candidates=16, block=16)
     record = bench_packed.sparse_ops_case(64, 2, torch.Generator().manual_seed(0), lambda m: None,
-                                          1.0, timer=timer, select=small)  # fmt: skip
-    names = [f"{levels}_{op}_block{b}" for levels in ("dense_levels", "token_sparse") for b in (32, 16)
+                                          1.0, timer=timer, select=small, launches=[(32, 4), (16, 1)])  # fmt: skip
+    names = [f"{levels}_{op}_{launch}" for levels in ("dense_levels", "token_sparse")
+             for launch in ("block32", "block16_w1")
              for op in ("source_depth2", "correction_depth3", "correction_depth4")]  # fmt: skip
     assert sorted(record["ops"]) == sorted(names)
     assert all(entry == {"ms": 0.5, "vs_dense_decode": 0.5} for entry in record["ops"].values())
     assert record["key_bucket"] == 16 and len(calls) == len(names)
     correction = calls[1]  # [R, Hq, D] in q's dtype, finite
     assert correction.shape == (2, 2, 32) and torch.isfinite(correction.float()).all()
+
+
+def test_unknown_parts_are_refused_by_name_before_the_gpu():
+    from flashloop_backend.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"parts \['select'\] are not among \['decode', 'sparse_ops'\]"
+    ):
+        bench_packed.bench_packed_kv([1024], [1], parts=("sparse_ops", "select"))

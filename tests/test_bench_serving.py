@@ -109,7 +109,10 @@ def test_variants_are_dense_each_feature_alone_and_cumulative(model):
     assert all(r["completed"] == 3 for r in records)
     dense, all_on = records
     # each record names the implementation every op resolved to (op -> provider)
-    assert dense["kernels"]["dense_attention"] == "torch_reference" and "packed_decode" in all_on["kernels"]
+    assert (
+        dense["kernels"]["dense_attention"] == "torch_reference"
+        and "packed_decode" in all_on["kernels"]
+    )
     assert dense["memory"]["packed_pool_bytes"] == 0 and all_on["memory"]["packed_pool_bytes"] > 0
     assert (
         all_on["memory"]["reference_state_bytes"] > 0

@@ -361,6 +361,8 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
         packed_selected_parts(*args, positions, 1.0)
     with pytest.raises(ValueError, match="block_n=8 must be one of 16, 32, 64"):
         packed_selected_parts(*args, positions.int(), 1.0, block_n=8)
+    with pytest.raises(ValueError, match="num_warps=3 must be one of 1, 2, 4, 8"):
+        packed_selected_parts(*args, positions.int(), 1.0, num_warps=3)
     with pytest.raises(ValueError, match="does not fit the store"):
         packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
                               positions.int(), 1.0)  # fmt: skip

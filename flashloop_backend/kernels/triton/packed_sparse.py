@@ -19,6 +19,7 @@ from .paged_decode import merge_splits, split_buffers
 from .sparse_decode import selected_key_splits
 
 BLOCK_N = 32  # selected positions per step (16 spills nothing at 3-4 levels, untimed)
+SELECTED_WARPS = 4  # warps of the selected-key kernel (fewer spill more: kernel_registers.py)
 
 
 def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor], key_cache,
@@ -57,9 +58,10 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
 def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
                           key_cache, value_cache, block_tables, indices: torch.Tensor,
                           scale: float, logits: torch.Tensor | None = None,
-                          lse: torch.Tensor | None = None, block_n: int = BLOCK_N):  # fmt: skip
+                          lse: torch.Tensor | None = None, block_n: int = BLOCK_N,
+                          num_warps: int = SELECTED_WARPS):  # fmt: skip
     """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
-    reconstructed in registers ``block_n`` positions at a time: (acc [R, Hq, S, D], max,
+    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps: (acc [R, Hq, S, D], max,
     sum [R, Hq, S]) of the softmax of q k^T * scale, or with ``logits`` [R, Hq, T] /
     ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split (the loop-2 contribution)."""
     from .packed_selected_jit import packed_selected_split_kernel
@@ -68,6 +70,8 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
     _, block_size, num_kv_heads, _ = key_cache.shape
     if block_n not in (16, 32, 64):
         raise ValueError(f"block_n={block_n} must be one of 16, 32, 64")
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8")
     if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
         raise ValueError(f"indices must be int32 [{rows}, {num_q_heads}, Kb]; got {indices.dtype} {tuple(indices.shape)}")  # fmt: skip
     if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
@@ -95,26 +99,28 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
         keys_per_split, bucket,
         GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
         BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=block_n, FROM_LOGITS=from_logits,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     return part_out, part_max, part_sum
 
 
 def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
                                     indices, mass, output, contribution, scale=None,
-                                    block_n: int = BLOCK_N):  # fmt: skip
+                                    block_n: int = BLOCK_N, num_warps: int = SELECTED_WARPS):  # fmt: skip
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     parts = packed_selected_parts(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                  indices.to(torch.int32), scale, block_n=block_n)  # fmt: skip
+                                  indices.to(torch.int32), scale, block_n=block_n,
+                                  num_warps=num_warps)  # fmt: skip
     correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
     return merge_splits(*parts, torch.empty_like(q), correction=correction)
 
 
 def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
                                context_lengths, ratio, k_bucket, scale=None,
-                               tuning: SelectTuning = DEFAULT_SELECT, block_n: int = BLOCK_N):  # fmt: skip
+                               tuning: SelectTuning = DEFAULT_SELECT, block_n: int = BLOCK_N,
+                               num_warps: int = SELECTED_WARPS):  # fmt: skip
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
     rows, num_q_heads, _ = q.shape
@@ -138,5 +144,6 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
                      out, indices, mass, unused, scratch, ratio, tuning, contribute=False)  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     part_out, _, _ = packed_selected_parts(q, store, layer, meta, key_cache, value_cache,
-                                           block_tables, indices, scale, logits, lse, block_n)  # fmt: skip
+                                           block_tables, indices, scale, logits, lse, block_n,
+                                           num_warps)  # fmt: skip
     return out, indices, mass, output, part_out.sum(2)
