@@ -178,7 +178,8 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
     (two-level read, selection, contribution) and the loop 3-4 correction over the
     selected keys at three and four levels, dense and compact levels, each selected-key
-    launch of ``launches`` (positions per step, warps); ``dense_ms``: FlashInfer BF16
+    launch of ``launches`` (positions per step, warps), and the streamed correction
+    design (the packed reader, unselected positions masked); ``dense_ms``: FlashInfer BF16
     decode of the same rows (same run; None: timed here on a GPU);
     ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
     from .kernels.triton.dense_source import DEFAULT_SELECT
@@ -186,6 +187,7 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
         SELECTED_WARPS,
         packed_dense_source_triton,
         packed_sparse_correction_triton,
+        packed_streamed_correction_triton,
     )
     from .packed_kv import level_metadata
     from .sparse_state import key_bucket
@@ -212,6 +214,13 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
         meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
         source = (q, store, 0, meta[1], kc, vc, tables, lengths, ratio, bucket, None, select or DEFAULT_SELECT)  # fmt: skip
         _, indices, mass, output, contribution = packed_dense_source_triton(*source)
+        for depth in (2, 3):  # the second correction design: the reader, unselected masked
+            args = (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
+            key = f"{name}_correction_depth{depth + 1}_streamed"
+            record(key, timer(lambda a=args: packed_streamed_correction_triton(*a)))
+            gap = (packed_streamed_correction_triton(*args).float()
+                   - packed_sparse_correction_triton(*args).float()).abs().max().item()  # fmt: skip
+            results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
         for block_n, warps in launches:
             launch = {"block_n": block_n, "num_warps": warps}
             suffix = f"_block{block_n}" + (f"_w{warps}" if warps != SELECTED_WARPS else "")

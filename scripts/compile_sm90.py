@@ -56,7 +56,8 @@ def main() -> int:
              "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
              "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
              "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
-             "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16"}  # fmt: skip
+             "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16",
+             "selected_ptr": "*u8"}  # fmt: skip
     from flashloop_backend.kernels.triton.packed_decode import (
         DEFAULT_TUNING,
         rows_per_step,
@@ -66,10 +67,13 @@ def main() -> int:
     ok = True
     for levels in (1, 2, 4):
         registered = rows_per_step(DEFAULT_TUNING, 64, levels)  # 64-row groups
-        for logits, rows in ((False, registered), (True, registered), (False, 16)):
+        variants = [(False, False, registered), (True, False, registered), (False, False, 16)]
+        if levels == 4:  # the streamed loop 3-4 correction (selected positions only)
+            variants.append((False, True, registered))
+        for logits, selected, rows in variants:
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                         STORE_LOGITS=logits, ROWS=rows)  # fmt: skip
-            ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} ROWS={rows}",
+                         STORE_LOGITS=logits, ROWS=rows, SELECTED=selected)  # fmt: skip
+            ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} ROWS={rows}",
                            packed_decode_split_kernel, store, {"scale"}, shape, warps_for(DEFAULT_TUNING, levels))  # fmt: skip
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)

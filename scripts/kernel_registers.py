@@ -47,7 +47,7 @@ def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[st
 
         pointers = STORE
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                     STORE_LOGITS=False, ROWS=rows)  # fmt: skip
+                     STORE_LOGITS=False, ROWS=rows, SELECTED=False)  # fmt: skip
     else:
         from flashloop_backend.kernels.triton.packed_selected_jit import (
             packed_selected_split_kernel as fn,

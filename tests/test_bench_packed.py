@@ -25,10 +25,15 @@ def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
     names = [f"{levels}_{op}_{launch}" for levels in ("dense_levels", "token_sparse")
              for launch in ("block32", "block16_w1")
              for op in ("source_depth2", "correction_depth3", "correction_depth4")]  # fmt: skip
+    names += [f"{levels}_correction_depth{d}_streamed" for levels in ("dense_levels", "token_sparse") for d in (3, 4)]  # fmt: skip
     assert sorted(record["ops"]) == sorted(names)
+    streamed = {
+        k: e.pop("max_abs_vs_gather") for k, e in record["ops"].items() if k.endswith("streamed")
+    }
+    assert len(streamed) == 4 and max(streamed.values()) < 1e-2  # bf16 outputs of the two designs
     assert all(entry == {"ms": 0.5, "vs_dense_decode": 0.5} for entry in record["ops"].values())
     assert record["key_bucket"] == 16 and len(calls) == len(names)
-    correction = calls[1]  # [R, Hq, D] in q's dtype, finite
+    correction = calls[0]  # the streamed correction: [R, Hq, D] in q's dtype, finite
     assert correction.shape == (2, 2, 32) and torch.isfinite(correction.float()).all()
 
 

@@ -307,6 +307,38 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample, bloc
     assert (got[1] >= 0).sum(-1).tolist() == [[10, 10], [13, 13], [8, 8]]  # ceil(0.25 T)
 
 
+@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
+def test_streamed_correction_equals_the_reference_and_the_gather_design(group, rows_per_step, rng):
+    """The correction's second design (the reader over whole pages, unselected logits
+    masked) gives the reference correction over dense and compact levels and BF16 tails,
+    with unused (-1) slots; a row with no selected key (only a row routed elsewhere has
+    none) matches the registered gather design: output - contribution."""
+    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.triton.packed_decode import PackedTuning
+    from flashloop_backend.kernels.triton.packed_sparse import (
+        packed_sparse_correction_triton,
+        packed_streamed_correction_triton,
+    )
+
+    args, lengths = _sparse_case(rng, group)
+    _, indices, mass, output, contribution = packed_dense_source(*args, lengths, 0.25, 16)
+    assert (indices < 0).any() and (indices >= 0).all(-1).logical_not().all()
+    tuning = PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step)
+    state = (indices, mass, output, contribution)
+    streamed = packed_streamed_correction_triton(*args, *state, tuning=tuning)
+    reference = packed_sparse_correction(*args, *state)
+    torch.testing.assert_close(streamed, reference, atol=2e-5, rtol=2e-5)
+    unselected = indices.clone()
+    unselected[2] = -1
+    state = (unselected, mass, output, contribution)
+    streamed = packed_streamed_correction_triton(*args, *state, tuning=tuning)
+    torch.testing.assert_close(
+        streamed, packed_sparse_correction_triton(*args, *state), atol=2e-5, rtol=2e-5
+    )
+    torch.testing.assert_close(streamed[:2], reference[:2], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(streamed[2], output[2] - contribution[2], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("block_n", [32, 16])
 def test_triton_packed_correction_reads_only_the_selected_keys_like_the_reference(rng, block_n):
     from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction

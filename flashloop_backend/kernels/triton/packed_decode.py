@@ -87,13 +87,17 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
                          key_cache, value_cache, block_tables, context_lengths,
                          scale: float | None = None, tuning: PackedTuning = DEFAULT_TUNING,
                          logits: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+                         out_dtype: torch.dtype | None = None, selected: torch.Tensor | None = None,
+                         correction: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """Decode attention of q [R, Hq, D] over each row's history: positions below
     ``packed_lengths`` from the packed store (reconstructed at the row's depth in
     registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
     [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype (or ``out_dtype``).
     Selection statistics (``packed_dense_source``): ``logits`` [R, Hq, T >= the grid's
-    span] FP32 receives every visible key's scaled logit, ``lse`` [R, Hq] FP32 the LSE."""
+    span] FP32 receives every visible key's scaled logit, ``lse`` [R, Hq] FP32 the LSE.
+    ``selected`` [R, Hq, >= the span] uint8: only marked positions attend; ``correction``
+    (output, contribution [R, Hq, D], mass [R, Hq], FP32) is applied by the merge (the
+    streamed loop 3-4 correction, ``packed_streamed_correction_triton``)."""
     from .packed_decode_jit import packed_decode_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
@@ -129,6 +133,13 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         raise ValueError(
             f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
         )
+    if selected is not None and (selected.dtype != torch.uint8 or selected.device != q.device
+                                 or selected.shape[:2] != q.shape[:2] or selected.shape[2] < groups * g
+                                 or selected.stride(2) != 1 or logits is not None):  # fmt: skip
+        raise ValueError(
+            f"selected must be uint8 [{rows}, {num_q_heads}, >= {groups * g}] on {q.device}, last axis "
+            f"contiguous, without logits; got {selected.dtype} {tuple(selected.shape)} on {selected.device}"
+        )
     want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
     per_split = math.ceil(groups / splits)
@@ -139,15 +150,18 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         q, *pools, tables, maps, kinds, packed,
         key_cache, value_cache, block_tables, context_lengths,
         part_out, part_max, part_sum, logits if logits is not None else part_max,
+        selected if selected is not None else packed,
         scale,
         q.stride(0), q.stride(1),
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
         logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
+        selected.stride(0) if selected is not None else 0, selected.stride(1) if selected is not None else 0,
         per_split,
     )  # fmt: skip
     shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
                  BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
+                 SELECTED=selected is not None,
                  ROWS=rows_per_step(tuning, g, tables.shape[1]), num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
-    return merge_splits(part_out, part_max, part_sum, out, lse)
+    return merge_splits(part_out, part_max, part_sum, out, lse, correction)

@@ -127,24 +127,26 @@ def packed_decode_split_kernel(
     q_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
     level_tables_ptr, level_maps_ptr, level_kinds_ptr, packed_ptr,
     k_ptr, v_ptr, tables_ptr, lengths_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr, logits_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, logits_ptr, selected_ptr,
     scale,
     stride_qr, stride_qh,
     skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
     stride_lr, stride_ll, stride_mr, stride_ml, stride_kr,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
     stride_pr, stride_ph, stride_ps, stride_sr, stride_sh,
-    stride_gr, stride_gh,
+    stride_gr, stride_gh, stride_xr, stride_xh,
     groups_per_split,
     GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr, ROWS: tl.constexpr,
+    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr, ROWS: tl.constexpr, SELECTED: tl.constexpr,
 ):
     """One (row, query head, split) over groups of GROUP rows, ROWS rows per step (fewer
     rows per step: smaller tiles, fewer registers per thread): groups below the row's
     packed length are read from the levels (base + the LEVELS - 1 residual levels; dense
     pages directly, compact levels through their map; nothing is written back), later
     groups from the BF16 paged cache. FP32 online softmax; partial state per split.
-    STORE_LOGITS: every visible key's scaled logit goes to ``logits`` [R, Hq, T] too."""
+    STORE_LOGITS: every visible key's scaled logit goes to ``logits`` [R, Hq, T] too.
+    SELECTED: only positions marked in ``selected`` [R, Hq, T] uint8 take part (the loop
+    3-4 correction streamed over whole pages instead of gathered per selected key)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,6 +192,10 @@ def packed_decode_split_kernel(
                                        skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM)
         s_e = tl.where(pos_e < length, s_e, float("-inf"))
         s_o = tl.where(pos_e + 1 < length, s_o, float("-inf"))
+        if SELECTED:
+            marks = selected_ptr + row * stride_xr + head * stride_xh + pos_e
+            s_e = tl.where(tl.load(marks, mask=pos_e < length, other=0) != 0, s_e, float("-inf"))
+            s_o = tl.where(tl.load(marks + 1, mask=pos_e + 1 < length, other=0) != 0, s_o, float("-inf"))
         if STORE_LOGITS:
             logits_row = logits_ptr + row * stride_gr + head * stride_gh
             tl.store(logits_row + pos_e, s_e, mask=pos_e < length)
@@ -227,6 +233,9 @@ def packed_decode_split_kernel(
         slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         s = tl.where(visible, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
+        if SELECTED:
+            mark = tl.load(selected_ptr + row * stride_xr + head * stride_xh + pos, mask=visible, other=0)
+            s = tl.where(mark != 0, s, float("-inf"))
         if STORE_LOGITS:
             tl.store(logits_ptr + row * stride_gr + head * stride_gh + pos, s, mask=visible)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))

@@ -3,8 +3,10 @@
 reader with logits, the Triton top-K selection, and sums p * v over the selected keys
 reconstructed in registers; the correction reconstructs only the selected keys and runs
 the softmax over them in the same kernel (``packed_selected_jit.py``), split over programs
-from shapes only. ``packed_gather`` materialises chosen positions (a reconstruction tool
-the tests compare with the store's history)."""
+from shapes only; ``packed_streamed_correction_triton`` is the other correction design
+(the reader over whole pages, unselected logits masked; not registered until timed).
+``packed_gather`` materialises chosen positions (a reconstruction tool the tests compare
+with the store's history)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ import torch
 
 from ...packed_kv import PackedKVStore
 from .dense_source import DEFAULT_SELECT, SelectTuning, check_bucket, launch_selection
-from .packed_decode import layer_pools, packed_decode_triton, packed_span, packed_strides
+from .packed_decode import (
+    DEFAULT_TUNING,
+    PackedTuning,
+    layer_pools,
+    packed_decode_triton,
+    packed_span,
+    packed_strides,
+)
 from .paged_decode import merge_splits, split_buffers
 from .sparse_decode import selected_key_splits
 
@@ -115,6 +124,27 @@ def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cach
                                   num_warps=num_warps)  # fmt: skip
     correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
     return merge_splits(*parts, torch.empty_like(q), correction=correction)
+
+
+def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                      indices, mass, output, contribution, scale=None,
+                                      tuning: PackedTuning = DEFAULT_TUNING):  # fmt: skip
+    """:func:`packed_sparse_correction_triton`'s result by another design: the packed reader
+    streams every page of the row up to its last selected position and masks the logits of
+    positions not in ``indices`` [R, Hq, Kb] (-1: none), instead of gathering the selected
+    keys (whose V rows each touch a whole page block per level). Returns [R, Hq, D]."""
+    rows, num_q_heads, _ = q.shape
+    span = packed_span(store, meta, block_tables, key_cache.shape[1])
+    marks = torch.zeros((rows, num_q_heads, span + 1), dtype=torch.uint8, device=q.device)
+    if indices.shape[-1]:
+        valid = indices >= 0  # -1 lands in the spare last column, which no read reaches
+        marks.scatter_(2, torch.where(valid, indices, span).long(), 1)
+        lengths = (indices.amax(dim=-1).amax(dim=-1) + 1).to(torch.int32)  # 0: nothing selected
+    else:
+        lengths = torch.zeros(rows, dtype=torch.int32, device=q.device)
+    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
+    return packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
+                                lengths, scale, tuning, selected=marks, correction=correction)  # fmt: skip
 
 
 def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
