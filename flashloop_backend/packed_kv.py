@@ -328,7 +328,22 @@ def level_metadata(store: PackedKVStore, sequences: list[int | None], depths: li
     maps = torch.full((len(sequences), levels, rows), -1, dtype=torch.int32)
     kinds = torch.full((len(sequences), levels), LEVEL_EMPTY, dtype=torch.int32)
     packed = torch.zeros(len(sequences), dtype=torch.int32)
-    for i, (entry, depth) in enumerate(zip(entries, depths, strict=True)):
+    # per-row host work only for rows of packed sequences, once per (sequence, depth): a
+    # prefill chunk's thousands of rows (not packed yet) keep the fill values, where one
+    # small tensor per row cost seconds per 32K x 16 prefill on the host
+    written: dict[tuple[int, int], int] = {}
+    for i, (sequence, entry, depth) in enumerate(zip(sequences, entries, depths, strict=True)):
+        if entry is None:
+            continue
+        first = written.setdefault((sequence, depth), i)
+        if first != i:
+            tables[i], maps[i], kinds[i], packed[i] = (
+                tables[first],
+                maps[first],
+                kinds[first],
+                packed[first],
+            )
+            continue
         write_row_levels(entry, tables[i], maps[i], depth + 1)
         kinds[i], packed[i] = torch.tensor(row_kinds(entry, depth, levels)), row_packed(entry)
     return {

@@ -281,6 +281,29 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
     assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
 
 
+def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
+    """Prefill (and padding) rows pass None: the plan covers the decode rows only, in the
+    decode-first order the readers take, equal to those rows of a full plan."""
+    from flashloop_backend.backends.packed_state import PackedState
+    from flashloop_backend.dispatch import BatchView, RowMode
+    from flashloop_backend.packed_kv import level_metadata
+
+    (_, store, *_), _ = _sparse_case(rng)
+    state = PackedState(store, None, "fixed_prompt", 64)
+    modes = torch.tensor(
+        [RowMode.PREFILL, RowMode.DECODE, RowMode.PREFILL, RowMode.DECODE], dtype=torch.int8
+    )
+    rows = torch.zeros(4, dtype=torch.int64)
+    view = BatchView(rows, rows, modes, rows, rows, rows, rows, rows.int() + 1,
+                     torch.zeros(1, 4, 1, dtype=torch.int32), decode_bound=2)  # fmt: skip
+    state.plan(view, [None, 1, None, 0], [0, 2, 1, 3])
+    meta = state.meta_for(view, torch.tensor([1, 3, 0, 2]))
+    expected = level_metadata(store, [1, 0], [2, 3], "cpu")
+    assert all(torch.equal(meta[name], expected[name]) for name in expected)
+    with pytest.raises(ValueError, match="3 rows read packed KV but the batch has decode_bound=2"):
+        state.plan(view, [None, 1, 1, 0], [0, 2, 1, 3])
+
+
 @pytest.mark.parametrize(
     ("sample", "block_n"), [(16, 32), (4096, 32), (0, 32), (4096, 16)],
     ids=["sample16", "sample64", "split", "sample64_block16"],
@@ -402,6 +425,32 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
 
     with pytest.raises(ValueError, match=r"metadata widths \(1, 1, 1\) are below this batch's"):
         level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE, widths=(1, 1, 1))
+
+
+def test_level_metadata_repeats_and_unpacked_rows_cost_no_row_tensors(rng, monkeypatch):
+    """Rows of one (sequence, depth) get the first such row's metadata; rows not packed
+    (prefill chunks, padding) keep the fill values without any per-row tensor: a 32K x 16
+    prefill step has 32K of them."""
+    from flashloop_backend.packed_kv import level_metadata
+
+    (_, store, *_), _ = _sparse_case(rng)
+    sequences, depths = [0, 1, 1], [3, 2, 3]
+    alone = level_metadata(store, sequences, depths, "cpu")
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(1) or real(*a, **k))
+    batch = [None, 7, 0, 1, 0, 1] + [None] * 1000  # 7: not in the store
+    meta = level_metadata(store, batch, [0, 0, 3, 2, 3, 3] + [1] * 1000, "cpu")
+    per_row = len(made)
+    for name, tensor in meta.items():
+        for i, j in ((2, 0), (3, 1), (4, 0), (5, 2)):
+            assert torch.equal(tensor[i], alone[name][j]), (name, i)
+        empty = tensor[[0, 1, *range(6, 1006)]]
+        fill = {"level_kinds": 2, "packed_lengths": 0}.get(name, -1)
+        assert (empty == fill).all(), name
+    made.clear()
+    level_metadata(store, [0, 1, 1], [3, 2, 3], "cpu")
+    assert per_row == len(made)  # the repeated and unpacked rows added no tensors
 
 
 def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):

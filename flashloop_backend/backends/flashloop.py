@@ -208,7 +208,9 @@ class FlashLoopBackend(DenseCallSurface):
         write = self.kernels[OpName.PACKED_KV_WRITE].impl.fn
         self.packed = PackedState(store, write, quant.policy, quant.tail_size)
 
-    def plan_packed(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
+    def plan_packed(
+        self, view: BatchView, request_ids: list[int | None], depths: list[int]
+    ) -> None:
         """Host planning step of a batch when KV quantization is on (see ``PackedState``)."""
         if self.packed is not None:
             self.packed.plan(view, request_ids, depths)

@@ -60,11 +60,25 @@ class PackedState:
         if sequence in self.store.sequences:
             self.store.release(sequence)
 
-    def plan(self, view: BatchView, sequences: list[int], depths: list[int]) -> None:
-        """Reader metadata for every row of ``view`` (host planning step; padding rows and
-        sequences not packed yet read BF16 only)."""
-        self._planned = (view, level_metadata(self.store, sequences, depths, view.device))
-        self._ordered = None
+    def plan(self, view: BatchView, sequences: list[int | None], depths: list[int]) -> None:
+        """Reader metadata for ``view`` (host planning step). ``sequences[i]`` None: row i
+        reads no packed KV (a prefill or padding row); rows of sequences not packed yet
+        read BF16 only. When some rows are None the others must be exactly the view's
+        ``decode_bound`` decode rows, which its stable decode-first order puts first: only
+        they get metadata, so a prefill chunk's thousands of rows cost nothing here."""
+        reading = [i for i, s in enumerate(sequences) if s is not None]
+        if len(reading) == len(sequences):
+            meta = level_metadata(self.store, sequences, depths, view.device)
+            self._planned, self._ordered = (view, meta), None
+            return
+        if view.decode_bound != len(reading):
+            raise ValueError(
+                f"{len(reading)} rows read packed KV but the batch has decode_bound="
+                f"{view.decode_bound} decode rows: only decode rows may read it"
+            )
+        meta = level_metadata(self.store, [sequences[i] for i in reading],
+                              [depths[i] for i in reading], view.device)  # fmt: skip
+        self._planned, self._ordered = (view, meta), meta  # already the decode-first order
 
     def use_plan(self, view: BatchView, meta: dict[str, torch.Tensor]) -> None:
         """Metadata the caller planned into its own buffers (a CUDA graph's fixed
@@ -81,4 +95,4 @@ class PackedState:
             )
         if self._ordered is None:
             self._ordered = {name: tensor[order] for name, tensor in self._planned[1].items()}
-        return self._ordered
+        return self._ordered  # decode rows first: readers take the first decode_bound rows

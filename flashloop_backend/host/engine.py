@@ -173,10 +173,10 @@ class Engine:
         batch = build_batch(groups, self.kv, self.device, pad_to)
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
-        if self.quantized:  # host planning: which rows read which packed levels
-            owners = [g.request_id for g in groups for _ in range(g.count)]
+        if self.quantized:  # host planning: which decode rows read which packed levels
+            owners = [None if g.mode == RowMode.PREFILL else g.request_id for g in groups for _ in range(g.count)]  # fmt: skip
             depths = [g.depth for g in groups for _ in range(g.count)]
-            self.backend.plan_packed(batch.view, owners + [-1] * pad, depths + [0] * pad)
+            self.backend.plan_packed(batch.view, owners + [None] * pad, depths + [0] * pad)
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         with torch.no_grad():
