@@ -73,9 +73,15 @@ class PackedKVStore:
     list; ``encode`` writes a whole prompt (all layers, all depths) at once."""
 
     def __init__(self, num_pages: int, num_layers: int, kv_heads: int, head_dim: int,
-                 group_size: int = 64, device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 group_size: int = 64, device: torch.device | str = "cpu",
+                 layers_per_pass: int = 1) -> None:  # fmt: skip
+        """``layers_per_pass``: layers an append encodes together (FP32 scratch grows with
+        it, launches shrink; the result is the same bit for bit)."""
         if head_dim % group_size:
             raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={group_size}")
+        if layers_per_pass < 1:
+            raise ValueError(f"layers_per_pass={layers_per_pass} must be >= 1")
+        self.layers_per_pass = layers_per_pass
         g, half = group_size, group_size // 2
         self.group_size = g
         self.shape = (num_layers, kv_heads, head_dim)
@@ -159,14 +165,16 @@ class PackedKVStore:
                 0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
             )
         pages = [self._allocate(-(-c // g)) for c in counts]
-        # one layer at a time: the FP32 conversion scratch is one layer's, not all layers'
-        for layer in range(keys[0].shape[1]):
+        # layers_per_pass layers at a time: the FP32 conversion scratch is theirs, not all
+        # layers' (one layer by default)
+        for first in range(0, keys[0].shape[1], self.layers_per_pass):
+            layers = slice(first, min(first + self.layers_per_pass, keys[0].shape[1]))
             recon_k = recon_v = None
             for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
                 if pages[depth]:
                     recon_k, recon_v = self._encode_level(
-                        k[:, layer], v[:, layer], recon_k, recon_v, presents[depth],
-                        pages[depth], layer, quantize,
+                        k[:, layers], v[:, layers], recon_k, recon_v, presents[depth],
+                        pages[depth], layers, quantize,
                     )  # fmt: skip
         for depth, k in enumerate(keys):
             self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
@@ -176,11 +184,11 @@ class PackedKVStore:
         self.sequences[sequence] = levels
 
     def _encode_level(
-        self, k, v, recon_k, recon_v, present, pages: list[int], layer: int, quantize
+        self, k, v, recon_k, recon_v, present, pages: list[int], layers: slice, quantize
     ):
-        """Quantize one layer's level (k, v [T, Hkv, D], residuals against the running
-        reconstruction, only the ``present`` rows when compact) into ``pages``; return the
-        updated reconstruction."""
+        """Quantize one level of ``layers`` (k, v [T, Lb, Hkv, D], residuals against the
+        running reconstruction, only the ``present`` rows when compact) into ``pages``;
+        return the updated reconstruction."""
         g = self.group_size
         target_k = k.float() if recon_k is None else k.float() - recon_k
         target_v = v.float() if recon_v is None else v.float() - recon_v
@@ -193,7 +201,7 @@ class PackedKVStore:
             target_k, target_v = target_k[fill], target_v[fill]
         qk = quantize(target_k, g, 0)  # per channel across rows
         qv = quantize(target_v, g, -1)  # per row across channels
-        self._write(pages, layer, qk, qv)
+        self._write(pages, layers, qk, qv)
         dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
         if present is None:
             return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
@@ -223,20 +231,27 @@ class PackedKVStore:
         levels.host_maps[depth] = torch.cat([mapping, block])
         levels.maps[depth] = levels.host_maps[depth].to(device)
 
-    def _write(self, pages: list[int], layer: int, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
-        """One layer: qk codes [H, D, G, g/2] (groups along rows) and qv codes [T, H, D/g,
-        g/2] (groups along channels), re-paired into the page layout."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
+    def _write(self, pages: list[int], layers: slice, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
+        """``layers`` (Lb of them): qk codes [Lb, H, D, G, g/2] (groups along rows) and qv
+        codes [T, Lb, H, D/g, g/2] (groups along channels), re-paired into the page layout."""
+        device = self.k_codes.device
+        index = torch.tensor(pages, dtype=torch.long, device=device)[:, None]
+        lb = qk.codes.shape[0]
+        at = (index, torch.arange(layers.start, layers.start + lb, device=device)[None, :])
         _, heads, dim = self.shape
         g = self.group_size
-        k = _unpack(qk.codes).permute(2, 3, 0, 1)  # [G, g, H, D]: channel pairs per byte
-        self.k_codes[index, layer] = _pack_pairs(k).to(self.k_codes.device)
-        self.k_min[index, layer] = qk.minimum.permute(2, 0, 1).to(self.k_codes.device)
-        self.k_scale[index, layer] = qk.scale.permute(2, 0, 1).to(self.k_codes.device)
-        v = _unpack(qv.codes).reshape(len(pages), g, heads, dim).permute(0, 2, 3, 1)  # [G, H, D, g]
-        self.v_codes[index, layer] = _pack_pairs(v).to(self.k_codes.device)
+        k = _unpack(qk.codes).permute(3, 0, 4, 1, 2)  # [G, Lb, g, H, D]: channel pairs per byte
+        self.k_codes[at] = _pack_pairs(k).to(device)
+        self.k_min[at] = qk.minimum.permute(3, 0, 1, 2).to(device)
+        self.k_scale[at] = qk.scale.permute(3, 0, 1, 2).to(device)
+        v = (
+            _unpack(qv.codes).reshape(len(pages), g, lb, heads, dim).permute(0, 2, 3, 4, 1)
+        )  # [G, Lb, H, D, g]
+        self.v_codes[at] = _pack_pairs(v).to(device)
         for pool, p in zip((self.v_min, self.v_scale), (qv.minimum, qv.scale), strict=True):
-            pool[index, layer] = p.reshape(len(pages), g, heads, dim // g).to(pool.device)
+            pool[at] = (
+                p.reshape(len(pages), g, lb, heads, dim // g).permute(0, 2, 1, 3, 4).to(device)
+            )
 
     def reconstruct(
         self, sequence: int, depth: int, layer: int

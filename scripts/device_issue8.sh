@@ -62,7 +62,7 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
   conversion)
     # the prompt's conversion to packed INT4 per chunk size, and its top ops (TTFT cost)
     timeout "${LIMIT_S:-540}" python3 scripts/profile_conversion.py --context 8192 --layers 6 \
-      --chunks 4096,1024,0 2>&1 | tee "$OUT/profile_conversion_8k.log" | tail -40 ;;
+      --chunks 4096,1024,0 --layers-per-pass 1,6 2>&1 | tee "$OUT/profile_conversion_8k.log" | tail -40 ;;
   serving)
     bench serving --backends triton+graphs --config configs/all_on.json --layers 6 \
       --contexts 1024,8192 --concurrency 1,16 ${VARIANTS:+--variants "$VARIANTS"} \

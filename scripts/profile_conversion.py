@@ -2,10 +2,12 @@
 request's BF16 KV (every layer and depth, dense levels), timed per chunk size, then one
 conversion under torch.profiler (top ops and the number of device launches).
 
-    python3 scripts/profile_conversion.py --context 8192 --layers 6 --chunks 4096,0
+    python3 scripts/profile_conversion.py --context 8192 --layers 6 --chunks 4096,0 \
+        --layers-per-pass 1,6
 
 Ouro-1.4B attention shapes by default (16 KV heads, head_dim 128, group 64). Chunk 0
-converts the whole prompt at once. On a GPU the quantizer is the Triton kernel the backend
+converts the whole prompt at once; layers per pass: how many layers the store encodes
+together (fewer launches, more FP32 scratch; the pages are the same). On a GPU the quantizer is the Triton kernel the backend
 registers; on CPU the torch reference (tiny shapes: a smoke run)."""
 
 import argparse
@@ -24,13 +26,14 @@ from flashloop_backend.packed_kv import PackedKVStore
 DEPTHS, BLOCK = 4, 16
 
 
-def _setup(args, device):
+def _setup(args, device, layers_per_pass: int = 1):
     blocks = -(-args.context // BLOCK) * DEPTHS + 4
     kv = PagedKVCache(blocks, args.layers, BLOCK, args.heads, args.head_dim, DEPTHS, torch.bfloat16, device)  # fmt: skip
     kv.key_pool.normal_()
     kv.value_pool.normal_()
     pages = -(-args.context // args.group) * DEPTHS + 4
-    store = PackedKVStore(pages, args.layers, args.heads, args.head_dim, args.group, device)
+    store = PackedKVStore(pages, args.layers, args.heads, args.head_dim, args.group, device,
+                          layers_per_pass=layers_per_pass)  # fmt: skip
     if device.type == "cuda":
         from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
     else:
@@ -38,9 +41,9 @@ def _setup(args, device):
     return kv, PackedState(store, quantize, "fixed_prompt", args.group)
 
 
-def _convert(args, device, chunk: int) -> float:
+def _convert(args, device, chunk: int, layers_per_pass: int = 1) -> float:
     """Seconds of one conversion of a fresh request (the KV pool already holds its rows)."""
-    kv, packed = _setup(args, device)
+    kv, packed = _setup(args, device, layers_per_pass)
     request = Request(0, [0] * args.context, SamplingParams(max_new_tokens=1), None)
     kv.reserve(request.id, args.context)
     chunk = chunk or -(-args.context // args.group) * args.group
@@ -60,11 +63,13 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--chunks", default="4096,0", help="rows per chunk; 0: the whole prompt")
+    parser.add_argument("--layers-per-pass", default="1", help="layers encoded together, swept")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="ops listed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
+    passes_list = [int(n) for n in args.layers_per_pass.split(",")]
     bad = [c for c in chunks if c < 0 or c % args.group]
     if bad or args.context % args.group:
         parser.error(f"--chunks {bad} and --context {args.context} must be multiples of --group {args.group}")  # fmt: skip
@@ -72,21 +77,26 @@ def main() -> int:
     _convert(args, device, chunks[0])  # compiles the quantizer
     record = {"context": args.context, "layers": args.layers, "kv_heads": args.heads,
               "head_dim": args.head_dim, "group": args.group, "device": str(device), "seconds": {}}  # fmt: skip
-    for chunk in chunks:
-        times = [_convert(args, device, chunk) for _ in range(args.repeats)]
-        record["seconds"][str(chunk or "whole")] = sorted(times)[len(times) // 2]
-        print(f"  chunk {chunk or 'whole'}: median {1e3 * record['seconds'][str(chunk or 'whole')]:.1f} ms "
-              f"({args.context} rows x {args.layers} layers x {DEPTHS} depths)", file=sys.stderr)  # fmt: skip
+    for passes in passes_list:
+        for chunk in chunks:
+            times = [_convert(args, device, chunk, passes) for _ in range(args.repeats)]
+            key = f"chunk_{chunk or 'whole'}_layers_{passes}"
+            record["seconds"][key] = sorted(times)[len(times) // 2]
+            print(f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
+                  f"{args.layers} layers x {DEPTHS} depths)", file=sys.stderr)  # fmt: skip
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        _convert(args, device, chunks[0])
-    events = prof.key_averages()
-    record["aten_calls"] = sum(e.count for e in events if e.key.startswith("aten::"))
-    record["device_launches"] = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # fmt: skip
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=args.rows))
+    record["aten_calls"], record["device_launches"] = {}, {}
+    for passes in passes_list:  # one profiled conversion each: calls and launches
+        with torch.profiler.profile(activities=activities) as prof:
+            _convert(args, device, chunks[0], passes)
+        events = prof.key_averages()
+        record["aten_calls"][passes] = sum(e.count for e in events if e.key.startswith("aten::"))
+        record["device_launches"][passes] = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # fmt: skip
+        print(f"layers per pass {passes}, chunk {chunks[0] or 'whole'}:")
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=args.rows))
     print(json.dumps(record))
     return 0
 

@@ -184,6 +184,22 @@ def test_rows_per_step_follows_the_level_count_and_caps_at_the_group():
     assert rows_per_step(PackedTuning(rows_per_step=None, deep_rows_per_step=None), 64, 4) == 64
 
 
+@pytest.mark.parametrize("layers_per_pass", [2, 3])
+def test_encoding_several_layers_per_pass_writes_the_same_pages(rng, layers_per_pass):
+    """Layers encoded together (fewer launches, more scratch) give the one-layer pages and
+    parameters bit for bit: dense and compact levels, two appends."""
+    active = [torch.ones(32, dtype=torch.bool)] * 2 + [torch.arange(32) % 3 == 0] * 2
+    chunks = [(_versions(rng, 32), _versions(rng, 32)) for _ in range(2)]
+    stores = [PackedKVStore(24, L, H, D, G, layers_per_pass=n) for n in (1, layers_per_pass)]
+    for store in stores:
+        for keys, values in chunks:
+            store.append(0, keys, values, active)
+    for one, many in zip(stores[0].pools, stores[1].pools, strict=True):
+        assert torch.equal(one, many)
+    with pytest.raises(ValueError, match="layers_per_pass=0 must be >= 1"):
+        PackedKVStore(4, L, H, D, G, layers_per_pass=0)
+
+
 def test_append_extends_levels_and_a_dense_level_turns_compact(rng):
     rows = 32
     first_k, first_v = _versions(rng, rows), _versions(rng, rows)

@@ -7,19 +7,19 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_conversion.py"
-TINY = ["--context", "128", "--layers", "1", "--heads", "2", "--head-dim", "64", "--repeats", "1",
+TINY = ["--context", "128", "--layers", "2", "--heads", "2", "--head-dim", "64", "--repeats", "1",
         "--rows", "3", "--device", "cpu"]  # fmt: skip
 
 
-def test_a_cpu_smoke_run_times_every_chunk_size():
-    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--chunks", "64,0"],
+def test_a_cpu_smoke_run_times_every_chunk_size_and_layers_per_pass():
+    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--chunks", "64,0", "--layers-per-pass", "1,2"],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(record["seconds"]) == {"64", "whole"} and all(
-        s > 0 for s in record["seconds"].values()
-    )
-    assert record["aten_calls"] > 0 and record["device_launches"] == 0
+    keys = {f"chunk_{c}_layers_{n}" for c in ("64", "whole") for n in (1, 2)}
+    assert set(record["seconds"]) == keys and all(s > 0 for s in record["seconds"].values())
+    calls = record["aten_calls"]  # JSON keys: layers per pass
+    assert calls["2"] < calls["1"] and set(record["device_launches"].values()) == {0}
 
 
 def test_chunks_off_the_group_are_refused_by_name():
