@@ -134,7 +134,7 @@ def _flashinfer_ms(q, kc, vc, tables, lengths) -> float:
 
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
     from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
-    from .packed_kv import level_metadata
+    from .packed_meta import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
     results = {"context": context, "concurrency": batch, "depths": {}}
@@ -189,7 +189,7 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
         packed_sparse_correction_triton,
         packed_streamed_correction_triton,
     )
-    from .packed_kv import level_metadata
+    from .packed_meta import level_metadata
     from .sparse_state import key_bucket
 
     device = gen.device

@@ -1,144 +1,16 @@
-"""Serving benchmark through the host: a fixed-arrival mixed workload (requests arrive at a
-fixed rate with mixed prompt and output lengths) and a closed loop (a fixed number of
-requests in flight). Per request: TTFT, TPOT, inter-token latencies, end-to-end latency;
-per run: throughput, percentiles, failed requests and a memory breakdown.
-
-The workload functions take any engine, so the same code runs the embedded model on CPU
-(tests) and Ouro-1.4B shapes on the GPU (``flashloop-backend bench serving``)."""
+"""Serving benchmark through the host: dense and each FlashLoop variant in one process,
+one engine per variant after an untimed warm-up, every workload of
+:mod:`serving_workload` (fixed-arrival mixed and closed-loop) per variant, with a memory
+breakdown; the record carries each variant's effective-config digest and kernels."""
 
 from __future__ import annotations
 
 import gc
-import random
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .config import ConfigError
-
-
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float  # seconds after the run starts
-    prompt_len: int
-    output_len: int
-
-
-def fixed_arrival_schedule(requests: int, rate_per_s: float, prompt_lens: list[int],
-                           output_lens: list[int], seed: int = 0) -> list[Arrival]:  # fmt: skip
-    """``requests`` arrivals 1/rate apart, lengths drawn (seeded) from the given lists."""
-    if requests <= 0 or rate_per_s <= 0:
-        raise ValueError(f"requests={requests} and rate_per_s={rate_per_s} must be positive")
-    if not prompt_lens or not output_lens or min(prompt_lens + output_lens) <= 0:
-        raise ValueError(
-            f"prompt_lens={prompt_lens} and output_lens={output_lens} need positive lengths"
-        )
-    rng = random.Random(seed)
-    return [Arrival(i / rate_per_s, rng.choice(prompt_lens), rng.choice(output_lens)) for i in range(requests)]  # fmt: skip
-
-
-@dataclass
-class RequestTimes:
-    arrival_s: float
-    prompt_len: int
-    token_s: list[float] = field(default_factory=list)  # time of each output token
-    finished_s: float | None = None
-    error: str | None = None
-
-
-def _percentiles(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50": statistics.median(ordered), "p99": at(0.99), "mean": statistics.fmean(ordered)}
-
-
-def summarize(times: list[RequestTimes], wall_s: float) -> dict:
-    """Latency percentiles (seconds; TPOT and ITL in ms), throughput and failures."""
-    ok = [t for t in times if t.error is None and t.finished_s is not None]
-    ttft = [t.token_s[0] - t.arrival_s for t in ok if t.token_s]
-    tpot = [
-        1e3 * (t.token_s[-1] - t.token_s[0]) / (len(t.token_s) - 1)
-        for t in ok
-        if len(t.token_s) > 1
-    ]
-    itl = [1e3 * (b - a) for t in ok for a, b in zip(t.token_s, t.token_s[1:], strict=False)]
-    tokens = sum(len(t.token_s) for t in ok)
-    return {
-        "requests": len(times), "completed": len(ok), "failed_requests": len(times) - len(ok),
-        "errors": sorted({t.error for t in times if t.error}),
-        "ttft_s": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl),
-        "latency_s": _percentiles([t.finished_s - t.arrival_s for t in ok]),
-        "output_tokens": tokens, "throughput_tokens_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "wall_s": wall_s,
-    }  # fmt: skip
-
-
-def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
-                 concurrency: int | None = None, sync: Callable[[], None] = lambda: None,
-                 seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> dict:  # fmt: skip
-    """Drive ``engine`` with ``arrivals``. ``concurrency`` None: open loop (each request
-    enters at its arrival time); an int: closed loop (arrival times ignored, at most that
-    many in flight, the next one entering when one finishes). A request the engine
-    refuses counts as failed with its reason; the run goes on. ``kv_held``: the most KV
-    bytes the live requests held after any step (``Engine.kv_held``: BF16 blocks in use
-    plus the packed store's steady bytes), with their tokens; the probe's host time is
-    kept off the latency clock."""
-    from .host.engine import SamplingParams
-
-    rng = random.Random(seed)
-    times: list[RequestTimes] = []
-    live: dict[int, RequestTimes] = {}
-    pending = list(arrivals)
-    held = (0, 0)  # (tokens, bytes) at the largest bytes seen
-    start = clock()
-    while pending or engine.has_unfinished():
-        now = clock() - start
-        while pending and (
-            len(live) < concurrency if concurrency is not None else pending[0].at_s <= now
-        ):
-            arrival = pending.pop(0)
-            entry = RequestTimes(
-                now if concurrency is not None else arrival.at_s, arrival.prompt_len
-            )
-            times.append(entry)
-            prompt = [rng.randrange(vocab_size) for _ in range(arrival.prompt_len)]
-            try:
-                params = SamplingParams(max_new_tokens=arrival.output_len, ignore_eos=True)
-                live[engine.add_request(prompt, params)] = entry
-            except (ValueError, MemoryError) as exc:
-                entry.error = f"{type(exc).__name__}: {exc}"
-        if not engine.has_unfinished():
-            if pending and concurrency is None:  # idle until the next arrival
-                time.sleep(max(0.0, pending[0].at_s - (clock() - start)))
-            continue
-        finished = engine.step()
-        sync()
-        now = clock() - start
-        probe = clock()
-        tokens, held_bytes = engine.kv_held()
-        held = max(held, (tokens, held_bytes), key=lambda h: h[1])
-        start += clock() - probe
-        for rid, entry in live.items():
-            request = engine._requests.get(rid)
-            produced = len(request.output) if request is not None else None
-            if produced is not None and produced > len(entry.token_s):
-                entry.token_s.extend([now] * (produced - len(entry.token_s)))
-        for result in finished:
-            entry = live.pop(result.request_id, None)
-            if entry is not None:
-                missing = len(result.output_token_ids) - len(entry.token_s)
-                entry.token_s.extend([now] * missing)
-                entry.finished_s = now
-    summary = summarize(times, clock() - start)
-    summary["kv_held"] = {"peak_bytes": held[1], "tokens_at_peak": held[0],
-                          "bytes_per_token_at_peak": held[1] / held[0] if held[0] else None}  # fmt: skip
-    return summary
+from .serving_workload import fixed_arrival_schedule, run_workload
 
 
 def memory_breakdown(engine) -> dict:

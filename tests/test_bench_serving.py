@@ -6,19 +6,17 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig, embedded_model_path
-from flashloop_backend.bench_serving import (
-    Arrival,
-    RequestTimes,
-    fixed_arrival_schedule,
-    pick_variants,
-    run_workload,
-    serve_variants,
-    summarize,
-    variants_for,
-)
+from flashloop_backend.bench_serving import pick_variants, serve_variants, variants_for
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, load_model
 from flashloop_backend.registry import Registry
+from flashloop_backend.serving_workload import (
+    Arrival,
+    RequestTimes,
+    fixed_arrival_schedule,
+    run_workload,
+    summarize,
+)
 
 
 @pytest.fixture(scope="module")

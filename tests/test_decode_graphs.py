@@ -208,7 +208,8 @@ def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):
     and tables/maps of the levels a row reads) equals the per-batch plan's, while rows
     finish at different steps and the others move up."""
     from flashloop_backend.host.graphs import DecodeGraphs
-    from flashloop_backend.packed_kv import LEVEL_EMPTY, level_metadata
+    from flashloop_backend.packed_kv import LEVEL_EMPTY
+    from flashloop_backend.packed_meta import level_metadata
 
     model = tiny_model(seed=7)
     config = _config({"token_sparse_prefill": True, "kv_residual_quantization": True})

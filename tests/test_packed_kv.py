@@ -100,7 +100,7 @@ STEPPING_IDS = [f"group{g}_rows{r or g}" for g, r in STEPPING]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_per_step, rng):
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     rows, tail, block = 32, 20, 16
     store = PackedKVStore(24, L, H, D, group, device=DEVICE)
@@ -137,7 +137,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_
 
 def _sparse_case(rng, group: int = G):
     """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     rows = 32
     store = PackedKVStore(24, L, H, D, group, device=DEVICE)
@@ -245,7 +245,7 @@ def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
 
 def test_packed_reader_rejects_bad_metadata(rng):
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     store = PackedKVStore(8, L, H, D, G, device=DEVICE)
     store.encode(
@@ -302,7 +302,7 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
     decode-first order the readers take, equal to those rows of a full plan."""
     from flashloop_backend.backends.packed_state import PackedState
     from flashloop_backend.dispatch import BatchView, RowMode
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     (_, store, *_), _ = _sparse_case(rng)
     state = PackedState(store, None, "fixed_prompt", 64)
@@ -437,7 +437,7 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
     with pytest.raises(ValueError, match="does not fit the store"):
         packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
                               positions.int(), 1.0)  # fmt: skip
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     with pytest.raises(ValueError, match=r"metadata widths \(1, 1, 1\) are below this batch's"):
         level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE, widths=(1, 1, 1))
@@ -447,7 +447,7 @@ def test_level_metadata_repeats_and_unpacked_rows_cost_no_row_tensors(rng, monke
     """Rows of one (sequence, depth) get the first such row's metadata; rows not packed
     (prefill chunks, padding) keep the fill values without any per-row tensor: a 32K x 16
     prefill step has 32K of them."""
-    from flashloop_backend.packed_kv import level_metadata
+    from flashloop_backend.packed_meta import level_metadata
 
     (_, store, *_), _ = _sparse_case(rng)
     sequences, depths = [0, 1, 1], [3, 2, 3]

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 
 from ..dispatch import BatchView
-from ..packed_kv import PackedKVStore, level_metadata
+from ..packed_kv import PackedKVStore
+from ..packed_meta import level_metadata
 
 
 class PackedState:

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ConfigError
 from ..dispatch import BatchView, RowMode
-from ..packed_kv import level_version, level_widths, row_kinds, row_packed, write_row_levels
+from ..packed_meta import level_version, level_widths, row_kinds, row_packed, write_row_levels
 from .batch import Batch, RowGroup, build_batch
 from .kvcache import PagedKVCache
 
