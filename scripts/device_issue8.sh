@@ -7,7 +7,8 @@
 #            TESTS narrows them as for tests)
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
-#   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x);
+#   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x;
+#            CONFIG=configs/all_on_streamed_correction.json: the streamed correction design);
 #            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
@@ -45,9 +46,9 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
     bench e2e --config configs/all_on.json --backends triton,triton+graphs,flashloop,flashloop+graphs \
       --contexts 1024 --concurrency 1,16 --out "$OUT/bench_e2e_graphs_1k.json" ;;
   decode)
-    bench e2e --config configs/all_on.json --backends triton+graphs,flashloop+graphs \
+    bench e2e --config "${CONFIG:-configs/all_on.json}" --backends triton+graphs,flashloop+graphs \
       --contexts 32768 --concurrency 16 --new-tokens 8 --layers 4 --warmup-context 2048 \
-      --out "$OUT/bench_e2e_graphs_32k.json" ;;
+      --out "$OUT/bench_e2e_graphs_32k${CONFIG:+_$(basename "$CONFIG" .json)}.json" ;;
   prefill)
     bench e2e --config configs/all_on.json --backends flashinfer,flashloop --contexts 32768 \
       --concurrency 1 --new-tokens 2 --out "$OUT/bench_e2e_all_on_prefill_32k.json" ;;

@@ -68,6 +68,12 @@ def _packed_correction(*args, **kwargs) -> torch.Tensor:
     return packed_sparse_correction_triton(*args, **kwargs)
 
 
+def _streamed_correction(*args, **kwargs) -> torch.Tensor:
+    from .packed_sparse import packed_streamed_correction_triton
+
+    return packed_streamed_correction_triton(*args, **kwargs)
+
+
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
     from .sparse_decode import sparse_correction_triton
 
@@ -116,4 +122,18 @@ def provider() -> KernelProvider:
     return KernelProvider(
         name="triton", version=__version__, priority=20,
         description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction, packed INT4 KV (decode, source, correction)", impls=impl,
+    )  # fmt: skip
+
+
+def streamed_provider() -> KernelProvider:
+    """The second loop 3-4 correction design over packed KV (the packed reader over whole
+    pages, unselected logits masked), named by ``kernel_overrides``
+    ``{"packed_sparse_correction": "triton_streamed"}``; below ``triton`` in automatic
+    selection until the H200 times it faster."""
+    gather = provider().impls[OpName.PACKED_CORRECTION]
+    impl = KernelImpl(OpName.PACKED_CORRECTION, _streamed_correction, gather.support)
+    return KernelProvider(
+        name="triton_streamed", version=__version__, priority=10,
+        description="Triton packed sparse correction streamed over whole pages (unselected logits masked)",
+        impls={OpName.PACKED_CORRECTION: impl},
     )  # fmt: skip
