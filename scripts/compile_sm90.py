@@ -20,6 +20,17 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+# pointer types of the packed-KV kernels' arguments (others default to *fp32)
+STORE = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*fp16",
+         "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
+         "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
+         "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
+         "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16",
+         "selected_ptr": "*u8"}  # fmt: skip
+SELECTED = {**STORE, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+            "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
+
+
 def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> dict:
     out = {}
     for name in fn.arg_names:
@@ -48,21 +59,14 @@ def _compile(
 
 
 def main() -> int:
-    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
-    from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
-    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
-
-    store = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*fp16",
-             "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
-             "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
-             "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
-             "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16",
-             "selected_ptr": "*u8"}  # fmt: skip
     from flashloop_backend.kernels.triton.packed_decode import (
         DEFAULT_TUNING,
         rows_per_step,
         warps_for,
     )
+    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
+    from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
+    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
     ok = True
     for levels in (1, 2, 4):
@@ -74,22 +78,20 @@ def main() -> int:
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                          STORE_LOGITS=logits, ROWS=rows, SELECTED=selected)  # fmt: skip
             ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} ROWS={rows}",
-                           packed_decode_split_kernel, store, {"scale"}, shape, warps_for(DEFAULT_TUNING, levels))  # fmt: skip
+                           packed_decode_split_kernel, STORE, {"scale"}, shape, warps_for(DEFAULT_TUNING, levels))  # fmt: skip
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)
         ok &= _compile(
-            f"packed_gather LEVELS={levels}", packed_gather_kernel, store, set(), shape, 4
+            f"packed_gather LEVELS={levels}", packed_gather_kernel, STORE, set(), shape, 4
         )
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
 
-    selected = {**store, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
-                "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
     for levels, block_n in ((1, 32), (4, 32), (4, 16)):
         for from_logits in (False, True):
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                          BLOCK_N=block_n, FROM_LOGITS=from_logits)  # fmt: skip
             ok &= _compile(f"packed_selected LEVELS={levels} BLOCK_N={block_n} FROM_LOGITS={from_logits}",
-                           packed_selected_split_kernel, selected, {"scale"}, shape, 4)  # fmt: skip
+                           packed_selected_split_kernel, SELECTED, {"scale"}, shape, 4)  # fmt: skip
     select = {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32", "v_ptr": "*bf16",
               "tables_ptr": "*i32", "output_ptr": "*fp32", "out_ptr": "*bf16", "idx_ptr": "*i32",
               "mass_ptr": "*fp32", "contrib_ptr": "*fp32", "scratch_ptr": "*i32"}  # fmt: skip

@@ -21,19 +21,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton
-from compile_sm90 import TARGET, _signature
+from compile_sm90 import SELECTED, STORE, TARGET, _signature
 from triton.compiler import ASTSource
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-STORE = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*fp16",
-         "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
-         "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
-         "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
-         "q_ptr": "*bf16"}  # fmt: skip
-
-
-SELECTED = {**STORE, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
-            "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
 
 
 def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[str, int]:

@@ -18,7 +18,7 @@ import torch
 
 from ...reference import ratio_fraction
 from ..torch_sparse_decode import selected_counts
-from .paged_decode import paged_attention_triton, sm_count
+from .paged_decode import next_pow2, paged_attention_triton, sm_count
 
 LOW32 = 0xFFFFFFFF
 
@@ -181,16 +181,12 @@ def launch_split_selection(logits, lse, context_lengths, value_cache, block_tabl
         indices.stride(0), indices.stride(1),
         per_split, k_bucket,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK=tuning.block, SPLITS_PAD=triton_next_pow2(splits), CONTRIBUTE=contribute,
+        BLOCK=tuning.block, SPLITS_PAD=next_pow2(splits), CONTRIBUTE=contribute,
         num_warps=tuning.split_num_warps,
     )  # fmt: skip
     torch.sum(mass_parts, dim=2, out=mass)
     if contribute:
         torch.sum(contrib_parts, dim=2, out=contribution)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def order_key(logits: torch.Tensor) -> torch.Tensor:

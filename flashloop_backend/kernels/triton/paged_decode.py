@@ -48,6 +48,11 @@ def _num_splits(
     return min(want, most)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton tile extents."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def split_buffers(rows: int, heads: int, splits: int, head_dim: int, device: torch.device):
     """FP32 partial states of split-K kernels: acc [R, H, S, D], max and sum [R, H, S]."""
     part_out = torch.empty((rows, heads, splits, head_dim), device=device, dtype=torch.float32)
@@ -78,7 +83,7 @@ def merge_splits(
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
         ref.stride(0), ref.stride(1), contrib.stride(0), contrib.stride(1), mass.stride(0),
-        NUM_SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+        NUM_SPLITS=splits, SPLITS_PAD=max(2, next_pow2(splits)), HEAD_DIM=head_dim,
         STORE_LSE=lse is not None, CORRECT=correction is not None,
     )  # fmt: skip
     return out
@@ -124,7 +129,7 @@ def paged_attention_triton(
     )
     blocks_per_split = math.ceil(max_blocks / splits)
     group = num_q_heads // num_kv_heads
-    group_pad = 1 << (group - 1).bit_length()
+    group_pad = next_pow2(group)
     if tuning.use_dot:
         group_pad = max(16, group_pad)  # tensor-core tiles need M >= 16
     pages = max(1, tuning.keys_per_iter // block_size)
