@@ -214,8 +214,9 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
         meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
         source = (q, store, 0, meta[1], kc, vc, tables, lengths, ratio, bucket, None, select or DEFAULT_SELECT)  # fmt: skip
         _, indices, mass, output, contribution = packed_dense_source_triton(*source)
-        for depth in (2, 3):  # the second correction design: the reader, unselected masked
-            args = (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
+        corrections = {depth: (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
+                       for depth in (2, 3)}  # fmt: skip
+        for depth, args in corrections.items():  # the second design: the reader, unselected masked
             key = f"{name}_correction_depth{depth + 1}_streamed"
             record(key, timer(lambda a=args: packed_streamed_correction_triton(*a)))
             gap = (packed_streamed_correction_triton(*args).float()
@@ -226,8 +227,7 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
             suffix = f"_block{block_n}" + (f"_w{warps}" if warps != SELECTED_WARPS else "")
             record(f"{name}_source_depth2{suffix}",
                    timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)))  # fmt: skip
-            for depth in (2, 3):
-                args = (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)  # fmt: skip
+            for depth, args in corrections.items():
                 record(f"{name}_correction_depth{depth + 1}{suffix}",
                        timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)))  # fmt: skip
         del store

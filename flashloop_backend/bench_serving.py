@@ -152,14 +152,12 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
 
                 torch.cuda.reset_peak_memory_stats()
             capturing = engine.graphs is not None and engine.graphs.settings.capture
-            captured = engine.graphs.stats()["eager_steps"] if capturing else 0
+            captured = engine.graphs.eager_steps if capturing else 0
             summary = run_workload(
                 engine, workload["arrivals"], vocab, workload["concurrency"], sync
             )
             if capturing:  # capture steps inside the timed window (0 when warm-up met all)
-                summary["graph_captures_in_window"] = (
-                    engine.graphs.stats()["eager_steps"] - captured
-                )
+                summary["graph_captures_in_window"] = engine.graphs.eager_steps - captured
             summary.update(variant=variant.name, backend=variant.backend, workload=workload["name"],
                            config_digest=digest, kernels=kernels, memory=memory_breakdown(engine),
                            graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip

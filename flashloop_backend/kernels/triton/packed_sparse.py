@@ -113,6 +113,11 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
     return part_out, part_max, part_sum
 
 
+def _correction_terms(output, contribution, mass) -> tuple[torch.Tensor, ...]:
+    """The loop-2 reference terms as ``merge_splits``' correction takes them (FP32)."""
+    return output.float().contiguous(), contribution.float().contiguous(), mass.float()
+
+
 def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
                                     indices, mass, output, contribution, scale=None,
                                     block_n: int = BLOCK_N, num_warps: int = SELECTED_WARPS):  # fmt: skip
@@ -122,8 +127,9 @@ def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cach
     parts = packed_selected_parts(q, store, layer, meta, key_cache, value_cache, block_tables,
                                   indices.to(torch.int32), scale, block_n=block_n,
                                   num_warps=num_warps)  # fmt: skip
-    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
-    return merge_splits(*parts, torch.empty_like(q), correction=correction)
+    return merge_splits(
+        *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
+    )
 
 
 def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
@@ -142,9 +148,9 @@ def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_ca
         lengths = (indices.amax(dim=-1).amax(dim=-1) + 1).to(torch.int32)  # 0: nothing selected
     else:
         lengths = torch.zeros(rows, dtype=torch.int32, device=q.device)
-    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
     return packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                lengths, scale, tuning, selected=marks, correction=correction)  # fmt: skip
+                                lengths, scale, tuning, selected=marks,
+                                correction=_correction_terms(output, contribution, mass))  # fmt: skip
 
 
 def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
