@@ -426,6 +426,13 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
     short = torch.empty(3, H, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"logits must be \[3, 2, >= 64\]"):
         packed_decode_triton(*args, lengths, logits=short, lse=torch.empty(3, H, device=DEVICE))
+    marks = torch.ones(3, H, 64, dtype=torch.uint8, device=DEVICE)
+    for bad in (marks.bool(), marks[:, :, :16], marks.transpose(0, 2).contiguous().transpose(0, 2)):
+        with pytest.raises(ValueError, match=r"selected must be uint8 \[3, 2, >= 64\]"):
+            packed_decode_triton(*args, lengths, selected=bad)
+    with pytest.raises(ValueError, match="without logits"):
+        packed_decode_triton(*args, lengths, logits=torch.empty(3, H, 64, device=DEVICE),
+                             lse=torch.empty(3, H, device=DEVICE), selected=marks)  # fmt: skip
     from flashloop_backend.kernels.triton.packed_sparse import packed_selected_parts
 
     with pytest.raises(ValueError, match=r"indices must be int32 \[3, 2, Kb\]; got torch.int64"):
