@@ -184,7 +184,6 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
     ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
     from .kernels.triton.dense_source import DEFAULT_SELECT
     from .kernels.triton.packed_sparse import (
-        SELECTED_WARPS,
         packed_dense_source_triton,
         packed_sparse_correction_triton,
         packed_streamed_correction_triton,
@@ -224,7 +223,7 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
             results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
         for block_n, warps in launches:
             launch = {"block_n": block_n, "num_warps": warps}
-            suffix = f"_block{block_n}" + (f"_w{warps}" if warps != SELECTED_WARPS else "")
+            suffix = f"_block{block_n}_w{warps}"
             record(f"{name}_source_depth2{suffix}",
                    timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)))  # fmt: skip
             for depth, args in corrections.items():

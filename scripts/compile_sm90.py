@@ -85,13 +85,15 @@ def main() -> int:
             f"packed_gather LEVELS={levels}", packed_gather_kernel, STORE, set(), shape, 4
         )
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
+    from flashloop_backend.kernels.triton.packed_sparse import BLOCK_N, SELECTED_WARPS
 
-    for levels, block_n in ((1, 32), (4, 32), (4, 16)):
+    # the registered launch at one and four levels, and the earlier 32 x 4 one
+    for levels, block_n, warps in ((1, BLOCK_N, SELECTED_WARPS), (4, BLOCK_N, SELECTED_WARPS), (4, 32, 4)):  # fmt: skip
         for from_logits in (False, True):
             shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                          BLOCK_N=block_n, FROM_LOGITS=from_logits)  # fmt: skip
-            ok &= _compile(f"packed_selected LEVELS={levels} BLOCK_N={block_n} FROM_LOGITS={from_logits}",
-                           packed_selected_split_kernel, SELECTED, {"scale"}, shape, 4)  # fmt: skip
+            ok &= _compile(f"packed_selected LEVELS={levels} BLOCK_N={block_n} warps={warps} FROM_LOGITS={from_logits}",
+                           packed_selected_split_kernel, SELECTED, {"scale"}, shape, warps)  # fmt: skip
     select = {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32", "v_ptr": "*bf16",
               "tables_ptr": "*i32", "output_ptr": "*fp32", "out_ptr": "*bf16", "idx_ptr": "*i32",
               "mass_ptr": "*fp32", "contrib_ptr": "*fp32", "scratch_ptr": "*i32"}  # fmt: skip

@@ -3,7 +3,7 @@
 # call limit; every benchmark rewrites its JSON as it goes):
 #   tests    the CUDA-graph tests (replay vs eager, every combination; a fresh machine
 #            compiles every Triton specialization first: TESTS="<-k expression>" narrows them)
-#   combos   tests and features together, in parallel workers (WORKERS, default 8;
+#   combos   tests and features together, in parallel workers (WORKERS, default 15;
 #            TESTS narrows them as for tests)
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
@@ -35,8 +35,10 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
       tests/test_gpu_graphs.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$OUT/gpu_tests_graphs.log" | tail -25 ;;
   combos)
     # every combination's graph replay and GPU-vs-CPU host test at once (xdist workers share
-    # the Triton cache, so a fresh machine compiles in parallel)
-    timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE -n "${WORKERS:-8}" \
+    # the Triton cache, so a fresh machine compiles in parallel); one CPU thread per worker:
+    # 16 workers of 16 torch threads each finished 5 of 20 tests in 490 s, 1 thread each all
+    # 20 in 210 s (results/gpu_tests_combinations.log)
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} timeout "${LIMIT_S:-540}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE -n "${WORKERS:-15}" \
       tests/test_gpu_graphs.py tests/test_gpu_dense.py -k "${TESTS:-graphs or features}" 2>&1 \
       | tee "$OUT/gpu_tests_combinations.log" | tail -40 ;;
   features)

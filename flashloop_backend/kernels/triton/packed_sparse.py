@@ -27,8 +27,12 @@ from .packed_decode import (
 from .paged_decode import merge_splits, split_buffers
 from .sparse_decode import selected_key_splits
 
-BLOCK_N = 32  # selected positions per step (16 spills nothing at 3-4 levels, untimed)
-SELECTED_WARPS = 4  # warps of the selected-key kernel (fewer spill more: kernel_registers.py)
+GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
+# The selected-key launch: 16 positions per step by 2 warps beat 32 x 4 and 16 x 4 for the
+# source and both corrections, dense levels and token-sparse alike, at 32K x 16 on the H200
+# (results/bench_packed_kv_sparse_ops.json: 1.35x the source, 1.57-1.62x the corrections).
+BLOCK_N = 16
+SELECTED_WARPS = 2
 
 
 def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor], key_cache,
@@ -51,7 +55,7 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
     positions, block_tables = positions.contiguous(), block_tables.contiguous()
     tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
     pools = layer_pools(store, layer)
-    packed_gather_kernel[(rows, num_q_heads, math.ceil(count / BLOCK_N))](
+    packed_gather_kernel[(rows, num_q_heads, math.ceil(count / GATHER_BLOCK_N))](
         positions, *pools, tables, maps, kinds, meta["packed_lengths"],
         key_cache, value_cache, block_tables, out_k, out_v,
         positions.stride(0), positions.stride(1),
@@ -59,7 +63,7 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
         out_k.stride(0), out_k.stride(1), out_k.stride(2),
         count,
         GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
-        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=BLOCK_N,
+        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=GATHER_BLOCK_N,
     )  # fmt: skip
     return out_k, out_v
 
