@@ -142,26 +142,35 @@ def _quality_vs_speed(results: Path, plt):
 
 
 def _graphs_tpot(results: Path, plt):
-    """TPOT through the host of every entry of the ``bench_e2e_graphs*.json`` records
-    (eager and ``+graphs`` entries side by side; each bar names its record and layers)."""
-    bars = []
+    """TPOT through the host of every entry of the ``bench_e2e_graphs*.json`` records, one
+    panel per (context, concurrency, layers): eager and ``+graphs`` entries side by side,
+    each bar naming its record (a 32K decode and a 1K one share no useful scale)."""
+    panels: dict[str, list[tuple[str, float]]] = {}
     for path in sorted(results.glob("bench_e2e_graphs*.json")):
         record = path.stem.removeprefix("bench_e2e_graphs_")
         for run in json.loads(path.read_text())["runs"]:
             layers = run["model"].rpartition(", ")[2] if "layers" in run["model"] else "24 layers"
+            shape = f"{run['context'] // 1024}K x {run['concurrency']}, {layers}"
             for name, entry in run["results"].items():
-                label = f"{name}\n{run['context'] // 1024}K x {run['concurrency']}, {layers}\n[{record}]"
-                bars.append((label, entry["tpot_ms"]["median"]))
-    if not bars:
+                bar = (f"{name}\n[{record}]", entry["tpot_ms"]["median"])
+                panels.setdefault(shape, []).append(bar)
+    if not panels:
         return None
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(bars)), 4))
-    drawn = ax.bar([b[0] for b in bars], [b[1] for b in bars],
-                   color=["tab:orange" if "+graphs" in b[0] else "gray" for b in bars])  # fmt: skip
-    for bar, (_, value) in zip(drawn, bars, strict=True):
-        ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)  # fmt: skip
-    return _bar_labels(fig, ax, "TPOT ms (median)",
-                       "Decode through the host, eager vs CUDA graphs (H200)")  # fmt: skip
+    widths = [max(2, len(bars)) for bars in panels.values()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.3 * sum(widths) + 1, 4.5),
+                             gridspec_kw={"width_ratios": widths}, squeeze=False)  # fmt: skip
+    for ax, (shape, bars) in zip(axes[0], panels.items(), strict=True):
+        drawn = ax.bar(range(len(bars)), [b[1] for b in bars],
+                       color=["tab:orange" if "+graphs" in b[0] else "gray" for b in bars])  # fmt: skip
+        ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right", fontsize=7)
+        for rect, (_, value) in zip(drawn, bars, strict=True):
+            ax.annotate(f"{value:.1f}", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                        ha="center", va="bottom", fontsize=7)  # fmt: skip
+        ax.set_title(shape, fontsize=9)
+    axes[0][0].set_ylabel("TPOT ms (median)")
+    fig.suptitle("Decode through the host, eager (gray) vs CUDA graphs (orange), H200")
+    fig.tight_layout()
+    return fig
 
 
 def serving_ratios(record: dict) -> dict[str, dict[str, float]]:
