@@ -13,7 +13,8 @@ from .bench import HBM_BYTES_PER_S, _graph_ms, _require_cuda, environment_record
 from .config import ConfigError
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
-# (positions per step, warps) of the selected-key kernel: the registered 32 x 4 first.
+# (positions per step, warps) of the selected-key kernel: 32 x 4 (registered before) and
+# 16 x 2 (registered since the sparse-ops record) among them.
 # ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
 # levels (4.7-32 KB of spills per thread); 16 x 2 spills about 1 KB, 16 x 4 under 0.2 KB
 SELECTED_LAUNCHES = [(32, 4), (16, 4), (16, 2)]

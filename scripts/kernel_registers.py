@@ -1,4 +1,5 @@
-"""Registers and spills of the packed INT4 decode reader per launch shape, from ptxas on
+"""Registers and spills of the packed INT4 decode reader (or, ``--kernel selected``, the
+selected-key kernel of the packed sparse ops) per launch shape, from ptxas on
 the sm_90 PTX (no GPU needed): a static check of the reader's register pressure, which
 decides its occupancy (255 registers: at most 8 warps per SM) and its local-memory spill
 traffic. Launch-shape timings belong to ``flashloop-backend bench packed`` on the H200.
@@ -47,10 +48,10 @@ def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[st
         pointers = SELECTED
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                      BLOCK_N=rows, FROM_LOGITS=False)  # fmt: skip
-    kernel = triton.compile(ASTSource(fn, _signature(fn, pointers, {"scale"}, shape), shape),
-                            target=TARGET, options={"num_warps": warps})  # fmt: skip
+    compiled = triton.compile(ASTSource(fn, _signature(fn, pointers, {"scale"}, shape), shape),
+                              target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
+        ptx.write(compiled.asm["ptx"])
         ptx.flush()
         log = subprocess.run([str(PTXAS), "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr  # fmt: skip

@@ -129,7 +129,8 @@ def streamed_provider() -> KernelProvider:
     """The second loop 3-4 correction design over packed KV (the packed reader over whole
     pages, unselected logits masked), named by ``kernel_overrides``
     ``{"packed_sparse_correction": "triton_streamed"}``; below ``triton`` in automatic
-    selection until the H200 times it faster."""
+    selection: on the H200 it is 1.6-1.9x faster than the gather design on dense levels
+    but slower on compact (token-sparse) ones (results/bench_packed_kv_sparse_ops.json)."""
     gather = provider().impls[OpName.PACKED_CORRECTION]
     impl = KernelImpl(OpName.PACKED_CORRECTION, _streamed_correction, gather.support)
     return KernelProvider(

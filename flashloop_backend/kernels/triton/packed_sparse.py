@@ -4,7 +4,8 @@ reader with logits, the Triton top-K selection, and sums p * v over the selected
 reconstructed in registers; the correction reconstructs only the selected keys and runs
 the softmax over them in the same kernel (``packed_selected_jit.py``), split over programs
 from shapes only; ``packed_streamed_correction_triton`` is the other correction design
-(the reader over whole pages, unselected logits masked; not registered until timed).
+(the reader over whole pages, unselected logits masked; the ``triton_streamed`` override:
+on the H200 faster on dense levels, slower on compact ones).
 ``packed_gather`` materialises chosen positions (a reconstruction tool the tests compare
 with the store's history)."""
 
@@ -30,7 +31,7 @@ from .sparse_decode import selected_key_splits
 GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
 # The selected-key launch: 16 positions per step by 2 warps beat 32 x 4 and 16 x 4 for the
 # source and both corrections, dense levels and token-sparse alike, at 32K x 16 on the H200
-# (results/bench_packed_kv_sparse_ops.json: 1.35x the source, 1.57-1.62x the corrections).
+# (results/bench_packed_kv_sparse_ops.json: 1.35x the source, 1.57-1.73x the corrections).
 BLOCK_N = 16
 SELECTED_WARPS = 2
 
