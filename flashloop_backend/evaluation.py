@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import platform
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ def heldout_text(limit_bytes: int = 400_000) -> tuple[str, str]:
         total += len(text)
         if total >= limit_bytes:
             break
-    return "\n".join(parts), f"held-out split of {stdlib} (sha256(path) % 100 < 5)"
+    # named by version: the directory is where this machine installed it, which the text is not
+    source = f"the Python {platform.python_version()} standard library"
+    return "\n".join(parts), f"held-out split of {source} (sha256(path) % 100 < 5)"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class EvalSettings:
             raise ConfigError(
                 f"windows={self.windows}, context={self.context}, continuation={self.continuation} "
                 "must all be >= 1"
+            )
+        if self.passkey_samples < 0 or self.bootstrap < 1:
+            raise ConfigError(
+                f"passkey_samples={self.passkey_samples} must be >= 0 (0 skips passkey retrieval) "
+                f"and bootstrap={self.bootstrap} >= 1"
             )
         limit = model.config.max_position_embeddings
         longest = max(self.context + self.continuation, *(c + 5 for c in self.passkey_contexts))

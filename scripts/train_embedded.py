@@ -29,6 +29,7 @@ from flashloop_backend.host.config import OuroConfig  # noqa: E402
 from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
 from flashloop_backend.host.model import OuroModel, apply_rope, exit_distribution, rope_cos_sin  # noqa: E402
 from flashloop_backend.host.tokenizer import build_byte_tokenizer  # noqa: E402
+from flashloop_backend.paths import record_path  # noqa: E402
 
 BOS, EOS = 256, 257
 NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
@@ -226,7 +227,8 @@ def main() -> None:
         metrics = analyse(model, held_tokens)
         metrics["passkey_accuracy"] = passkey_accuracy(model, held_np, device, args.seed + 2)
     metrics.update(
-        steps=step, seconds=round(time.time() - start, 1), seed=args.seed, args=vars(args),
+        steps=step, seconds=round(time.time() - start, 1), seed=args.seed,
+        args={**vars(args), "out": record_path(args.out)},
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         corpus={"files": n_files, "held_out_files": n_held, "train_bytes": len(train_np), "held_out_bytes": len(held_np),
                 "source": f"Python {sys.version.split()[0]} standard library (*.py), held out by sha256(path) % 100 < 5"},

@@ -1,5 +1,6 @@
 """Plots come from the committed records; a missing record skips only its plot."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -49,3 +50,52 @@ def test_serving_ratios_compare_each_variant_to_dense_of_the_same_record():
                        {"variant": "y", "workload": "a", "tpot_ms": None}]}  # fmt: skip
     # c has no dense run and y finished nothing: both left out, never compared across runs
     assert serving_ratios(record) == {"x alone": {"a": 0.5, "b": 1.5}}
+
+
+def test_superseded_records_are_named_real_files_and_left_out_of_every_plot(tmp_path):
+    from flashloop_backend.report import SUPERSEDED, current_records, graphs_tpot_panels
+
+    assert all((RESULTS / name).is_file() for name in SUPERSEDED)  # the list names real files
+    current = [p.name for p in current_records(RESULTS, "bench_e2e_graphs*.json")]
+    assert {"bench_e2e_graphs_1k.json", "bench_e2e_graphs_32k.json"} <= set(current)
+    assert not set(current) & set(SUPERSEDED)
+    panels = graphs_tpot_panels(RESULTS)
+    drawn = {
+        v for backends in panels.values() for modes in backends.values() for v in modes.values()
+    }
+    for name in SUPERSEDED:
+        if name.startswith("bench_e2e_graphs"):
+            runs = json.loads((RESULTS / name).read_text())["runs"]
+            old = {e["tpot_ms"]["median"] for run in runs for e in run["results"].values()}
+            assert not old & drawn, name  # e.g. the 459.4 ms all-on step of 3425f19
+    assert all("[" not in label for backends in panels.values() for label in backends)
+
+    alone = tmp_path / "results"  # only a superseded record: its plot has nothing to draw
+    alone.mkdir()
+    shutil.copy(RESULTS / "bench_e2e_graphs_32k_3425f19.json", alone)
+    messages = []
+    assert make_plots(alone, tmp_path / "out", log=messages.append) == []
+    assert any(m.startswith("  left out bench_e2e_graphs_32k_3425f19.json") for m in messages)
+    assert any(m.startswith("  graphs_tpot.png: skipped") for m in messages)
+
+
+def test_the_serving_plot_draws_cuda_graph_records_only():
+    from flashloop_backend.report import serving_ratios, serving_records, serving_series
+
+    assert "bench_serving_eager_partial" not in serving_records(RESULTS)
+    series = dict(serving_series(RESULTS))
+    assert list(series) == [
+        "token-sparse prefill",
+        "sparse decode",
+        "INT4 KV",
+        "token-sparse prefill + sparse decode",
+        "all three",
+    ]
+    graphs = json.loads((RESULTS / "bench_serving_graphs_partial.json").read_text())
+    assert series["token-sparse prefill"] == serving_ratios(graphs)["token_sparse_prefill alone"]
+
+
+def test_context_lengths_read_as_the_docs_write_them():
+    from flashloop_backend.report import tokens
+
+    assert [tokens(n) for n in (1024, 8192, 32768, 1000)] == ["1K", "8K", "32K", "1000"]
