@@ -56,6 +56,10 @@ def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: b
     }
 
 
+class OutOfPackedPagesError(MemoryError):
+    """The packed pool cannot give a sequence the pages it asks for; nothing was taken."""
+
+
 @dataclass
 class SequenceLevels:
     """Where one sequence's levels live: pages per level and compact maps."""
@@ -70,7 +74,9 @@ class SequenceLevels:
 
 class PackedKVStore:
     """Page pools for every layer plus per-sequence level tables. Allocation is a free
-    list; ``encode`` writes a whole prompt (all layers, all depths) at once."""
+    list; ``encode`` writes a whole prompt (all layers, all depths) at once. A sequence may
+    :meth:`reserve` pages ahead: its appends draw on them first, and no other sequence's
+    append can take them."""
 
     def __init__(self, num_pages: int, num_layers: int, kv_heads: int, head_dim: int,
                  group_size: int = 64, device: torch.device | str = "cpu",
@@ -100,6 +106,7 @@ class PackedKVStore:
         )
         self.v_scale = torch.zeros_like(self.v_min)  # fmt: skip
         self._free = list(range(num_pages - 1, -1, -1))
+        self._reserved: dict[int, int] = {}  # sequence -> free pages held for its appends
         self.sequences: dict[int, SequenceLevels] = {}
         self._appends = 0
 
@@ -110,17 +117,39 @@ class PackedKVStore:
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.pools)
 
-    def _allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(
-                f"packed KV needs {count} pages, {len(self._free)} free of {self.k_codes.shape[0]}"
+    @property
+    def num_pages(self) -> int:
+        return self.k_codes.shape[0]
+
+    def unreserved_pages(self) -> int:
+        """Free pages that no sequence holds."""
+        return len(self._free) - sum(self._reserved.values())
+
+    def reserve(self, sequence: int, pages: int) -> None:
+        """Hold ``pages`` more free pages for the sequence's appends, atomically: when the
+        unheld free pages are fewer, ``OutOfPackedPagesError`` names them and nothing is held."""
+        if pages < 0:
+            raise ValueError(f"pages={pages} must be >= 0")
+        free = self.unreserved_pages()
+        if pages > free:
+            raise OutOfPackedPagesError(
+                f"packed KV for sequence {sequence} needs {pages} pages, {free} free of "
+                f"{self.num_pages} ({len(self._free) - free} held by reservations)"
             )
-        return [self._free.pop() for _ in range(count)]
+        if pages:
+            self._reserved[sequence] = self._reserved.get(sequence, 0) + pages
+
+    def unreserve(self, sequence: int) -> int:
+        """Give the pages still held for the sequence back to the pool; returns how many."""
+        return self._reserved.pop(sequence, 0)
 
     def release(self, sequence: int) -> None:
-        levels = self.sequences.pop(sequence)
-        for pages in levels.pages:
-            self._free.extend(pages)
+        """Return the sequence's pages and what remains of its reservation."""
+        self.unreserve(sequence)
+        levels = self.sequences.pop(sequence, None)
+        if levels is not None:
+            for pages in levels.pages:
+                self._free.extend(pages)
 
     def encode(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
                active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
@@ -155,16 +184,19 @@ class PackedKVStore:
             presents.append(None if present is not None and present.numel() == rows else present)
         counts = [rows if p is None else p.numel() for p in presents]
         needed = sum(-(-c // g) for c in counts)
-        if needed > len(self._free):  # checked up front: a failed append allocates nothing
-            raise MemoryError(
+        own = self._reserved.get(sequence, 0)
+        if needed > own + self.unreserved_pages():  # up front: a failed append takes nothing
+            raise OutOfPackedPagesError(
                 f"packed KV for sequence {sequence} needs {needed} pages, "
-                f"{len(self._free)} free of {self.k_codes.shape[0]}"
+                f"{own + self.unreserved_pages()} free of {self.num_pages} ({own} reserved for it)"
             )
+        if own:  # its reservation first, then pages nobody holds
+            self._reserved[sequence] = own - min(own, needed)
         if levels is None:
             levels = SequenceLevels(
                 0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
             )
-        pages = [self._allocate(-(-c // g)) for c in counts]
+        pages = [[self._free.pop() for _ in range(-(-c // g))] for c in counts]
         # layers_per_pass layers at a time: the FP32 conversion scratch is theirs, not all
         # layers' (one layer by default)
         for first in range(0, keys[0].shape[1], self.layers_per_pass):
@@ -290,7 +322,8 @@ class PackedKVStore:
 
     def accounting(self) -> dict:
         """Steady bytes of what is stored, from the tensors: payload (codes), parameters,
-        maps, and the share per stored logical token and depth."""
+        maps, and the share per stored logical token and depth; pages used, still reserved
+        for later appends, and in the pool."""
         page_payload = self.k_codes[0].numel() + self.v_codes[0].numel()
         page_params = sum(t[0].numel() * t.element_size() for t in (self.k_min, self.k_scale, self.v_min, self.v_scale))  # fmt: skip
         used = sum(len(p) for s in self.sequences.values() for p in s.pages)
@@ -301,7 +334,9 @@ class PackedKVStore:
                      * (page_payload + page_params) for d in range(depths)]  # fmt: skip
         steady = used * (page_payload + page_params) + maps
         return {
-            "pages_used": used, "payload_bytes": used * page_payload, "param_bytes": used * page_params,
+            "pages_used": used, "pages_reserved": sum(self._reserved.values()),
+            "pages_total": self.num_pages,
+            "payload_bytes": used * page_payload, "param_bytes": used * page_params,
             "map_bytes": maps, "steady_bytes": steady, "logical_tokens": tokens,
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],

@@ -9,6 +9,8 @@ from flashloop_backend.host import Engine, load_model, load_tokenizer
 from flashloop_backend.kernels.torch_reference import paged_attention
 from flashloop_backend.registry import Registry
 
+from .test_packed_admission import run_watching_admission
+
 pytestmark = pytest.mark.gpu
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -134,3 +136,50 @@ def test_flashloop_features_on_gpu_agree_with_cpu(features):
     cpu, gpu = runs["cpu"], runs["cuda"]
     assert (cpu.argmax(-1) == gpu.argmax(-1)).float().mean().item() >= 0.9
     assert (cpu.exp() * (cpu - gpu)).sum(-1).mean().item() < 0.05
+
+
+PACKED_FEATURES = {
+    "fixed_prompt": {"kv_residual_quantization": {"enabled": True}},
+    "rolling": {"kv_residual_quantization": {"enabled": True, "policy": "rolling"}},
+    "fixed_prompt+token_sparse": {
+        "kv_residual_quantization": {"enabled": True},
+        "token_sparse_prefill": {
+            "enabled": True,
+            "window_size": 64,
+            "retention": [1, 1, 0.5, 0.25],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("features", PACKED_FEATURES.values(), ids=PACKED_FEATURES.keys())
+def test_more_requests_than_the_packed_pool_holds_wait_on_gpu(features):
+    """KV quantization in bf16 with the Triton kernels: five concurrent requests need 44
+    packed pages (groups of 64 at four depths) and the pool has 20, while the BF16 pool
+    takes them all. They wait for pages and read what each reads alone."""
+    path = embedded_model_path()
+    tokenizer = load_tokenizer(path)
+    text = "def push(self, item):\n    self.items.append(item)\n    return len(self.items)\n" * 6
+    tokens = [256, *tokenizer.encode(text).ids]
+    prompts = [tokens[7 * i : 7 * i + n] for i, n in enumerate((200, 180, 170, 150, 140))]
+    forced = [tokens[7 * i + n : 7 * i + n + 64] for i, n in enumerate((200, 180, 170, 150, 140))]
+    config = FlashLoopConfig(**features)
+    model = load_model(path, "cuda", torch.bfloat16)
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 2, 2)
+
+    def engine() -> Engine:
+        backend = Registry.discover().create("flashloop", request, config)
+        return Engine(model, backend, num_blocks=512, prefill_chunk=128, packed_pages=20)
+
+    together = engine()
+    packed = together.backend.packed
+    assert sum(packed.pages_needed(len(p), 64, 4) for p in prompts) == 44
+    ids = [together.add_request(p, None, f, True) for p, f in zip(prompts, forced, strict=True)]
+    results, held_back, flushed = run_watching_admission(together)
+    assert held_back and packed.store.accounting()["pages_used"] == 0
+    assert flushed == (config.kv_residual_quantization.policy == "rolling")
+    for prompt, target, rid in zip(prompts, forced, ids, strict=True):
+        alone = engine().generate([prompt], forced=[target], keep_logprobs=True)[0].logprobs
+        mixed = results[rid].logprobs
+        assert (alone.argmax(-1) == mixed.argmax(-1)).float().mean().item() >= 0.95
+        assert (alone.exp() * (alone - mixed)).sum(-1).mean().item() < 0.02

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashloop_backend.packed_kv import PackedKVStore, encoding_descriptor
+from flashloop_backend.packed_kv import OutOfPackedPagesError, PackedKVStore, encoding_descriptor
 from flashloop_backend.reference import (
     encode_compact_chain,
     encode_residual_chain,
@@ -84,6 +84,63 @@ def test_store_errors_name_the_problem(rng):
     with pytest.raises(ValueError, match="head_dim=24 must be a multiple"):
         PackedKVStore(2, L, H, 24, G)
     assert encoding_descriptor(64, "rolling", 64, True)["version"] == 2
+
+
+def test_reserved_pages_are_drawn_by_their_sequence_only(rng):
+    store = PackedKVStore(12, L, H, D, G)
+    store.reserve(0, 8)  # two groups at four depths
+    report = store.accounting()
+    assert report["pages_reserved"] == 8 and report["pages_total"] == 12
+    assert store.unreserved_pages() == 4 and len(store._free) == 12
+    # a sequence without a reservation may take only the pages nobody holds
+    with pytest.raises(OutOfPackedPagesError, match="sequence 1 needs 8 pages, 4 free of 12"):
+        store.encode(1, _versions(rng, 32), _versions(rng, 32))
+    assert not store.sequences and store.unreserved_pages() == 4  # the failure took nothing
+    store.encode(1, _versions(rng, 16), _versions(rng, 16))  # 4 unreserved pages
+    store.encode(0, _versions(rng, 16), _versions(rng, 16))  # from its reservation
+    assert store.accounting()["pages_reserved"] == 4 and store.unreserved_pages() == 0
+    store.append(0, _versions(rng, 16), _versions(rng, 16))
+    assert store.accounting()["pages_reserved"] == 0 and not store._free
+    store.release(1)
+    assert store.unreserved_pages() == 4
+
+
+def test_reserve_is_atomic_and_release_returns_the_unused_reservation(rng):
+    store = PackedKVStore(10, L, H, D, G)
+    store.reserve(3, 6)
+    with pytest.raises(
+        OutOfPackedPagesError,
+        match=r"sequence 4 needs 5 pages, 4 free of 10 \(6 held by reservations",
+    ):
+        store.reserve(4, 5)
+    assert store.accounting()["pages_reserved"] == 6  # the refusal reserved nothing
+    assert issubclass(OutOfPackedPagesError, MemoryError)
+    store.encode(3, _versions(rng, 16), _versions(rng, 16))
+    assert store.accounting()["pages_reserved"] == 2 and store.accounting()["pages_used"] == 4
+    store.release(3)  # pages and the rest of the reservation come back
+    assert store.unreserved_pages() == 10 and store.accounting()["pages_reserved"] == 0
+    store.reserve(5, 3)
+    assert store.unreserve(5) == 3 and store.unreserved_pages() == 10
+    store.release(6)  # never reserved nor encoded: nothing to return
+    with pytest.raises(ValueError, match="pages=-1 must be >= 0"):
+        store.reserve(7, -1)
+
+
+def test_appends_past_a_reservation_use_only_unheld_pages(rng):
+    store = PackedKVStore(12, L, H, D, G)
+    store.reserve(0, 4)
+    store.reserve(1, 6)
+    with pytest.raises(
+        OutOfPackedPagesError, match=r"sequence 0 needs 8 pages, 6 free of 12 \(4 reserved for it"
+    ):
+        store.encode(0, _versions(rng, 32), _versions(rng, 32))
+    store.encode(0, _versions(rng, 16), _versions(rng, 16))  # its 4 reserved pages
+    store.encode(2, _versions(rng, 16, 2), _versions(rng, 16, 2))  # the 2 unheld pages
+    assert len(store._free) == 6  # all held for sequence 1: nobody else gets them
+    with pytest.raises(OutOfPackedPagesError, match="sequence 2 needs 2 pages, 0 free of 12"):
+        store.append(2, _versions(rng, 16, 2), _versions(rng, 16, 2))
+    store.encode(1, _versions(rng, 16), _versions(rng, 16))  # from its reservation
+    assert store.accounting()["pages_reserved"] == 2 and store.accounting()["pages_used"] == 10
 
 
 def _attention(q, k, v, length):

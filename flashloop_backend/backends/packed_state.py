@@ -8,6 +8,9 @@ shadow remains. ``fixed_prompt`` stops there: generated tokens stay BF16. ``roll
 keeps a BF16 tail of at least ``tail_size`` final rows and flushes one whole group each
 time the tail reaches ``tail_size + group_size`` (so it holds tail_size..tail_size+G-1
 rows after every step).
+
+A request's pages are reserved when it is admitted (:meth:`PackedState.reserve`), bounded
+by :meth:`PackedState.page_bound`: packing then never runs out of pages mid-flight.
 """
 
 from __future__ import annotations
@@ -34,6 +37,41 @@ class PackedState:
     def group_size(self) -> int:
         return self.store.group_size
 
+    @staticmethod
+    def packable_rows(rows: int, group_size: int, policy: str, tail_size: int) -> int:
+        """Whole groups of ``rows`` final rows that go to the store: all of them
+        (``fixed_prompt``), or all that leave at least ``tail_size`` rows in BF16 (``rolling``)."""
+        keep = tail_size if policy == "rolling" else 0
+        return max(0, rows - keep) // group_size * group_size
+
+    @staticmethod
+    def page_bound(prompt_length: int, max_new_tokens: int, depths: int, group_size: int,
+                   policy: str, tail_size: int) -> int:  # fmt: skip
+        """Most pages a request can ever hold. Rows are packed in whole groups, and each
+        append costs a level at most rows / G pages (a compact level starts a fresh page per
+        append but stores only its active rows), so every level costs at most packed rows /
+        G. ``fixed_prompt`` packs the prompt only; ``rolling`` also flushes generated rows."""
+        rows = prompt_length + (max_new_tokens if policy == "rolling" else 0)
+        return depths * (
+            PackedState.packable_rows(rows, group_size, policy, tail_size) // group_size
+        )
+
+    def pages_needed(self, prompt_length: int, max_new_tokens: int, depths: int) -> int:
+        """:meth:`page_bound` under this state's group size, policy and tail."""
+        return self.page_bound(prompt_length, max_new_tokens, depths, self.group_size,
+                               self.policy, self.tail_size)  # fmt: skip
+
+    def reserve(self, sequence: int, prompt_length: int, max_new_tokens: int, depths: int) -> None:
+        """Hold every page the request can need (raises ``OutOfPackedPagesError`` when the
+        pool's unreserved pages are short; nothing is taken then)."""
+        self.store.reserve(sequence, self.pages_needed(prompt_length, max_new_tokens, depths))
+
+    def prompt_packed(self, sequence: int) -> None:
+        """``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
+        the pages taken (compact levels take fewer) goes back to the pool."""
+        if self.policy != "rolling":
+            self.store.unreserve(sequence)
+
     def packed_rows(self, sequence: int) -> int:
         entry = self.store.sequences.get(sequence)
         return 0 if entry is None else entry.rows
@@ -41,8 +79,7 @@ class PackedState:
     def prompt_rows(self, prompt_length: int) -> int:
         """Rows of a completed prompt to pack: every whole group (``fixed_prompt``), or
         every whole group that leaves at least ``tail_size`` rows in BF16 (``rolling``)."""
-        keep = self.tail_size if self.policy == "rolling" else 0
-        return max(0, prompt_length - keep) // self.group_size * self.group_size
+        return self.packable_rows(prompt_length, self.group_size, self.policy, self.tail_size)
 
     def flush_due(self, sequence: int, final_rows: int) -> bool:
         """Whether the next group leaves the BF16 tail (``rolling``): ``final_rows`` rows
@@ -58,8 +95,8 @@ class PackedState:
         self.store.append(sequence, keys, values, active, quantize=self.quantize)
 
     def release(self, sequence: int) -> None:
-        if sequence in self.store.sequences:
-            self.store.release(sequence)
+        """Return the sequence's pages and what remains of its reservation."""
+        self.store.release(sequence)
 
     def plan(self, view: BatchView, sequences: list[int | None], depths: list[int]) -> None:
         """Reader metadata for ``view`` (host planning step). ``sequences[i]`` None: row i

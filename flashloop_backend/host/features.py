@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.packed_state import PackedState
 from ..config import ConfigError
-from .kvcache import PagedKVCache
+from .kvcache import OutOfBlocksError, PagedKVCache
 from .requests import Request
 
 # Rows packed per gather: the conversion copies the chunk's BF16 K/V of every layer and
@@ -47,6 +48,27 @@ def kv_quantization(backend, block_size: int):
     return quant
 
 
+def default_packed_pages(quant, num_blocks: int, block_size: int, loops: int) -> int:
+    """Pages to pack the most tokens the BF16 pool holds (its blocks spread over every
+    depth plane) at every depth: whatever request the BF16 pool can hold fits this pool."""
+    tokens = num_blocks // loops * block_size
+    bound = PackedState.page_bound(
+        tokens, 0, loops, quant.group_size, quant.policy, quant.tail_size
+    )
+    return max(1, bound)
+
+
+def refuse_unpackable(packed, prompt_length: int, max_new_tokens: int, loops: int) -> None:
+    """Raise ``OutOfBlocksError`` for a request whose packed pages exceed the whole pool."""
+    pages = packed.pages_needed(prompt_length, max_new_tokens, loops)
+    if pages > packed.store.num_pages:
+        raise OutOfBlocksError(
+            f"a request of {prompt_length} prompt + {max_new_tokens} new tokens needs {pages} "
+            f"packed KV pages but the whole packed pool has {packed.store.num_pages}; raise "
+            f"packed_pages or shorten the request"
+        )
+
+
 def pack_rows(kv: PagedKVCache, packed, r: Request, end: int, sparse: bool, loops: int) -> None:
     """Pack rows [already packed, end) of every depth into ``packed`` (the backend's
     ``PackedState``) and free their BF16 blocks: the store becomes their only copy."""
@@ -68,6 +90,7 @@ def pack_prompt(kv: PagedKVCache, packed, r: Request, sparse: bool, loops: int,
     for stop in range(packed.packed_rows(r.id) + chunk, end, chunk):
         pack_rows(kv, packed, r, stop, sparse, loops)
     pack_rows(kv, packed, r, end, sparse, loops)
+    packed.prompt_packed(r.id)
 
 
 def flush_tail(kv: PagedKVCache, packed, r: Request, sparse: bool, loops: int) -> None:
