@@ -1,7 +1,8 @@
 """``flashloop-backend``: inspect what is installed and what would be selected.
 
-User mistakes (bad config, unknown or unusable backend) print a message to stderr and
-exit non-zero, never a traceback.
+User mistakes print a message to stderr, never a traceback: a bad value or file exits 2,
+a request that no backend (or not the named one) can serve exits 3. torch loads only
+inside the commands that need it, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .capabilities import Capability, SupportRequest, dtype_name
-from .config import ConfigError, FlashLoopConfig, load_config
-from .registry import AUTO, Registry, capability_table, resolve
+from .config import ConfigError, UnservableError
 
 EXIT_USAGE = 2
 EXIT_UNSERVABLE = 3
 
 
 def _info(args: argparse.Namespace) -> int:
+    from .capabilities import Capability, SupportRequest
+    from .config import load_config
+    from .registry import AUTO, Registry, resolve
+
     config = load_config(args.config)
     registry = Registry.discover()
     request = SupportRequest.default(registry.env)
@@ -47,7 +50,12 @@ def _info(args: argparse.Namespace) -> int:
     except ValueError as exc:
         report["auto"] = {"selected": None, "reason": str(exc), "rejected": {}}
     status = 0
+    # the named backend, else flashloop when it serves the config, else auto's choice: a
+    # config that no backend can serve resolves nothing and exits 3, as in every command
     chosen = args.backend or "flashloop"
+    if not args.backend and report["auto"]["selected"] not in (None, "flashloop"):
+        if registry.backend_reasons("flashloop", request, config):
+            chosen = report["auto"]["selected"]
     try:
         effective = resolve(config, chosen, request, registry)
         report["effective_config"] = json.loads(effective.canonical_json())
@@ -63,7 +71,7 @@ def _info(args: argparse.Namespace) -> int:
         report["effective_config"] = None
         report["digest"] = None
         report["error"] = str(exc)
-        status = EXIT_UNSERVABLE if args.backend else 0
+        status = EXIT_UNSERVABLE
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -73,8 +81,11 @@ def _info(args: argparse.Namespace) -> int:
     return status
 
 
-def _backend_rows(registry: Registry, config: object) -> dict[str, object]:
-    caps = capability_table(registry, config)  # type: ignore[arg-type]
+def _backend_rows(registry, config) -> dict[str, object]:
+    from .capabilities import SupportRequest
+    from .registry import capability_table
+
+    caps = capability_table(registry, config)
     rows: dict[str, object] = {}
     for name in registry.backend_names():
         spec = registry.backends.get(name)
@@ -94,7 +105,9 @@ def _backend_rows(registry: Registry, config: object) -> dict[str, object]:
     return rows
 
 
-def _kernel_rows(registry: Registry) -> dict[str, object]:
+def _kernel_rows(registry) -> dict[str, object]:
+    from .capabilities import dtype_name
+
     rows: dict[str, object] = {}
     for name in registry.kernel_names():
         provider = registry.kernels.get(name)
@@ -180,12 +193,14 @@ def _float_list(text: str) -> list[float]:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
+    from .config import FlashLoopConfig, load_config
+    from .registry import Registry
 
     names = [n for n in args.backends.split(",") if n]
     registry = Registry.discover()
     unknown = [n for n in names if n.partition("+")[0] not in registry.backend_names()]
     if not names or unknown:
-        raise ConfigError(
+        raise UnservableError(
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     graphed = [n for n in names if "+" in n]
@@ -331,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
+    except UnservableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNSERVABLE
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

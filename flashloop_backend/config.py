@@ -19,6 +19,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     ValidationError,
     field_serializer,
     field_validator,
@@ -35,6 +38,12 @@ class ConfigError(ValueError):
     """A configuration was rejected; the message names every bad field and value."""
 
 
+class UnservableError(ConfigError):
+    """A valid request that no backend (or not the named one) can serve on this machine:
+    an unknown or unusable backend, or a config whose kernels are not installed here. The
+    CLI exits 3 for it everywhere, 2 for other configuration errors."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
@@ -48,11 +57,11 @@ def _check_ratio(name: str, value: float) -> float:
 class TokenSparsePrefillConfig(_Frozen):
     """RFC §3.1 / §7.1: recompute only changing prompt tokens in loops 3+."""
 
-    enabled: bool = False
-    window_size: int = Field(
+    enabled: StrictBool = False
+    window_size: StrictInt = Field(
         default=256, ge=16, description="selection window length in prompt tokens"
     )
-    retention: tuple[float, ...] = Field(
+    retention: tuple[StrictFloat, ...] = Field(
         default=DEFAULT_RETENTION,
         description="fraction of each window's tokens kept per loop (one ratio per loop)",
     )
@@ -81,8 +90,8 @@ class TokenSparsePrefillConfig(_Frozen):
 class SparseDecodeAttentionConfig(_Frozen):
     """RFC §3.2 / §7.2: loop 2 is the reference for loops 3 and 4 (a contract, not a switch)."""
 
-    enabled: bool = False
-    key_retention: float = Field(
+    enabled: StrictBool = False
+    key_retention: StrictFloat = Field(
         default=0.10, description="fraction of visible keys kept per (layer, query, head)"
     )
 
@@ -95,12 +104,12 @@ class SparseDecodeAttentionConfig(_Frozen):
 class KVResidualQuantizationConfig(_Frozen):
     """RFC §3.3 / §7.3: INT4 base for loop 1 plus INT4 residuals against the reconstruction."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     bits: Literal[4] = 4
-    group_size: int = Field(default=64, description="elements per affine quantization group")
+    group_size: StrictInt = Field(default=64, description="elements per affine quantization group")
     param_dtype: Literal["float16"] = "float16"
     policy: Literal["fixed_prompt", "rolling"] = "fixed_prompt"
-    tail_size: int = Field(default=64, description="minimum BF16 tail (rolling policy)")
+    tail_size: StrictInt = Field(default=64, description="minimum BF16 tail (rolling policy)")
 
     @field_validator("group_size")
     @classmethod
@@ -125,7 +134,7 @@ class KVResidualQuantizationConfig(_Frozen):
 class FlashLoopConfig(_Frozen):
     """The whole FlashLoop configuration. Every feature defaults to off (dense baseline)."""
 
-    num_loops: int = Field(default=4, ge=1, le=16)
+    num_loops: StrictInt = Field(default=4, ge=1, le=16)
     layout: str = Field(default="last_exited", description="logical KV history layout")
     kernel_overrides: Mapping[str, str] = Field(
         default_factory=dict, description="op name -> kernel implementation name"
@@ -192,12 +201,20 @@ class FlashLoopConfig(_Frozen):
         return tuple(name for name in groups if getattr(self, name).enabled)
 
 
+# Scalars are strict (no "yes" for true, no "64" for 64): the wording names what is allowed.
+_STRICT_MESSAGES = {
+    "bool_type": "must be a boolean: true or false",
+    "int_type": "must be an integer number",
+    "float_type": "must be a number",
+}
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``field.path: message (got value)``."""
     lines = []
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"]) or "<config>"
-        message = err["msg"].removeprefix("Value error, ")
+        message = _STRICT_MESSAGES.get(err["type"], err["msg"].removeprefix("Value error, "))
         got = err.get("input")
         shown = "" if isinstance(got, dict) or repr(got) in message else f" (got {got!r})"
         lines.append(f"{field}: {message}{shown}")

@@ -14,6 +14,7 @@ import math
 import platform
 import random
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .registry import Registry, resolve
 
 NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
 QUESTION = " What is the pass key? The pass key is "
+PASSKEY_TOKENS = 5  # the answer's digits
 
 
 def heldout_text(limit_bytes: int = 400_000) -> tuple[str, str]:
@@ -74,7 +76,9 @@ class EvalSettings:
                 f"and bootstrap={self.bootstrap} >= 1"
             )
         limit = model.config.max_position_embeddings
-        longest = max(self.context + self.continuation, *(c + 5 for c in self.passkey_contexts))
+        longest = max(
+            self.context + self.continuation, *(c + PASSKEY_TOKENS for c in self.passkey_contexts)
+        )
         if longest > limit:
             raise ConfigError(f"evaluation needs {longest} positions; the model allows {limit}")
         if text_tokens < self.context + self.continuation + 1:
@@ -83,15 +87,19 @@ class EvalSettings:
             )
 
 
-def _engine(
-    model: OuroModel, tokenizer_decode, backend: str, config: FlashLoopConfig, block_size: int
-) -> tuple[Engine, str]:
-    param = next(model.parameters())
-    cfg = model.config
-    request = SupportRequest(
+def _engine_request(model: OuroModel, block_size: int) -> SupportRequest:
+    """What the evaluation's engines ask of a backend: the model's attention shapes."""
+    param, cfg = next(model.parameters()), model.config
+    return SupportRequest(
         device=param.device.type, dtype=param.dtype, head_dim=cfg.head_dim, block_size=block_size,
         num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
     )  # fmt: skip
+
+
+def _engine(
+    model: OuroModel, tokenizer_decode, backend: str, config: FlashLoopConfig, block_size: int
+) -> tuple[Engine, str]:
+    request = _engine_request(model, block_size)
     registry = Registry.discover()
     effective = resolve(config, backend, request, registry)
     attention = registry.create(backend, request, config)
@@ -136,6 +144,15 @@ def feature_combinations(config: FlashLoopConfig) -> list[tuple[tuple[str, ...],
     return sorted(out, key=lambda item: len(item[0]))
 
 
+def _stage(progress, name: str, engine: Engine, tokens: int):
+    """An engine progress callback reporting the ``tokens`` a stage generates or scores
+    under ``name`` (None without ``progress``)."""
+    if progress is None:
+        return None
+    start = engine.counters()["tokens_generated"]
+    return lambda *_: progress(name, engine.counters()["tokens_generated"] - start, tokens)
+
+
 def evaluate(
     model: OuroModel,
     tokenizer,
@@ -144,11 +161,12 @@ def evaluate(
     backend: str = "auto",
     settings: EvalSettings | None = None,
     block_size: int = 16,
-    progress=None,
+    progress: Callable[[str, int, int], None] | None = None,
     dense_cache: dict | None = None,
 ) -> dict:
-    """``dense_cache``: pass the same dict to calls with the same model, text and settings
-    to run the dense side once (``eval --combinations``)."""
+    """``progress(stage, done, total)``: tokens scored or generated in each stage
+    (``dense: windows``, ``config: passkey``, ...). ``dense_cache``: pass the same dict to calls with the
+    same model, text and settings to run the dense side once (``eval --combinations``)."""
     settings = settings or EvalSettings()
     encode = lambda s: tokenizer.encode(s).ids  # noqa: E731
     tokens = encode(text)
@@ -160,6 +178,7 @@ def evaluate(
     targets = [tokens[s + settings.context : s + span] for s in starts]
     pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
 
+    resolve(config, backend, _engine_request(model, block_size))  # unservable: before dense work
     runs = {}
     for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
         if label == "dense" and dense_cache is not None and "dense" in dense_cache:
@@ -168,8 +187,11 @@ def evaluate(
         engine, digest = _engine(
             model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
         )
-        scored = engine.generate(contexts, forced=targets, keep_logprobs=True)
-        answers = engine.generate(pass_prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+        scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
+        scored = engine.generate(contexts, forced=targets, keep_logprobs=True, progress=scoring)
+        asking = _stage(progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(pass_prompts))
+        answers = engine.generate(pass_prompts, progress=asking,
+                                  params=SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True))  # fmt: skip
         runs[label] = {
             "digest": digest,
             "logprobs": [r.logprobs for r in scored],
@@ -178,8 +200,6 @@ def evaluate(
                 for a, k in zip(answers, keys, strict=True)
             ],
         }
-        if progress:
-            progress(label)
     if dense_cache is not None:
         dense_cache["dense"] = runs["dense"]
 

@@ -23,7 +23,7 @@ from stevedore import ExtensionManager
 from . import __version__
 from .backends.base import BackendSpec, SelectionInfo
 from .capabilities import Capability, Environment, SupportRequest, not_supported_reasons
-from .config import ConfigError, EffectiveConfig, FlashLoopConfig
+from .config import EffectiveConfig, FlashLoopConfig, UnservableError
 from .kernels.ops import KernelImpl, KernelProvider, OpName
 
 LOG = logging.getLogger("flashloop_backend")
@@ -169,15 +169,16 @@ class Registry:
     def select_backend(
         self, name: str, request: SupportRequest, config: FlashLoopConfig
     ) -> BackendSelection:
-        """Resolve ``name`` (or ``auto``). Raises ``ValueError`` listing every reason."""
+        """Resolve ``name`` (or ``auto``). Raises :class:`UnservableError` (a ``ValueError``)
+        listing every reason."""
         if name != AUTO:
             if name not in self.backend_names():
-                raise ValueError(
+                raise UnservableError(
                     f"unknown backend {name!r}; valid names: {[AUTO, *self.backend_names()]}"
                 )
             reasons = self.backend_reasons(name, request, config)
             if reasons:
-                raise ValueError(
+                raise UnservableError(
                     f"backend {name!r} cannot serve this request:\n  - " + "\n  - ".join(reasons)
                 )
             info = SelectionInfo(name, name, "explicitly requested")
@@ -192,7 +193,7 @@ class Registry:
                 return BackendSelection(self.backends[candidate], info, rejected)
             rejected[candidate] = reasons
         lines = [f"{n}: {'; '.join(r)}" for n, r in rejected.items()] or ["no backend is installed"]
-        raise ValueError("auto found no usable backend:\n  - " + "\n  - ".join(lines))
+        raise UnservableError("auto found no usable backend:\n  - " + "\n  - ".join(lines))
 
     def create(
         self,
@@ -219,14 +220,11 @@ def resolve(
     request = request or SupportRequest.default(registry.env)
     for op, impl_name in config.kernel_overrides.items():
         if impl_name not in registry.kernel_names():
-            raise ConfigError(
+            raise UnservableError(
                 f"kernel_overrides.{op}: implementation {impl_name!r} is not installed; "
                 f"installed: {registry.kernel_names()}"
             )
-    try:
-        selection = registry.select_backend(backend, request, config)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    selection = registry.select_backend(backend, request, config)
     kernels = selection.spec.kernel_choices(request, config, registry)
     quant = config.kv_residual_quantization
     encoding = None

@@ -13,6 +13,8 @@ import torch
 
 if not torch.cuda.is_available():  # CPU: Triton kernels run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: more threads only contend
+    torch.set_num_threads(1)
 
 from flashloop_backend.registry import Registry
 

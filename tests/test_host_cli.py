@@ -36,15 +36,39 @@ def test_generate_json_greedy_matches_engine_and_is_deterministic():
     assert json.loads(second.stdout)["output_token_ids"] == out["output_token_ids"]
 
 
-def test_demo_runs_and_reports_speed_and_kv():
-    result = cli("demo", "--max-new-tokens", "4")
-    assert result.returncode == 0, result.stderr
-    assert "backend: " in result.stdout
-    assert "tokens/s" in result.stdout and "bytes/token" in result.stdout
-    # the closing side-by-side table, measured in the same run
-    assert "| | dense | FlashLoop, all on | ratio |" in result.stdout
-    for row in ("tokens/s (this machine)", "KV bytes per held token", "Δ bits/byte vs dense"):
-        assert row in result.stdout
+def test_demo_runs_and_reports_speed_and_kv(monkeypatch, capsys):
+    """The main job's wiring on smaller table shapes (the README times the real one)."""
+    from flashloop_backend.cli import main
+    from flashloop_backend.evaluation import EvalSettings
+    from flashloop_backend.host import showcase
+
+    monkeypatch.setattr(showcase, "TABLE_PROMPTS", 2)
+    monkeypatch.setattr(showcase, "TABLE_PROMPT_TOKENS", 160)
+    monkeypatch.setattr(showcase, "TABLE_NEW_TOKENS", 3)
+    quick = EvalSettings(windows=2, context=64, continuation=8, passkey_contexts=(64,),
+                         passkey_samples=1, bootstrap=20)  # fmt: skip
+    monkeypatch.setattr(showcase, "QUICK_EVAL", quick)
+    assert main(["demo", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "backend: " in out
+    assert "tokens/s" in out and "bytes per token position" in out
+    assert "(stopped: " in out and "traversals" not in out
+    assert "demo: generate [" in err  # the progress bar
+    # the closing side-by-side table, measured in the same run, with what each row measures
+    assert "| | dense | FlashLoop, all on | ratio |" in out
+    for row in (
+        "tokens/s on this machine (a)",
+        "KV bytes per held token (b)",
+        "Δ bits/byte vs dense",
+    ):
+        assert row in out
+    for note in ("(a) ", "(b) ", "(c) "):
+        assert note in out
+    kv_row = next(line for line in out.splitlines() if line.startswith("| KV bytes"))
+    assert float(kv_row.split("|")[4].split("x")[0]) > 2  # whole prompt groups are packed
+
+
+def test_demo_without_the_table():
     skipped = cli("demo", "--max-new-tokens", "2", "--no-compare")
     assert skipped.returncode == 0 and "FlashLoop, all on" not in skipped.stdout
 
@@ -84,7 +108,7 @@ def test_unknown_backend_and_bad_model(tmp_path):
     result = cli(
         "generate", "--model", str(embedded_model_path()), "--prompt", "a", "--backend", "nope"
     )
-    assert result.returncode == 2 and "unknown backend 'nope'" in result.stderr
+    assert result.returncode == 3 and "unknown backend 'nope'" in result.stderr
     result = cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "a")
     assert result.returncode == 2 and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr

@@ -63,14 +63,26 @@ class DenseBackendSpec(BackendSpec):
         if impl is None:
             return [f"kernel provider {self.provider!r} is unusable: {'; '.join(reasons)}"]
         reasons = not_supported_reasons(impl.support, request, env)
-        try:
-            self._prefill(registry, request)
-        except ValueError as exc:
-            reasons.append(f"prefill rows: {exc}")
+        if self.prefill_provider is not None:  # a fixed kernel: name it, not an override
+            eager = replace(request, required=request.required - {Capability.CUDA_GRAPHS})
+            found = registry.kernel_reasons(self.prefill_provider, OpName.DENSE_PREFILL, eager)
+            reasons += [f"prefill rows ({self.prefill_provider!r} dense_prefill): {r}"
+                        for r in found if r not in reasons]  # fmt: skip
+        else:
+            try:
+                self._prefill(registry, request)
+            except ValueError as exc:
+                reasons.append(f"prefill rows: {exc}")
         if config.enabled_features():
             reasons.append(
                 f"FlashLoop features {list(config.enabled_features())} are enabled; "
                 f"the {self.name} backend is dense only (use backend 'flashloop')"
+            )
+        if config.kernel_overrides:
+            reasons.append(
+                f"kernel_overrides {dict(config.kernel_overrides)} choose the flashloop "
+                f"backend's kernels; the {self.name} backend runs only its own "
+                f"({self.provider!r} for decode rows)"
             )
         return reasons
 

@@ -1,23 +1,33 @@
 """The compact looped-model host: Ouro model, checkpoint loader, per-depth paged KV,
 batch builder and a continuous-batching generate loop, driving attention backends through
-the registry the way vllm-rlt would."""
+the registry the way vllm-rlt would.
 
-from .config import ModelError, OuroConfig
-from .engine import Engine, GenerationResult, SamplingParams
-from .kvcache import OutOfBlocksError, PagedKVCache
-from .loader import load_model, load_tokenizer, save_checkpoint
-from .model import OuroModel
+Names load on first use, so the CLI's parser (``host.commands``) imports without torch.
+"""
 
-__all__ = [
-    "Engine",
-    "GenerationResult",
-    "ModelError",
-    "OuroConfig",
-    "OuroModel",
-    "OutOfBlocksError",
-    "PagedKVCache",
-    "SamplingParams",
-    "load_model",
-    "load_tokenizer",
-    "save_checkpoint",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_WHERE = {
+    "ModelError": ".config",
+    "OuroConfig": ".config",
+    "Engine": ".engine",
+    "GenerationResult": ".engine",
+    "SamplingParams": ".engine",
+    "OutOfBlocksError": ".kvcache",
+    "PagedKVCache": ".kvcache",
+    "load_model": ".loader",
+    "load_tokenizer": ".loader",
+    "save_checkpoint": ".loader",
+    "OuroModel": ".model",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name], __name__), name)

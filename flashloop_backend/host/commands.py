@@ -1,22 +1,19 @@
-"""CLI commands that drive the host: ``demo`` (the main job) and ``generate``."""
+"""CLI commands that drive the host: ``demo`` (the main job), ``generate`` and ``eval``.
+
+The parser is built without torch; each command imports what it runs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from ..capabilities import SupportRequest
-from ..config import ConfigError, load_config
-from ..registry import Registry, resolve
-from .config import ModelError
-from .engine import Engine, SamplingParams
-from .kvcache import OutOfBlocksError
-from .loader import load_model, load_tokenizer
+from ..config import ConfigError, UnservableError
+from ..progress import ProgressBar
 
 DEMO_PROMPTS = (
     "def fibonacci(n):\n",
@@ -25,6 +22,12 @@ DEMO_PROMPTS = (
     "The pass key is 71942. Remember it. 71942 is the pass key. "
     "What is the pass key? The pass key is ",
 )
+FINISH_WORDS = {
+    "length": "reached --max-new-tokens",
+    "eos": "end-of-sequence token",
+    "stop": "stop string",
+    "forced": "teacher-forced continuation",
+}
 
 
 def embedded_model_path() -> Path:
@@ -32,7 +35,41 @@ def embedded_model_path() -> Path:
     return Path(__file__).resolve().parents[1] / "models" / "ouro-tiny-bytes"
 
 
-def _pick_device(name: str) -> tuple[str, torch.dtype]:
+# ------------------------------------------------------------------ argument types
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
+# ------------------------------------------------------------------ shared set-up
+def _pick_device(name: str):
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -46,6 +83,10 @@ def _pick_device(name: str) -> tuple[str, torch.dtype]:
 
 def _load(args: argparse.Namespace):
     """Device, dtype, FlashLoop config, model and tokenizer named by the common options."""
+    from ..config import load_config
+    from .config import ModelError
+    from .loader import load_model, load_tokenizer
+
     device, dtype = _pick_device(args.device)
     config = load_config(args.config)
     try:
@@ -56,7 +97,11 @@ def _load(args: argparse.Namespace):
     return device, dtype, config, model, tokenizer
 
 
-def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
+def _setup(args: argparse.Namespace, log):
+    from ..capabilities import SupportRequest
+    from ..registry import Registry, resolve
+    from .engine import Engine
+
     device, dtype, config, model, tokenizer = _load(args)
     cfg = model.config
     request = SupportRequest(
@@ -64,11 +109,11 @@ def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
         num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
     )  # fmt: skip
     registry = Registry.discover()
+    selection = registry.select_backend(args.backend, request, config)
     try:
-        selection = registry.select_backend(args.backend, request, config)
+        backend = selection.spec.create(request, config, registry, selection.info)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    backend = selection.spec.create(request, config, registry, selection.info)
+        raise UnservableError(str(exc)) from None
     log(
         f"backend: {selection.info.selected_backend} (requested {args.backend!r}: {selection.info.selection_reason})"
     )
@@ -77,60 +122,61 @@ def _setup(args: argparse.Namespace, log) -> tuple[Engine, object, object]:
     effective = resolve(config, selection.info.selected_backend, request, registry)
     log(f"effective config digest {effective.digest()}: features {list(config.enabled_features()) or 'none (dense)'}; "
         f"kernels {dict(effective.kernels)}")  # fmt: skip
-    engine = Engine(
-        model, backend, num_blocks=args.num_blocks, block_size=args.block_size,
-        detokenize=tokenizer.decode,
-    )  # fmt: skip
+    try:
+        engine = Engine(
+            model, backend, num_blocks=args.num_blocks, block_size=args.block_size,
+            detokenize=tokenizer.decode,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return engine, tokenizer, selection
 
 
-def _encode(tokenizer, engine: Engine, text: str) -> list[int]:
+def _encode(tokenizer, engine, text: str) -> list[int]:
     ids = tokenizer.encode(text).ids
     bos = engine.cfg.bos_token_id
     return ([bos] if bos is not None else []) + ids
 
 
+# ------------------------------------------------------------------ commands
 def _demo(args: argparse.Namespace) -> int:
+    from .engine import SamplingParams
+    from .generation import generate_with_progress
+
     engine, tokenizer, _ = _setup(args, print)
     prompts = [_encode(tokenizer, engine, p) for p in DEMO_PROMPTS]
-    try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        print(
-            f"\r  generating: {done}/{total} requests done",
-            end="" if done < total else "\n",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    results = engine.generate(prompts, params, progress)
+    results = generate_with_progress(engine, prompts, params, "demo")
     seconds = time.perf_counter() - start
     generated = sum(len(r.output_token_ids) for r in results)
     for prompt, result in zip(DEMO_PROMPTS, results, strict=True):
-        print(f"\n--- prompt {result.request_id} ({result.finish_reason}) ---")
+        why = FINISH_WORDS.get(result.finish_reason, result.finish_reason)
+        print(f"\n--- prompt {result.request_id} (stopped: {why}) ---")
         print(prompt + tokenizer.decode(result.output_token_ids))
-    kv_tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in results)
-    per_token = engine.kv.bytes_per_token()
+    cfg, kv = engine.cfg, engine.kv
     print(
-        f"\n{generated} tokens in {seconds:.2f} s: {generated / seconds:.1f} tokens/s ({engine.steps} traversals)"
+        f"\n{generated} tokens generated in {seconds:.2f} s: {generated / seconds:.1f} tokens/s, "
+        f"prefill included, on {engine.device.type} (the first run: it includes warm-up)"
     )
     print(
-        f"KV cache: {per_token} bytes/token over {engine.cfg.total_ut_steps} depth planes; "
-        f"{kv_tokens} tokens held {kv_tokens * per_token / 1024:.1f} KiB; "
-        f"pool {engine.kv.key_pool.numel() * engine.kv.key_pool.element_size() * 2 / 2**20:.1f} MiB"
+        f"KV cache format: {kv.bytes_per_token()} bytes per token position = K and V x "
+        f"{cfg.total_ut_steps} loop depths x {cfg.num_hidden_layers} layers x "
+        f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim} dims x "
+        f"{kv.key_pool.element_size()} bytes ({str(kv.key_pool.dtype).removeprefix('torch.')})"
     )
     if not args.no_compare:
         from .showcase import side_by_side
 
-        side_by_side(engine.model, tokenizer, prompts, args.block_size, args.max_new_tokens)
+        side_by_side(engine.model, tokenizer, args.block_size)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .engine import SamplingParams
+    from .generation import generate_with_progress
+    from .kvcache import OutOfBlocksError
+
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     engine, tokenizer, selection = _setup(args, log)
     prompt = _encode(tokenizer, engine, args.prompt)
@@ -139,37 +185,40 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
         )
-        result = engine.generate([prompt], params)[0]
+        result = generate_with_progress(engine, [prompt], params, "generate")[0]
     except (ValueError, OutOfBlocksError) as exc:
         raise ConfigError(str(exc)) from None
     seconds = time.perf_counter() - start
+    # output token i comes from the loop the state before it left: the prompt's last token
+    # runs every loop, each generated one until its exit
+    exits = [engine.cfg.total_ut_steps - 1, *result.exit_depths][: len(result.output_token_ids)]
     if args.json:
         print(json.dumps({
             "prompt_token_ids": result.prompt_token_ids,
             "output_token_ids": result.output_token_ids,
             "output_text": tokenizer.decode(result.output_token_ids),
             "finish_reason": result.finish_reason,
-            "exit_depths": result.exit_depths,
+            "exit_depths": exits,
             "backend": selection.info.selected_backend,
             "seconds": seconds,
         }))  # fmt: skip
     else:
         print(args.prompt + tokenizer.decode(result.output_token_ids))
-        log(
-            f"[{len(result.output_token_ids)} tokens, {seconds:.2f} s, finish: {result.finish_reason}]"
-        )
+        why = FINISH_WORDS.get(result.finish_reason, result.finish_reason)
+        log(f"[{len(result.output_token_ids)} tokens, {seconds:.2f} s, stopped: {why}]")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     from ..evaluation import EvalSettings, evaluate, heldout_text
+    from ..paths import record_path
 
     device, dtype, config, model, tokenizer = _load(args)
     if args.text:
         path = Path(args.text)
         if not path.is_file():
             raise ConfigError(f"text file {args.text!r} does not exist")
-        text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
+        text, source = path.read_text(encoding="utf-8", errors="replace"), record_path(args.text)
     else:
         text, source = heldout_text()
     settings = EvalSettings(
@@ -179,12 +228,16 @@ def _eval(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
-    try:
-        report = evaluate(model, tokenizer, text, config, args.backend, settings, args.block_size,
-                          progress=lambda label: log(f"  scored {label}"))  # fmt: skip
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    report.update(model=str(args.model), text_source=source, device=device, dtype=str(dtype))
+    with _StageBars() as bars:
+        try:
+            report = evaluate(model, tokenizer, text, config, args.backend, settings,
+                              args.block_size, progress=bars.update)  # fmt: skip
+        except UnservableError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    report.update(model=record_path(args.model), text_source=source, device=device,
+                  dtype=str(dtype))  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
@@ -199,6 +252,25 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StageBars:
+    """One progress bar per evaluation stage, made when the stage first reports."""
+
+    def __init__(self) -> None:
+        self.bars: dict[str, ProgressBar] = {}
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.bars:
+            self.bars[stage] = ProgressBar(f"eval {stage}", total, "tokens", rate_unit="tokens")
+        self.bars[stage].update(done, rate_count=done)
+
+    def __enter__(self) -> _StageBars:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
 def _passkey_mean(cells: dict[str, float]) -> float:
     return sum(cells.values()) / max(1, len(cells))
 
@@ -206,6 +278,7 @@ def _passkey_mean(cells: dict[str, float]) -> float:
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
     """``eval --combinations``: every on/off combination of the config's features."""
     from ..evaluation import evaluate, feature_combinations
+    from ..paths import record_path
 
     try:
         combos = feature_combinations(config)
@@ -214,17 +287,22 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     records, dense_cache = [], {}
     for i, (features, combo) in enumerate(combos, 1):
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
-        try:
-            report = evaluate(model, tokenizer, text, combo, args.backend, settings, args.block_size,
-                              progress=lambda label: log(f"  scored {label}"), dense_cache=dense_cache)  # fmt: skip
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        with _StageBars() as bars:
+            try:
+                report = evaluate(model, tokenizer, text, combo, args.backend, settings,
+                                  args.block_size, progress=bars.update,
+                                  dense_cache=dense_cache)  # fmt: skip
+            except UnservableError:
+                raise
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         records.append({"features": list(features), **report})
         if args.out:  # written after every combination: a long run loses nothing finished
             param = next(model.parameters())
-            record = {"kind": "eval_combinations", "model": str(args.model), "text_source": source,
-                      "device": str(param.device), "dtype": str(param.dtype),
-                      "config": config.model_dump(mode="json"), "combinations": records}  # fmt: skip
+            record = {"kind": "eval_combinations", "model": record_path(args.model),
+                      "text_source": source, "device": str(param.device),
+                      "dtype": str(param.dtype), "config": config.model_dump(mode="json"),
+                      "combinations": records}  # fmt: skip
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     if args.json:
         print(json.dumps(records, indent=2))
@@ -239,48 +317,56 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     return 0
 
 
-def _common(parser: argparse.ArgumentParser, model_default: str | None) -> None:
+# ------------------------------------------------------------------ parsers
+def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        default=model_default,
-        required=model_default is None,
-        help="Ouro checkpoint directory",
+        default=str(embedded_model_path()),
+        help="Ouro checkpoint directory (default: the embedded model)",
     )
     parser.add_argument("--backend", default="auto", help="backend name or 'auto' (default)")
     parser.add_argument("--config", help="FlashLoop config file (.json or .toml)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-blocks", type=positive_int, default=512, help="KV blocks in the pool (>= 1)"
+    )
+    parser.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (>= 1)"
+    )
 
 
 def add_commands(sub) -> None:
     demo = sub.add_parser("demo", help="main job: generate on the embedded model")
-    _common(demo, str(embedded_model_path()))
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    _common(demo)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     demo.add_argument(
         "--no-compare", action="store_true",
         help="skip the closing dense vs FlashLoop (all on) table",
     )  # fmt: skip
     demo.set_defaults(handler=_demo)
-    gen = sub.add_parser("generate", help="generate from any Ouro checkpoint")
-    _common(gen, None)
+    gen = sub.add_parser("generate", help="generate from an Ouro checkpoint")
+    _common(gen)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(handler=_generate)
     ev = sub.add_parser(
         "eval", help="quality of a FlashLoop config against dense (teacher-forced decode)"
     )
-    _common(ev, str(embedded_model_path()))
+    _common(ev)
     ev.add_argument("--text", help="text file (default: the embedded model's held-out split)")
-    ev.add_argument("--windows", type=int, default=8)
-    ev.add_argument("--context", type=int, default=256, help="prefilled tokens per window")
+    ev.add_argument("--windows", type=positive_int, default=8)
+    ev.add_argument("--context", type=positive_int, default=256, help="prefilled tokens per window")
     ev.add_argument(
-        "--continuation", type=int, default=64, help="teacher-forced decode tokens per window"
-    )
-    ev.add_argument("--passkey-samples", type=int, default=8, help="per (context, depth) cell")
+        "--continuation", type=positive_int, default=64,
+        help="teacher-forced decode tokens per window",
+    )  # fmt: skip
+    ev.add_argument(
+        "--passkey-samples", type=non_negative_int, default=8,
+        help="per (context, depth) cell; 0 skips passkey retrieval",
+    )  # fmt: skip
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument(
         "--combinations", action="store_true",

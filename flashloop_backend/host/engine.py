@@ -4,8 +4,9 @@ Each step runs one recurrent traversal (one loop) over a mixed batch: prefill ch
 several requests at their current depth and decode tokens at their own depths and
 positions. A request's prompt runs loop by loop (every chunk of depth d before depth d+1);
 a generated token advances one loop per step and exits by Ouro's gate rule or at the last
-loop. KV for prompt + max_new_tokens is reserved at admission, so a running request never
-runs out of blocks; a request that does not fit waits, one that can never fit is refused.
+loop. KV for prompt + max_new_tokens is reserved at admission (BF16 blocks, and under KV
+quantization the packed pages its rows can ever take), so a running request never runs out
+of either; a request that does not fit waits, one that can never fit is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Callable
 import torch
 
 from ..dispatch import RowMode
+from ..packed_kv import OutOfPackedPagesError
 from .batch import Batch, RowGroup, build_batch
-from .features import flush_tail, kv_quantization, pack_prompt, token_sparsity
+from .features import default_packed_pages as default_pages
+from .features import flush_tail, kv_quantization, pack_prompt, refuse_unpackable, token_sparsity
 from .graphs import DecodeGraphs, GraphSettings
 from .kvcache import OutOfBlocksError, PagedKVCache
 from .model import OuroModel
@@ -59,7 +62,9 @@ class Engine:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
         and upper bound: the model's ``max_position_embeddings``. ``graph_capture``: how
-        graphs are made (default CUDA graphs; tests pass a CPU recorder)."""
+        graphs are made (default CUDA graphs; tests pass a CPU recorder). ``packed_pages``
+        (KV quantization): the packed pool; default enough pages to pack the most tokens the
+        BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone."""
         cfg = model.config
         self.max_context = max_context or cfg.max_position_embeddings
         if not 1 <= self.max_context <= cfg.max_position_embeddings:
@@ -82,6 +87,8 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self.steps = 0
+        self.prefill_rows_run = 0  # prompt rows computed, every loop counted
+        self.tokens_generated = 0
         # One token-state slot per live decode token (one per running request here).
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
@@ -93,8 +100,9 @@ class Engine:
             backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
                                   cfg.head_dim, self.max_context, self.device)  # fmt: skip
         self.quantized = kv_quantization(backend, block_size)
-        if self.quantized:  # a page per group of each level; the BF16 pool bounds how many
-            pages = packed_pages or max(1, num_blocks * block_size // self.quantized.group_size)
+        if self.quantized:
+            loops = cfg.total_ut_steps
+            pages = packed_pages or default_pages(self.quantized, num_blocks, block_size, loops)
             backend.reserve_packed(pages, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                    cfg.head_dim, self.device)  # fmt: skip
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
@@ -122,6 +130,9 @@ class Engine:
                 f"a request of {total} tokens needs {self.kv.blocks_needed(total)} KV blocks but the "
                 f"whole pool has {self.kv.num_blocks}; raise num_blocks or shorten the request"
             )
+        if self.quantized:
+            refuse_unpackable(self.backend.packed, len(prompt), params.max_new_tokens,
+                              self.cfg.total_ut_steps)  # fmt: skip
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device=self.device)
@@ -135,6 +146,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return any(r.phase != "done" for r in self._requests.values())
+
+    def counters(self) -> dict[str, int]:
+        """Work so far, for progress displays: prompt rows computed (every loop counted),
+        tokens generated, and requests whose prompt is still waiting or prefilling."""
+        prompts = sum(r.phase in ("waiting", "prefill") for r in self._requests.values())
+        return {"prefill_rows": self.prefill_rows_run, "tokens_generated": self.tokens_generated,
+                "prompts_running": prompts, "steps": self.steps}  # fmt: skip
 
     def kv_held(self) -> tuple[int, int]:
         """(tokens of live requests, KV bytes they hold now): BF16 blocks in use on every
@@ -156,7 +174,8 @@ class Engine:
             waiting = [r.id for r in self._requests.values() if r.phase == "waiting"]
             if waiting:
                 raise OutOfBlocksError(
-                    f"requests {waiting} wait for KV blocks but nothing runs to free them"
+                    f"requests {waiting} wait for KV blocks or packed pages but nothing runs "
+                    f"to free them"
                 )
             return self._collect()
         if self.graphs is not None and all(g.mode == RowMode.DECODE for g in groups):
@@ -194,13 +213,16 @@ class Engine:
         for request in self._requests.values():
             if request.phase != "waiting":
                 continue
-            try:
-                self.kv.reserve(request.id, len(request.prompt) + request.params.max_new_tokens)
-            except OutOfBlocksError:
-                break  # first-come first-served: later requests wait behind it
             if not self._free_slots:
-                self.kv.release(request.id)
                 break  # every token-state slot is taken: wait
+            new = request.params.max_new_tokens
+            try:
+                self.kv.reserve(request.id, len(request.prompt) + new)
+                if self.quantized:
+                    self.backend.packed.reserve(request.id, len(request.prompt), new, self.cfg.total_ut_steps)  # fmt: skip
+            except (OutOfBlocksError, OutOfPackedPagesError):
+                self.kv.release(request.id)
+                break  # first-come first-served: later requests wait behind it
             request.slot = self._free_slots.pop()
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
@@ -225,6 +247,7 @@ class Engine:
                 for start, run in r.schedule.runs(r.chunk_start, count):
                     groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, start, run))
                 budget -= count
+                self.prefill_rows_run += count
         return groups
 
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
@@ -286,6 +309,7 @@ class Engine:
         requests = [r for r, _ in emits]
         tokens = choose_tokens(self.model, requests, torch.stack([h for _, h in emits]))
         going = []
+        self.tokens_generated += len(requests)
         for r, token in zip(requests, tokens, strict=True):
             r.output.append(token)
             r.finish_reason = finish_reason(r, self.cfg.eos_token_id, self.detokenize)
@@ -334,7 +358,9 @@ class Engine:
         forced: list[list[int]] | None = None,
         keep_logprobs: bool = False,
     ) -> list[GenerationResult]:
-        """Run prompts to completion; results in prompt order. ``progress(done, total)``."""
+        """Run prompts to completion; results in prompt order. ``progress(done, total)``
+        after every step: requests finished so far of the call's (``counters()`` has the
+        finer work counts)."""
         per = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         teacher = forced if forced is not None else [None] * len(prompts)
         ids = [
@@ -345,6 +371,6 @@ class Engine:
         while self.has_unfinished():
             for result in self.step():
                 results[result.request_id] = result
-                if progress:
-                    progress(len(results), len(ids))
+            if progress:
+                progress(len(results), len(ids))
         return [results[i] for i in ids]

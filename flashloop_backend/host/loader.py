@@ -50,10 +50,28 @@ def expected_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (CPU)."""
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors (CPU); a damaged file is a :class:`ModelError` that
+    names it and says what is wrong."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    size = path.stat().st_size
+    if size < 8:
+        raise ModelError(
+            f"{path} is not a safetensors file: {size} bytes, shorter than the 8-byte header "
+            "length (empty or truncated)"
+        )
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ModelError(
+            f"{path} is damaged or not a safetensors file ({size} bytes): {exc}"
+        ) from None
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (CPU)."""
     index = directory / INDEX_FILE
     if index.is_file():
         try:
@@ -64,7 +82,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         for shard in sorted(set(weight_map.values())):
             if not (directory / shard).is_file():
                 raise ModelError(f"shard {shard} named in {index.name} is missing from {directory}")
-            weights.update(load_file(str(directory / shard)))
+            weights.update(_load_file(directory / shard))
         missing = sorted(set(weight_map) - set(weights))
         if missing:
             raise ModelError(
@@ -74,7 +92,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise ModelError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    return load_file(str(single))
+    return _load_file(single)
 
 
 def check_weights(cfg: OuroConfig, weights: dict[str, torch.Tensor]) -> None:

@@ -1,17 +1,25 @@
 """The main job's closing table: dense against FlashLoop with all three features on, on the
 same model, prompts and held-out text, measured in this process (speed from generation,
 KV bytes from the engine's pools and the packed store, quality from a small
-teacher-forced evaluation through the decode path)."""
+teacher-forced evaluation through the decode path).
+
+The table's prompts are held-out windows several quantization groups long: a prompt
+shorter than one group has no whole group to pack and stays in the dense cache, so short
+prompts would hide the format's saving.
+"""
 
 from __future__ import annotations
 
+import random
 import time
 
 from ..capabilities import SupportRequest
 from ..config import FlashLoopConfig
 from ..evaluation import EvalSettings, evaluate, heldout_text
+from ..progress import ProgressBar
 from ..registry import Registry
 from .engine import Engine, SamplingParams
+from .generation import generate_with_progress
 
 ALL_ON = FlashLoopConfig(
     token_sparse_prefill={"enabled": True, "window_size": 64, "retention": [1, 1, 0.75, 0.5]},
@@ -22,51 +30,84 @@ QUICK_EVAL = EvalSettings(
     windows=8, context=256, continuation=64, passkey_contexts=(256,), passkey_samples=2,
     bootstrap=200,
 )  # fmt: skip
+TABLE_PROMPTS, TABLE_PROMPT_TOKENS, TABLE_NEW_TOKENS = 4, 512, 16
 
 
-def _run(model, tokenizer, prompts, config, block_size, max_new_tokens) -> dict:
-    """Generate the prompts; tokens/s and the steady KV bytes per token at the fullest step."""
+def table_prompts(tokenizer, count: int, length: int, seed: int = 1) -> list[list[int]]:
+    """``count`` held-out windows of ``length`` tokens (the evaluation's text, other seed)."""
+    tokens = tokenizer.encode(heldout_text()[0]).ids
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(tokens) - length) for _ in range(count)]
+    return [tokens[s : s + length] for s in starts]
+
+
+def measure(model, prompts: list[list[int]], config: FlashLoopConfig, block_size: int,
+            new_tokens: int, label: str) -> dict:  # fmt: skip
+    """Generate ``new_tokens`` per prompt (EOS ignored, so both sides do the same work)
+    after an untimed warm-up request; tokens/s of the timed run and the most KV bytes per
+    held token at any step (BF16 or FP32 blocks in use plus the packed store's pages)."""
     cfg = model.config
     param = next(model.parameters())
     request = SupportRequest(param.device.type, param.dtype, cfg.head_dim, block_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
     backend = Registry.discover().create("flashloop", request, config)
     engine = Engine(model, backend, num_blocks=4096, block_size=block_size, prefill_chunk=256,
-                    detokenize=tokenizer.decode)  # fmt: skip
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-    start, generated, best = time.perf_counter(), 0, (0, 0.0)
-    while engine.has_unfinished():
-        generated += sum(len(r.output_token_ids) for r in engine.step())
+                    max_batch_tokens=1024)  # fmt: skip
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompts[0][:128]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    best = [0, 0.0]
+
+    def sample_kv(engine: Engine) -> None:
         tokens, held = engine.kv_held()
         if tokens > best[0]:
-            best = (tokens, held / tokens)
+            best[:] = [tokens, held / tokens]
+
+    start = time.perf_counter()
+    generate_with_progress(engine, prompts, params, label, after_step=sample_kv)
     seconds = time.perf_counter() - start
+    generated = len(prompts) * new_tokens
     return {"tokens_per_s": generated / seconds, "kv_bytes_per_token": best[1]}
 
 
-def side_by_side(model, tokenizer, prompts: list[list[int]], block_size: int, max_new_tokens: int,
-                 log=print) -> dict:  # fmt: skip
+def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
     """Measure dense and all-on FlashLoop, print the table, return the numbers."""
-    log("\ncomparing dense with FlashLoop (all three features on) on the same model...")
-    rows = {}
-    for name, config in (("dense", FlashLoopConfig()), ("flashloop, all on", ALL_ON)):
-        rows[name] = _run(model, tokenizer, prompts, config, block_size, max_new_tokens)
-    text, _ = heldout_text()
-    quality = evaluate(
-        model, tokenizer, text, ALL_ON, "flashloop", QUICK_EVAL, block_size=block_size
+    prompts = table_prompts(tokenizer, TABLE_PROMPTS, TABLE_PROMPT_TOKENS)
+    log(
+        f"\ncomparing dense with FlashLoop (all three features on) on the same model: "
+        f"{TABLE_PROMPTS} held-out prompts of {TABLE_PROMPT_TOKENS} tokens, "
+        f"{TABLE_NEW_TOKENS} new tokens each, then {QUICK_EVAL.windows} held-out windows for quality"
     )
-    dense, flash = rows["dense"], rows["flashloop, all on"]
+    rows = {}
+    for name, config in (("dense", FlashLoopConfig()), ("all on", ALL_ON)):
+        rows[name] = measure(model, prompts, config, block_size, TABLE_NEW_TOKENS, f"table: {name}")
+    text, _ = heldout_text()
+    bars: dict[str, ProgressBar] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bars.setdefault(stage, ProgressBar(f"quality {stage}", total, "tokens")).update(done)
+
+    quality = evaluate(model, tokenizer, text, ALL_ON, "flashloop", QUICK_EVAL,
+                       block_size=block_size, progress=progress)  # fmt: skip
+    dense, flash = rows["dense"], rows["all on"]
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     log("\n| | dense | FlashLoop, all on | ratio |")
     log("| --- | --- | --- | --- |")
-    log(f"| tokens/s (this machine) | {dense['tokens_per_s']:.1f} | {flash['tokens_per_s']:.1f} | "
+    log(f"| tokens/s on this machine (a) | {dense['tokens_per_s']:.1f} | {flash['tokens_per_s']:.1f} | "
         f"{flash['tokens_per_s'] / dense['tokens_per_s']:.2f}x |")  # fmt: skip
-    log(f"| KV bytes per held token | {dense['kv_bytes_per_token']:.0f} | {flash['kv_bytes_per_token']:.0f} | "
+    log(f"| KV bytes per held token (b) | {dense['kv_bytes_per_token']:.0f} | {flash['kv_bytes_per_token']:.0f} | "
         f"{dense['kv_bytes_per_token'] / flash['kv_bytes_per_token']:.2f}x smaller |")  # fmt: skip
-    log(f"| Δ bits/byte vs dense (95% CI) | 0 | {quality['delta_bits_per_byte_percent']:+.2f}% "
+    log(f"| Δ bits/byte vs dense (95% CI) (c) | 0 | {quality['delta_bits_per_byte_percent']:+.2f}% "
         f"[{quality['delta_ci95_percent'][0]:+.1f}, {quality['delta_ci95_percent'][1]:+.1f}] | |")  # fmt: skip
-    log(f"| top-1 agreement with dense | 1 | {quality['top1_agreement']:.3f} | |")
-    log(f"\n(speed on {next(model.parameters()).device.type} runs the reference kernels there: the "
-        "FlashLoop speedups are GPU figures, see results/README.md; quality from "
-        f"{QUICK_EVAL.windows} held-out windows of {QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens)")  # fmt: skip
+    log(f"| top-1 agreement with dense (c) | 1 | {quality['top1_agreement']:.3f} | |")
+    device = next(model.parameters()).device.type
+    log(f"\n(a) tokens generated per second of wall time for the {TABLE_PROMPTS} prompts of "
+        f"{TABLE_PROMPT_TOKENS} tokens, prefill included (it dominates at {TABLE_NEW_TOKENS} new "
+        f"tokens each), after a warm-up, on the flashloop backend; on {device} it runs the "
+        "reference kernels, so FlashLoop's speed shows on a GPU (results/README.md)")  # fmt: skip
+    log(f"(b) the most KV the live requests held at any step, over the tokens they held: dense: "
+        f"{dtype} blocks in use (a request's last block may be part-filled; a GPU's bfloat16 "
+        f"cache is half this); all on: INT4 pages of every whole 64-token prompt group plus the "
+        f"{dtype} blocks of the generated tokens (the fixed_prompt policy keeps those uncompressed)")  # fmt: skip
+    log(f"(c) teacher-forced through the decode path, {QUICK_EVAL.windows} held-out windows of "
+        f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens")  # fmt: skip
     return {"rows": rows, "quality": quality}

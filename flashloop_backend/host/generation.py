@@ -1,0 +1,51 @@
+"""Generation with a progress display: the loop behind ``demo``, ``generate`` and the
+main job's table, showing prompt rows while prompts prefill, then tokens and tokens/s."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..progress import ProgressBar
+from .engine import Engine, GenerationResult, SamplingParams
+
+
+def generate_with_progress(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    label: str,
+    after_step: Callable[[Engine], None] | None = None,
+) -> list[GenerationResult]:
+    """Run ``prompts`` to completion (results in prompt order) with two bars on stderr:
+    prompt rows x loops while any prompt is waiting or prefilling, then tokens generated.
+    ``after_step(engine)`` runs after every step (e.g. to sample the KV held)."""
+    start = engine.counters()
+    ids = [engine.add_request(p, params) for p in prompts]
+    loops = engine.cfg.total_ut_steps
+    prefill = ProgressBar(
+        f"{label}: prefill", sum(map(len, prompts)) * loops, "prompt rows x loops"
+    )
+    tokens = ProgressBar(f"{label}: generate", len(prompts) * params.max_new_tokens, "tokens",
+                         rate_unit="tokens")  # fmt: skip
+    results: dict[int, GenerationResult] = {}
+    try:
+        while engine.has_unfinished():
+            for result in engine.step():
+                results[result.request_id] = result
+            if after_step is not None:
+                after_step(engine)
+            now = engine.counters()
+            rows = now["prefill_rows"] - start["prefill_rows"]
+            if now["prompts_running"]:
+                prefill.update(rows)
+            else:  # token-sparse loops skip rows: the bar ends when no prompt is left
+                prefill.finish(rows)
+            made = now["tokens_generated"] - start["tokens_generated"]
+            if made or not now["prompts_running"]:  # no empty token bar beside the prefill one
+                tokens.update(made, rate_count=made)
+        made = engine.counters()["tokens_generated"] - start["tokens_generated"]
+        tokens.finish(made, rate_count=made)
+    finally:
+        prefill.close()
+        tokens.close()
+    return [results[i] for i in ids]
