@@ -1,27 +1,51 @@
-"""flashloop_backend: FlashLoop as a pluggable attention backend for looped language models."""
+"""flashloop_backend: FlashLoop as a pluggable attention backend for looped language models.
 
-from importlib.metadata import PackageNotFoundError, version
+The face: configure (:class:`FlashLoopConfig`, :func:`load_config`), ask what a machine
+can serve (:class:`SupportRequest`, :class:`Capability`, :func:`select_backend`,
+:func:`resolve`), build a backend (:func:`create_backend`), and run a model through the
+host (:class:`LLM`). Names that need torch load on first use, so importing the package
+(and the CLI's ``--help``) stays fast.
+"""
 
-try:
-    __version__ = version("flashloop-backend")
-except PackageNotFoundError:  # running from a source tree without installation
-    __version__ = "0.1.0"
+from __future__ import annotations
 
-from .config import ConfigError, EffectiveConfig, FlashLoopConfig, load_config
+from importlib import import_module
+from typing import Any
 
+from flashloop_backend._version import __version__
+from flashloop_backend.config import (
+    ConfigError,
+    EffectiveConfig,
+    FlashLoopConfig,
+    UnservableError,
+    load_config,
+)
 
-def embedded_model_path():
-    """Directory of the embedded default model (Ouro layout, byte-level, 4 loops)."""
-    from .host.commands import embedded_model_path as path
-
-    return path()
-
+_LAZY = {
+    "Capability": "flashloop_backend.capabilities",
+    "SupportRequest": "flashloop_backend.capabilities",
+    "RowMode": "flashloop_backend.dispatch",
+    "Registry": "flashloop_backend.registry",
+    "create_backend": "flashloop_backend.registry",
+    "resolve": "flashloop_backend.registry",
+    "select_backend": "flashloop_backend.registry",
+    "LLM": "flashloop_backend.host.llm",
+    "SamplingParams": "flashloop_backend.host.requests",
+    "embedded_model_path": "flashloop_backend.host.embedded",
+}
 
 __all__ = [
     "ConfigError",
     "EffectiveConfig",
     "FlashLoopConfig",
+    "UnservableError",
     "__version__",
-    "embedded_model_path",
     "load_config",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)

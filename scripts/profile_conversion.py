@@ -1,4 +1,4 @@
-"""Where a prompt's conversion to packed INT4 spends its time: ``pack_prompt`` on one
+"""Where a prompt's conversion to packed INT4 spends its time: ``PackedState.pack_prompt`` on one
 request's BF16 KV (every layer and depth, dense levels), timed per chunk size, then one
 conversion under torch.profiler (top ops and the number of device launches).
 
@@ -18,10 +18,10 @@ import time
 import torch
 
 from flashloop_backend.backends.packed_state import PackedState
-from flashloop_backend.host.features import pack_prompt
+from flashloop_backend.host.features import HostRequestKV
 from flashloop_backend.host.kvcache import PagedKVCache
 from flashloop_backend.host.requests import Request, SamplingParams
-from flashloop_backend.packed_kv import PackedKVStore
+from flashloop_backend.kv.store import PackedKVStore
 
 DEPTHS, BLOCK = 4, 16
 
@@ -37,7 +37,7 @@ def _setup(args, device, layers_per_pass: int = 1):
     if device.type == "cuda":
         from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
     else:
-        from flashloop_backend.reference import quantize_int4 as quantize
+        from flashloop_backend.algorithms import quantize_int4 as quantize
     return kv, PackedState(store, quantize, "fixed_prompt", args.group)
 
 
@@ -50,7 +50,7 @@ def _convert(args, device, chunk: int, layers_per_pass: int = 1) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
     start = time.perf_counter()
-    pack_prompt(kv, packed, request, False, DEPTHS, chunk=chunk)
+    packed.pack_prompt(request.id, HostRequestKV(kv, request, False, DEPTHS), chunk=chunk)
     sync()
     return time.perf_counter() - start
 

@@ -14,9 +14,9 @@ import sys
 import torch
 
 from flashloop_backend import FlashLoopConfig
-from flashloop_backend.bench import random_ouro
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.registry import Registry
+from flashloop_backend.tools.bench.e2e import random_ouro
 
 
 def _engine(args, model, request):

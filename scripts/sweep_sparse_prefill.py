@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from flashloop_backend.bench import _eager_ms
-from flashloop_backend.bench_prefill import windowed_subset
 from flashloop_backend.kernels.triton.sparse_prefill import PrefillTuning, sparse_prefill_triton
+from flashloop_backend.tools.bench.prefill import windowed_subset
+from flashloop_backend.tools.bench.timing import eager_ms
 
 context = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 gen = torch.Generator(device="cuda").manual_seed(0)
@@ -29,7 +29,7 @@ for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (
     for name, subset in subsets.items():
         q, t, n = q_all[subset], table[None].expand(len(subset), -1), (subset + 1).int()
         try:
-            row[name + "_ms"] = _eager_ms(
+            row[name + "_ms"] = eager_ms(
                 lambda q=q, t=t, n=n, k=tuning: sparse_prefill_triton(q, kc, vc, t, n, tuning=k),
                 5,
                 2,

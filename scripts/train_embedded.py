@@ -29,7 +29,7 @@ from flashloop_backend.host.config import OuroConfig  # noqa: E402
 from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
 from flashloop_backend.host.model import OuroModel, apply_rope, exit_distribution, rope_cos_sin  # noqa: E402
 from flashloop_backend.host.tokenizer import build_byte_tokenizer  # noqa: E402
-from flashloop_backend.paths import record_path  # noqa: E402
+from flashloop_backend.tools.paths import record_path  # noqa: E402
 
 BOS, EOS = 256, 257
 NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "

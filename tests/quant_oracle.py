@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from flashloop_backend.algorithms import encode_compact_chain, reconstruct_compact
 from flashloop_backend.config import KVResidualQuantizationConfig
-from flashloop_backend.reference import encode_compact_chain, reconstruct_compact
 
 
 def fake_quantize_prompt(engine, request, quant: KVResidualQuantizationConfig) -> None:

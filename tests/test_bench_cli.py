@@ -7,7 +7,7 @@ import torch
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "flashloop_backend.cli.main", *args], capture_output=True, text=True
     )
 
 
@@ -42,8 +42,8 @@ def test_bench_without_gpu_is_a_clean_error(mode):
 
 
 def test_graph_variant_names():
-    from flashloop_backend.bench import graph_variant
     from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.e2e import graph_variant
 
     assert graph_variant("triton", 16, 1040) == ("triton", None)
     name, settings = graph_variant("flashloop+graphs", 12, 1040)
@@ -59,8 +59,8 @@ def test_graph_variant_names():
      ({"warmup_context": -1}, "warmup_context=-1 must be >= 1")],
 )  # fmt: skip
 def test_end_to_end_rejects_bad_step_sizes_before_touching_the_gpu(kwargs, fragment):
-    from flashloop_backend.bench import bench_end_to_end
     from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.e2e import bench_end_to_end
 
     with pytest.raises(ConfigError, match=fragment):
         bench_end_to_end(["triton"], 1024, 1, **kwargs)

@@ -4,8 +4,8 @@ a stand-in timer): a device call should not be the first run of its code."""
 import pytest
 import torch
 
-from flashloop_backend import bench_packed
 from flashloop_backend.kernels.triton.dense_source import SelectTuning
+from flashloop_backend.tools.bench import packed as bench_packed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; the GPU runs the bench")

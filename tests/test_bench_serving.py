@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig, embedded_model_path
-from flashloop_backend.bench_serving import pick_variants, serve_variants, variants_for
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, load_model
 from flashloop_backend.registry import Registry
-from flashloop_backend.serving_workload import (
+from flashloop_backend.tools.bench.serving import pick_variants, serve_variants, variants_for
+from flashloop_backend.tools.bench.workload import (
     Arrival,
     RequestTimes,
     fixed_arrival_schedule,
@@ -173,7 +173,7 @@ def test_a_pool_that_does_not_fit_is_recorded_not_raised(model, monkeypatch):
 
 
 def test_warm_up_meets_every_graph_bucket_up_to_the_largest_concurrency():
-    from flashloop_backend.bench_serving import warm_up_sizes
+    from flashloop_backend.tools.bench.serving import warm_up_sizes
 
     workloads = [{"concurrency": None}, {"concurrency": 1}, {"concurrency": 16}]
     assert warm_up_sizes(workloads, (1, 2, 4, 8, 16, 32)) == [1, 2, 4, 8, 16]

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from flashloop_backend.capabilities import Capability
-from flashloop_backend.cli import main
+from flashloop_backend.cli.main import main
 
 
 def run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "flashloop_backend.cli.main", *args], capture_output=True, text=True
     )
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from flashloop_backend.cli import EXIT_UNSERVABLE, EXIT_USAGE, main
-from flashloop_backend.host.commands import embedded_model_path
+from flashloop_backend.cli.main import EXIT_UNSERVABLE, EXIT_USAGE, main
+from flashloop_backend.host.embedded import embedded_model_path
 
 UNKNOWN_KERNEL = {"kernel_overrides": {"dense_attention": "no_such_kernels"}}
 
@@ -132,7 +132,7 @@ def test_generate_defaults_to_the_embedded_model_and_reports_a_depth_per_token(c
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys; from flashloop_backend.cli import build_parser; build_parser(); "
+        "import sys; from flashloop_backend.cli.main import build_parser; build_parser(); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

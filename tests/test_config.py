@@ -49,7 +49,6 @@ REJECTIONS = [
     ),
     ({"layout": "shared"}, "layout", "last_exited"),
     ({"layout": "banana"}, "layout", "last_exited"),
-    ({"kernel_overrides": {"not_an_op": "torch_reference"}}, "kernel_overrides", "dense_attention"),
     ({"unknown_field": 1}, "unknown_field", "not permitted"),
     ({"token_sparse_prefill": {"enabled": True, "extra": 1}}, "extra", "not permitted"),
 ]
@@ -137,3 +136,15 @@ def test_digest_is_stable_and_sensitive():
     # canonical JSON round-trips to the same config
     again = FlashLoopConfig.from_dict(json.loads(a.config.canonical_json()))
     assert again == a.config
+
+
+def test_an_unknown_kernel_override_op_is_refused_at_selection():
+    """The config holds overrides as data; the registry knows the ops and names them."""
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.registry import Registry
+
+    config = FlashLoopConfig.from_dict({"kernel_overrides": {"not_an_op": "torch_reference"}})
+    with pytest.raises(
+        ConfigError, match=r"unknown op 'not_an_op'; allowed ops: .*dense_attention"
+    ):
+        Registry.discover().select_backend("auto", SupportRequest(), config)

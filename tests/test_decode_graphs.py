@@ -123,7 +123,7 @@ def _every_row(needed, fn, q, meta, block_tables, *per_row):
 def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
     """Capture and replay with the CPU recorder: replays run no Python, so everything the
     traversal needs must be read from the fixed buffers; the tokens equal eager's."""
-    from flashloop_backend.kernels import torch_packed
+    from flashloop_backend.kernels.torch_ref import packed as torch_packed
 
     from .graph_recorder import RecordingCapture
 
@@ -179,7 +179,7 @@ def test_capture_on_a_cpu_cache_is_refused_by_device():
     with pytest.raises(
         ConfigError, match="CUDA graph capture needs a CUDA device; the KV cache is on cpu"
     ):
-        DecodeGraphs(GraphSettings(), kv, GraphSafe(), 64, 128, lambda h, b: h, quantized=False)
+        DecodeGraphs(GraphSettings(), kv, GraphSafe(), 64, 128, lambda h, b: h)
 
 
 def test_batch_shapes_are_checked():
@@ -207,40 +207,35 @@ def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):
     packing changed: at every step, everything a reader can see (kinds, packed lengths,
     and tables/maps of the levels a row reads) equals the per-batch plan's, while rows
     finish at different steps and the others move up."""
-    from flashloop_backend.host.graphs import DecodeGraphs
-    from flashloop_backend.packed_kv import LEVEL_EMPTY
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.backends.packed_state import _GraphInputs
+    from flashloop_backend.kv.levels import LevelKind, level_metadata
 
     model = tiny_model(seed=7)
     config = _config({"token_sparse_prefill": True, "kv_residual_quantization": True})
     engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=EAGER_GRAPHS)
-    original, checked, rewrites = DecodeGraphs._fill_packed, [], []
+    original, checked, rewrites = _GraphInputs.fill, [], []
     fill_ = torch.Tensor.fill_
 
     def counting_fill(tensor, value):
         rewrites.append(1)
         return fill_(tensor, value)
 
-    def compared(self, groups, bucket):
-        levels, reason = original(self, groups, bucket)
-        if reason is None:
-            pad = bucket - len(groups)
-            owners = [g.request_id for g in groups] + [-1] * pad
-            depths = [g.depth for g in groups] + [0] * pad
-            store = self.backend.packed.store
-            plan = level_metadata(
-                store, owners, depths, "cpu", (levels, self.pages, self.packed_rows)
-            )
-            mine = self._meta_views(bucket, levels)
-            assert torch.equal(mine["level_kinds"], plan["level_kinds"])
-            assert torch.equal(mine["packed_lengths"], plan["packed_lengths"])
-            read = plan["level_kinds"] != LEVEL_EMPTY
-            for name in ("level_tables", "level_maps"):
-                assert torch.equal(mine[name][read], plan[name][read]), name
-            checked.append(len(groups))
-        return levels, reason
+    def compared(self, sequences, depths):
+        step = original(self, sequences, depths)
+        if step.reason is None:
+            bucket, levels = len(sequences), step.variant
+            widths = (levels, self.pages, self.packed_rows)
+            plan = level_metadata(self.store, sequences, depths, "cpu", widths)
+            mine = self.meta.first_levels(bucket, levels)
+            assert torch.equal(mine.kinds, plan.kinds)
+            assert torch.equal(mine.packed_lengths, plan.packed_lengths)
+            read = plan.kinds != LevelKind.EMPTY
+            for name in ("tables", "maps"):
+                assert torch.equal(getattr(mine, name)[read], getattr(plan, name)[read]), name
+            checked.append(sum(s is not None for s in sequences))
+        return step
 
-    monkeypatch.setattr(DecodeGraphs, "_fill_packed", compared)
+    monkeypatch.setattr(_GraphInputs, "fill", compared)
     monkeypatch.setattr(torch.Tensor, "fill_", counting_fill)
     lengths = [3, 6, 9]  # requests leave at different steps: rows shift
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]

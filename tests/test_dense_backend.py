@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig
-from flashloop_backend.backends.base import SelectionInfo
 from flashloop_backend.backends.dense import DenseBackend
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.kernels.ops import KernelImpl, OpName
-from flashloop_backend.kernels.torch_reference import SUPPORT, paged_attention
+from flashloop_backend.kernels.torch_ref import SUPPORT
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.registry import Registry
+from flashloop_backend.registry.spec import SelectionInfo
 
 from .test_flashloop_backend import REQUEST, _view
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from flashloop_backend import FlashLoopConfig, embedded_model_path
 from flashloop_backend.capabilities import SupportRequest
-from flashloop_backend.evaluation import EvalSettings, evaluate
 from flashloop_backend.host import Engine, load_model, load_tokenizer
 from flashloop_backend.registry import Registry
+from flashloop_backend.tools.evaluation import EvalSettings, evaluate
 
 SMALL = EvalSettings(
     windows=2,
@@ -81,7 +81,7 @@ def test_bad_settings(embedded, settings, fragment):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "flashloop_backend.cli.main", *args], capture_output=True, text=True
     )
 
 
@@ -115,7 +115,7 @@ def test_all_features_on_evaluate_with_recycled_slots(embedded):
     """Scoring then passkey requests reuse token-state slots while other rows prefill; a
     state a row does not own must never reach the correction (it indexed past the batch's
     block tables before rows routed elsewhere were cleared)."""
-    from flashloop_backend.host.showcase import ALL_ON
+    from flashloop_backend.cli.showcase import ALL_ON
 
     model, tokenizer = embedded
     settings = EvalSettings(windows=4, context=128, continuation=32, passkey_contexts=(128,),
@@ -125,7 +125,7 @@ def test_all_features_on_evaluate_with_recycled_slots(embedded):
 
 
 def test_feature_combinations_cover_every_subset_with_the_config_settings():
-    from flashloop_backend.evaluation import feature_combinations
+    from flashloop_backend.tools.evaluation import feature_combinations
 
     config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
     combos = feature_combinations(config)
@@ -145,6 +145,6 @@ def test_eval_combinations_needs_a_feature(tmp_path):
 
 
 def test_the_demo_table_and_configs_all_on_describe_the_same_configuration():
-    from flashloop_backend.host.showcase import ALL_ON
+    from flashloop_backend.cli.showcase import ALL_ON
 
     assert FlashLoopConfig.from_dict(json.load(open("configs/all_on.json"))) == ALL_ON

@@ -6,7 +6,7 @@ import torch
 from flashloop_backend import FlashLoopConfig, embedded_model_path
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, load_model, load_tokenizer
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.registry import Registry
 
 from .test_packed_admission import run_watching_admission
@@ -95,7 +95,7 @@ def _all_on_combinations() -> list:
     import json
     from pathlib import Path
 
-    from flashloop_backend.evaluation import feature_combinations
+    from flashloop_backend.tools.evaluation import feature_combinations
 
     path = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"
     combos = feature_combinations(FlashLoopConfig.from_dict(json.loads(path.read_text())))

@@ -13,7 +13,7 @@ from .host_helpers import tiny_model
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "flashloop_backend.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "flashloop_backend.cli.main", *args], capture_output=True, text=True
     )
 
 
@@ -38,9 +38,9 @@ def test_generate_json_greedy_matches_engine_and_is_deterministic():
 
 def test_demo_runs_and_reports_speed_and_kv(monkeypatch, capsys):
     """The main job's wiring on smaller table shapes (the README times the real one)."""
-    from flashloop_backend.cli import main
-    from flashloop_backend.evaluation import EvalSettings
-    from flashloop_backend.host import showcase
+    from flashloop_backend.cli import showcase
+    from flashloop_backend.cli.main import main
+    from flashloop_backend.tools.evaluation import EvalSettings
 
     monkeypatch.setattr(showcase, "TABLE_PROMPTS", 2)
     monkeypatch.setattr(showcase, "TABLE_PROMPT_TOKENS", 160)

@@ -170,9 +170,9 @@ def test_finalize_exit_copies_to_deeper_planes():
 
 def test_max_context_bounds_requests_and_sizes_the_selection_bucket():
     from flashloop_backend import FlashLoopConfig
+    from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.capabilities import SupportRequest
     from flashloop_backend.registry import Registry
-    from flashloop_backend.sparse_state import key_bucket
 
     model = tiny_model()
     config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.25})

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

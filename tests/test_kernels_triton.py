@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.kernels.triton.paged_decode import DecodeTuning, paged_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,7 +80,7 @@ def test_wrapper_rejects_unsupported_shapes(dim, block, fragment):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
 def test_sparse_correction_matches_reference(dtype, hq, hkv, rng):
-    from flashloop_backend.kernels.torch_sparse_decode import dense_source, sparse_correction
+    from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
     from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
 
     q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
@@ -134,7 +134,7 @@ def _dense_source_impls():
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
 @pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
 def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
-    from flashloop_backend.kernels.torch_sparse_decode import dense_source
+    from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
 
     q, kc, vc, tables, lengths = _case(rng, hq, hkv, dtype)
     expected = dense_source(q.float(), kc.float(), vc.float(), tables, lengths, 0.3, 32)
@@ -173,8 +173,8 @@ def test_dense_source_rejects_a_small_bucket(rng):
     [((70, 3, 8), 0, 16), ((5, 2, 64), -1, 16), ((3, 40), 1, 16), ((128, 2, 64), 0, 64)],
 )
 def test_quantize_int4_is_bit_identical_to_the_reference(shape, dim, group, rng):
+    from flashloop_backend.algorithms import quantize_int4
     from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
-    from flashloop_backend.reference import quantize_int4
 
     x = torch.randn(shape, generator=rng)
     expected = quantize_int4(x, group, dim)
@@ -190,8 +190,8 @@ def test_quantize_int4_is_bit_identical_to_the_reference(shape, dim, group, rng)
 
 
 def test_quantize_int4_rounding_constant_groups_and_errors():
+    from flashloop_backend.algorithms import unpack_codes
     from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
-    from flashloop_backend.reference import unpack_codes
 
     halves = torch.tensor([0.0, 0.5, 1.5, 2.5] + [15.0] * 12, device=DEVICE)
     assert unpack_codes(quantize_int4_triton(halves, 16))[0, :4].tolist() == [0, 0, 2, 2]
@@ -205,7 +205,7 @@ def test_quantize_int4_rounding_constant_groups_and_errors():
 def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
     """Two logit values: every larger key is taken, then the earliest ties up to K; with
     the split design the larger keys and the ties fall in different splits."""
-    from flashloop_backend.kernels.torch_sparse_decode import dense_source
+    from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
 
     q, kc, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
     q = torch.ones_like(q)

@@ -171,8 +171,8 @@ def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
     pages hold the same groups, so the log-probs are those of packing the prompt at once."""
     import functools
 
+    from flashloop_backend.backends import packed_state
     from flashloop_backend.host import engine as engine_module
-    from flashloop_backend.host import features
 
     model = tiny_model(seed=2)
     forced = [3, 9, 27, 1, 4, 8]
@@ -187,10 +187,13 @@ def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
 
     monkeypatch.setattr(engine_module.PagedKVCache, "gather_planes", spy)
     monkeypatch.setattr(
-        engine_module, "pack_prompt", functools.partial(features.pack_prompt, chunk=16)
+        packed_state.PackedState,
+        "pack_prompt",
+        functools.partialmethod(packed_state.PackedState.pack_prompt, chunk=16),
     )
     chunked = _logprobs(_engine(model, config), PROMPT, forced)
     assert gathered == [16, 16, 16]  # 48 prompt rows, groups of 16
     torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="chunk=24 must be a multiple of group_size=16"):
-        features.pack_prompt(None, _engine(model, config).backend.packed, None, False, 4, chunk=24)
+        _engine(model, config).backend.packed.pack_prompt(0, None, chunk=24)

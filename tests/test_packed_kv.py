@@ -1,15 +1,17 @@
 """Packed INT4 KV storage and its Triton decode reader (interpreter on CPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from flashloop_backend.packed_kv import OutOfPackedPagesError, PackedKVStore, encoding_descriptor
-from flashloop_backend.reference import (
+from flashloop_backend.algorithms import (
     encode_compact_chain,
     encode_residual_chain,
     reconstruct,
     reconstruct_compact,
 )
+from flashloop_backend.kv.store import OutOfPackedPagesError, PackedKVStore, encoding_descriptor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 G, L, H, D = 16, 2, 2, 32
@@ -157,7 +159,7 @@ STEPPING_IDS = [f"group{g}_rows{r or g}" for g, r in STEPPING]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_per_step, rng):
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     rows, tail, block = 32, 20, 16
     store = PackedKVStore(24, L, H, D, group, device=DEVICE)
@@ -194,7 +196,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_
 
 def _sparse_case(rng, group: int = G):
     """Two packed sequences (dense levels; compact levels 2-3) with BF16 tails, 3 rows."""
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     rows = 32
     store = PackedKVStore(24, L, H, D, group, device=DEVICE)
@@ -214,7 +216,7 @@ def _sparse_case(rng, group: int = G):
 
 @pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
 def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_step, rng):
-    from flashloop_backend.kernels.torch_packed import packed_decode_reference
+    from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
 
     args, lengths = _sparse_case(rng, group)
@@ -291,7 +293,7 @@ def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
     config = tmp_path / "q.json"
     config.write_text(json.dumps({"kv_residual_quantization": {"enabled": True}}))
     result = subprocess.run(
-        [sys.executable, "-m", "flashloop_backend.cli", "info", "--config", str(config), "--json"],
+        [sys.executable, "-m", "flashloop_backend.cli.main", "info", "--config", str(config), "--json"],
         capture_output=True, text=True,
     )  # fmt: skip
     kv = json.loads(result.stdout)["kv_bytes"]
@@ -302,7 +304,7 @@ def test_info_reports_packed_bytes_from_a_real_store(tmp_path):
 
 def test_packed_reader_rejects_bad_metadata(rng):
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     store = PackedKVStore(8, L, H, D, G, device=DEVICE)
     store.encode(
@@ -313,10 +315,10 @@ def test_packed_reader_rejects_bad_metadata(rng):
     args = (torch.zeros(1, H, D, device=DEVICE), store, 0)
     tail = (cache, cache, torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
             torch.tensor([16], dtype=torch.int32, device=DEVICE))  # fmt: skip
-    bad = dict(meta, packed_lengths=meta["packed_lengths"].long())
-    with pytest.raises(ValueError, match="meta\\['packed_lengths'\\] must be int32"):
+    bad = dataclasses.replace(meta, packed_lengths=meta.packed_lengths.long())
+    with pytest.raises(ValueError, match=r"meta\.packed_lengths must be int32"):
         packed_decode_triton(*args, bad, *tail)
-    short = dict(meta, level_kinds=meta["level_kinds"][:, :1])
+    short = dataclasses.replace(meta, kinds=meta.kinds[:, :1])
     with pytest.raises(ValueError, match="metadata rows/levels disagree"):
         packed_decode_triton(*args, short, *tail)
 
@@ -351,7 +353,7 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
         state.meta_for(view, torch.zeros(1, dtype=torch.long))
     state.plan(view, [-1], [0])  # a row without packed data reads BF16 only
     meta = state.meta_for(view, torch.zeros(1, dtype=torch.long))
-    assert meta["packed_lengths"].tolist() == [0] and meta["level_kinds"].tolist() == [[2]]
+    assert meta.packed_lengths.tolist() == [0] and meta.kinds.tolist() == [[2]]
 
 
 def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
@@ -359,7 +361,7 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
     decode-first order the readers take, equal to those rows of a full plan."""
     from flashloop_backend.backends.packed_state import PackedState
     from flashloop_backend.dispatch import BatchView, RowMode
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     (_, store, *_), _ = _sparse_case(rng)
     state = PackedState(store, None, "fixed_prompt", 64)
@@ -372,7 +374,8 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
     state.plan(view, [None, 1, None, 0], [0, 2, 1, 3])
     meta = state.meta_for(view, torch.tensor([1, 3, 0, 2]))
     expected = level_metadata(store, [1, 0], [2, 3], "cpu")
-    assert all(torch.equal(meta[name], expected[name]) for name in expected)
+    names = ("tables", "maps", "kinds", "packed_lengths")
+    assert all(torch.equal(getattr(meta, n), getattr(expected, n)) for n in names)
     with pytest.raises(ValueError, match="3 rows read packed KV but the batch has decode_bound=2"):
         state.plan(view, [None, 1, 1, 0], [0, 2, 1, 3])
 
@@ -382,7 +385,7 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
     ids=["sample16", "sample64", "split", "sample64_block16"],
 )  # fmt: skip
 def test_triton_packed_source_matches_the_reference_statistics(rng, sample, block_n):
-    from flashloop_backend.kernels.torch_packed import packed_dense_source
+    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
     from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
 
@@ -409,7 +412,10 @@ def test_streamed_correction_equals_the_reference_and_the_gather_design(group, r
     masked) gives the reference correction over dense and compact levels and BF16 tails,
     with unused (-1) slots; a row with no selected key (only a row routed elsewhere has
     none) matches the registered gather design: output - contribution."""
-    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.torch_ref.packed import (
+        packed_dense_source,
+        packed_sparse_correction,
+    )
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning
     from flashloop_backend.kernels.triton.packed_sparse import (
         packed_sparse_correction_triton,
@@ -437,7 +443,10 @@ def test_streamed_correction_equals_the_reference_and_the_gather_design(group, r
 
 @pytest.mark.parametrize("block_n", [32, 16])
 def test_triton_packed_correction_reads_only_the_selected_keys_like_the_reference(rng, block_n):
-    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.torch_ref.packed import (
+        packed_dense_source,
+        packed_sparse_correction,
+    )
     from flashloop_backend.kernels.triton.packed_sparse import (
         packed_gather,
         packed_sparse_correction_triton,
@@ -451,7 +460,7 @@ def test_triton_packed_correction_reads_only_the_selected_keys_like_the_referenc
     # the gather reconstructs exactly the reference history at the chosen positions
     q, store, layer, meta, cache_k, cache_v, tables = args
     keys, values = packed_gather(store, layer, meta, cache_k, cache_v, tables, indices, q.dtype)
-    from flashloop_backend.kernels.torch_packed import packed_history
+    from flashloop_backend.kernels.torch_ref.packed import packed_history
 
     hist_k, hist_v = packed_history(store, layer, meta, cache_k, cache_v, tables, q.dtype)
     for r in range(3):
@@ -501,7 +510,7 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
     with pytest.raises(ValueError, match="does not fit the store"):
         packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
                               positions.int(), 1.0)  # fmt: skip
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     with pytest.raises(ValueError, match=r"metadata widths \(1, 1, 1\) are below this batch's"):
         level_metadata(store, [0, 1, 1], [3, 2, 3], DEVICE, widths=(1, 1, 1))
@@ -511,7 +520,7 @@ def test_level_metadata_repeats_and_unpacked_rows_cost_no_row_tensors(rng, monke
     """Rows of one (sequence, depth) get the first such row's metadata; rows not packed
     (prefill chunks, padding) keep the fill values without any per-row tensor: a 32K x 16
     prefill step has 32K of them."""
-    from flashloop_backend.packed_meta import level_metadata
+    from flashloop_backend.kv.levels import level_metadata
 
     (_, store, *_), _ = _sparse_case(rng)
     sequences, depths = [0, 1, 1], [3, 2, 3]
@@ -522,11 +531,12 @@ def test_level_metadata_repeats_and_unpacked_rows_cost_no_row_tensors(rng, monke
     batch = [None, 7, 0, 1, 0, 1] + [None] * 1000  # 7: not in the store
     meta = level_metadata(store, batch, [0, 0, 3, 2, 3, 3] + [1] * 1000, "cpu")
     per_row = len(made)
-    for name, tensor in meta.items():
+    for name in ("tables", "maps", "kinds", "packed_lengths"):
+        tensor = getattr(meta, name)
         for i, j in ((2, 0), (3, 1), (4, 0), (5, 2)):
-            assert torch.equal(tensor[i], alone[name][j]), (name, i)
+            assert torch.equal(tensor[i], getattr(alone, name)[j]), (name, i)
         empty = tensor[[0, 1, *range(6, 1006)]]
-        fill = {"level_kinds": 2, "packed_lengths": 0}.get(name, -1)
+        fill = {"kinds": 2, "packed_lengths": 0}.get(name, -1)
         assert (empty == fill).all(), name
     made.clear()
     level_metadata(store, [0, 1, 1], [3, 2, 3], "cpu")
@@ -536,7 +546,10 @@ def test_level_metadata_repeats_and_unpacked_rows_cost_no_row_tensors(rng, monke
 def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
     """Correction and loop-2 contribution with the selected keys split over several
     programs (4 keys per split) equal the reference, like one split does."""
-    from flashloop_backend.kernels.torch_packed import packed_dense_source, packed_sparse_correction
+    from flashloop_backend.kernels.torch_ref.packed import (
+        packed_dense_source,
+        packed_sparse_correction,
+    )
     from flashloop_backend.kernels.triton import packed_sparse, sparse_decode
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from flashloop_backend import paths
-from flashloop_backend.paths import record_path
+from flashloop_backend.tools import paths
+from flashloop_backend.tools.paths import record_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_the_heldout_text_names_the_standard_library_by_version_not_directory():
     import platform
     import sysconfig
 
-    from flashloop_backend.evaluation import heldout_text
+    from flashloop_backend.tools.evaluation import heldout_text
 
     _, source = heldout_text(limit_bytes=1)
     assert f"Python {platform.python_version()} standard library" in source

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashloop_backend.kernels import KernelProvider, OpName
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 
 try:
     import tomllib

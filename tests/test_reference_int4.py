@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashloop_backend.reference import (
+from flashloop_backend.algorithms import (
     QuantizedInt4,
     dequantize_int4,
     encode_residual_chain,
@@ -98,7 +98,7 @@ def test_k_grouped_over_tokens_and_v_over_channels(rng):
 
 
 def test_compact_chain_inactive_rows_inherit_and_maps_are_explicit(rng):
-    from flashloop_backend.reference import encode_compact_chain, reconstruct_compact
+    from flashloop_backend.algorithms import encode_compact_chain, reconstruct_compact
 
     rows = 40
     x1 = torch.randn(rows, 2, 8, generator=rng)
@@ -116,7 +116,7 @@ def test_compact_chain_inactive_rows_inherit_and_maps_are_explicit(rng):
 
 
 def test_compact_chain_depth_is_checked(rng):
-    from flashloop_backend.reference import encode_compact_chain, reconstruct_compact
+    from flashloop_backend.algorithms import encode_compact_chain, reconstruct_compact
 
     x = torch.randn(16, 1, 4, generator=rng)
     chain = encode_compact_chain([x], [torch.ones(16, dtype=torch.bool)], group_size=16, dim=0)

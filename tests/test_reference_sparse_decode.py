@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flashloop_backend.reference import selected_count, sparse_correct, sparse_reference_state
+from flashloop_backend.algorithms import selected_count, sparse_correct, sparse_reference_state
 
 
 def _logit_keys(probs):

@@ -93,7 +93,7 @@ def test_override_of_uninstalled_kernel_names_installed_ones():
 
 
 def test_duplicate_names(tmp_path, on_path):
-    module = "from flashloop_backend.kernels.torch_reference import provider as _p\n"
+    module = "from flashloop_backend.kernels.torch_ref import provider as _p\n"
     a = write_distribution(
         tmp_path / "a",
         "dup_a",
@@ -115,7 +115,7 @@ def test_duplicate_names(tmp_path, on_path):
 
 def test_same_target_twice_is_one_plugin(tmp_path, on_path):
     module = {
-        "same_mod.py": "from flashloop_backend.kernels.torch_reference import provider as _p\n\n\ndef provider():\n    p = _p()\n    import dataclasses\n    return dataclasses.replace(p, name='same_kernels')\n"
+        "same_mod.py": "from flashloop_backend.kernels.torch_ref import provider as _p\n\n\ndef provider():\n    p = _p()\n    import dataclasses\n    return dataclasses.replace(p, name='same_kernels')\n"
     }
     group = {"flashloop_backend.kernels": {"same_kernels": "same_mod:provider"}}
     a = write_distribution(tmp_path / "a", "same_a", group, module)

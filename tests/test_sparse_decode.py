@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig
+from flashloop_backend.algorithms import sparse_correct, sparse_reference_state
+from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.dispatch import BatchView, RowMode
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.naive import NaiveOuro
-from flashloop_backend.kernels.torch_reference import paged_attention
-from flashloop_backend.kernels.torch_sparse_decode import dense_source, sparse_correction
-from flashloop_backend.reference import sparse_correct, sparse_reference_state
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
+from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
 from flashloop_backend.registry import Registry
-from flashloop_backend.sparse_state import ReferenceStates, key_bucket
 
 from .host_helpers import tiny_model
 

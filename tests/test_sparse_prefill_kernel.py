@@ -4,7 +4,7 @@ position-indexed mask reference and the per-row paged reference."""
 import pytest
 import torch
 
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.kernels.triton.sparse_prefill import (
     PrefillTuning,
     sparse_prefill_triton,

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from flashloop_backend import ConfigError, FlashLoopConfig
+from flashloop_backend.algorithms import retention_budget, select_tokens, token_change_scores
+from flashloop_backend.algorithms.token_selection import select_in_windows
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.kvcache import PagedKVCache
 from flashloop_backend.host.naive import NaiveOuro
 from flashloop_backend.host.prompt_schedule import PromptSchedule
-from flashloop_backend.reference import retention_budget, select_tokens, token_change_scores
 from flashloop_backend.registry import Registry
-from flashloop_backend.token_selection import select_in_windows
 
 from .host_helpers import tiny_model
 

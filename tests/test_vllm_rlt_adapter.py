@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flashloop_backend.kernels.torch_reference import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention
 
 
 @pytest.fixture

@@ -1,75 +1,195 @@
-"""What a ``flashloop_backend.backends`` entry point provides: a backend spec.
+"""The typed interface the host calls: :class:`AttentionBackend`.
 
-The entry point names a zero-argument callable returning a :class:`BackendSpec`. The spec
-declares capabilities and reasons as data; ``create`` builds the callable backend object.
+A host (this package's engine, or a runtime's adapter) reaches a backend only through
+these methods. The backend owns everything its kernels read: the loop-2 reference states,
+the packed KV store and its per-batch and per-graph metadata. The host owns the BF16
+paged cache and the requests, and lends the backend a :class:`RequestKV` view of one
+request's cache when the backend needs its rows (to pack them).
+
+Every step a dense backend has nothing to do for defaults to nothing, so the host calls
+each one unconditionally.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-from ..capabilities import Capability, Environment, SupportRequest
-from ..config import FlashLoopConfig
+import torch
 
-if TYPE_CHECKING:
-    from ..registry import Registry
+from flashloop_backend.capabilities import Capability
+from flashloop_backend.config import FlashLoopConfig
+from flashloop_backend.dispatch import BatchView
+from flashloop_backend.kernels.ops import PagedAttention
+from flashloop_backend.kv.store import OutOfPackedPagesError
+from flashloop_backend.registry.spec import SelectionInfo
+
+__all__ = [
+    "AttentionBackend",
+    "EngineCapacity",
+    "GraphStep",
+    "OutOfPackedPagesError",
+    "RequestKV",
+]
 
 
 @dataclass(frozen=True)
-class SelectionInfo:
-    """vllm-rlt's selection record."""
+class EngineCapacity:
+    """What an engine holds, for the backend to size its own state at start-up.
 
-    requested_backend: str
-    selected_backend: str
-    selection_reason: str
+    ``max_slots`` live decode tokens, ``max_context`` positions per request, the model's
+    ``num_layers``, ``num_heads`` query heads, ``num_kv_heads`` and ``head_dim``, ``loops``
+    depth planes, and the BF16 pool: ``num_blocks`` blocks of ``block_size`` tokens spread
+    over every depth plane. ``packed_pages``: the packed pool (None: the backend's default
+    for that BF16 pool)."""
+
+    max_slots: int
+    max_context: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    loops: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    packed_pages: int | None = None
 
 
-class DenseCallSurface:
-    """vllm-rlt's dense call surface, served by the backend's ``dense_attention`` kernel."""
+class RequestKV(Protocol):
+    """One request's BF16 KV as the host lends it to the backend.
 
-    dense_attention: Any  # a PagedAttention implementation
+    ``prompt_length`` prompt rows; ``final_rows``: rows whose KV is final at every depth
+    (the prompt once it ran every loop, plus the generated tokens that exited)."""
+
+    prompt_length: int
+
+    @property
+    def final_rows(self) -> int: ...
+
+    def planes(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per depth K and V of rows [start, end): each [end - start, L, Hkv, D]."""
+        ...
+
+    def active(self, start: int, end: int) -> list[torch.Tensor] | None:
+        """Per depth [end - start] bool: the rows that computed that depth (None: all)."""
+        ...
+
+    def drop(self, end: int) -> None:
+        """Free the BF16 blocks of rows [0, end) on every plane: nothing reads them again."""
+        ...
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """A decode step's plan into a backend's graph buffers: ``variant`` is the part of the
+    graph key the backend's kernels add (e.g. the packed reader's level count), ``reason``
+    why these rows cannot run from a graph (None: they can)."""
+
+    variant: int = 1
+    reason: str | None = None
+
+
+class AttentionBackend(ABC):
+    """What the host calls. ``__call__`` is vllm-rlt's dense call surface; ``forward``
+    attends every row of a :class:`~flashloop_backend.dispatch.BatchView`."""
+
+    config: FlashLoopConfig
+    capabilities: frozenset[Capability]
+    info: SelectionInfo
+    dense_attention: PagedAttention
 
     def __call__(
-        self, q, key_cache, value_cache, block_tables, context_lengths, scale: float | None = None
-    ):
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         """q [R, Hq, D], caches [NB, BS, Hkv, D], block_tables [R, MB], context_lengths [R]."""
         return self.dense_attention(q, key_cache, value_cache, block_tables, context_lengths, scale)
 
-
-class BackendSpec(ABC):
-    """Declaration and factory of one attention backend."""
-
-    name: str
-    version: str
-    priority: int  # auto tries higher priority first
-    description: str = ""
-
     @abstractmethod
-    def capabilities(
-        self, registry: Registry, config: FlashLoopConfig, env: Environment, device: str
-    ) -> frozenset[Capability]:
-        """Capabilities this backend delivers on ``device`` of this machine."""
-
-    @abstractmethod
-    def not_supported_reasons(
-        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry, env: Environment
-    ) -> list[str]:
-        """Every reason this backend cannot serve ``request`` with ``config`` here."""
-
-    @abstractmethod
-    def create(
+    def forward(
         self,
-        request: SupportRequest,
-        config: FlashLoopConfig,
-        registry: Registry,
-        info: SelectionInfo,
-    ) -> Any:
-        """Build the backend object (only after ``not_supported_reasons`` returned none)."""
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        view: BatchView,
+        layer: int = 0,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention for every row of ``view`` at ``layer``: q [R, Hq, D] -> [R, Hq, D];
+        inactive and padding rows get zeros."""
+        return None
 
-    def kernel_choices(
-        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
-    ) -> dict[str, str]:
-        """op name -> kernel implementation this backend would use (for the effective config)."""
+    # ------------------------------------------------------------ start-up
+    def reserve(self, capacity: EngineCapacity) -> None:
+        """Allocate the backend's own state for an engine of ``capacity``; a geometry the
+        backend cannot serve raises ``ConfigError`` naming it."""
+        return None
+
+    # ------------------------------------------------------------ requests
+    def pages_needed(self, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
+        """(packed pages a request can ever hold, pages of the whole pool); (0, 0) when the
+        backend stores no packed KV."""
+        return 0, 0
+
+    def admit(self, request_id: int, prompt_length: int, max_new_tokens: int) -> None:
+        """Reserve what the request will need (raises ``OutOfPackedPagesError`` when short;
+        nothing is held then)."""
+        return None
+
+    def prompt_done(self, request_id: int, kv: RequestKV) -> None:
+        """The request's prompt ran every loop: its rows are final."""
+        return None
+
+    def token_done(self, request_id: int, kv: RequestKV) -> None:
+        """A generated token of the request exited: one more final row."""
+        return None
+
+    def release(self, request_id: int, slot: int) -> None:
+        """The request finished: return what it held (``slot``: its token-state slot, -1
+        if it had none)."""
+        return None
+
+    # ------------------------------------------------------------ steps
+    def plan(self, view: BatchView, request_ids: list[int | None], depths: list[int]) -> None:
+        """Host planning step of a batch after it is built: ``request_ids[i]`` and
+        ``depths[i]`` of row i (None: a prefill or padding row)."""
+        return None
+
+    # ------------------------------------------------------------ CUDA graphs
+    def graph_blockers(self) -> list[str]:
+        """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
+        return []
+
+    def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
+        """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
+        return ("dense_attention",)
+
+    def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
+        """Allocate fixed-address inputs for graphs of up to ``rows`` rows whose histories
+        reach ``max_context`` positions."""
+        return None
+
+    def plan_graph_step(self, request_ids: list[int | None], depths: list[int]) -> GraphStep:
+        """Plan a decode step's rows (``request_ids`` padded with None to the bucket) into
+        the fixed inputs."""
+        return GraphStep()
+
+    def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:
+        """The next forwards over ``view`` read the fixed inputs ``step`` planned."""
+        return None
+
+    # ------------------------------------------------------------ accounting
+    def kv_bytes_held(self) -> int:
+        """Bytes of KV the backend stores itself (the packed store's steady bytes)."""
+        return 0
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of every pool the backend allocated, by name."""
         return {}

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import FlashLoopConfig
-from ..dispatch import NOT_ROUTED, BatchView, base_routes, partition_rows
+from flashloop_backend.config import FlashLoopConfig
+from flashloop_backend.dispatch import NOT_ROUTED, BatchView, base_routes, partition_rows
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import __version__
-from ..capabilities import Capability, Environment, SupportRequest, not_supported_reasons
-from ..config import FlashLoopConfig
-from ..dispatch import BatchView, RowMode
-from ..kernels.ops import KernelImpl, OpName, PagedAttention
-from .base import BackendSpec, DenseCallSurface, SelectionInfo
+from flashloop_backend._version import __version__
+from flashloop_backend.backends.base import AttentionBackend
+from flashloop_backend.capabilities import (
+    Capability,
+    Environment,
+    SupportRequest,
+    not_supported_reasons,
+)
+from flashloop_backend.config import FlashLoopConfig
+from flashloop_backend.dispatch import BatchView, RowMode
+from flashloop_backend.kernels.ops import KernelImpl, OpName, PagedAttention
+from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
-    from ..registry import KernelChoice, Registry
+    from flashloop_backend.registry import KernelChoice, Registry
 
 
 class DenseBackendSpec(BackendSpec):
@@ -105,10 +111,19 @@ class DenseBackendSpec(BackendSpec):
         return {OpName.DENSE_ATTENTION.value: self.provider, OpName.DENSE_PREFILL.value: prefill}
 
 
-class DenseBackend(DenseCallSurface):
-    def __init__(self, impl: KernelImpl, dense_prefill: PagedAttention,
-                 capabilities: frozenset[Capability], info: SelectionInfo) -> None:  # fmt: skip
+class DenseBackend(AttentionBackend):
+    """Decode rows on one provider's ``dense_attention``, prefill rows on a ``dense_prefill``
+    kernel; no FlashLoop feature, so every host step but ``forward`` has nothing to do."""
+
+    def __init__(
+        self,
+        impl: KernelImpl,
+        dense_prefill: PagedAttention,
+        capabilities: frozenset[Capability],
+        info: SelectionInfo,
+    ) -> None:
         self.impl, self.capabilities, self.info = impl, capabilities, info
+        self.config = FlashLoopConfig()
         self.dense_attention = impl.fn
         self.dense_prefill = dense_prefill
 

@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import __version__
-from ..capabilities import Capability, Environment, SupportRequest
-from ..config import FlashLoopConfig
-from ..dispatch import (
+from flashloop_backend._version import __version__
+from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, GraphStep, RequestKV
+from flashloop_backend.backends.batch_plan import BatchPlan
+from flashloop_backend.backends.packed_state import PackedState
+from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
+from flashloop_backend.capabilities import Capability, Environment, SupportRequest
+from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.dispatch import (
     ROUTE_CODES,
     BatchView,
     config_capabilities,
@@ -25,15 +29,12 @@ from ..dispatch import (
     routable_ops,
     with_references,
 )
-from ..kernels.ops import OpName
-from ..packed_kv import PackedKVStore
-from ..sparse_state import ReferenceStates, key_bucket
-from .base import BackendSpec, DenseCallSurface, SelectionInfo
-from .batch_plan import BatchPlan
-from .packed_state import PackedState
+from flashloop_backend.kernels.ops import OpName
+from flashloop_backend.kv.store import PackedKVStore, encoding_descriptor
+from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
-    from ..registry import KernelChoice, Registry
+    from flashloop_backend.registry import KernelChoice, Registry
 
 # Which ops must carry a capability for the backend to claim it. ``None``: every op the
 # configuration routes to; ``"decode"``: every op it can route a decode row to.
@@ -138,6 +139,14 @@ class FlashLoopSpec(BackendSpec):
         choices, _ = self._choose(request, config, registry)
         return {op.value: choice.provider.name for op, choice in choices.items()}
 
+    def kv_encoding(self, config: FlashLoopConfig) -> dict[str, str | int] | None:
+        quant = config.kv_residual_quantization
+        if not quant.enabled:
+            return None
+        return encoding_descriptor(
+            quant.group_size, quant.policy, quant.tail_size, config.token_sparse_prefill.enabled
+        )
+
     def create(
         self,
         request: SupportRequest,
@@ -152,7 +161,7 @@ class FlashLoopSpec(BackendSpec):
         return FlashLoopBackend(config, choices, caps, info)
 
 
-class FlashLoopBackend(DenseCallSurface):
+class FlashLoopBackend(AttentionBackend):
     """The callable backend. ``__call__`` is vllm-rlt's dense surface; ``forward`` takes a
     :class:`~flashloop_backend.dispatch.BatchView` and dispatches segments."""
 
@@ -196,8 +205,39 @@ class FlashLoopBackend(DenseCallSurface):
         """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
         return tuple(sorted(op.value for op in routable_ops(self.config, True, depths)))
 
-    def reserve_packed(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                       device: torch.device | str) -> None:  # fmt: skip
+    # ------------------------------------------------------------ start-up
+    def reserve(self, capacity: EngineCapacity) -> None:
+        """The loop-2 reference store (sparse decode) and the packed store (KV
+        quantization), checked against the engine's geometry."""
+        c = capacity
+        if self.config.enabled_features() and self.config.num_loops != c.loops:
+            raise ConfigError(
+                f"num_loops={self.config.num_loops} differs from the model's loops ({c.loops})"
+            )
+        self.reserve_state(
+            c.max_slots, c.num_layers, c.num_heads, c.head_dim, c.max_context, c.device
+        )
+        quant = self.config.kv_residual_quantization
+        if not quant.enabled:
+            return
+        if quant.group_size % c.block_size:
+            raise ConfigError(
+                f"kv_residual_quantization.group_size={quant.group_size} must be a multiple of "
+                f"the KV block_size={c.block_size}: packed groups free whole BF16 blocks"
+            )
+        pages = c.packed_pages or PackedState.default_pages(
+            c.num_blocks, c.block_size, c.loops, quant.group_size, quant.policy, quant.tail_size
+        )
+        self.reserve_packed(pages, c.num_layers, c.num_kv_heads, c.head_dim, c.device)
+
+    def reserve_packed(
+        self,
+        num_pages: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> None:
         """Allocate the packed INT4 KV store (KV quantization only)."""
         quant = self.config.kv_residual_quantization
         if not quant.enabled:
@@ -208,20 +248,79 @@ class FlashLoopBackend(DenseCallSurface):
         write = self.kernels[OpName.PACKED_KV_WRITE].impl.fn
         self.packed = PackedState(store, write, quant.policy, quant.tail_size)
 
-    def plan_packed(
-        self, view: BatchView, request_ids: list[int | None], depths: list[int]
+    def reserve_state(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        max_context: int,
+        device: torch.device | str,
     ) -> None:
-        """Host planning step of a batch when KV quantization is on (see ``PackedState``)."""
-        if self.packed is not None:
-            self.packed.plan(view, request_ids, depths)
-
-    def reserve_state(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
-                      max_context: int, device: torch.device | str) -> None:  # fmt: skip
         """Allocate the loop-2 reference store (sparse decode only): one slot per live token."""
         if not self.config.sparse_decode_attention.enabled:
             return
         bucket = key_bucket(self.config.sparse_decode_attention.key_retention, max_context)
         self.states = ReferenceStates(num_slots, num_layers, num_heads, head_dim, bucket, device)
+
+    # ------------------------------------------------------------ requests
+    def pages_needed(self, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
+        if self.packed is None:
+            return 0, 0
+        loops = self.config.num_loops
+        needed = self.packed.pages_needed(prompt_length, max_new_tokens, loops)
+        return needed, self.packed.store.num_pages
+
+    def admit(self, request_id: int, prompt_length: int, max_new_tokens: int) -> None:
+        if self.packed is not None:
+            loops = self.config.num_loops
+            self.packed.reserve(request_id, prompt_length, max_new_tokens, loops)
+
+    def prompt_done(self, request_id: int, kv: RequestKV) -> None:
+        if self.packed is not None:
+            self.packed.pack_prompt(request_id, kv)
+
+    def token_done(self, request_id: int, kv: RequestKV) -> None:
+        if self.packed is not None:
+            self.packed.flush_tail(request_id, kv)
+
+    def release(self, request_id: int, slot: int) -> None:
+        if self.packed is not None:
+            self.packed.release(request_id)
+        if self.states is not None and slot >= 0:
+            self.states.retire(slot)
+
+    # ------------------------------------------------------------ steps and graphs
+    def plan(self, view: BatchView, request_ids: list[int | None], depths: list[int]) -> None:
+        """Which decode rows read which packed levels (KV quantization; see ``PackedState``)."""
+        if self.packed is not None:
+            self.packed.plan(view, request_ids, depths)
+
+    def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
+        if self.packed is not None:
+            self.packed.reserve_graph_inputs(rows, max_context, self.config.num_loops)
+
+    def plan_graph_step(self, request_ids: list[int | None], depths: list[int]) -> GraphStep:
+        if self.packed is None:
+            return GraphStep()
+        return self.packed.plan_graph_step(request_ids, depths)
+
+    def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:
+        if self.packed is not None:
+            self.packed.bind_graph_step(view, step)
+
+    # ------------------------------------------------------------ accounting
+    def kv_bytes_held(self) -> int:
+        return 0 if self.packed is None else self.packed.store.accounting()["steady_bytes"]
+
+    def memory(self) -> dict[str, int]:
+        pools = {}
+        if self.packed is not None:
+            store = self.packed.store
+            pools["packed_pool"] = sum(t.numel() * t.element_size() for t in store.pools)
+        if self.states is not None:
+            pools["reference_states"] = self.states.nbytes()
+        return pools
 
     def forward(
         self,
@@ -267,7 +366,7 @@ class FlashLoopBackend(DenseCallSurface):
                     raise RuntimeError(
                         "KV quantization needs reserve_packed(...) before the first forward"
                     )
-                memory = (self.packed.store, layer, {k: t[:n] for k, t in meta.items()}, *memory)
+                memory = (self.packed.store, layer, meta.head(n), *memory)
             q_n = gathered_q[:n]
             if op in PAGED_OPS or op == OpName.PACKED_DECODE:
                 result = choice.impl.fn(q_n, *memory, masked, scale)

@@ -1,13 +1,14 @@
-"""The flashloop backend's packed INT4 KV: the page store, what to encode when, and
-per-batch reader metadata planned on the host.
+"""The flashloop backend's packed INT4 KV: the page store, what to encode when, and the
+reader metadata of every batch (planned on the host) and of every graph step (planned
+into fixed-address buffers).
 
 A prompt is packed once it has run every loop: whole groups of ``group_size`` rows, every
 depth's logical history, compact residual levels for rows that token-sparse prefill left
-inactive (or that exited early). The host then frees their BF16 blocks, so no BF16
-shadow remains. ``fixed_prompt`` stops there: generated tokens stay BF16. ``rolling``
-keeps a BF16 tail of at least ``tail_size`` final rows and flushes one whole group each
-time the tail reaches ``tail_size + group_size`` (so it holds tail_size..tail_size+G-1
-rows after every step).
+inactive (or that exited early). The host's BF16 blocks of those rows are then freed, so
+no BF16 shadow remains. ``fixed_prompt`` stops there: generated tokens stay BF16.
+``rolling`` keeps a BF16 tail of at least ``tail_size`` final rows and flushes one whole
+group each time the tail reaches ``tail_size + group_size`` (so it holds
+tail_size..tail_size+G-1 rows after every step).
 
 A request's pages are reserved when it is admitted (:meth:`PackedState.reserve`), bounded
 by :meth:`PackedState.page_bound`: packing then never runs out of pages mid-flight.
@@ -19,9 +20,23 @@ from collections.abc import Callable
 
 import torch
 
-from ..dispatch import BatchView
-from ..packed_kv import PackedKVStore
-from ..packed_meta import level_metadata
+from flashloop_backend.backends.base import GraphStep, RequestKV
+from flashloop_backend.dispatch import BatchView
+from flashloop_backend.kv.levels import (
+    LevelMetadata,
+    level_metadata,
+    level_version,
+    level_widths,
+    row_kinds,
+    row_packed,
+    write_row_levels,
+)
+from flashloop_backend.kv.store import PackedKVStore
+
+# Rows packed per gather: the conversion copies the chunk's BF16 K/V of every layer and
+# depth first, so the chunk bounds that copy. A multiple of every group size (compact
+# levels start a fresh page per chunk).
+PACK_CHUNK_ROWS = 4096
 
 
 class PackedState:
@@ -30,13 +45,15 @@ class PackedState:
     ) -> None:
         self.store, self.quantize = store, quantize
         self.policy, self.tail_size = policy, tail_size
-        self._planned: tuple[BatchView, dict[str, torch.Tensor]] | None = None
-        self._ordered: dict[str, torch.Tensor] | None = None
+        self._planned: tuple[BatchView, LevelMetadata] | None = None
+        self._ordered: LevelMetadata | None = None
+        self._graph: _GraphInputs | None = None
 
     @property
     def group_size(self) -> int:
         return self.store.group_size
 
+    # ------------------------------------------------------------ budget
     @staticmethod
     def packable_rows(rows: int, group_size: int, policy: str, tail_size: int) -> int:
         """Whole groups of ``rows`` final rows that go to the store: all of them
@@ -45,33 +62,47 @@ class PackedState:
         return max(0, rows - keep) // group_size * group_size
 
     @staticmethod
-    def page_bound(prompt_length: int, max_new_tokens: int, depths: int, group_size: int,
-                   policy: str, tail_size: int) -> int:  # fmt: skip
+    def page_bound(
+        prompt_length: int,
+        max_new_tokens: int,
+        depths: int,
+        group_size: int,
+        policy: str,
+        tail_size: int,
+    ) -> int:
         """Most pages a request can ever hold. Rows are packed in whole groups, and each
         append costs a level at most rows / G pages (a compact level starts a fresh page per
         append but stores only its active rows), so every level costs at most packed rows /
         G. ``fixed_prompt`` packs the prompt only; ``rolling`` also flushes generated rows."""
         rows = prompt_length + (max_new_tokens if policy == "rolling" else 0)
-        return depths * (
-            PackedState.packable_rows(rows, group_size, policy, tail_size) // group_size
-        )
+        packed = PackedState.packable_rows(rows, group_size, policy, tail_size)
+        return depths * (packed // group_size)
+
+    @staticmethod
+    def default_pages(
+        num_blocks: int, block_size: int, depths: int, group_size: int, policy: str, tail: int
+    ) -> int:
+        """Pages to pack the most tokens a BF16 pool of ``num_blocks`` blocks (spread over
+        every depth plane) holds, at every depth: any request that pool holds fits."""
+        tokens = num_blocks // depths * block_size
+        return max(1, PackedState.page_bound(tokens, 0, depths, group_size, policy, tail))
 
     def pages_needed(self, prompt_length: int, max_new_tokens: int, depths: int) -> int:
         """:meth:`page_bound` under this state's group size, policy and tail."""
-        return self.page_bound(prompt_length, max_new_tokens, depths, self.group_size,
-                               self.policy, self.tail_size)  # fmt: skip
+        return self.page_bound(
+            prompt_length, max_new_tokens, depths, self.group_size, self.policy, self.tail_size
+        )
 
     def reserve(self, sequence: int, prompt_length: int, max_new_tokens: int, depths: int) -> None:
         """Hold every page the request can need (raises ``OutOfPackedPagesError`` when the
         pool's unreserved pages are short; nothing is taken then)."""
         self.store.reserve(sequence, self.pages_needed(prompt_length, max_new_tokens, depths))
 
-    def prompt_packed(self, sequence: int) -> None:
-        """``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
-        the pages taken (compact levels take fewer) goes back to the pool."""
-        if self.policy != "rolling":
-            self.store.unreserve(sequence)
+    def release(self, sequence: int) -> None:
+        """Return the sequence's pages and what remains of its reservation."""
+        self.store.release(sequence)
 
+    # ------------------------------------------------------------ packing
     def packed_rows(self, sequence: int) -> int:
         entry = self.store.sequences.get(sequence)
         return 0 if entry is None else entry.rows
@@ -81,23 +112,39 @@ class PackedState:
         every whole group that leaves at least ``tail_size`` rows in BF16 (``rolling``)."""
         return self.packable_rows(prompt_length, self.group_size, self.policy, self.tail_size)
 
-    def flush_due(self, sequence: int, final_rows: int) -> bool:
-        """Whether the next group leaves the BF16 tail (``rolling``): ``final_rows`` rows
-        have their KV final on every depth."""
+    def pack_rows(self, sequence: int, kv: RequestKV, end: int) -> None:
+        """Pack rows [already packed, end) of every depth and free their BF16 blocks: the
+        store becomes their only copy."""
+        start = self.packed_rows(sequence)
+        if end <= start:
+            return
+        keys, values = kv.planes(start, end)
+        self.store.append(sequence, keys, values, kv.active(start, end), quantize=self.quantize)
+        kv.drop(end)
+
+    def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int = PACK_CHUNK_ROWS) -> None:
+        """Encode a completed prompt's whole groups at every depth (all but the BF16 tail
+        under ``rolling``), ``chunk`` rows at a time so the conversion peak stays bounded.
+        ``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
+        the pages taken (compact levels take fewer) goes back to the pool."""
+        if chunk <= 0 or chunk % self.group_size:
+            raise ValueError(f"chunk={chunk} must be a multiple of group_size={self.group_size}")
+        end = self.prompt_rows(kv.prompt_length)
+        for stop in range(self.packed_rows(sequence) + chunk, end, chunk):
+            self.pack_rows(sequence, kv, stop)
+        self.pack_rows(sequence, kv, end)
         if self.policy != "rolling":
-            return False
-        return final_rows - self.packed_rows(sequence) >= self.tail_size + self.group_size
+            self.store.unreserve(sequence)
 
-    def append(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
-               active: list[torch.Tensor] | None) -> None:  # fmt: skip
-        """keys/values per depth [T, L, Hkv, D] for the sequence's next T rows (a multiple
-        of the group size); ``active`` per depth [T] bool or None."""
-        self.store.append(sequence, keys, values, active, quantize=self.quantize)
+    def flush_tail(self, sequence: int, kv: RequestKV) -> None:
+        """``rolling``: move whole groups of final rows from the BF16 tail to the store,
+        each time the tail reaches ``tail_size + group_size`` rows."""
+        if self.policy != "rolling":
+            return
+        while kv.final_rows - self.packed_rows(sequence) >= self.tail_size + self.group_size:
+            self.pack_rows(sequence, kv, self.packed_rows(sequence) + self.group_size)
 
-    def release(self, sequence: int) -> None:
-        """Return the sequence's pages and what remains of its reservation."""
-        self.store.release(sequence)
-
+    # ------------------------------------------------------------ per-batch metadata
     def plan(self, view: BatchView, sequences: list[int | None], depths: list[int]) -> None:
         """Reader metadata for ``view`` (host planning step). ``sequences[i]`` None: row i
         reads no packed KV (a prefill or padding row); rows of sequences not packed yet
@@ -114,23 +161,78 @@ class PackedState:
                 f"{len(reading)} rows read packed KV but the batch has decode_bound="
                 f"{view.decode_bound} decode rows: only decode rows may read it"
             )
-        meta = level_metadata(self.store, [sequences[i] for i in reading],
-                              [depths[i] for i in reading], view.device)  # fmt: skip
+        meta = level_metadata(
+            self.store, [sequences[i] for i in reading], [depths[i] for i in reading], view.device
+        )
         self._planned, self._ordered = (view, meta), meta  # already the decode-first order
 
-    def use_plan(self, view: BatchView, meta: dict[str, torch.Tensor]) -> None:
-        """Metadata the caller planned into its own buffers (a CUDA graph's fixed
-        addresses, filled before each replay) for ``view``."""
-        self._planned, self._ordered = (view, meta), None
-
-    def meta_for(self, view: BatchView, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    def meta_for(self, view: BatchView, order: torch.Tensor) -> LevelMetadata:
         """The planned metadata in the backend's gathered row order (computed once per
         batch: every layer gathers the same order)."""
         if self._planned is None or self._planned[0] is not view:
             raise RuntimeError(
                 "packed KV metadata was not planned for this batch: the host calls "
-                "backend.plan_packed(view, request_ids, depths) after building it"
+                "backend.plan(view, request_ids, depths) after building it"
             )
         if self._ordered is None:
-            self._ordered = {name: tensor[order] for name, tensor in self._planned[1].items()}
+            self._ordered = self._planned[1].rows(order)
         return self._ordered  # decode rows first: readers take the first decode_bound rows
+
+    # ------------------------------------------------------------ graph metadata
+    def reserve_graph_inputs(self, rows: int, max_context: int, depths: int) -> None:
+        self._graph = _GraphInputs(self.store, rows, max_context, depths)
+
+    def plan_graph_step(self, sequences: list[int | None], depths: list[int]) -> GraphStep:
+        if self._graph is None:
+            raise RuntimeError("plan_graph_step needs reserve_graph_inputs(...) first")
+        return self._graph.fill(sequences, depths)
+
+    def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:
+        """The metadata a graph step planned into the fixed buffers, for ``view``."""
+        assert self._graph is not None
+        meta = self._graph.meta.first_levels(view.num_rows, step.variant)
+        self._planned, self._ordered = (view, meta), None
+
+
+class _GraphInputs:
+    """The packed reader's metadata at fixed addresses and widths for graphs of up to
+    ``rows`` rows: a row's page tables and maps (every level its sequence has) are
+    rewritten only when its sequence or that sequence's packing changed since the
+    buffers last held them; per step only the kinds (which levels the row's depth reads)
+    and packed lengths."""
+
+    def __init__(self, store: PackedKVStore, rows: int, max_context: int, depths: int) -> None:
+        device = store.k_codes.device
+        self.store, self.packed_rows = store, max_context
+        self.pages = max(1, -(-max_context // store.group_size))
+        self.meta = LevelMetadata(
+            torch.full((rows, depths, self.pages), -1, dtype=torch.int32, device=device),
+            torch.full((rows, depths, self.packed_rows), -1, dtype=torch.int32, device=device),
+            torch.zeros((rows, depths), dtype=torch.int32, device=device),
+            torch.zeros((rows,), dtype=torch.int32, device=device),
+        )
+        self.versions: list[int | None] = [None] * rows  # the entry version each row holds
+
+    def fill(self, sequences: list[int | None], depths: list[int]) -> GraphStep:
+        levels, pages, rows = level_widths(self.store, sequences, depths)
+        if pages > self.pages or rows > self.packed_rows:
+            return GraphStep(
+                levels,
+                f"a packed history of {rows} rows exceeds the graph capacity of {self.packed_rows}",
+            )
+        entries = [self.store.sequences.get(s) if s is not None else None for s in sequences]
+        tables, maps = self.meta.tables, self.meta.maps
+        for row, entry in enumerate(entries):
+            version = level_version(entry)  # unique per append across the store
+            if entry is not None and self.versions[row] != version:
+                tables[row].fill_(-1)
+                maps[row].fill_(-1)
+                write_row_levels(entry, tables[row], maps[row], tables.shape[1])
+                self.versions[row] = version
+        all_levels = self.meta.num_levels
+        kinds = [row_kinds(e, d, all_levels) for e, d in zip(entries, depths, strict=True)]
+        bucket = len(sequences)
+        self.meta.kinds[:bucket].copy_(torch.tensor(kinds, dtype=torch.int32))
+        packed = torch.tensor([row_packed(e) for e in entries], dtype=torch.int32)
+        self.meta.packed_lengths[:bucket].copy_(packed)
+        return GraphStep(levels)

@@ -1,7 +1,7 @@
 """Capabilities as data: names, declarations and ``not_supported_reasons``."""
 
-from .names import VLLM_RLT_FLAGS, Capability
-from .support import (
+from flashloop_backend.capabilities.names import VLLM_RLT_FLAGS, Capability
+from flashloop_backend.capabilities.support import (
     Environment,
     Support,
     SupportRequest,

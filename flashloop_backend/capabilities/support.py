@@ -15,7 +15,7 @@ from functools import cache
 
 import torch
 
-from .names import Capability
+from flashloop_backend.capabilities.names import Capability
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -1,8 +1,8 @@
 """Batch views, the stable row partition and segment routing."""
 
-from .batch import BatchView, RowMode
-from .partition import RowPartition, partition_rows
-from .router import (
+from flashloop_backend.dispatch.batch import BatchView, RowMode
+from flashloop_backend.dispatch.partition import RowPartition, partition_rows
+from flashloop_backend.dispatch.router import (
     NOT_ROUTED,
     REFERENCE_DEPTH,
     ROUTE_CODES,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import RowMode
+from flashloop_backend.dispatch.batch import RowMode
 
 
 @dataclass(frozen=True)

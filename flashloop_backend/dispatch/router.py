@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capability
-from ..config import DENSE_LOOPS, FlashLoopConfig
-from ..kernels.ops import OpName
-from .batch import BatchView, RowMode
+from flashloop_backend.capabilities import Capability
+from flashloop_backend.config import DENSE_LOOPS, FlashLoopConfig
+from flashloop_backend.dispatch.batch import BatchView, RowMode
+from flashloop_backend.kernels.ops import OpName
 
 REFERENCE_DEPTH = DENSE_LOOPS - 1  # zero-based depth of loop 2, the decode reference
 SPARSE_START_DEPTH = DENSE_LOOPS  # zero-based depth of loop 3, the first sparse loop

@@ -22,6 +22,9 @@ _WHERE = {
     "load_tokenizer": ".loader",
     "save_checkpoint": ".loader",
     "OuroModel": ".model",
+    "embedded_model_path": ".embedded",
+    "LLM": ".llm",
+    "Completion": ".llm",
 }
 
 __all__ = sorted(_WHERE)

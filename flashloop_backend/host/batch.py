@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dispatch import BatchView, RowMode
-from .kvcache import PagedKVCache
+from flashloop_backend.dispatch import BatchView, RowMode
+from flashloop_backend.host.kvcache import PagedKVCache
 
 
 @dataclass(frozen=True)

@@ -16,23 +16,27 @@ from collections.abc import Callable
 
 import torch
 
-from ..dispatch import RowMode
-from ..packed_kv import OutOfPackedPagesError
-from .batch import Batch, RowGroup, build_batch
-from .features import default_packed_pages as default_pages
-from .features import flush_tail, kv_quantization, pack_prompt, refuse_unpackable, token_sparsity
-from .graphs import DecodeGraphs, GraphSettings
-from .kvcache import OutOfBlocksError, PagedKVCache
-from .model import OuroModel
-from .prompt_schedule import PromptSchedule
-from .requests import GenerationResult, Request, SamplingParams, checked_params
-from .sampling import choose_tokens, finish_reason
+from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
+from flashloop_backend.dispatch import RowMode
+from flashloop_backend.host.batch import Batch, RowGroup, build_batch
+from flashloop_backend.host.features import HostRequestKV, token_sparsity
+from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
+from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
+from flashloop_backend.host.model import OuroModel
+from flashloop_backend.host.prompt_schedule import PromptSchedule
+from flashloop_backend.host.requests import (
+    GenerationResult,
+    Request,
+    SamplingParams,
+    checked_params,
+)
+from flashloop_backend.host.sampling import choose_tokens, finish_reason
 
 
 class _LayerAttention:
     """The model's attention context for one traversal: KV write, then backend attention."""
 
-    def __init__(self, kv: PagedKVCache, backend, batch: Batch) -> None:
+    def __init__(self, kv: PagedKVCache, backend: AttentionBackend, batch: Batch) -> None:
         self.kv, self.backend, self.batch = kv, backend, batch
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -45,7 +49,7 @@ class Engine:
     def __init__(
         self,
         model: OuroModel,
-        backend,
+        backend: AttentionBackend,
         *,
         num_blocks: int = 256,
         block_size: int = 16,
@@ -96,21 +100,33 @@ class Engine:
         self.sparsity = token_sparsity(backend, cfg, prefill_chunk)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
-        if hasattr(backend, "reserve_state"):
-            backend.reserve_state(max_slots, cfg.num_hidden_layers, cfg.num_attention_heads,
-                                  cfg.head_dim, self.max_context, self.device)  # fmt: skip
-        self.quantized = kv_quantization(backend, block_size)
-        if self.quantized:
-            loops = cfg.total_ut_steps
-            pages = packed_pages or default_pages(self.quantized, num_blocks, block_size, loops)
-            backend.reserve_packed(pages, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                   cfg.head_dim, self.device)  # fmt: skip
+        backend.reserve(
+            EngineCapacity(
+                max_slots=max_slots,
+                max_context=self.max_context,
+                num_layers=cfg.num_hidden_layers,
+                num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                loops=cfg.total_ut_steps,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                device=self.device,
+                packed_pages=packed_pages,
+            )
+        )
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
         if cuda_graphs is not None:
-            self.graphs = DecodeGraphs(cuda_graphs, self.kv, backend, cfg.hidden_size,
-                                       self.max_context, self._traverse,
-                                       self.quantized is not None, graph_capture)  # fmt: skip
+            self.graphs = DecodeGraphs(
+                cuda_graphs,
+                self.kv,
+                backend,
+                cfg.hidden_size,
+                self.max_context,
+                self._traverse,
+                graph_capture,
+            )
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -130,9 +146,13 @@ class Engine:
                 f"a request of {total} tokens needs {self.kv.blocks_needed(total)} KV blocks but the "
                 f"whole pool has {self.kv.num_blocks}; raise num_blocks or shorten the request"
             )
-        if self.quantized:
-            refuse_unpackable(self.backend.packed, len(prompt), params.max_new_tokens,
-                              self.cfg.total_ut_steps)  # fmt: skip
+        pages, pool = self.backend.pages_needed(len(prompt), params.max_new_tokens)
+        if pages > pool:
+            raise OutOfBlocksError(
+                f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens needs "
+                f"{pages} packed KV pages but the whole packed pool has {pool}; raise "
+                f"packed_pages or shorten the request"
+            )
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device=self.device)
@@ -159,9 +179,7 @@ class Engine:
         plane plus the packed store's steady bytes (KV quantization frees packed blocks)."""
         per_block = self.kv.bytes_per_token() // self.cfg.total_ut_steps * self.kv.block_size
         held = (self.kv.num_blocks - self.kv.free_blocks) * per_block
-        packed = getattr(self.backend, "packed", None)
-        if packed is not None:
-            held += packed.store.accounting()["steady_bytes"]
+        held += self.backend.kv_bytes_held()
         tokens = sum(len(r.prompt) + len(r.output) for r in self._requests.values())
         return tokens, held
 
@@ -192,10 +210,10 @@ class Engine:
         batch = build_batch(groups, self.kv, self.device, pad_to)
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
-        if self.quantized:  # host planning: which decode rows read which packed levels
-            owners = [None if g.mode == RowMode.PREFILL else g.request_id for g in groups for _ in range(g.count)]  # fmt: skip
-            depths = [g.depth for g in groups for _ in range(g.count)]
-            self.backend.plan_packed(batch.view, owners + [None] * pad, depths + [0] * pad)
+        # host planning: which decode rows read which of the backend's own KV
+        owners = [None if g.mode == RowMode.PREFILL else g.request_id for g in groups for _ in range(g.count)]  # fmt: skip
+        depths = [g.depth for g in groups for _ in range(g.count)]
+        self.backend.plan(batch.view, owners + [None] * pad, depths + [0] * pad)
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         with torch.no_grad():
@@ -218,8 +236,7 @@ class Engine:
             new = request.params.max_new_tokens
             try:
                 self.kv.reserve(request.id, len(request.prompt) + new)
-                if self.quantized:
-                    self.backend.packed.reserve(request.id, len(request.prompt), new, self.cfg.total_ut_steps)  # fmt: skip
+                self.backend.admit(request.id, len(request.prompt), new)
             except (OutOfBlocksError, OutOfPackedPagesError):
                 self.kv.release(request.id)
                 break  # first-come first-served: later requests wait behind it
@@ -250,6 +267,10 @@ class Engine:
                 self.prefill_rows_run += count
         return groups
 
+    def _request_kv(self, r: Request) -> HostRequestKV:
+        """The request's BF16 KV as the backend may read and free it."""
+        return HostRequestKV(self.kv, r, self.sparsity is not None, self.cfg.total_ut_steps)
+
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
         r = self._requests[group.request_id]
         if group.mode == RowMode.PREFILL:
@@ -276,10 +297,8 @@ class Engine:
                     r.depth, r.chunk_start = r.depth + 1, 0
                     if r.depth == loops and self.on_prompt_done is not None:
                         self.on_prompt_done(self, r)
-                    if r.depth == loops and self.quantized:
-                        pack_prompt(
-                            self.kv, self.backend.packed, r, self.sparsity is not None, loops
-                        )
+                    if r.depth == loops:
+                        self.backend.prompt_done(r.id, self._request_kv(r))
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         emits.append((r, last))
@@ -294,8 +313,7 @@ class Engine:
                 if r.depth < loops - 1:
                     self.kv.finalize_exit(r.id, r.position, r.depth)
                 r.exit_depths.append(r.depth)
-                if self.quantized:
-                    flush_tail(self.kv, self.backend.packed, r, self.sparsity is not None, loops)
+                self.backend.token_done(r.id, self._request_kv(r))
                 emits.append((r, h[0]))
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
@@ -327,14 +345,10 @@ class Engine:
 
     def _collect(self) -> list[GenerationResult]:
         done = [r for r in self._requests.values() if r.phase == "done"]
-        states = getattr(self.backend, "states", None)
         for r in done:
             self.kv.release(r.id)
-            if self.quantized:
-                self.backend.packed.release(r.id)
+            self.backend.release(r.id, r.slot)
             if r.slot >= 0:
-                if states is not None:
-                    states.retire(r.slot)
                 self._free_slots.append(r.slot)
             del self._requests[r.id]
         return [

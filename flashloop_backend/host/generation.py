@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..progress import ProgressBar
-from .engine import Engine, GenerationResult, SamplingParams
+from flashloop_backend.host.engine import Engine, GenerationResult, SamplingParams
+from flashloop_backend.host.progress import ProgressBar
 
 
 def generate_with_progress(

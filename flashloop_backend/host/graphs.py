@@ -4,14 +4,16 @@ A step whose rows are all generated tokens runs from a graph captured for its bu
 smallest configured batch size that holds the rows. Every input the traversal reads lives
 at a fixed address, allocated once for the largest bucket: the hidden states, the batch
 view (positions, depths, modes, slots, incarnations, lengths; block tables at a fixed
-width), the KV write slots and, with KV quantization, the packed reader's metadata at fixed
-widths. A step copies its rows into the leading part of those buffers; padding rows are
-PAD with length zero and slot -1 (their KV write lands in the cache's scratch block and the
-backend returns zeros for them). The loop-2 reference states and the packed store are the
-backend's own fixed device tensors.
+width) and the KV write slots; the backend plans its own inputs (with KV quantization, the
+packed reader's metadata) into fixed buffers it allocates (``reserve_graph_inputs``,
+``plan_graph_step``). A step copies its rows into the leading part of those buffers;
+padding rows are PAD with length zero and slot -1 (their KV write lands in the cache's
+scratch block and the backend returns zeros for them). The loop-2 reference states and the
+packed store are the backend's own fixed device tensors.
 
-Graph key: (bucket, levels, ops), where levels is the packed reader's ``LEVELS`` (a
-kernel variant: the deepest packed row's depth + 1; 1 without KV quantization) and ops
+Graph key: (bucket, variant, ops), where variant is the backend's kernel variant for the
+step (the packed reader's ``LEVELS``: the deepest packed row's depth + 1; 1 without KV
+quantization) and ops
 the backend's ``decode_ops(depths)`` for the loop depths of the step's rows (a loop-1 step
 never launches the loop-2 source or the correction). The first step of
 a key runs eagerly on the fixed buffers (compiling kernels), which is that step's result,
@@ -35,11 +37,11 @@ from collections.abc import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..config import ConfigError
-from ..dispatch import BatchView, RowMode
-from ..packed_meta import level_version, level_widths, row_kinds, row_packed, write_row_levels
-from .batch import Batch, RowGroup, build_batch
-from .kvcache import PagedKVCache
+from flashloop_backend.backends.base import AttentionBackend, GraphStep
+from flashloop_backend.config import ConfigError
+from flashloop_backend.dispatch import BatchView, RowMode
+from flashloop_backend.host.batch import Batch, RowGroup, build_batch
+from flashloop_backend.host.kvcache import PagedKVCache
 
 LOG = logging.getLogger(__name__)
 VIEW_FIELDS = ("positions", "depths", "row_modes", "slots", "incarnations", "request_ids",
@@ -95,14 +97,24 @@ class DecodeGraphs:
     """Graphs of one engine's decode traversal. ``traverse(hidden, batch)`` is the engine's
     eager traversal (KV write and backend attention per layer) -> [R, hidden]."""
 
-    def __init__(self, settings: GraphSettings, kv: PagedKVCache, backend, hidden_size: int,
-                 max_context: int, traverse: Traverse, quantized: bool, capture=None) -> None:  # fmt: skip
-        blockers = getattr(backend, "graph_blockers", lambda: ["it has no graph_blockers()"])()
+    def __init__(
+        self,
+        settings: GraphSettings,
+        kv: PagedKVCache,
+        backend: AttentionBackend,
+        hidden_size: int,
+        max_context: int,
+        traverse: Traverse,
+        capture=None,
+    ) -> None:
+        blockers = backend.graph_blockers()
         if settings.capture and capture is None and blockers:  # a CUDA capture
             raise ConfigError("CUDA graphs cannot capture this backend: " + "; ".join(blockers))
         device = kv.key_pool.device
         if settings.capture and capture is None and device.type != "cuda":
-            raise ConfigError(f"CUDA graph capture needs a CUDA device; the KV cache is on {device}")  # fmt: skip
+            raise ConfigError(
+                f"CUDA graph capture needs a CUDA device; the KV cache is on {device}"
+            )
         if settings.capture and capture is None:
             capture = CudaCapture(device)
         self.capture = capture
@@ -111,22 +123,14 @@ class DecodeGraphs:
         self.width = math.ceil(self.max_context / kv.block_size)
         rows, depths = settings.buckets[-1], kv.num_depths
         self.hidden = torch.zeros(rows, hidden_size, dtype=kv.key_pool.dtype, device=device)
-        self.fields = {name: torch.zeros(rows, dtype=torch.int64, device=device) for name in VIEW_FIELDS}  # fmt: skip
+        self.fields = {
+            name: torch.zeros(rows, dtype=torch.int64, device=device) for name in VIEW_FIELDS
+        }
         self.fields["row_modes"] = self.fields["row_modes"].to(torch.int8)
         self.fields["context_lengths"] = self.fields["context_lengths"].to(torch.int32)
         self.tables = torch.full((depths, rows, self.width), -1, dtype=torch.int32, device=device)
         self.kv_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
-        self.meta: dict[str, torch.Tensor] = {}
-        if quantized:
-            group = backend.packed.group_size
-            self.pages, self.packed_rows = self.width * kv.block_size // group, self.max_context
-            self.meta = {
-                "level_tables": torch.full((rows, depths, max(1, self.pages)), -1, dtype=torch.int32, device=device),
-                "level_maps": torch.full((rows, depths, self.packed_rows), -1, dtype=torch.int32, device=device),
-                "level_kinds": torch.zeros((rows, depths), dtype=torch.int32, device=device),
-                "packed_lengths": torch.zeros((rows,), dtype=torch.int32, device=device),
-            }  # fmt: skip
-        self._meta_rows: list[int | None] = [None] * rows  # the entry version each row holds
+        backend.reserve_graph_inputs(rows, self.width * kv.block_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.replays = self.eager_steps = 0
@@ -164,38 +168,6 @@ class DecodeGraphs:
         self.hidden[: len(groups)].copy_(hidden)
         self.hidden[len(groups) : bucket].zero_()
 
-    def _fill_packed(self, groups: list[RowGroup], bucket: int) -> tuple[int, str | None]:
-        """Plan the packed reader's metadata into its buffers: (levels, reason it cannot).
-        A row's page tables and maps (every level its sequence has) are rewritten only when
-        its sequence or that sequence's packing changed since the buffers last held them;
-        per step only the kinds (which levels the row's depth reads) and packed lengths."""
-        store = self.backend.packed.store
-        pad = bucket - len(groups)
-        owners = [g.request_id for g in groups] + [-1] * pad
-        depths = [g.depth for g in groups] + [0] * pad
-        levels, pages, rows = level_widths(store, owners, depths)
-        if pages > self.pages or rows > self.packed_rows:
-            return levels, f"a packed history of {rows} rows exceeds the graph capacity of {self.packed_rows}"  # fmt: skip
-        entries = [store.sequences.get(owner) for owner in owners]
-        tables, maps = self.meta["level_tables"], self.meta["level_maps"]
-        for row, entry in enumerate(entries):
-            version = level_version(entry)  # unique per append across the store
-            if entry is not None and self._meta_rows[row] != version:
-                tables[row].fill_(-1)
-                maps[row].fill_(-1)
-                write_row_levels(entry, tables[row], maps[row], tables.shape[1])
-                self._meta_rows[row] = version
-        all_levels = self.meta["level_kinds"].shape[1]
-        kinds = [row_kinds(e, d, all_levels) for e, d in zip(entries, depths, strict=True)]
-        self.meta["level_kinds"][:bucket].copy_(torch.tensor(kinds, dtype=torch.int32))
-        packed = torch.tensor([row_packed(e) for e in entries], dtype=torch.int32)
-        self.meta["packed_lengths"][:bucket].copy_(packed)
-        return levels, None
-
-    def _meta_views(self, bucket: int, levels: int) -> dict[str, torch.Tensor]:
-        """The leading rows (and levels) of the metadata buffers a bucket's graph reads."""
-        return {name: b[:bucket, :levels] if b.dim() > 1 else b[:bucket] for name, b in self.meta.items()}  # fmt: skip
-
     # ------------------------------------------------------------ running
     def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
         """The traversal's output [rows, hidden] for decode ``groups`` with inputs ``hidden``
@@ -203,16 +175,18 @@ class DecodeGraphs:
         started = time.perf_counter()
         reason = self._reason(groups)
         bucket = next((b for b in self.settings.buckets if b >= len(groups)), 0)
-        levels = 1
-        if reason is None and self.meta:
-            levels, reason = self._fill_packed(groups, bucket)
+        step = GraphStep()
+        if reason is None:
+            pad = bucket - len(groups)
+            owners = [g.request_id for g in groups] + [None] * pad
+            step = self.backend.plan_graph_step(owners, [g.depth for g in groups] + [0] * pad)
+            reason = step.reason
         if reason is not None:
             if reason not in self.fallbacks:
                 LOG.warning("decode step runs eagerly (same backend and kernels): %s", reason)
             self.fallbacks[reason] += 1
             return None
         self._fill(groups, hidden, bucket)
-        packed_meta = self._meta_views(bucket, levels)
         self.fill_seconds += time.perf_counter() - started
 
         def traverse() -> torch.Tensor:
@@ -220,15 +194,13 @@ class DecodeGraphs:
             # routes, packed metadata), so the capture must see one no eager run planned,
             # or the graph would replay the warm-up's plan instead of computing it.
             view = self._view(bucket, depths)
-            if self.meta:
-                self.backend.packed.use_plan(view, packed_meta)
+            self.backend.bind_graph_step(view, step)
             batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
             return self.traverse(self.hidden[:bucket], batch)
 
         # the depths present decide which ops the traversal launches (and so captures)
         depths = frozenset(g.depth for g in groups)
-        launched = getattr(self.backend, "decode_ops", lambda _: ())(depths)
-        key = (bucket, levels, launched)
+        key = (bucket, step.variant, self.backend.decode_ops(depths))
         with torch.no_grad():
             if not self.settings.capture:
                 self.eager_steps += 1

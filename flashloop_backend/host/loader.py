@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelError, OuroConfig
-from .model import OuroModel
+from flashloop_backend.host.config import ModelError, OuroConfig
+from flashloop_backend.host.model import OuroModel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

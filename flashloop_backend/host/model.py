@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import OuroConfig
+from flashloop_backend.host.config import OuroConfig
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import OuroConfig
+from flashloop_backend.host.config import OuroConfig
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,8 +35,8 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
 
 class NaiveOuro:
     """``sparse_ratio`` switches on sparse decode attention (RFC §3.2) for generated tokens:
-    loop 2 records each token's reference with ``reference.sparse_reference_state`` and
-    loops 3-4 use ``reference.sparse_correct``; prompt tokens stay dense."""
+    loop 2 records each token's reference with ``algorithms.sparse_reference_state`` and
+    loops 3-4 use ``algorithms.sparse_correct``; prompt tokens stay dense."""
 
     def __init__(self, cfg: OuroConfig, weights: dict[str, torch.Tensor], sparse_ratio: float | None = None,
                  token_sparsity=None) -> None:  # fmt: skip
@@ -49,7 +49,11 @@ class NaiveOuro:
     def _drop_prompt_tokens(self, loop, history, exited, active):
         """Token-sparse prefill: window by window, keep the budgeted top changing tokens of
         the previous active set; the others leave after loop - 1 (LAST_EXITED)."""
-        from ..reference import retention_budget, select_tokens, token_change_scores
+        from flashloop_backend.algorithms import (
+            retention_budget,
+            select_tokens,
+            token_change_scores,
+        )
 
         ratio, size = self.token_sparsity.retention[loop], self.token_sparsity.window_size
         if loop < 2 or ratio >= 1.0:
@@ -69,7 +73,7 @@ class NaiveOuro:
 
     def _sparse_rows(self, attn, q, k, v, layer, loop, states):
         """Replace generated tokens' attention rows by the sparse-decode algorithm."""
-        from ..reference import sparse_correct, sparse_reference_state
+        from flashloop_backend.algorithms import sparse_correct, sparse_reference_state
 
         for t in range(self.prompt_length, q.shape[0]):
             visible_k, visible_v = k[: t + 1], v[: t + 1]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DENSE_LOOPS, TokenSparsePrefillConfig
-from ..reference import token_change_scores
-from ..token_selection import select_in_windows
-from .kvcache import PagedKVCache
+from flashloop_backend.algorithms import token_change_scores
+from flashloop_backend.algorithms.token_selection import select_in_windows
+from flashloop_backend.config import DENSE_LOOPS, TokenSparsePrefillConfig
+from flashloop_backend.host.kvcache import PagedKVCache
 
 
 class PromptSchedule:

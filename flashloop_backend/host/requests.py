@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .prompt_schedule import PromptSchedule
+from flashloop_backend.host.prompt_schedule import PromptSchedule
 
 
 @dataclass(frozen=True)

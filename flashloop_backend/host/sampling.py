@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from .model import OuroModel
-from .requests import Request
+from flashloop_backend.host.model import OuroModel
+from flashloop_backend.host.requests import Request
 
 
 def choose_tokens(model: OuroModel, requests: list[Request], final_hidden: torch.Tensor) -> list[int]:  # fmt: skip

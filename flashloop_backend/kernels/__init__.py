@@ -1,5 +1,5 @@
 """Kernel ops, providers and implementations (torch reference, Triton, FlashInfer)."""
 
-from .ops import KernelImpl, KernelProvider, OpName, PagedAttention
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName, PagedAttention
 
 __all__ = ["KernelImpl", "KernelProvider", "OpName", "PagedAttention"]

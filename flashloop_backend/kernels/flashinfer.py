@@ -13,10 +13,10 @@ import math
 
 import torch
 
-from .. import __version__
-from ..capabilities import Capability, Support
-from .ops import KernelImpl, KernelProvider, OpName
-from .validate import check_paged_inputs
+from flashloop_backend._version import __version__
+from flashloop_backend.capabilities import Capability, Support
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.validate import check_paged_inputs
 
 SUPPORT = Support(
     devices=frozenset({"cuda"}),

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from ..capabilities import Support
+from flashloop_backend.capabilities import Support
 
 
 class OpName(str, Enum):
@@ -70,7 +70,7 @@ class DenseSource(Protocol):
 
 
 class PackedKVWrite(Protocol):
-    """``packed_kv_write``: ``reference.quantize_int4``'s contract (x, group_size, dim) ->
+    """``packed_kv_write``: ``algorithms.quantize_int4``'s contract (x, group_size, dim) ->
     ``QuantizedInt4``; the store lays its codes out in pages."""
 
     def __call__(self, x: torch.Tensor, group_size: int = 64, dim: int = -1): ...
@@ -78,8 +78,8 @@ class PackedKVWrite(Protocol):
 
 class PackedDecode(Protocol):
     """``packed_decode``: decode attention of q [R, Hq, D] over each row's history: rows
-    below ``meta["packed_lengths"]`` reconstructed from the packed store at the row's
-    depth (``meta`` from ``packed_kv.level_metadata``), later rows from
+    below ``meta.packed_lengths`` reconstructed from the packed store at the row's
+    depth (``meta``: :class:`~flashloop_backend.kv.levels.LevelMetadata`), later rows from
     the BF16 paged cache through block_tables [R, MB]. Returns [R, Hq, D] q.dtype."""
 
     def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import __version__
-from ...capabilities import Capability, Support
-from ..ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend._version import __version__
+from flashloop_backend.capabilities import Capability, Support
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
 
 SUPPORT = Support(
     devices=frozenset({"cuda"}),
@@ -27,55 +27,57 @@ SUPPORT = Support(
 
 
 def _paged(*args, **kwargs) -> torch.Tensor:
-    from .paged_decode import paged_attention_triton  # imports triton only when used
+    from flashloop_backend.kernels.triton.paged_decode import (
+        paged_attention_triton,  # imports triton only when used
+    )
 
     return paged_attention_triton(*args, **kwargs)
 
 
 def _sparse_prefill(*args, **kwargs) -> torch.Tensor:
-    from .sparse_prefill import sparse_prefill_triton
+    from flashloop_backend.kernels.triton.sparse_prefill import sparse_prefill_triton
 
     return sparse_prefill_triton(*args, **kwargs)
 
 
 def _dense_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    from .dense_source import dense_source_triton
+    from flashloop_backend.kernels.triton.dense_source import dense_source_triton
 
     return dense_source_triton(*args, **kwargs)
 
 
 def _packed_decode(*args, **kwargs) -> torch.Tensor:
-    from .packed_decode import packed_decode_triton
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
 
     return packed_decode_triton(*args, **kwargs)
 
 
 def _packed_kv_write(*args, **kwargs):
-    from .quantize import quantize_int4_triton
+    from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
 
     return quantize_int4_triton(*args, **kwargs)
 
 
 def _packed_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    from .packed_sparse import packed_dense_source_triton
+    from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
 
     return packed_dense_source_triton(*args, **kwargs)
 
 
 def _packed_correction(*args, **kwargs) -> torch.Tensor:
-    from .packed_sparse import packed_sparse_correction_triton
+    from flashloop_backend.kernels.triton.packed_sparse import packed_sparse_correction_triton
 
     return packed_sparse_correction_triton(*args, **kwargs)
 
 
 def _streamed_correction(*args, **kwargs) -> torch.Tensor:
-    from .packed_sparse import packed_streamed_correction_triton
+    from flashloop_backend.kernels.triton.packed_sparse import packed_streamed_correction_triton
 
     return packed_streamed_correction_triton(*args, **kwargs)
 
 
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
-    from .sparse_decode import sparse_correction_triton
+    from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
 
     return sparse_correction_triton(*args, **kwargs)
 

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...reference import ratio_fraction
-from ..torch_sparse_decode import selected_counts
-from .paged_decode import next_pow2, paged_attention_triton, sm_count
+from flashloop_backend.algorithms import ratio_fraction
+from flashloop_backend.kernels.torch_ref.sparse_decode import selected_counts
+from flashloop_backend.kernels.triton.paged_decode import (
+    next_pow2,
+    paged_attention_triton,
+    sm_count,
+)
 
 LOW32 = 0xFFFFFFFF
 
@@ -107,7 +111,7 @@ def launch_selection(logits, lse, context_lengths, value_cache, block_tables, ou
     """The top-K selection over ``logits`` [R, Hq, T] / ``lse`` [R, Hq]: writes ``indices``,
     ``mass``, ``out`` (``output`` in q's dtype) and, if ``contribute``, ``contribution``
     from the value cache (packed KV sums it itself: its values are not in pages)."""
-    from .select_jit import select_statistics_kernel
+    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
     rows, num_q_heads, k_bucket = indices.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
@@ -141,7 +145,7 @@ def launch_split_selection(logits, lse, context_lengths, value_cache, block_tabl
     """:func:`launch_selection`'s result from (row, head, split) programs: one launch per
     8-bit digit into shared histograms, one to count, one to compact in position order;
     the splits' mass and contribution are summed afterwards (deterministic)."""
-    from .select_split_jit import (
+    from flashloop_backend.kernels.triton.select_split_jit import (
         DIGIT_COUNT,
         select_compact_kernel,
         select_count_kernel,

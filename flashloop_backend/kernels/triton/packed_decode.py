@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...packed_kv import PackedKVStore
-from ..validate import check_paged_inputs
-from .paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kv.store import PackedKVStore
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def packed_span(
 ) -> int:
     """Positions the readers cover: whole groups over the packed rows and the BF16 pages."""
     g = store.group_size
-    return math.ceil(max(block_tables.shape[1] * block_size, meta["level_maps"].shape[2]) / g) * g
+    return math.ceil(max(block_tables.shape[1] * block_size, meta.maps.shape[2]) / g) * g
 
 
 def layer_pools(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, ...]:
@@ -73,7 +73,7 @@ def packed_strides(pools, meta, key_cache, value_cache, block_tables) -> tuple[i
     """The strides every packed kernel takes in this order: layer pools, level metadata,
     the BF16 paged cache and its block tables."""
     kc, kmin, _, vc, vmin, _ = pools
-    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
     return (
         kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
         vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
@@ -98,7 +98,7 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
     ``selected`` [R, Hq, >= the span] uint8: only marked positions attend; ``correction``
     (output, contribution [R, Hq, D], mass [R, Hq], FP32) is applied by the merge (the
     streamed loop 3-4 correction, ``packed_streamed_correction_triton``)."""
-    from .packed_decode_jit import packed_decode_split_kernel
+    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
@@ -109,17 +109,18 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, to
         raise ValueError(
             f"store holds {store_heads} heads x {store_dim} dims; the cache {num_kv_heads} x {head_dim}"
         )
-    tables, maps = meta["level_tables"], meta["level_maps"]
-    kinds, packed = meta["level_kinds"], meta["packed_lengths"]
+    tables, maps = meta.tables, meta.maps
+    kinds, packed = meta.kinds, meta.packed_lengths
     if tables.shape[0] != rows or kinds.shape != tables.shape[:2] or packed.shape != (rows,):
         raise ValueError(
             f"metadata rows/levels disagree: tables {tuple(tables.shape)}, kinds {tuple(kinds.shape)}, "
             f"packed {tuple(packed.shape)} for {rows} rows"
         )
-    for name, tensor in meta.items():
+    for name in ("tables", "maps", "kinds", "packed_lengths"):
+        tensor = getattr(meta, name)
         if tensor.dtype != torch.int32 or tensor.device != q.device:
             raise ValueError(
-                f"meta[{name!r}] must be int32 on {q.device}; got {tensor.dtype} on {tensor.device}"
+                f"meta.{name} must be int32 on {q.device}; got {tensor.dtype} on {tensor.device}"
             )
     if store.k_codes.device != q.device:
         raise ValueError(f"the packed store lives on {store.k_codes.device}; q is on {q.device}")

@@ -1,7 +1,7 @@
 """Triton code for decode attention over packed INT4 KV (wrapper in ``packed_decode.py``).
 
 A decode row is one query vector, so QK and PV are FP32 multiply-adds with reductions, and
-the page layout (``packed_kv``) pairs codes along the reduced axis: a K byte holds two
+the page layout (``kv.store``) pairs codes along the reduced axis: a K byte holds two
 channels of a row, a V byte two rows of a channel. Each thread therefore sums its own
 bytes before any shuffle. A 4-bit code c becomes the float 1 + c/16 by writing it into the
 mantissa of 1.0 (integer ops only; `cvt` runs at a quarter of the FMA rate on Hopper), and
@@ -16,7 +16,9 @@ the output as [D/G, G] (channel g * G + c).
 import triton
 import triton.language as tl
 
-COMPACT = tl.constexpr(1)  # level kinds: 0 dense, 1 compact, 2 empty
+from flashloop_backend.kv.levels import LevelKind
+
+COMPACT = tl.constexpr(int(LevelKind.COMPACT))
 ONE_BITS = tl.constexpr(0x3F800000)  # float 1.0
 NIBBLE_MANTISSA = tl.constexpr(0x00780000)  # a nibble at mantissa bits 19..22: c/16
 

@@ -4,7 +4,9 @@
 import triton
 import triton.language as tl
 
-COMPACT = tl.constexpr(1)  # level kinds: 0 dense, 1 compact, 2 empty
+from flashloop_backend.kv.levels import LevelKind
+
+COMPACT = tl.constexpr(int(LevelKind.COMPACT))
 
 
 @triton.jit

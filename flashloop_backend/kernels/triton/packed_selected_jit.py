@@ -5,7 +5,7 @@ registers (:func:`reconstruct_rows`) and consumed at once."""
 import triton
 import triton.language as tl
 
-from .packed_gather_jit import reconstruct_rows
+from flashloop_backend.kernels.triton.packed_gather_jit import reconstruct_rows
 
 
 @triton.jit

@@ -15,9 +15,13 @@ import math
 
 import torch
 
-from ...packed_kv import PackedKVStore
-from .dense_source import DEFAULT_SELECT, SelectTuning, check_bucket, launch_selection
-from .packed_decode import (
+from flashloop_backend.kernels.triton.dense_source import (
+    DEFAULT_SELECT,
+    SelectTuning,
+    check_bucket,
+    launch_selection,
+)
+from flashloop_backend.kernels.triton.packed_decode import (
     DEFAULT_TUNING,
     PackedTuning,
     layer_pools,
@@ -25,8 +29,9 @@ from .packed_decode import (
     packed_span,
     packed_strides,
 )
-from .paged_decode import merge_splits, split_buffers
-from .sparse_decode import selected_key_splits
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
+from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
+from flashloop_backend.kv.store import PackedKVStore
 
 GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
 # The selected-key launch: 16 positions per step by 2 warps beat 32 x 4 and 16 x 4 for the
@@ -41,7 +46,7 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """K and V [R, Hq, N, D] in ``dtype`` at ``positions`` [R, Hq, N] int32 (-1: zeros):
     the row's reconstruction at its depth below its packed length, BF16 pages above."""
-    from .packed_gather_jit import packed_gather_kernel
+    from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
 
     rows, num_q_heads, count = positions.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -54,10 +59,10 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
     if rows == 0 or count == 0:
         return out_k, out_v
     positions, block_tables = positions.contiguous(), block_tables.contiguous()
-    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
     pools = layer_pools(store, layer)
     packed_gather_kernel[(rows, num_q_heads, math.ceil(count / GATHER_BLOCK_N))](
-        positions, *pools, tables, maps, kinds, meta["packed_lengths"],
+        positions, *pools, tables, maps, kinds, meta.packed_lengths,
         key_cache, value_cache, block_tables, out_k, out_v,
         positions.stride(0), positions.stride(1),
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
@@ -78,7 +83,7 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
     reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps: (acc [R, Hq, S, D], max,
     sum [R, Hq, S]) of the softmax of q k^T * scale, or with ``logits`` [R, Hq, T] /
     ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split (the loop-2 contribution)."""
-    from .packed_selected_jit import packed_selected_split_kernel
+    from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
 
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -96,12 +101,12 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, t
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
     indices, block_tables = indices.contiguous(), block_tables.contiguous()
-    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
+    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
     pools = layer_pools(store, layer)
     from_logits = logits is not None
     packed_selected_split_kernel[(rows, num_q_heads, splits)](
         q, indices, logits if from_logits else part_max, lse if from_logits else part_max,
-        *pools, tables, maps, kinds, meta["packed_lengths"],
+        *pools, tables, maps, kinds, meta.packed_lengths,
         key_cache, value_cache, block_tables, part_out, part_max, part_sum,
         scale,
         q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),

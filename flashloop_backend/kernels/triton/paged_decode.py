@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_triton_paged
+from flashloop_backend.kernels.validate import check_triton_paged
 
 SM_COUNT_FALLBACK = 132  # H100/H200
 KEYS_PER_SPLIT_MIN = 512
@@ -72,7 +72,7 @@ def merge_splits(
     if given, the natural-log LSE [R, H] of the scaled logits. ``correction`` = (output
     [R, H, D], contribution [R, H, D], mass [R, H]), all FP32, turns the merged sparse
     softmax into the sparse correction output - contribution + mass * merged."""
-    from .paged_decode_jit import merge_splits_kernel
+    from flashloop_backend.kernels.triton.paged_decode_jit import merge_splits_kernel
 
     rows, heads, splits, head_dim = part_out.shape
     ref, contrib, mass = correction if correction is not None else (out, out, part_max)
@@ -111,7 +111,7 @@ def paged_attention_triton(
     every visible key's scaled logit (other entries untouched) and ``lse`` [R, Hq] FP32 the
     natural-log log-sum-exp.
     """
-    from .paged_decode_jit import paged_attention_split_kernel
+    from flashloop_backend.kernels.triton.paged_decode_jit import paged_attention_split_kernel
 
     rows, num_q_heads, head_dim, block_tables = check_triton_paged(
         q, key_cache, value_cache, block_tables, context_lengths

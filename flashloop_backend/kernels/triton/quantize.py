@@ -1,16 +1,16 @@
 """Wrapper for the Triton INT4 quantize-and-pack kernel: the same format as
-``reference.quantize_int4`` (its oracle), bit for bit."""
+``algorithms.quantize_int4`` (its oracle), bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from ...reference import QuantizedInt4
+from flashloop_backend.algorithms import QuantizedInt4
 
 
 def quantize_int4_triton(x: torch.Tensor, group_size: int = 64, dim: int = -1) -> QuantizedInt4:
     """x [..., L along ``dim``, ...] -> QuantizedInt4 with codes [..., G, group_size // 2]."""
-    from .quantize_jit import quantize_int4_kernel
+    from flashloop_backend.kernels.triton.quantize_jit import quantize_int4_kernel
 
     if group_size < 16 or group_size & (group_size - 1):
         raise ValueError(

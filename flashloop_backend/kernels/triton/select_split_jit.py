@@ -9,7 +9,7 @@ earlier positions, indices in position order."""
 import triton
 import triton.language as tl
 
-from .select_jit import _order_key, compact_selected
+from flashloop_backend.kernels.triton.select_jit import _order_key, compact_selected
 
 DIGIT_COUNT = 4  # 8-bit digits of a 32-bit key
 DIGITS = tl.constexpr(DIGIT_COUNT)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
 
 KEYS_PER_SPLIT_MIN = 64
 
@@ -29,7 +29,7 @@ def sparse_correction_triton(
     [R, MB] int32; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
     output, contribution [R, Hq, D] FP32. Returns [R, Hq, D] in q's dtype.
     """
-    from .sparse_decode_jit import sparse_correction_split_kernel
+    from flashloop_backend.kernels.triton.sparse_decode_jit import sparse_correction_split_kernel
 
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = key_cache.shape

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_triton_paged
-from .paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.validate import check_triton_paged
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def sparse_prefill_triton(
     [R, MB] int32; context_lengths [R] int32 (position + 1; 0 = padding, output zeros).
     Rows of one sequence should be consecutive (they then share tiles); any order is
     correct. Returns [R, Hq, D] in q's dtype."""
-    from .sparse_prefill_jit import sparse_prefill_kernel
+    from flashloop_backend.kernels.triton.sparse_prefill_jit import sparse_prefill_kernel
 
     rows, num_q_heads, head_dim, block_tables = check_triton_paged(
         q, key_cache, value_cache, block_tables, context_lengths

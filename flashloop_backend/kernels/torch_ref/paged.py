@@ -10,10 +10,7 @@ import math
 
 import torch
 
-from .. import __version__
-from ..capabilities import Capability, Support
-from .ops import KernelImpl, KernelProvider, OpName
-from .validate import check_paged_inputs
+from flashloop_backend.kernels.validate import check_paged_inputs
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # gathered K elements per chunk of rows (16 MiB in FP32)
 
@@ -38,9 +35,6 @@ def _rows(q, key_cache, value_cache, block_tables, context_lengths, scale):
     probs = torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
     out = torch.einsum("rkgt,rtkd->rkgd", probs, values)
     return out.reshape(rows, num_q_heads, head_dim)
-
-
-_FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 def paged_attention(
@@ -76,77 +70,3 @@ def paged_attention(
         ]
     )
     return out.to(q.dtype)
-
-
-SUPPORT = Support(
-    devices=frozenset({"cpu", "cuda"}),
-    dtypes=_FLOAT_DTYPES,
-    capabilities=frozenset(
-        {
-            Capability.NONCONSECUTIVE_QUERIES,
-            Capability.DEVICE_POSITIONS,
-            Capability.ASYNC_SCHEDULING,
-            Capability.PACKED_PREFILL,
-        }
-    ),
-)
-
-
-SPARSE_DECODE_SUPPORT = Support(
-    devices=SUPPORT.devices,
-    dtypes=SUPPORT.dtypes,
-    capabilities=SUPPORT.capabilities | {Capability.SOURCE_STATISTICS},
-)
-
-
-# The packed-KV references read which rows they serve on the host (``torch_packed``), so
-# they cannot be queued ahead asynchronously.
-PACKED_SUPPORT = Support(
-    devices=SUPPORT.devices,
-    dtypes=SUPPORT.dtypes,
-    capabilities=(SUPPORT.capabilities - {Capability.ASYNC_SCHEDULING})
-    | {Capability.PACKED_KV_READ},
-)
-
-
-PACKED_SPARSE_SUPPORT = Support(
-    devices=SUPPORT.devices,
-    dtypes=SUPPORT.dtypes,
-    capabilities=PACKED_SUPPORT.capabilities | {Capability.SOURCE_STATISTICS},
-)
-
-
-def provider() -> KernelProvider:
-    from ..reference import quantize_int4
-    from .torch_packed import packed_decode_reference, packed_dense_source, packed_sparse_correction
-    from .torch_sparse_decode import dense_source, sparse_correction
-
-    return KernelProvider(
-        name="torch_reference",
-        version=__version__,
-        priority=0,
-        description="pure torch reference kernels (oracle; CPU and GPU)",
-        impls={
-            OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, SUPPORT),
-            OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, paged_attention, SUPPORT),
-            OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, SUPPORT),
-            OpName.DENSE_SOURCE: KernelImpl(
-                OpName.DENSE_SOURCE, dense_source, SPARSE_DECODE_SUPPORT
-            ),
-            OpName.SPARSE_CORRECTION: KernelImpl(
-                OpName.SPARSE_CORRECTION, sparse_correction, SPARSE_DECODE_SUPPORT
-            ),
-            OpName.PACKED_DECODE: KernelImpl(
-                OpName.PACKED_DECODE, packed_decode_reference, PACKED_SUPPORT
-            ),
-            OpName.PACKED_KV_WRITE: KernelImpl(
-                OpName.PACKED_KV_WRITE, quantize_int4, PACKED_SUPPORT
-            ),
-            OpName.PACKED_SOURCE: KernelImpl(
-                OpName.PACKED_SOURCE, packed_dense_source, PACKED_SPARSE_SUPPORT
-            ),
-            OpName.PACKED_CORRECTION: KernelImpl(
-                OpName.PACKED_CORRECTION, packed_sparse_correction, PACKED_SPARSE_SUPPORT
-            ),
-        },
-    )

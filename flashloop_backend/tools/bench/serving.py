@@ -9,8 +9,8 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import ConfigError
-from .serving_workload import fixed_arrival_schedule, run_workload
+from flashloop_backend.config import ConfigError
+from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
 
 
 def memory_breakdown(engine) -> dict:
@@ -21,24 +21,28 @@ def memory_breakdown(engine) -> dict:
     scratch). The steady KV the requests held is the workload's ``kv_held``."""
     import torch
 
-    backend = engine.backend
-    packed = getattr(backend, "packed", None)
-    states = getattr(backend, "states", None)
+    pools = engine.backend.memory()
+    kv_pools = (engine.kv.key_pool, engine.kv.value_pool)
     record = {
         "model_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
-        "kv_pool_bytes": sum(t.numel() * t.element_size() for t in (engine.kv.key_pool, engine.kv.value_pool)),
-        "packed_pool_bytes": sum(t.numel() * t.element_size() for t in packed.store.pools) if packed else 0,
-        "packed_steady_bytes": packed.store.accounting()["steady_bytes"] if packed else 0,
-        "reference_state_bytes": states.nbytes() if states is not None else 0,
+        "kv_pool_bytes": sum(t.numel() * t.element_size() for t in kv_pools),
+        "packed_pool_bytes": pools.get("packed_pool", 0),
+        "packed_steady_bytes": engine.backend.kv_bytes_held(),
+        "reference_state_bytes": pools.get("reference_states", 0),
         "graph_bytes": engine.graphs.graph_bytes if engine.graphs else 0,
-    }  # fmt: skip
+    }
     if engine.device.type == "cuda":
         record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         # above what stays allocated (weights, pools, reference state): activations and
         # the prompt conversion's scratch (graph_bytes is reported apart, not subtracted)
-        standing = sum(record[k] for k in ("model_bytes", "kv_pool_bytes", "packed_pool_bytes",
-                                           "reference_state_bytes"))  # fmt: skip
+        standing_keys = (
+            "model_bytes",
+            "kv_pool_bytes",
+            "packed_pool_bytes",
+            "reference_state_bytes",
+        )
+        standing = sum(record[k] for k in standing_keys)
         record["transient_peak_bytes"] = record["peak_allocated_bytes"] - standing
     return record
 
@@ -71,8 +75,8 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
     """Dense on ``baseline``; the ``flashloop`` backend with no feature on (its dispatch
     and kernels without any FlashLoop feature: what the features' figures sit on); then
     each feature of ``config`` alone and cumulatively (in the config's feature order)."""
-    from .config import FlashLoopConfig
-    from .evaluation import feature_combinations
+    from flashloop_backend.config import FlashLoopConfig
+    from flashloop_backend.tools.evaluation import feature_combinations
 
     combos = dict(feature_combinations(config))
     enabled = config.enabled_features()
@@ -119,9 +123,9 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
     chosen with the ``cuda_graphs`` capability."""
     import torch
 
-    from .capabilities import Capability
-    from .host.engine import Engine
-    from .registry import Registry, resolve
+    from flashloop_backend.capabilities import Capability
+    from flashloop_backend.host.engine import Engine
+    from flashloop_backend.registry import Registry, resolve
 
     registry = Registry.discover()
     vocab = model.config.vocab_size
@@ -186,7 +190,8 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
 
     import torch
 
-    from .bench import environment_record, graph_variant, random_ouro
+    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.timing import environment_record
 
     if not config.enabled_features():
         raise ConfigError("bench serving compares features with dense: --config must enable at least one")  # fmt: skip

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .reference import selected_count
+from flashloop_backend.algorithms import selected_count
 
 EMPTY = -1
 

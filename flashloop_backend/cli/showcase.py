@@ -13,13 +13,13 @@ from __future__ import annotations
 import random
 import time
 
-from ..capabilities import SupportRequest
-from ..config import FlashLoopConfig
-from ..evaluation import EvalSettings, evaluate, heldout_text
-from ..progress import ProgressBar
-from ..registry import Registry
-from .engine import Engine, SamplingParams
-from .generation import generate_with_progress
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.config import FlashLoopConfig
+from flashloop_backend.host.engine import Engine, SamplingParams
+from flashloop_backend.host.generation import generate_with_progress
+from flashloop_backend.host.progress import ProgressBar
+from flashloop_backend.registry import Registry
+from flashloop_backend.tools.evaluation import EvalSettings, evaluate, heldout_text
 
 ALL_ON = FlashLoopConfig(
     token_sparse_prefill={"enabled": True, "window_size": 64, "retention": [1, 1, 0.75, 0.5]},

@@ -17,14 +17,23 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stevedore import ExtensionManager
 
-from . import __version__
-from .backends.base import BackendSpec, SelectionInfo
-from .capabilities import Capability, Environment, SupportRequest, not_supported_reasons
-from .config import EffectiveConfig, FlashLoopConfig, UnservableError
-from .kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend._version import __version__
+from flashloop_backend.capabilities import (
+    Capability,
+    Environment,
+    SupportRequest,
+    not_supported_reasons,
+)
+from flashloop_backend.config import ConfigError, EffectiveConfig, FlashLoopConfig, UnservableError
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
+
+if TYPE_CHECKING:
+    from flashloop_backend.backends.base import AttentionBackend
 
 LOG = logging.getLogger("flashloop_backend")
 BACKEND_GROUP = "flashloop_backend.backends"
@@ -170,7 +179,9 @@ class Registry:
         self, name: str, request: SupportRequest, config: FlashLoopConfig
     ) -> BackendSelection:
         """Resolve ``name`` (or ``auto``). Raises :class:`UnservableError` (a ``ValueError``)
-        listing every reason."""
+        listing every reason, or ``ConfigError`` for a ``kernel_overrides`` op that does
+        not exist."""
+        check_override_ops(config)
         if name != AUTO:
             if name not in self.backend_names():
                 raise UnservableError(
@@ -200,12 +211,41 @@ class Registry:
         name: str,
         request: SupportRequest | None = None,
         config: FlashLoopConfig | None = None,
-    ) -> object:
+    ) -> AttentionBackend:
         """Select and build a backend object in one call."""
         request = request or SupportRequest.default(self.env)
         config = config or FlashLoopConfig()
         selection = self.select_backend(name, request, config)
         return selection.spec.create(request, config, self, selection.info)
+
+
+def select_backend(
+    name: str = AUTO,
+    request: SupportRequest | None = None,
+    config: FlashLoopConfig | None = None,
+) -> BackendSelection:
+    """The backend ``name`` (or ``auto``'s choice) for ``request`` and ``config``, with
+    why every other candidate was skipped (installed plugins, read once per process)."""
+    registry = Registry.discover()
+    request = request or SupportRequest.default(registry.env)
+    return registry.select_backend(name, request, config or FlashLoopConfig())
+
+
+def create_backend(
+    name: str = AUTO,
+    request: SupportRequest | None = None,
+    config: FlashLoopConfig | None = None,
+) -> AttentionBackend:
+    """Select and build the backend ``name`` (or ``auto``'s choice) in one call."""
+    return Registry.discover().create(name, request, config)
+
+
+def check_override_ops(config: FlashLoopConfig) -> None:
+    """Every ``kernel_overrides`` key must name an op (``ConfigError`` listing them)."""
+    allowed = [op.value for op in OpName]
+    unknown = [op for op in config.kernel_overrides if op not in allowed]
+    if unknown:
+        raise ConfigError(f"kernel_overrides has unknown op {unknown[0]!r}; allowed ops: {allowed}")
 
 
 def resolve(
@@ -226,14 +266,7 @@ def resolve(
             )
     selection = registry.select_backend(backend, request, config)
     kernels = selection.spec.kernel_choices(request, config, registry)
-    quant = config.kv_residual_quantization
-    encoding = None
-    if quant.enabled and selection.info.selected_backend == "flashloop":
-        from .packed_kv import encoding_descriptor
-
-        encoding = encoding_descriptor(
-            quant.group_size, quant.policy, quant.tail_size, config.token_sparse_prefill.enabled
-        )
+    encoding = selection.spec.kv_encoding(config)
     return EffectiveConfig(
         config=config,
         backend=selection.info.selected_backend,

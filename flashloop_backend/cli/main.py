@@ -12,17 +12,17 @@ import json
 import sys
 from collections.abc import Sequence
 
-from . import __version__
-from .config import ConfigError, UnservableError
+from flashloop_backend._version import __version__
+from flashloop_backend.config import ConfigError, UnservableError
 
 EXIT_USAGE = 2
 EXIT_UNSERVABLE = 3
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .capabilities import Capability, SupportRequest
-    from .config import load_config
-    from .registry import AUTO, Registry, resolve
+    from flashloop_backend.capabilities import Capability, SupportRequest
+    from flashloop_backend.config import load_config
+    from flashloop_backend.registry import AUTO, Registry, resolve
 
     config = load_config(args.config)
     registry = Registry.discover()
@@ -62,7 +62,7 @@ def _info(args: argparse.Namespace) -> int:
         report["digest"] = effective.digest()
         quant = config.kv_residual_quantization
         if quant.enabled:
-            from .packed_kv import bytes_per_token_report
+            from flashloop_backend.kv.store import bytes_per_token_report
 
             report["kv_bytes"] = bytes_per_token_report(
                 request.num_kv_heads, request.head_dim, quant.group_size, config.num_loops
@@ -82,8 +82,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _backend_rows(registry, config) -> dict[str, object]:
-    from .capabilities import SupportRequest
-    from .registry import capability_table
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.registry import capability_table
 
     caps = capability_table(registry, config)
     rows: dict[str, object] = {}
@@ -106,7 +106,7 @@ def _backend_rows(registry, config) -> dict[str, object]:
 
 
 def _kernel_rows(registry) -> dict[str, object]:
-    from .capabilities import dtype_name
+    from flashloop_backend.capabilities import dtype_name
 
     rows: dict[str, object] = {}
     for name in registry.kernel_names():
@@ -192,9 +192,9 @@ def _float_list(text: str) -> list[float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
-    from .config import FlashLoopConfig, load_config
-    from .registry import Registry
+    from flashloop_backend.config import FlashLoopConfig, load_config
+    from flashloop_backend.registry import Registry
+    from flashloop_backend.tools.bench.timing import environment_record, progress_log
 
     names = [n for n in args.backends.split(",") if n]
     registry = Registry.discover()
@@ -216,33 +216,37 @@ def _bench(args: argparse.Namespace) -> int:
                 handle.write(json.dumps(partial, indent=2) + "\n")
 
     if args.mode == "serving":
-        from .bench_serving import bench_serving
+        from flashloop_backend.tools.bench.serving import bench_serving
 
         record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
-                               args.layers, args.rate, log=bench.progress_log, on_partial=keep,
+                               args.layers, args.rate, log=progress_log, on_partial=keep,
                                variant_keys=args.variants.split(",") if args.variants else None)  # fmt: skip
     elif args.mode == "packed":
-        from .bench_packed import bench_packed_kv
+        from flashloop_backend.tools.bench.packed import bench_packed_kv
 
-        record = bench_packed_kv(args.contexts, args.concurrency, log=bench.progress_log,
+        record = bench_packed_kv(args.contexts, args.concurrency, log=progress_log,
                                  parts=tuple(args.parts.split(",")))  # fmt: skip
     elif args.mode == "prefill":
-        from .bench_prefill import bench_prefill_attention
+        from flashloop_backend.tools.bench.prefill import bench_prefill_attention
 
-        record = bench_prefill_attention(args.contexts, args.retentions, log=bench.progress_log)
+        record = bench_prefill_attention(args.contexts, args.retentions, log=progress_log)
     elif args.mode == "sparse":
-        record = bench.bench_sparse_decode(
-            args.contexts, args.concurrency, args.ratio, log=bench.progress_log
-        )
+        from flashloop_backend.tools.bench.sparse import bench_sparse_decode
+
+        record = bench_sparse_decode(args.contexts, args.concurrency, args.ratio, log=progress_log)
     elif args.mode == "kernel":
-        record = bench.bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
-                                            log=bench.progress_log)  # fmt: skip
+        from flashloop_backend.tools.bench.kernels import bench_decode_kernels
+
+        record = bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
+                                            log=progress_log)  # fmt: skip
     else:
-        record = {"kind": "end_to_end_host", "runs": [], "environment": bench.environment_record()}
+        from flashloop_backend.tools.bench.e2e import bench_end_to_end
+
+        record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
-                record["runs"].append(bench.bench_end_to_end(
-                    names, ctx, conc, args.new_tokens, args.layers, log=bench.progress_log, config=config,
+                record["runs"].append(bench_end_to_end(
+                    names, ctx, conc, args.new_tokens, args.layers, log=progress_log, config=config,
                     max_batch_tokens=args.max_batch_tokens, warmup_context=args.warmup_context,
                 ))  # fmt: skip
                 keep(record)  # a long sweep keeps what it measured
@@ -257,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .report import make_plots
+    from flashloop_backend.tools.report import make_plots
 
     results = Path(args.results)
     if not results.is_dir():
@@ -335,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--results", default="results", help="directory of JSON records")
     report.add_argument("--out", default="docs/figures", help="where the PNGs go")
     report.set_defaults(handler=_report)
-    from .host.commands import add_commands  # the host's torch model loads only when used
+    from flashloop_backend.cli.host_commands import (
+        add_commands,  # the host's torch model loads only when used
+    )
 
     add_commands(sub)
     return parser

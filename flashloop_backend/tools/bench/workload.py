@@ -86,7 +86,7 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
     bytes the live requests held after any step (``Engine.kv_held``: BF16 blocks in use
     plus the packed store's steady bytes), with their tokens; the probe's host time is
     kept off the latency clock."""
-    from .host.engine import SamplingParams
+    from flashloop_backend.host.engine import SamplingParams
 
     rng = random.Random(seed)
     times: list[RequestTimes] = []

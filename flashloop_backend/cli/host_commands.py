@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import ConfigError, UnservableError
-from ..progress import ProgressBar
+from flashloop_backend.config import ConfigError, UnservableError
+from flashloop_backend.host.embedded import embedded_model_path
+from flashloop_backend.host.progress import ProgressBar
 
 DEMO_PROMPTS = (
     "def fibonacci(n):\n",
@@ -28,11 +29,6 @@ FINISH_WORDS = {
     "stop": "stop string",
     "forced": "teacher-forced continuation",
 }
-
-
-def embedded_model_path() -> Path:
-    """Directory of the embedded default model (config.json, safetensors, tokenizer.json)."""
-    return Path(__file__).resolve().parents[1] / "models" / "ouro-tiny-bytes"
 
 
 # ------------------------------------------------------------------ argument types
@@ -83,9 +79,9 @@ def _pick_device(name: str):
 
 def _load(args: argparse.Namespace):
     """Device, dtype, FlashLoop config, model and tokenizer named by the common options."""
-    from ..config import load_config
-    from .config import ModelError
-    from .loader import load_model, load_tokenizer
+    from flashloop_backend.config import load_config
+    from flashloop_backend.host.config import ModelError
+    from flashloop_backend.host.loader import load_model, load_tokenizer
 
     device, dtype = _pick_device(args.device)
     config = load_config(args.config)
@@ -98,9 +94,9 @@ def _load(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace, log):
-    from ..capabilities import SupportRequest
-    from ..registry import Registry, resolve
-    from .engine import Engine
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.host.engine import Engine
+    from flashloop_backend.registry import Registry, resolve
 
     device, dtype, config, model, tokenizer = _load(args)
     cfg = model.config
@@ -140,8 +136,8 @@ def _encode(tokenizer, engine, text: str) -> list[int]:
 
 # ------------------------------------------------------------------ commands
 def _demo(args: argparse.Namespace) -> int:
-    from .engine import SamplingParams
-    from .generation import generate_with_progress
+    from flashloop_backend.host.engine import SamplingParams
+    from flashloop_backend.host.generation import generate_with_progress
 
     engine, tokenizer, _ = _setup(args, print)
     prompts = [_encode(tokenizer, engine, p) for p in DEMO_PROMPTS]
@@ -166,16 +162,16 @@ def _demo(args: argparse.Namespace) -> int:
         f"{kv.key_pool.element_size()} bytes ({str(kv.key_pool.dtype).removeprefix('torch.')})"
     )
     if not args.no_compare:
-        from .showcase import side_by_side
+        from flashloop_backend.cli.showcase import side_by_side
 
         side_by_side(engine.model, tokenizer, args.block_size)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import SamplingParams
-    from .generation import generate_with_progress
-    from .kvcache import OutOfBlocksError
+    from flashloop_backend.host.engine import SamplingParams
+    from flashloop_backend.host.generation import generate_with_progress
+    from flashloop_backend.host.kvcache import OutOfBlocksError
 
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     engine, tokenizer, selection = _setup(args, log)
@@ -210,8 +206,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..evaluation import EvalSettings, evaluate, heldout_text
-    from ..paths import record_path
+    from flashloop_backend.tools.evaluation import EvalSettings, evaluate, heldout_text
+    from flashloop_backend.tools.paths import record_path
 
     device, dtype, config, model, tokenizer = _load(args)
     if args.text:
@@ -277,8 +273,8 @@ def _passkey_mean(cells: dict[str, float]) -> float:
 
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
     """``eval --combinations``: every on/off combination of the config's features."""
-    from ..evaluation import evaluate, feature_combinations
-    from ..paths import record_path
+    from flashloop_backend.tools.evaluation import evaluate, feature_combinations
+    from flashloop_backend.tools.paths import record_path
 
     try:
         combos = feature_combinations(config)

@@ -72,7 +72,7 @@ def _features_label(features: list[str]) -> str:
 
 def _registered_depth1(case: dict) -> dict:
     """The depth-1 entry timed with today's registered launch (records keep sweeps)."""
-    from .kernels.triton.packed_decode import DEFAULT_TUNING
+    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
     fields = ("num_warps", "programs_per_sm", "rows_per_step")  # older records: no rows
     want = tuple(getattr(DEFAULT_TUNING, f) for f in fields)

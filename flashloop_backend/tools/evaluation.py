@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .capabilities import SupportRequest
-from .config import ConfigError, FlashLoopConfig
-from .host.engine import Engine, SamplingParams
-from .host.model import OuroModel
-from .registry import Registry, resolve
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.host.engine import Engine, SamplingParams
+from flashloop_backend.host.model import OuroModel
+from flashloop_backend.registry import Registry, resolve
 
 NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
 QUESTION = " What is the pass key? The pass key is "

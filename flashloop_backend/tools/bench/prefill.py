@@ -11,7 +11,12 @@ import math
 
 import torch
 
-from .bench import BF16_FLOPS, _eager_ms, _require_cuda, environment_record
+from flashloop_backend.tools.bench.timing import (
+    BF16_FLOPS,
+    eager_ms,
+    environment_record,
+    require_cuda,
+)
 
 HEADS, HEAD_DIM, BLOCK_SIZE, WINDOW = 16, 128, 16, 64
 
@@ -28,8 +33,8 @@ def windowed_subset(length: int, ratio: float, gen: torch.Generator) -> torch.Te
 
 
 def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
-    from .kernels.flashinfer import paged_attention_flashinfer
-    from .kernels.triton.sparse_prefill import sparse_prefill_triton
+    from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
+    from flashloop_backend.kernels.triton.sparse_prefill import sparse_prefill_triton
 
     pages = math.ceil(context / BLOCK_SIZE)
     shape = (pages, BLOCK_SIZE, HEADS, HEAD_DIM)
@@ -48,8 +53,8 @@ def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
         return 4.0 * HEADS * HEAD_DIM * float((subset + 1).sum())
 
     q, tables, lengths = rows(positions)
-    dense_fi_ms = _eager_ms(lambda: paged_attention_flashinfer(q, kc, vc, tables, lengths), 10, 3)
-    dense_triton_ms = _eager_ms(lambda: sparse_prefill_triton(q, kc, vc, tables, lengths), 10, 3)
+    dense_fi_ms = eager_ms(lambda: paged_attention_flashinfer(q, kc, vc, tables, lengths), 10, 3)
+    dense_triton_ms = eager_ms(lambda: sparse_prefill_triton(q, kc, vc, tables, lengths), 10, 3)
     reference = paged_attention_flashinfer(q, kc, vc, tables, lengths).float()
     mine = sparse_prefill_triton(q, kc, vc, tables, lengths).float()
     dense_tflops = flops(positions) / (dense_fi_ms / 1e3) / 1e12
@@ -67,7 +72,7 @@ def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
     for ratio in ratios:
         subset = windowed_subset(context, ratio, gen)
         q, tables, lengths = rows(subset)
-        ms = _eager_ms(
+        ms = eager_ms(
             lambda q=q, t=tables, n=lengths: sparse_prefill_triton(q, kc, vc, t, n), 10, 3
         )
         tflops = flops(subset) / (ms / 1e3) / 1e12
@@ -84,7 +89,7 @@ def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
 
 def bench_prefill_attention(contexts: list[int], ratios: list[float], log=print) -> dict:
     """One record per context; every candidate timed in the same process on the same KV."""
-    _require_cuda()
+    require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for context in contexts:

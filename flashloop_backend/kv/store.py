@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .reference import QuantizedInt4, dequantize_int4, quantize_int4
+from flashloop_backend.algorithms import QuantizedInt4, dequantize_int4, quantize_int4
 
 ENCODING_VERSION = 2  # 2: bytes pair channels of K rows and rows of V channels
-# level kinds in reader metadata (the Triton reader spells COMPACT as its own constexpr)
-LEVEL_DENSE, LEVEL_COMPACT, LEVEL_EMPTY = 0, 1, 2
 
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Torch reference for decode attention over packed INT4 KV (the oracle of the Triton
 reader): every row's history is reconstructed explicitly, then attended densely.
-Shapes as :class:`~.ops.PackedDecode`; the store layout is ``packed_kv``'s."""
+Shapes as :class:`~.ops.PackedDecode`; the store layout is ``kv.store``'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..packed_kv import LEVEL_COMPACT, LEVEL_EMPTY
+from flashloop_backend.kv.levels import LevelKind
 
 
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
@@ -39,8 +39,8 @@ def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
 def packed_history(store, layer, meta, key_cache, value_cache, block_tables, dtype):
     """Every row's logical K and V [R, span, Hkv, D] (FP32 holding ``dtype`` values):
     reconstructed from the store below the row's packed length, BF16 pages above."""
-    tables, maps, kinds = meta["level_tables"], meta["level_maps"], meta["level_kinds"]
-    packed = meta["packed_lengths"].long()
+    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
+    packed = meta.packed_lengths.long()
     rows = packed.shape[0]
     block_size, kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     span = max(block_tables.shape[1] * block_size, maps.shape[2])
@@ -52,8 +52,8 @@ def packed_history(store, layer, meta, key_cache, value_cache, block_tables, dty
     for level in range(tables.shape[1]):
         kind = kinds[:, level].long()[:, None]
         compact = torch.gather(maps[:, level].long(), 1, t.clamp(max=maps.shape[2] - 1))
-        level_rows = torch.where(kind == LEVEL_COMPACT, compact, t)
-        level_rows = torch.where((kind == LEVEL_EMPTY) | ~in_packed, -1, level_rows)
+        level_rows = torch.where(kind == LevelKind.COMPACT, compact, t)
+        level_rows = torch.where((kind == LevelKind.EMPTY) | ~in_packed, -1, level_rows)
         k, v = _level_rows(store, layer, tables[:, level], level_rows)
         keys, values = keys + k, values + v
     column = (t // block_size).clamp(max=block_tables.shape[1] - 1)
@@ -78,7 +78,7 @@ def _only_rows(needed: torch.Tensor, fn, q, meta, block_tables, *per_row):
     their histories would dominate this reference. (Reads the mask on the host: the
     reference is the oracle, not the graph-safe path.)"""
     index = needed.nonzero().flatten()
-    sub_meta = {name: tensor[index] for name, tensor in meta.items()}
+    sub_meta = meta.rows(index)
     result = fn(q[index], sub_meta, block_tables[index], *(t[index] for t in per_row))
     if isinstance(result, tuple):
         return tuple(_scatter(t, index, q.shape[0]) for t in result)
@@ -134,7 +134,7 @@ def packed_dense_source(q, store, layer, meta, key_cache, value_cache, block_tab
 
 def _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths,
                  ratio, k_bucket, scale):  # fmt: skip
-    from .torch_sparse_decode import source_statistics
+    from flashloop_backend.kernels.torch_ref.sparse_decode import source_statistics
 
     rows, num_q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

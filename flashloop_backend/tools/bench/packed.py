@@ -9,8 +9,13 @@ from dataclasses import asdict, replace
 
 import torch
 
-from .bench import HBM_BYTES_PER_S, _graph_ms, _require_cuda, environment_record
-from .config import ConfigError
+from flashloop_backend.config import ConfigError
+from flashloop_backend.tools.bench.timing import (
+    HBM_BYTES_PER_S,
+    environment_record,
+    graph_ms,
+    require_cuda,
+)
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
 # (positions per step, warps) of the selected-key kernel: 32 x 4 (registered before) and
@@ -49,7 +54,7 @@ def _active(rows: int, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Generator):
-    from .packed_kv import PackedKVStore
+    from flashloop_backend.kv.store import PackedKVStore
 
     pages = sequences * 4 * math.ceil(rows / GROUP) + 8
     store = PackedKVStore(pages, layers, HEADS, HEAD_DIM, GROUP, device=gen.device)
@@ -90,7 +95,7 @@ def _tunings(levels: int, sweep: bool) -> list:
     warps and 16 / 32 programs per SM for ``levels`` levels, each once (the fields of
     launches with that many levels: ``num_warps`` / ``rows_per_step`` up to two levels,
     the ``deep_`` pair from three)."""
-    from .kernels.triton.packed_decode import DEFAULT_TUNING
+    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
     warps, rows = ("num_warps", "rows_per_step") if levels <= 2 else ("deep_num_warps", "deep_rows_per_step")  # fmt: skip
     out = [DEFAULT_TUNING]
@@ -104,7 +109,7 @@ def _tunings(levels: int, sweep: bool) -> list:
 def tuning_label(tuning, levels: int) -> str:
     """``_w{warps}_p{programs per SM}``, and ``_r{rows per step}`` when a 64-row group is
     not read whole."""
-    from .kernels.triton.packed_decode import rows_per_step, warps_for
+    from flashloop_backend.kernels.triton.packed_decode import rows_per_step, warps_for
 
     label = f"_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
     rows = rows_per_step(tuning, GROUP, levels)
@@ -126,16 +131,16 @@ def _bf16_rows(context: int, batch: int, gen: torch.Generator):
 
 def _flashinfer_ms(q, kc, vc, tables, lengths) -> float:
     """FlashInfer's BF16 paged decode of these rows, CUDA-graph median ms."""
-    from .kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+    from flashloop_backend.kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
 
     paged_attention_flashinfer(q, kc, vc, tables, lengths)
     wrapper = _INSTANCES[q.device].decode
-    return _graph_ms(lambda: wrapper.run(q, (kc, vc)))
+    return graph_ms(lambda: wrapper.run(q, (kc, vc)))
 
 
 def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
-    from .kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
-    from .packed_meta import level_metadata
+    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
+    from flashloop_backend.kv.levels import level_metadata
 
     rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
     results = {"context": context, "concurrency": batch, "depths": {}}
@@ -153,7 +158,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 * batch
             )
             for tuning in _tunings(depth + 1, sweep=not sparse):
-                ms = _graph_ms(
+                ms = graph_ms(
                     lambda m=meta, s=store, t=tuning: packed_decode_triton(
                         q, s, 0, m, kc, vc, tables, lengths, tuning=t
                     )
@@ -174,7 +179,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
 
 
 def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_ms: float | None,
-                    ratio: float = 0.25, timer=_graph_ms, select=None,
+                    ratio: float = 0.25, timer=graph_ms, select=None,
                     launches=SELECTED_LAUNCHES) -> dict:  # fmt: skip
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
     (two-level read, selection, contribution) and the loop 3-4 correction over the
@@ -183,14 +188,14 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
     design (the packed reader, unselected positions masked); ``dense_ms``: FlashInfer BF16
     decode of the same rows (same run; None: timed here on a GPU);
     ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
-    from .kernels.triton.dense_source import DEFAULT_SELECT
-    from .kernels.triton.packed_sparse import (
+    from flashloop_backend.backends.sparse_state import key_bucket
+    from flashloop_backend.kernels.triton.dense_source import DEFAULT_SELECT
+    from flashloop_backend.kernels.triton.packed_sparse import (
         packed_dense_source_triton,
         packed_sparse_correction_triton,
         packed_streamed_correction_triton,
     )
-    from .packed_meta import level_metadata
-    from .sparse_state import key_bucket
+    from flashloop_backend.kv.levels import level_metadata
 
     device = gen.device
     q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)  # BF16 pages: never read (packed)
@@ -244,7 +249,7 @@ def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print,
     unknown = sorted(set(parts) - set(PACKED_PARTS))
     if unknown or not parts:
         raise ConfigError(f"bench packed parts {unknown or list(parts)} are not among {list(PACKED_PARTS)}")  # fmt: skip
-    _require_cuda()
+    require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(c, b) for c in contexts for b in concurrency]
     cases = [_decode_case(c, b, gen, log) for c, b in shapes] if "decode" in parts else []

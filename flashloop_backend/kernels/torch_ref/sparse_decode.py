@@ -8,14 +8,14 @@ import math
 
 import torch
 
-from ..reference import ratio_fraction
-from .validate import check_paged_inputs
+from flashloop_backend.algorithms import ratio_fraction
+from flashloop_backend.kernels.validate import check_paged_inputs
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024
 
 
 def selected_counts(context_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
-    """[R] int64 K = max(1, ceil(ratio * T)) per row (``reference.selected_count``, integer
+    """[R] int64 K = max(1, ceil(ratio * T)) per row (``algorithms.selected_count``, integer
     arithmetic on ``ratio_fraction``), 0 for rows without context."""
     num, den = ratio_fraction(ratio)
     lengths = context_lengths.long()

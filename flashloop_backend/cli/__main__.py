@@ -1,0 +1,5 @@
+import sys
+
+from flashloop_backend.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""``bench e2e``: prefill, TTFT and TPOT end to end through the host on Ouro-1.4B shapes
+with random weights, every backend in one process."""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+
+import torch
+
+from flashloop_backend.capabilities import Capability, SupportRequest
+from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.registry import Registry, resolve
+from flashloop_backend.tools.bench.timing import environment_record, require_cuda
+
+
+def ouro_1p4b_shapes(layers: int | None = None):
+    from flashloop_backend.host.config import OuroConfig
+
+    return OuroConfig(
+        hidden_size=2048, num_hidden_layers=layers or 24, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=128, intermediate_size=5632, vocab_size=49152, rope_theta=1e6, total_ut_steps=4,
+        max_position_embeddings=65536,
+    )  # fmt: skip
+
+
+def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
+    """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
+    ``kv_probe`` receives (tokens, KV bytes held) once, at the step where every request has
+    its first token (``Engine.kv_held``: one host call inside the timed window)."""
+    from flashloop_backend.host.engine import SamplingParams
+
+    ids = [
+        engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        for p in prompts
+    ]
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        finished = engine.step()
+        torch.cuda.synchronize()
+        now = time.perf_counter() - start
+        for rid in ids:
+            r = engine._requests.get(rid)
+            if rid not in first and (r is None or r.output):
+                first[rid] = now
+        for f in finished:
+            done[f.request_id] = now
+        if kv_probe is not None and not kv_probe and len(first) == len(ids):
+            kv_probe.append(engine.kv_held())
+    return ids, first, done, time.perf_counter() - start
+
+
+def random_ouro(layers: int | None, block_size: int):
+    """Ouro-1.4B shapes with random bf16 weights on the GPU (no download), and the
+    matching support request."""
+    from flashloop_backend.host.model import OuroModel
+
+    device = require_cuda()
+    cfg = ouro_1p4b_shapes(layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = OuroModel(cfg).to(torch.bfloat16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    request = SupportRequest("cuda", torch.bfloat16, cfg.head_dim, block_size,
+                             cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
+    return model, request
+
+
+def graph_variant(name: str, concurrency: int, max_context: int):
+    """(backend name, GraphSettings or None) of a benchmark entry: ``name+graphs`` captures
+    buckets of powers of two up to ``concurrency`` for contexts up to ``max_context``."""
+    from flashloop_backend.host.graphs import GraphSettings
+
+    base, _, suffix = name.partition("+")
+    if suffix not in ("", "graphs"):
+        raise ConfigError(f"benchmark entry {name!r}: the only suffix is '+graphs'")
+    if not suffix:
+        return base, None
+    buckets = tuple(2**i for i in range(math.ceil(math.log2(max(1, concurrency))) + 1))
+    return base, GraphSettings(buckets=buckets, max_context=max_context)
+
+
+def bench_end_to_end(
+    backends: list[str],
+    context: int,
+    concurrency: int,
+    new_tokens: int = 16,
+    layers: int | None = None,
+    prefill_chunk: int = 2048,
+    block_size: int = 16,
+    log=print,
+    config: FlashLoopConfig | None = None,
+    max_batch_tokens: int | None = None,
+    warmup_context: int | None = None,
+) -> dict:
+    """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
+    random weights (no download). Decode rows advance one loop per host step. ``config``
+    applies to the ``flashloop`` backend; every other backend runs dense. A name ending in
+    ``+graphs`` (``flashloop+graphs``) runs decode-only steps from CUDA graphs, its kernels
+    chosen with the ``cuda_graphs`` capability. Prefill speedups are against the first
+    backend, measured in the same process. ``max_batch_tokens`` defaults to one prefill chunk
+    per request: every prompt prefills in the same steps, so decode starts in lockstep and
+    TPOT is the decode of ``concurrency`` rows, not decode interleaved with other prefills.
+    The untimed warm-up pass uses ``warmup_context``-token prompts (default: ``context``):
+    it compiles kernels and captures graphs, whose shapes do not depend on prompt length."""
+    from flashloop_backend.host.engine import Engine
+
+    for name, value in (("max_batch_tokens", max_batch_tokens), ("warmup_context", warmup_context)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1 (or left unset for the default)")
+    max_batch_tokens = max_batch_tokens or concurrency * prefill_chunk
+
+    model, request = random_ouro(layers, block_size)
+    cfg = model.config
+    registry = Registry.discover()
+    tokens_per_request = context + new_tokens
+    num_blocks = concurrency * math.ceil(tokens_per_request / block_size) * cfg.total_ut_steps + 8
+    prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
+    warm_prompts = [p[: warmup_context or context] for p in prompts]
+    results = {}
+    for name in backends:
+        base, graphs = graph_variant(name, concurrency, tokens_per_request)
+        effective = (config or FlashLoopConfig()) if base == "flashloop" else FlashLoopConfig()
+        wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
+        backend = registry.create(base, wanted, effective)
+        engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
+                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+                        cuda_graphs=graphs, max_context=tokens_per_request)  # fmt: skip
+        # an untimed pass of the same workload first: Triton and FlashInfer compile on first
+        # use, and a compile inside TTFT would say nothing about serving
+        *_, warm_s = _timed_workload(engine, warm_prompts, new_tokens)
+        log(f"  e2e {name} ctx={context} conc={concurrency}: warm-up pass {warm_s:.1f} s")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        warm_steps = engine.steps
+        if engine.graphs is not None:
+            engine.graphs.time_replays()
+        probe: list[tuple[int, int]] = []
+        ids, first, done, total = _timed_workload(engine, prompts, new_tokens, probe)
+        ttft = [first[i] for i in ids]
+        tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
+        results[name] = {
+            "prefill_latency_s": max(ttft), "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
+            "tpot_ms": {"median": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
+            "throughput_tokens_s": concurrency * new_tokens / total, "total_s": total, "host_steps": engine.steps - warm_steps,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
+            # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
+            "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
+            "config_digest": resolve(effective, base, wanted, registry).digest(),
+            "graphs": engine.graphs.stats() if engine.graphs else None,
+            "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
+            "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)
+            if backends[0] in results else 1.0,
+        }  # fmt: skip
+        log(f"  e2e {name} ctx={context} conc={concurrency}: TTFT {statistics.median(ttft):.3f} s, "
+            f"TPOT {results[name]['tpot_ms']['median']:.1f} ms, {results[name]['throughput_tokens_s']:.1f} tok/s")  # fmt: skip
+        del engine, backend
+        gc.collect()  # the engine and its graph runner reference each other: free the caches now
+        torch.cuda.empty_cache()
+    return {
+        "kind": "end_to_end_host", "environment": environment_record(),
+        "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
+        "context": context, "concurrency": concurrency, "new_tokens": new_tokens, "prefill_chunk": prefill_chunk,
+        "max_batch_tokens": max_batch_tokens, "warmup_context": warmup_context or context, "method": "timed pass after an untimed warm-up pass (prompts cut to warmup_context) per backend, same process",
+        "config": (config or FlashLoopConfig()).model_dump(mode="json"), "results": results,
+    }  # fmt: skip

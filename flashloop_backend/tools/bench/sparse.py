@@ -1,0 +1,127 @@
+"""``bench sparse``: the sparse-decode ops (loop-2 source with statistics, loop 3-4
+correction) against a dense decode of the same rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.config import FlashLoopConfig
+from flashloop_backend.registry import Registry, resolve
+from flashloop_backend.tools.bench.timing import (
+    eager_ms,
+    environment_record,
+    graph_ms,
+    require_cuda,
+)
+
+
+def _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket) -> dict:
+    """Side-by-side timings of the dense-source designs and of plain Triton decode."""
+    from flashloop_backend.kernels.triton import dense_source as designs
+    from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
+
+    split = designs.SelectTuning(split_min_span=0)  # the split design at every span
+
+    timed = {
+        "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
+        "radix_select": lambda: designs.dense_source_triton(
+            q, kc, vc, tables, lengths, ratio, bucket
+        ),
+        "split_select": lambda: designs.dense_source_triton(
+            q, kc, vc, tables, lengths, ratio, bucket, tuning=split
+        ),
+        "torch_topk": lambda: designs.dense_source_torch_topk(
+            q, kc, vc, tables, lengths, ratio, bucket
+        ),
+    }
+    result = {}
+    for name, fn in timed.items():
+        try:
+            result[name] = graph_ms(fn)
+        except Exception as exc:  # recorded, not fatal: one design failing keeps the others
+            torch.cuda.synchronize()
+            result[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return result
+
+
+def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
+    from flashloop_backend.backends.sparse_state import key_bucket
+    from flashloop_backend.kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+    from flashloop_backend.kernels.ops import OpName
+
+    heads, dim, bs, dtype = 16, 128, 16, torch.bfloat16
+    source_fn = backend.kernels[OpName.DENSE_SOURCE].impl.fn
+    correct_fn = backend.kernels[OpName.SPARSE_CORRECTION].impl.fn
+    pages = math.ceil(ctx / bs)
+    shape = (conc * pages, bs, heads, dim)
+    kc = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    vc = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    tables = torch.randperm(conc * pages, device="cuda", generator=gen).int().reshape(conc, pages)
+    lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(conc, heads, dim, device="cuda", dtype=dtype, generator=gen)
+    bucket = key_bucket(ratio, ctx)
+    paged_attention_flashinfer(q, kc, vc, tables, lengths)
+    wrapper = _INSTANCES[q.device].decode
+    dense_ms = graph_ms(lambda: wrapper.run(q, (kc, vc)))
+    _, idx, mass, ref_out, contribution = source_fn(q, kc, vc, tables, lengths, ratio, bucket)
+    correct_ms = graph_ms(lambda: correct_fn(q, kc, vc, tables, idx, mass, ref_out, contribution))
+
+    def source():
+        return source_fn(q, kc, vc, tables, lengths, ratio, bucket)
+
+    try:
+        source_ms, source_mode = graph_ms(source), "graph"
+    except Exception:  # an implementation that cannot be captured is timed eagerly
+        torch.cuda.synchronize()
+        source_ms, source_mode = eager_ms(source, reps=5, calls=1), "eager"
+    designs = _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket)
+    # with unchanged K/V the correction must give back the dense output exactly
+    dense_out = wrapper.run(q, (kc, vc)).float()
+    self_check = correct_fn(q, kc, vc, tables, idx, mass, ref_out, contribution).float()
+    self_check_error = (self_check - dense_out).abs().max().item()
+    selected_bytes = conc * heads * bucket * dim * 2 * 2 + idx.numel() * 4
+    return {
+        "context": ctx, "concurrency": conc, "ratio": ratio, "key_bucket": bucket,
+        "dense_flashinfer_ms": dense_ms,
+        "sparse_correction_ms": correct_ms,
+        "sparse_correction_speedup": dense_ms / correct_ms,
+        "sparse_correction_tb_s": selected_bytes / (correct_ms / 1e3) / 1e12,
+        "dense_source_ms": source_ms, "dense_source_timing": source_mode,
+        "dense_source_vs_dense": source_ms / dense_ms,
+        "dense_source_impl": backend.kernels[OpName.DENSE_SOURCE].provider.name,
+        "dense_source_designs_ms": designs,
+        "correction_vs_dense_max_abs_error": self_check_error,
+        "sparse_correction_impl": backend.kernels[OpName.SPARSE_CORRECTION].provider.name,
+        # loop 1 dense, loop 2 the dense source, loops 3 and 4 the correction
+        "four_loop_speedup": 4 * dense_ms / (dense_ms + source_ms + 2 * correct_ms),
+    }  # fmt: skip
+
+
+def bench_sparse_decode(
+    contexts: list[int], concurrency: list[int], ratio: float = 0.10, log=print
+) -> dict:
+    """Sparse decode per layer call vs FlashInfer dense decode of the same rows: the loop-3/4
+    sparse correction, the loop-2 dense source with statistics (each as the registry selects
+    it), and the 4-loop sum (2 dense + source + 2 corrections)."""
+    require_cuda()
+    registry = Registry.discover()
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": ratio})
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 16, 16)
+    backend = registry.create("flashloop", request, config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for ctx in contexts:
+        for conc in concurrency:
+            row = _sparse_case(ctx, conc, ratio, backend, gen)
+            cases.append(row)
+            log(f"  sparse ctx={ctx} conc={conc}: dense {row['dense_flashinfer_ms'] * 1e3:.1f} us, correction "
+                f"{row['sparse_correction_ms'] * 1e3:.1f} us (x{row['sparse_correction_speedup']:.2f}), source "
+                f"{row['dense_source_ms'] * 1e3:.1f} us ({row['dense_source_timing']}), 4-loop x{row['four_loop_speedup']:.2f}")  # fmt: skip
+            torch.cuda.empty_cache()
+    return {"kind": "sparse_decode_per_layer", "environment": environment_record(), "ratio": ratio,
+            "shapes": {"heads": 16, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
+            "method": "CUDA-graph replay medians (30 x 10 calls); states from the selected dense_source",
+            "config_digest": resolve(config, "flashloop", request, registry).digest(), "cases": cases}  # fmt: skip
