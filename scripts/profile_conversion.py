@@ -1,14 +1,15 @@
-"""Where a prompt's conversion to packed INT4 spends its time: ``PackedState.pack_prompt`` on one
-request's BF16 KV (every layer and depth, dense levels), timed per chunk size, then one
-conversion under torch.profiler (top ops and the number of device launches).
+"""Where a prompt's conversion to packed INT4 spends its time: ``PackedState.pack_prompt``
+on one request's BF16 KV (every layer and depth, dense levels), timed per chunk size, then
+one conversion under torch.profiler (top ops and the number of device launches).
 
     python3 scripts/profile_conversion.py --context 8192 --layers 6 --chunks 4096,0 \
         --layers-per-pass 1,6
 
 Ouro-1.4B attention shapes by default (16 KV heads, head_dim 128, group 64). Chunk 0
 converts the whole prompt at once; layers per pass: how many layers the store encodes
-together (fewer launches, more FP32 scratch; the pages are the same). On a GPU the quantizer is the Triton kernel the backend
-registers; on CPU the torch reference (tiny shapes: a smoke run)."""
+together (fewer launches, more FP32 scratch; the pages are the same). On a GPU the
+quantizer is the Triton kernel the backend registers; on CPU the torch reference (tiny
+shapes: a smoke run)."""
 
 import argparse
 import json
@@ -28,12 +29,28 @@ DEPTHS, BLOCK = 4, 16
 
 def _setup(args, device, layers_per_pass: int = 1):
     blocks = -(-args.context // BLOCK) * DEPTHS + 4
-    kv = PagedKVCache(blocks, args.layers, BLOCK, args.heads, args.head_dim, DEPTHS, torch.bfloat16, device)  # fmt: skip
+    kv = PagedKVCache(
+        blocks,
+        num_layers=args.layers,
+        block_size=BLOCK,
+        num_kv_heads=args.heads,
+        head_dim=args.head_dim,
+        num_depths=DEPTHS,
+        dtype=torch.bfloat16,
+        device=device,
+    )
     kv.key_pool.normal_()
     kv.value_pool.normal_()
     pages = -(-args.context // args.group) * DEPTHS + 4
-    store = PackedKVStore(pages, args.layers, args.heads, args.head_dim, args.group, device,
-                          layers_per_pass=layers_per_pass)  # fmt: skip
+    store = PackedKVStore(
+        pages,
+        num_layers=args.layers,
+        kv_heads=args.heads,
+        head_dim=args.head_dim,
+        group_size=args.group,
+        device=device,
+        layers_per_pass=layers_per_pass,
+    )
     if device.type == "cuda":
         from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
     else:
@@ -72,18 +89,30 @@ def main() -> int:
     passes_list = [int(n) for n in args.layers_per_pass.split(",")]
     bad = [c for c in chunks if c < 0 or c % args.group]
     if bad or args.context % args.group:
-        parser.error(f"--chunks {bad} and --context {args.context} must be multiples of --group {args.group}")  # fmt: skip
+        parser.error(
+            f"--chunks {bad} and --context {args.context} must be multiples of --group {args.group}"
+        )
     device = torch.device(args.device)
     _convert(args, device, chunks[0])  # compiles the quantizer
-    record = {"context": args.context, "layers": args.layers, "kv_heads": args.heads,
-              "head_dim": args.head_dim, "group": args.group, "device": str(device), "seconds": {}}  # fmt: skip
+    record = {
+        "context": args.context,
+        "layers": args.layers,
+        "kv_heads": args.heads,
+        "head_dim": args.head_dim,
+        "group": args.group,
+        "device": str(device),
+        "seconds": {},
+    }
     for passes in passes_list:
         for chunk in chunks:
             times = [_convert(args, device, chunk, passes) for _ in range(args.repeats)]
             key = f"chunk_{chunk or 'whole'}_layers_{passes}"
             record["seconds"][key] = sorted(times)[len(times) // 2]
-            print(f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
-                  f"{args.layers} layers x {DEPTHS} depths)", file=sys.stderr)  # fmt: skip
+            print(
+                f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
+                f"{args.layers} layers x {DEPTHS} depths)",
+                file=sys.stderr,
+            )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -93,7 +122,9 @@ def main() -> int:
             _convert(args, device, chunks[0], passes)
         events = prof.key_averages()
         record["aten_calls"][passes] = sum(e.count for e in events if e.key.startswith("aten::"))
-        record["device_launches"][passes] = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # fmt: skip
+        cuda = torch.autograd.DeviceType.CUDA
+        on_device = [e for e in events if getattr(e, "device_type", None) == cuda]
+        record["device_launches"][passes] = sum(e.count for e in on_device)
         print(f"layers per pass {passes}, chunk {chunks[0] or 'whole'}:")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(events.table(sort_by=sort, row_limit=args.rows))

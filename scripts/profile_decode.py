@@ -20,11 +20,20 @@ from flashloop_backend.tools.bench.e2e import random_ouro
 
 
 def _engine(args, model, request):
-    config = FlashLoopConfig.from_dict(json.load(open(args.config))) if args.config else FlashLoopConfig()  # fmt: skip
+    config = FlashLoopConfig()
+    if args.config:
+        config = FlashLoopConfig.from_dict(json.load(open(args.config)))
     backend = Registry.discover().create(args.backend, request, config)
     blocks = args.concurrency * (-(-(args.context + 64) // 16)) * model.config.total_ut_steps + 8
-    return Engine(model, backend, num_blocks=blocks, block_size=16, prefill_chunk=2048,
-                  max_batch_tokens=2048 * args.concurrency, max_context=args.context + 64)  # fmt: skip
+    return Engine(
+        model,
+        backend,
+        num_blocks=blocks,
+        block_size=16,
+        prefill_chunk=2048,
+        max_batch_tokens=2048 * args.concurrency,
+        max_context=args.context + 64,
+    )
 
 
 def main() -> int:
@@ -40,12 +49,14 @@ def main() -> int:
     model, request = random_ouro(args.layers, 16)
     engine = _engine(args, model, request)
     params = SamplingParams(max_new_tokens=4 + args.steps // 4, ignore_eos=True)
-    prompts = [torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
-               for _ in range(args.concurrency)]  # fmt: skip
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
+        for _ in range(args.concurrency)
+    ]
     engine.generate([p[:2048] for p in prompts], params)  # compiles every kernel
     for p in prompts:
         engine.add_request(p, params)
-    while any(r.phase != "decode" for r in engine._requests.values()):
+    while engine.counters()["prompts_running"]:  # until every request decodes
         engine.step()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -53,8 +64,11 @@ def main() -> int:
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    print(f"{args.backend} {args.config or 'dense'} ctx={args.context} conc={args.concurrency} "
-          f"layers={args.layers}: {args.steps} decode steps", file=sys.stderr)  # fmt: skip
+    print(
+        f"{args.backend} {args.config or 'dense'} ctx={args.context} conc={args.concurrency} "
+        f"layers={args.layers}: {args.steps} decode steps",
+        file=sys.stderr,
+    )
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     return 0
 

@@ -22,8 +22,16 @@ subsets = {
     "dense": torch.arange(context, device="cuda"),
     "0.25": windowed_subset(context, 0.25, gen),
 }
-for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-                              (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)]:  # fmt: skip
+SHAPES = [  # (block_m, block_n, warps, stages)
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 32, 4, 3),
+    (64, 32, 4, 3),
+    (128, 128, 8, 2),
+]
+for bm, bn, warps, stages in SHAPES:
     tuning = PrefillTuning(bm, bn, warps, stages)
     row = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages}
     for name, subset in subsets.items():

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from flashloop_backend.kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer, planned_wrapper
 from flashloop_backend.kernels.triton.paged_decode import DecodeTuning, paged_attention_triton
 
 SHAPES = [(32768, 16), (32768, 1), (8192, 16), (8192, 1), (1024, 16)]
@@ -47,7 +47,7 @@ def sweep_shape(ctx: int, conc: int, variants: list[DecodeTuning], gen: torch.Ge
     lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(conc, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = paged_attention_flashinfer(q, *caches[0], tables, lengths)
-    wrapper = _INSTANCES[q.device].decode
+    wrapper = planned_wrapper(q.device)
     base = timed(lambda k, v: wrapper.run(q, (k, v)), caches)
     rows = []
     for tune in variants:

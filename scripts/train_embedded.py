@@ -2,7 +2,9 @@
 byte-level vocabulary) with Ouro's stage-I objective, on the Python standard library's
 source (held out by file) plus synthetic passkey sequences.
 
-Run on the H200 (about 7 minutes):
+Run on a GPU (``--seconds`` bounds the training loop; the embedded model's own run is
+results/embedded_train_h200.log, and flashloop_backend/models/ouro-tiny-bytes/MODEL_CARD.md
+describes it):
     python3 scripts/train_embedded.py --out $OUT --seconds 390
 Writes config.json, model.safetensors, tokenizer.json, metrics.json and MODEL_CARD.md.
 """
@@ -27,7 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 from flashloop_backend.host.config import OuroConfig  # noqa: E402
 from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
-from flashloop_backend.host.model import OuroModel, apply_rope, exit_distribution, rope_cos_sin  # noqa: E402
+from flashloop_backend.host.model import (  # noqa: E402
+    OuroModel,
+    apply_rope,
+    exit_distribution,
+    rope_cos_sin,
+)
 from flashloop_backend.host.tokenizer import build_byte_tokenizer  # noqa: E402
 from flashloop_backend.tools.paths import record_path  # noqa: E402
 
@@ -166,14 +173,24 @@ def main() -> None:
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = OuroConfig(
-        hidden_size=256, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-        head_dim=128, intermediate_size=704, vocab_size=258, rope_theta=10000.0,
-        total_ut_steps=4, max_position_embeddings=4096, early_exit_threshold=1.0,
-        bos_token_id=BOS, eos_token_id=EOS,
-    )  # fmt: skip
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=704,
+        vocab_size=258,
+        rope_theta=10000.0,
+        total_ut_steps=4,
+        max_position_embeddings=4096,
+        early_exit_threshold=1.0,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
     train_np, held_np, n_files, n_held = corpus(held_out_percent=5)
     print(
-        f"corpus: {n_files} files, train {len(train_np) / 1e6:.1f} MB, held-out {len(held_np) / 1e6:.2f} MB ({n_held} files)"
+        f"corpus: {n_files} files, train {len(train_np) / 1e6:.1f} MB, "
+        f"held-out {len(held_np) / 1e6:.2f} MB ({n_held} files)"
     )
     train = torch.tensor(train_np, device=device)
     held = torch.tensor(held_np, device=device)
@@ -214,8 +231,14 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 200 == 0:
-            row = {"step": step, "seconds": round(elapsed, 1), "lr": lr, "loss": loss.item(),
-                   "per_loop": [round(x, 4) for x in per_loop.tolist()], "exit_entropy": entropy.item()}  # fmt: skip
+            row = {
+                "step": step,
+                "seconds": round(elapsed, 1),
+                "lr": lr,
+                "loss": loss.item(),
+                "per_loop": [round(x, 4) for x in per_loop.tolist()],
+                "exit_entropy": entropy.item(),
+            }
             log.append(row)
             print(json.dumps(row), flush=True)
         step += 1
@@ -227,13 +250,22 @@ def main() -> None:
         metrics = analyse(model, held_tokens)
         metrics["passkey_accuracy"] = passkey_accuracy(model, held_np, device, args.seed + 2)
     metrics.update(
-        steps=step, seconds=round(time.time() - start, 1), seed=args.seed,
+        steps=step,
+        seconds=round(time.time() - start, 1),
+        seed=args.seed,
         args={**vars(args), "out": record_path(args.out)},
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        corpus={"files": n_files, "held_out_files": n_held, "train_bytes": len(train_np), "held_out_bytes": len(held_np),
-                "source": f"Python {sys.version.split()[0]} standard library (*.py), held out by sha256(path) % 100 < 5"},
-        params=sum(p.numel() for p in model.parameters()), log=log,
-    )  # fmt: skip
+        corpus={
+            "files": n_files,
+            "held_out_files": n_held,
+            "train_bytes": len(train_np),
+            "held_out_bytes": len(held_np),
+            "source": f"Python {sys.version.split()[0]} standard library (*.py), "
+            "held out by sha256(path) % 100 < 5",
+        },
+        params=sum(p.numel() for p in model.parameters()),
+        log=log,
+    )
     out = Path(args.out)
     save_checkpoint(model, out, dtype=torch.bfloat16)
     build_byte_tokenizer().save(str(out / "tokenizer.json"))

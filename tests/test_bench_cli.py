@@ -18,7 +18,7 @@ def cli(*args):
         (("bench", "kernel", "--contexts", "0,5"), "must list positive integers"),
         (("bench", "kernel", "--concurrency", "a"), "not a comma-separated list"),
         (("bench", "fast"), "invalid choice"),
-        (("bench", "prefill", "--retentions", "0.5,1.5"), "must list ratios in (0, 1]"),
+        (("bench", "prefill", "--retention", "0.5,1.5"), "must list retention values in (0, 1]"),
         (("bench", "e2e", "--config", "/nonexistent.json"), "/nonexistent.json"),
         (("bench", "kernel", "--backends", "triton+graphs"), "apply to e2e and serving only"),
         (("bench", "serving"), "--config must enable at least one"),

@@ -30,8 +30,9 @@ class Spy:
 def _backend():
     decode, prefill = Spy(), Spy()
     impl = KernelImpl(OpName.DENSE_ATTENTION, decode, SUPPORT)
+    prefill_impl = KernelImpl(OpName.DENSE_PREFILL, prefill, SUPPORT)
     info = SelectionInfo("test", "test", "test")
-    return DenseBackend(impl, prefill, frozenset(), info), decode, prefill
+    return DenseBackend(impl, prefill_impl, frozenset(), info), decode, prefill
 
 
 def _mixed_view(rng, decode_only=False, decode_bound=None):

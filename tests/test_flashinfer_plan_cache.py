@@ -1,6 +1,7 @@
 """The FlashInfer adapter's plan reuse, on CPU with a stand-in for the FlashInfer wrapper:
 a plan is reused for the same unmodified tensors or equal contents, never for changed ones."""
 
+import pytest
 import torch
 
 from flashloop_backend.kernels.flashinfer import FlashInferPagedAttention
@@ -66,3 +67,19 @@ def test_plan_sequences_splits_rows_whose_lengths_do_not_continue():
     tables = torch.tensor([[3, 5], [3, 5]], dtype=torch.int32)
     qo, *_ = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)
     assert qo.tolist() == [0, 1, 2]  # two decode rows of one table at the same position
+
+
+def test_planned_wrapper_is_the_wrapper_the_last_call_planned(monkeypatch):
+    """Benchmarks time FlashInfer's kernel alone through ``planned_wrapper``: the wrapper of
+    the device's last planned call, and a LookupError before any call planned there."""
+    from flashloop_backend.kernels import flashinfer
+
+    device = torch.device("cpu")
+    adapter = _adapter([])
+    monkeypatch.setattr(flashinfer, "_INSTANCES", {device: adapter})
+    with pytest.raises(LookupError, match="no paged_attention_flashinfer call"):
+        flashinfer.planned_wrapper(device)
+    q, cache = torch.randn(2, 2, 16), torch.randn(4, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    flashinfer.paged_attention_flashinfer(q, cache, cache, tables, torch.tensor([20, 30]).int())
+    assert flashinfer.planned_wrapper(device) is adapter.decode

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashloop_backend.kernels import KernelProvider, OpName
+from flashloop_backend.kernels import KernelProvider, OpName, PagedInputs
 from flashloop_backend.kernels.torch_ref.paged import paged_attention
 
 try:
@@ -52,11 +52,12 @@ def _paged_inputs() -> tuple[torch.Tensor, ...]:
 
 
 def _check_provider(provider: KernelProvider) -> None:
-    """A provider a block builds serves its paged ops by the op protocol's contract."""
+    """A provider a block builds serves its paged ops by the op protocol's contract, called
+    as the backend calls it: through the impl with the op's inputs."""
     inputs = _paged_inputs()
     for op, impl in provider.impls.items():
         if op in PAGED_OPS:
-            torch.testing.assert_close(impl.fn(*inputs), paged_attention(*inputs))
+            torch.testing.assert_close(impl(PagedInputs(*inputs)), paged_attention(*inputs))
 
 
 def run_python_block(code: str, name: str) -> dict:

@@ -17,7 +17,7 @@ def test_rfc_worked_example():
     q = torch.ones(1, 1)
     k = _logit_keys([0.1, 0.3, 0.6])
     v = torch.tensor([10.0, 20.0, 30.0]).reshape(3, 1, 1)
-    state = sparse_reference_state(q, k, v, ratio=2 / 3, scale=1.0)
+    state = sparse_reference_state(q, k, v, key_retention=2 / 3, scale=1.0)
     assert state.indices.tolist() == [[2, 1]]  # the two most probable keys
     assert state.mass.item() == pytest.approx(0.9)
     assert state.output.item() == pytest.approx(25.0)
@@ -36,7 +36,7 @@ def test_full_retention_equals_dense_attention(rng):
         torch.randn(9, 4, 16, generator=rng),
         torch.randn(9, 4, 16, generator=rng),
     )
-    state = sparse_reference_state(q, k, v, ratio=1.0)
+    state = sparse_reference_state(q, k, v, key_retention=1.0)
     assert state.mass.tolist() == pytest.approx([1.0] * 4)
     k2, v2 = torch.randn(9, 4, 16, generator=rng), torch.randn(9, 4, 16, generator=rng)
     dense = torch.softmax(torch.einsum("hd,thd->ht", q, k2) / 4.0, -1)
@@ -51,21 +51,21 @@ def test_heads_select_independently_and_current_token_can_rank(rng):
     q[0, 0], q[1, 0] = 1.0, -1.0
     k = torch.tensor([3.0, 0.0, 0.0, -3.0]).reshape(4, 1, 1).expand(4, 2, 1).contiguous()
     v = torch.arange(4.0).reshape(4, 1, 1).expand(4, 2, 1).contiguous()
-    state = sparse_reference_state(q, k, v, ratio=0.25, scale=1.0)
+    state = sparse_reference_state(q, k, v, key_retention=0.25, scale=1.0)
     assert state.indices.tolist() == [[0], [3]]  # head 1 picks the last (current) token
 
 
 def test_ties_go_to_the_earlier_position():
     q = torch.ones(1, 1)
     k = torch.zeros(5, 1, 1)  # all probabilities equal
-    state = sparse_reference_state(q, k, torch.randn(5, 1, 1), ratio=0.4, scale=1.0)
+    state = sparse_reference_state(q, k, torch.randn(5, 1, 1), key_retention=0.4, scale=1.0)
     assert state.indices.tolist() == [[0, 1]]
 
 
 def test_gqa_and_counts(rng):
     q = torch.randn(4, 8, generator=rng)
     k, v = torch.randn(20, 2, 8, generator=rng), torch.randn(20, 2, 8, generator=rng)
-    state = sparse_reference_state(q, k, v, ratio=0.1)
+    state = sparse_reference_state(q, k, v, key_retention=0.1)
     assert state.indices.shape == (4, 2)
     assert (state.mass > 0).all() and (state.mass <= 1).all()
     assert (
@@ -74,5 +74,5 @@ def test_gqa_and_counts(rng):
     assert selected_count(0.1, 30) == 3  # 0.1 * 30 is 3.0000000000000004 in binary: still 3
     with pytest.raises(ValueError, match=r"query heads \(3\)"):
         sparse_reference_state(torch.randn(3, 8), k, v)
-    with pytest.raises(ValueError, match="ratio=0"):
+    with pytest.raises(ValueError, match="key_retention=0"):
         selected_count(0, 5)

@@ -25,8 +25,10 @@ PROMPTS = [
 ]
 
 
-def sparse_config(ratio):
-    return FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": ratio})
+def sparse_config(key_retention):
+    return FlashLoopConfig(
+        sparse_decode_attention={"enabled": True, "key_retention": key_retention}
+    )
 
 
 def _pages(rng):
@@ -113,12 +115,14 @@ def _engine(model, config, **kwargs):
     return Engine(model, backend, num_blocks=128, block_size=4, **kwargs), backend
 
 
-@pytest.mark.parametrize("ratio", [0.1, 0.3])
-def test_host_matches_naive_sparse_algorithm(ratio):
+@pytest.mark.parametrize("key_retention", [0.1, 0.3])
+def test_host_matches_naive_sparse_algorithm(key_retention):
     model = tiny_model(seed=1)
-    naive = NaiveOuro(model.config, dict(model.state_dict()), sparse_ratio=ratio)
+    naive = NaiveOuro(model.config, dict(model.state_dict()), key_retention=key_retention)
     params = [SamplingParams(max_new_tokens=n) for n in (8, 5, 6)]
-    engine, backend = _engine(model, sparse_config(ratio), prefill_chunk=5, max_batch_tokens=7)
+    engine, backend = _engine(
+        model, sparse_config(key_retention), prefill_chunk=5, max_batch_tokens=7
+    )
     results = engine.generate(PROMPTS, params)  # mixed batches: rows at different depths
     for prompt, p, result in zip(PROMPTS, params, results, strict=True):
         assert result.output_token_ids == naive.generate(prompt, p.max_new_tokens)[0]

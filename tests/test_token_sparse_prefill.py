@@ -182,7 +182,7 @@ def test_with_sparse_decode_matches_naive():
     naive = NaiveOuro(
         model.config,
         dict(model.state_dict()),
-        sparse_ratio=0.2,
+        key_retention=0.2,
         token_sparsity=config.token_sparse_prefill,
     )
     result = _engine(model, config).generate([PROMPT], SamplingParams(max_new_tokens=6))[0]

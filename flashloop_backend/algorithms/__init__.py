@@ -14,7 +14,7 @@ from flashloop_backend.algorithms.int4 import (
 )
 from flashloop_backend.algorithms.sparse_decode import (
     SparseReferenceState,
-    ratio_fraction,
+    key_retention_fraction,
     selected_count,
     sparse_correct,
     sparse_reference_state,
@@ -34,8 +34,8 @@ __all__ = [
     "dequantize_int4",
     "encode_compact_chain",
     "encode_residual_chain",
+    "key_retention_fraction",
     "quantize_int4",
-    "ratio_fraction",
     "reconstruct",
     "reconstruct_compact",
     "retention_budget",

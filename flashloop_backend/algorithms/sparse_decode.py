@@ -28,20 +28,20 @@ class SparseReferenceState:
     contribution: torch.Tensor
 
 
-def ratio_fraction(ratio: float) -> tuple[int, int]:
-    """The retention ratio as the nearest fraction num/den with den <= 10^6: the form every
+def key_retention_fraction(key_retention: float) -> tuple[int, int]:
+    """``key_retention`` as the nearest fraction (num, den) with den <= 10^6: the form every
     K computation uses, so Python, torch and Triton agree exactly (0.1 * 30 is 3, never
     3.0000000000000004, and 2/3 stays 2/3)."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio={ratio!r} must be in (0, 1]")
-    fraction = Fraction(ratio).limit_denominator(1_000_000)
+    if not 0 < key_retention <= 1:
+        raise ValueError(f"key_retention={key_retention!r} must be in (0, 1]")
+    fraction = Fraction(key_retention).limit_denominator(1_000_000)
     return max(1, fraction.numerator), fraction.denominator
 
 
-def selected_count(ratio: float, visible: int) -> int:
-    """K = max(1, ceil(ratio * T)) (DESIGN §4), never more than T, in integer arithmetic on
-    :func:`ratio_fraction`."""
-    num, den = ratio_fraction(ratio)
+def selected_count(key_retention: float, visible: int) -> int:
+    """K = max(1, ceil(key_retention * T)) (DESIGN §4), never more than T, in integer
+    arithmetic on :func:`key_retention_fraction`."""
+    num, den = key_retention_fraction(key_retention)
     return min(visible, max(1, -(-visible * num // den)))
 
 
@@ -59,12 +59,12 @@ def sparse_reference_state(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    ratio: float = 0.10,
+    key_retention: float = 0.10,
     scale: float | None = None,
 ) -> SparseReferenceState:
     """Full attention of one query row (q [H, D] over k/v [T, Hkv, D]) plus the selection
-    statistics: per head the K = max(1, ceil(ratio * T)) keys of highest probability (ties
-    go to the earlier position), their mass, and their weighted value contribution."""
+    statistics: per head the K = max(1, ceil(key_retention * T)) keys of highest probability
+    (ties go to the earlier position), their mass, and their weighted value contribution."""
     if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"expected q [H, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -72,7 +72,7 @@ def sparse_reference_state(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     keys, values = _per_query_head(q, k), _per_query_head(q, v)  # [T, H, D]
     probs = torch.softmax(torch.einsum("hd,thd->ht", q.float(), keys) * scale, dim=-1)  # [H, T]
-    count = selected_count(ratio, k.shape[0])
+    count = selected_count(key_retention, k.shape[0])
     order = torch.sort(-probs, dim=-1, stable=True).indices  # stable: earlier position wins ties
     indices = order[:, :count]
     chosen = torch.gather(probs, 1, indices)  # [H, K]

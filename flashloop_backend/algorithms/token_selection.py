@@ -62,7 +62,8 @@ def window_budgets(eligible: torch.Tensor, ratio: float, window_size: int) -> to
 def select_in_windows(
     scores: torch.Tensor, eligible: torch.Tensor, ratio: float, window_size: int
 ) -> torch.Tensor:
-    """[T] bool next active set: per window, the budgeted top eligible scores (earlier wins ties)."""
+    """[T] bool next active set: per window, the budgeted top eligible scores (the earlier
+    position wins ties)."""
     length = scores.shape[0]
     if ratio >= 1.0:
         return eligible.clone()

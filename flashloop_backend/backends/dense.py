@@ -23,7 +23,7 @@ from flashloop_backend.capabilities import (
 )
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import BatchView, RowMode
-from flashloop_backend.kernels.ops import KernelImpl, OpName, PagedAttention
+from flashloop_backend.kernels.ops import KernelImpl, OpName, PagedInputs
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class DenseBackendSpec(BackendSpec):
     ) -> DenseBackend:
         impl, _ = self._impl(registry)
         assert impl is not None  # not_supported_reasons ran first
-        prefill = self._prefill(registry, request).impl.fn
-        return DenseBackend(impl, prefill, impl.support.capabilities_on(request.device), info)
+        prefill_impl = self._prefill(registry, request).impl
+        return DenseBackend(impl, prefill_impl, impl.support.capabilities_on(request.device), info)
 
     def kernel_choices(
         self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
@@ -113,19 +113,21 @@ class DenseBackendSpec(BackendSpec):
 
 class DenseBackend(AttentionBackend):
     """Decode rows on one provider's ``dense_attention``, prefill rows on a ``dense_prefill``
-    kernel; no FlashLoop feature, so every host step but ``forward`` has nothing to do."""
+    kernel; no FlashLoop feature, so every host step but ``forward`` has nothing to do.
+    ``impl`` is the ``dense_attention`` implementation, ``prefill_impl`` the
+    ``dense_prefill`` one."""
 
     def __init__(
         self,
         impl: KernelImpl,
-        dense_prefill: PagedAttention,
+        prefill_impl: KernelImpl,
         capabilities: frozenset[Capability],
         info: SelectionInfo,
     ) -> None:
-        self.impl, self.capabilities, self.info = impl, capabilities, info
+        self.impl, self.prefill_impl = impl, prefill_impl
+        self.capabilities, self.info = capabilities, info
         self.config = FlashLoopConfig()
         self.dense_attention = impl.fn
-        self.dense_prefill = dense_prefill
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
@@ -153,16 +155,19 @@ class DenseBackend(AttentionBackend):
         tables, lengths = view.row_block_tables(), view.context_lengths
         decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
         prefill = modes == RowMode.PREFILL
-        if self.dense_prefill is self.dense_attention:  # one kernel serves both: one launch
-            rows = torch.where(decode | prefill, lengths, torch.zeros_like(lengths))
-            return self.dense_attention(q, key_cache, value_cache, tables, rows, scale)
+
+        def inputs(selected: torch.Tensor) -> PagedInputs:
+            """Every row, those outside ``selected`` [R] bool as padding (length 0)."""
+            masked = torch.where(selected, lengths, torch.zeros_like(lengths))
+            return PagedInputs(q, key_cache, value_cache, tables, masked, scale)
+
+        if self.prefill_impl.fn is self.impl.fn:  # one kernel serves both: one launch
+            return self.impl(inputs(decode | prefill))
         out = None
         if not view.decode_only:
-            rows = torch.where(prefill, lengths, torch.zeros_like(lengths))
-            out = self.dense_prefill(q, key_cache, value_cache, tables, rows, scale)
+            out = self.prefill_impl(inputs(prefill))
         if view.decode_bound != 0:
-            rows = torch.where(decode, lengths, torch.zeros_like(lengths))
-            dense = self.dense_attention(q, key_cache, value_cache, tables, rows, scale)
+            dense = self.impl(inputs(decode))
             out = dense if out is None else torch.where(decode[:, None, None], dense, out)
         return torch.zeros_like(q) if out is None else out
 

@@ -29,7 +29,14 @@ from flashloop_backend.dispatch import (
     routable_ops,
     with_references,
 )
-from flashloop_backend.kernels.ops import OpName
+from flashloop_backend.kernels.ops import (
+    CorrectionInputs,
+    OpName,
+    PackedKV,
+    PagedInputs,
+    SourceInputs,
+    over_packed,
+)
 from flashloop_backend.kv.store import PackedKVStore, encoding_descriptor
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
@@ -56,18 +63,12 @@ PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
 }
-# Ops whose call path this version of the backend drives.
+# Ops whose call path this version of the backend drives, by the inputs they take.
 PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL})
+SOURCE_OPS = frozenset({OpName.DENSE_SOURCE, OpName.PACKED_SOURCE})
+CORRECTION_OPS = frozenset({OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION})
 PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
-WIRED_OPS = (
-    PAGED_OPS
-    | PACKED_READ_OPS
-    | {
-        OpName.DENSE_SOURCE,
-        OpName.SPARSE_CORRECTION,
-        OpName.PACKED_KV_WRITE,
-    }
-)
+WIRED_OPS = PAGED_OPS | SOURCE_OPS | CORRECTION_OPS | PACKED_READ_OPS | {OpName.PACKED_KV_WRITE}
 
 
 class FlashLoopSpec(BackendSpec):
@@ -354,33 +355,62 @@ class FlashLoopBackend(AttentionBackend):
         prefill_ops = prefill_route_ops(self.config)
         launched = routable_ops(self.config, view.decode_only, view.decode_depths)
         bound = view.num_rows if view.decode_bound is None else view.decode_bound
+        key_retention = self.config.sparse_decode_attention.key_retention
         for op, choice in self.kernels.items():
             n = view.num_rows if op in prefill_ops else bound  # decode ops: the decode segment
             if op not in launched or n == 0:
                 continue
             mine = gathered_routes[:n] == ROUTE_CODES[op]
-            masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
-            memory = (key_cache, value_cache, tables[:n])
+            q_n, tables_n = gathered_q[:n], tables[:n]
+            if op in CORRECTION_OPS:
+                indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
+                # rows routed elsewhere may hold another token's state: they select nothing
+                indices = torch.where(mine[:, None, None], indices, -1)
+                inputs = CorrectionInputs(
+                    q_n,
+                    key_cache,
+                    value_cache,
+                    tables_n,
+                    indices,
+                    mass,
+                    ref_out,
+                    contribution,
+                    scale,
+                )
+            else:
+                masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
+                if op in SOURCE_OPS:
+                    inputs = SourceInputs(
+                        q_n,
+                        key_cache,
+                        value_cache,
+                        tables_n,
+                        masked,
+                        key_retention,
+                        states.k_bucket,
+                        scale,
+                    )
+                else:
+                    inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
             if op in PACKED_READ_OPS:
                 if meta is None:
                     raise RuntimeError(
                         "KV quantization needs reserve_packed(...) before the first forward"
                     )
-                memory = (self.packed.store, layer, meta.head(n), *memory)
-            q_n = gathered_q[:n]
-            if op in PAGED_OPS or op == OpName.PACKED_DECODE:
-                result = choice.impl.fn(q_n, *memory, masked, scale)
-            elif op in (OpName.DENSE_SOURCE, OpName.PACKED_SOURCE):
-                ratio = self.config.sparse_decode_attention.key_retention
-                result, *stats = choice.impl.fn(q_n, *memory, masked, ratio, states.k_bucket, scale)
-                states.write(layer, plan.slots[:n], plan.incarnations[:n], mine, *stats)
-            elif op in (OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION):
-                indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
-                # rows routed elsewhere may hold another token's state: they select nothing
-                indices = torch.where(mine[:, None, None], indices, -1)
-                result = choice.impl.fn(q_n, *memory, indices, mass, ref_out, contribution, scale)
-            else:
-                continue
+                inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
+            result = choice.impl(inputs)
+            if op in SOURCE_OPS:
+                states.write(
+                    layer,
+                    plan.slots[:n],
+                    plan.incarnations[:n],
+                    mine,
+                    result.indices,
+                    result.mass,
+                    result.output,
+                    result.contribution,
+                )
+                result = result.out
             out[:n] = torch.where(mine[:, None, None], result, out[:n])
         if states is not None:
             states.missing_reference += (plan.correctable & ~ready).sum()

@@ -19,9 +19,10 @@ from flashloop_backend.algorithms import selected_count
 EMPTY = -1
 
 
-def key_bucket(ratio: float, max_context: int) -> int:
-    """Selected-key capacity for contexts up to ``max_context``, rounded up to 16."""
-    return 16 * math.ceil(selected_count(ratio, max_context) / 16)
+def key_bucket(key_retention: float, max_context: int) -> int:
+    """Selected-key capacity (``k_bucket``) for contexts up to ``max_context`` at
+    ``key_retention``, rounded up to 16."""
+    return 16 * math.ceil(selected_count(key_retention, max_context) / 16)
 
 
 class ReferenceStates:

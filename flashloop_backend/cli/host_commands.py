@@ -101,28 +101,37 @@ def _setup(args: argparse.Namespace, log):
     device, dtype, config, model, tokenizer = _load(args)
     cfg = model.config
     request = SupportRequest(
-        device=device, dtype=dtype, head_dim=cfg.head_dim, block_size=args.block_size,
-        num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-    )  # fmt: skip
+        device=device,
+        dtype=dtype,
+        head_dim=cfg.head_dim,
+        block_size=args.block_size,
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+    )
     registry = Registry.discover()
     selection = registry.select_backend(args.backend, request, config)
     try:
         backend = selection.spec.create(request, config, registry, selection.info)
     except ValueError as exc:
         raise UnservableError(str(exc)) from None
-    log(
-        f"backend: {selection.info.selected_backend} (requested {args.backend!r}: {selection.info.selection_reason})"
-    )
+    info = selection.info
+    log(f"backend: {info.selected_backend} (requested {args.backend!r}: {info.selection_reason})")
     for name, reasons in selection.rejected.items():
         log(f"  skipped {name}: {'; '.join(reasons)}")
-    effective = resolve(config, selection.info.selected_backend, request, registry)
-    log(f"effective config digest {effective.digest()}: features {list(config.enabled_features()) or 'none (dense)'}; "
-        f"kernels {dict(effective.kernels)}")  # fmt: skip
+    effective = resolve(config, info.selected_backend, request, registry)
+    features = list(config.enabled_features()) or "none (dense)"
+    log(
+        f"effective config digest {effective.digest()}: features {features}; "
+        f"kernels {dict(effective.kernels)}"
+    )
     try:
         engine = Engine(
-            model, backend, num_blocks=args.num_blocks, block_size=args.block_size,
+            model,
+            backend,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
             detokenize=tokenizer.decode,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return engine, tokenizer, selection
@@ -189,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
     # runs every loop, each generated one until its exit
     exits = [engine.cfg.total_ut_steps - 1, *result.exit_depths][: len(result.output_token_ids)]
     if args.json:
-        print(json.dumps({
+        record = {
             "prompt_token_ids": result.prompt_token_ids,
             "output_token_ids": result.output_token_ids,
             "output_text": tokenizer.decode(result.output_token_ids),
@@ -197,7 +206,8 @@ def _generate(args: argparse.Namespace) -> int:
             "exit_depths": exits,
             "backend": selection.info.selected_backend,
             "seconds": seconds,
-        }))  # fmt: skip
+        }
+        print(json.dumps(record))
     else:
         print(args.prompt + tokenizer.decode(result.output_token_ids))
         why = FINISH_WORDS.get(result.finish_reason, result.finish_reason)
@@ -218,31 +228,48 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         text, source = heldout_text()
     settings = EvalSettings(
-        windows=args.windows, context=args.context, continuation=args.continuation,
-        passkey_samples=args.passkey_samples, seed=args.seed,
-    )  # fmt: skip
+        windows=args.windows,
+        context=args.context,
+        continuation=args.continuation,
+        passkey_samples=args.passkey_samples,
+        seed=args.seed,
+    )
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
     with _StageBars() as bars:
         try:
-            report = evaluate(model, tokenizer, text, config, args.backend, settings,
-                              args.block_size, progress=bars.update)  # fmt: skip
+            report = evaluate(
+                model,
+                tokenizer,
+                text,
+                config,
+                backend=args.backend,
+                settings=settings,
+                block_size=args.block_size,
+                progress=bars.update,
+            )
         except UnservableError:
             raise
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    report.update(model=record_path(args.model), text_source=source, device=device,
-                  dtype=str(dtype))  # fmt: skip
+    report.update(
+        model=record_path(args.model), text_source=source, device=device, dtype=str(dtype)
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"bits/byte dense {report['bits_per_byte']['dense']:.4f} config {report['bits_per_byte']['config']:.4f} "
-              f"(delta {report['delta_bits_per_byte_percent']:+.3f}%, 95% CI {report['delta_ci95_percent']})")  # fmt: skip
+        bits = report["bits_per_byte"]
+        delta, ci = report["delta_bits_per_byte_percent"], report["delta_ci95_percent"]
         print(
-            f"KL mean {report['kl_mean']:.3g} p99 {report['kl_p99']:.3g}; top-1 agreement {report['top1_agreement']:.4f}"
+            f"bits/byte dense {bits['dense']:.4f} config {bits['config']:.4f} "
+            f"(delta {delta:+.3f}%, 95% CI {ci})"
+        )
+        print(
+            f"KL mean {report['kl_mean']:.3g} p99 {report['kl_p99']:.3g}; "
+            f"top-1 agreement {report['top1_agreement']:.4f}"
         )
         print(f"passkey {report['passkey_accuracy']}")
     return 0
@@ -285,9 +312,17 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
         with _StageBars() as bars:
             try:
-                report = evaluate(model, tokenizer, text, combo, args.backend, settings,
-                                  args.block_size, progress=bars.update,
-                                  dense_cache=dense_cache)  # fmt: skip
+                report = evaluate(
+                    model,
+                    tokenizer,
+                    text,
+                    combo,
+                    backend=args.backend,
+                    settings=settings,
+                    block_size=args.block_size,
+                    progress=bars.update,
+                    dense_cache=dense_cache,
+                )
             except UnservableError:
                 raise
             except ValueError as exc:
@@ -295,10 +330,15 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         records.append({"features": list(features), **report})
         if args.out:  # written after every combination: a long run loses nothing finished
             param = next(model.parameters())
-            record = {"kind": "eval_combinations", "model": record_path(args.model),
-                      "text_source": source, "device": str(param.device),
-                      "dtype": str(param.dtype), "config": config.model_dump(mode="json"),
-                      "combinations": records}  # fmt: skip
+            record = {
+                "kind": "eval_combinations",
+                "model": record_path(args.model),
+                "text_source": source,
+                "device": str(param.device),
+                "dtype": str(param.dtype),
+                "config": config.model_dump(mode="json"),
+                "combinations": records,
+            }
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     if args.json:
         print(json.dumps(records, indent=2))
@@ -308,8 +348,11 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         ci = "[{:+.2f}, {:+.2f}]".format(*r["delta_ci95_percent"])
         keys = r["passkey_accuracy"]
         passkey = f"{_passkey_mean(keys['config']):.2f} / {_passkey_mean(keys['dense']):.2f}"
-        print(f"{' + '.join(r['features']) or 'dense':<76} {r['delta_bits_per_byte_percent']:>+11.2f}% "
-              f"{ci:>18} {r['top1_agreement']:>7.4f} {passkey:>15}")  # fmt: skip
+        features = " + ".join(r["features"]) or "dense"
+        print(
+            f"{features:<76} {r['delta_bits_per_byte_percent']:>+11.2f}% "
+            f"{ci:>18} {r['top1_agreement']:>7.4f} {passkey:>15}"
+        )
     return 0
 
 
@@ -336,9 +379,10 @@ def add_commands(sub) -> None:
     _common(demo)
     demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     demo.add_argument(
-        "--no-compare", action="store_true",
+        "--no-compare",
+        action="store_true",
         help="skip the closing dense vs FlashLoop (all on) table",
-    )  # fmt: skip
+    )
     demo.set_defaults(handler=_demo)
     gen = sub.add_parser("generate", help="generate from an Ouro checkpoint")
     _common(gen)
@@ -356,18 +400,23 @@ def add_commands(sub) -> None:
     ev.add_argument("--windows", type=positive_int, default=8)
     ev.add_argument("--context", type=positive_int, default=256, help="prefilled tokens per window")
     ev.add_argument(
-        "--continuation", type=positive_int, default=64,
+        "--continuation",
+        type=positive_int,
+        default=64,
         help="teacher-forced decode tokens per window",
-    )  # fmt: skip
+    )
     ev.add_argument(
-        "--passkey-samples", type=non_negative_int, default=8,
+        "--passkey-samples",
+        type=non_negative_int,
+        default=8,
         help="per (context, depth) cell; 0 skips passkey retrieval",
-    )  # fmt: skip
+    )
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument(
-        "--combinations", action="store_true",
+        "--combinations",
+        action="store_true",
         help="evaluate every on/off combination of the features the config enables",
-    )  # fmt: skip
+    )
     ev.add_argument("--out", help="also write the JSON record here")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(handler=_eval)

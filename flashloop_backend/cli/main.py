@@ -162,9 +162,13 @@ def _print_text(report: dict) -> None:
         print(json.dumps(report["effective_config"], indent=2, sort_keys=True))
         if report.get("kv_bytes"):
             kv = report["kv_bytes"]
-            print(f"\npacked KV: {kv['packed_bytes_per_token_per_level_per_layer']:.0f} B per token, level "
-                  f"and layer vs BF16 {kv['bf16_bytes_per_token_per_depth_per_layer']} B per depth "
-                  f"({kv['dense_levels_ratio_vs_bf16']:.2f}x smaller with dense levels)")  # fmt: skip
+            packed = kv["packed_bytes_per_token_per_level_per_layer"]
+            bf16 = kv["bf16_bytes_per_token_per_depth_per_layer"]
+            saving = kv["dense_levels_ratio_vs_bf16"]
+            print(
+                f"\npacked KV: {packed:.0f} B per token, level and layer "
+                f"vs BF16 {bf16} B per depth ({saving:.2f}x smaller with dense levels)"
+            )
     elif report.get("error"):
         print(f"\nno effective config: {report['error']}")
 
@@ -187,7 +191,7 @@ def _float_list(text: str) -> list[float]:
     except ValueError:
         values = []
     if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} must list ratios in (0, 1]")
+        raise argparse.ArgumentTypeError(f"{text!r} must list retention values in (0, 1]")
     return values
 
 
@@ -218,37 +222,57 @@ def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
 
-        record = bench_serving(config, names[0], args.contexts, args.concurrency, args.new_tokens,
-                               args.layers, args.rate, log=progress_log, on_partial=keep,
-                               variant_keys=args.variants.split(",") if args.variants else None)  # fmt: skip
+        record = bench_serving(
+            config,
+            baseline=names[0],
+            contexts=args.contexts,
+            concurrency=args.concurrency,
+            new_tokens=args.new_tokens,
+            layers=args.layers,
+            rate_per_s=args.rate,
+            log=progress_log,
+            on_partial=keep,
+            variant_keys=args.variants.split(",") if args.variants else None,
+        )
     elif args.mode == "packed":
         from flashloop_backend.tools.bench.packed import bench_packed_kv
 
-        record = bench_packed_kv(args.contexts, args.concurrency, log=progress_log,
-                                 parts=tuple(args.parts.split(",")))  # fmt: skip
+        parts = tuple(args.parts.split(","))
+        record = bench_packed_kv(args.contexts, args.concurrency, log=progress_log, parts=parts)
     elif args.mode == "prefill":
         from flashloop_backend.tools.bench.prefill import bench_prefill_attention
 
-        record = bench_prefill_attention(args.contexts, args.retentions, log=progress_log)
+        record = bench_prefill_attention(args.contexts, args.retention, log=progress_log)
     elif args.mode == "sparse":
         from flashloop_backend.tools.bench.sparse import bench_sparse_decode
 
-        record = bench_sparse_decode(args.contexts, args.concurrency, args.ratio, log=progress_log)
+        record = bench_sparse_decode(
+            args.contexts, args.concurrency, args.key_retention, log=progress_log
+        )
     elif args.mode == "kernel":
         from flashloop_backend.tools.bench.kernels import bench_decode_kernels
 
-        record = bench_decode_kernels(names, args.contexts, args.concurrency, repeats=args.repeats,
-                                            log=progress_log)  # fmt: skip
+        record = bench_decode_kernels(
+            names, args.contexts, args.concurrency, repeats=args.repeats, log=progress_log
+        )
     else:
         from flashloop_backend.tools.bench.e2e import bench_end_to_end
 
         record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
-                record["runs"].append(bench_end_to_end(
-                    names, ctx, conc, args.new_tokens, args.layers, log=progress_log, config=config,
-                    max_batch_tokens=args.max_batch_tokens, warmup_context=args.warmup_context,
-                ))  # fmt: skip
+                run = bench_end_to_end(
+                    names,
+                    context=ctx,
+                    concurrency=conc,
+                    new_tokens=args.new_tokens,
+                    layers=args.layers,
+                    log=progress_log,
+                    config=config,
+                    max_batch_tokens=args.max_batch_tokens,
+                    warmup_context=args.warmup_context,
+                )
+                record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
     text = json.dumps(record, indent=2)
     if args.out:
@@ -297,9 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e / serving: FlashLoop config file for the flashloop backend (others: dense)",
     )
     bench.add_argument(
-        "--retentions", type=_float_list, default=[0.25, 0.10], help="prefill: token retentions"
+        "--retention",
+        type=_float_list,
+        default=[0.25, 0.10],
+        help="prefill: token-sparse retention values to time, one case each",
     )
-    bench.add_argument("--ratio", type=float, default=0.10, help="sparse: key retention")
+    bench.add_argument(
+        "--key-retention",
+        type=float,
+        default=0.10,
+        help="sparse: sparse_decode_attention.key_retention (fraction of keys kept)",
+    )
     bench.add_argument(
         "--parts",
         default="decode,sparse_ops",
@@ -309,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends",
         default="flashinfer,triton",
-        help="comma-separated; the first is the baseline; e2e: NAME+graphs replays decode steps from CUDA graphs",
+        help="comma-separated; the first is the baseline; "
+        "e2e: NAME+graphs replays decode steps from CUDA graphs",
     )
     bench.add_argument("--contexts", type=_int_list, default=[1024, 8192, 32768])
     bench.add_argument("--concurrency", type=_int_list, default=[1, 16])

@@ -27,9 +27,13 @@ ALL_ON = FlashLoopConfig(
     kv_residual_quantization={"enabled": True, "policy": "fixed_prompt", "group_size": 64},
 )
 QUICK_EVAL = EvalSettings(
-    windows=8, context=256, continuation=64, passkey_contexts=(256,), passkey_samples=2,
+    windows=8,
+    context=256,
+    continuation=64,
+    passkey_contexts=(256,),
+    passkey_samples=2,
     bootstrap=200,
-)  # fmt: skip
+)
 TABLE_PROMPTS, TABLE_PROMPT_TOKENS, TABLE_NEW_TOKENS = 4, 512, 16
 
 
@@ -41,18 +45,36 @@ def table_prompts(tokenizer, count: int, length: int, seed: int = 1) -> list[lis
     return [tokens[s : s + length] for s in starts]
 
 
-def measure(model, prompts: list[list[int]], config: FlashLoopConfig, block_size: int,
-            new_tokens: int, label: str) -> dict:  # fmt: skip
+def measure(
+    model,
+    prompts: list[list[int]],
+    config: FlashLoopConfig,
+    block_size: int,
+    new_tokens: int,
+    label: str,
+) -> dict:
     """Generate ``new_tokens`` per prompt (EOS ignored, so both sides do the same work)
     after an untimed warm-up request; tokens/s of the timed run and the most KV bytes per
     held token at any step (BF16 or FP32 blocks in use plus the packed store's pages)."""
     cfg = model.config
     param = next(model.parameters())
-    request = SupportRequest(param.device.type, param.dtype, cfg.head_dim, block_size,
-                             cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
+    request = SupportRequest(
+        device=param.device.type,
+        dtype=param.dtype,
+        head_dim=cfg.head_dim,
+        block_size=block_size,
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+    )
     backend = Registry.discover().create("flashloop", request, config)
-    engine = Engine(model, backend, num_blocks=4096, block_size=block_size, prefill_chunk=256,
-                    max_batch_tokens=1024)  # fmt: skip
+    engine = Engine(
+        model,
+        backend,
+        num_blocks=4096,
+        block_size=block_size,
+        prefill_chunk=256,
+        max_batch_tokens=1024,
+    )
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompts[0][:128]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     best = [0, 0.0]
@@ -75,7 +97,8 @@ def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
     log(
         f"\ncomparing dense with FlashLoop (all three features on) on the same model: "
         f"{TABLE_PROMPTS} held-out prompts of {TABLE_PROMPT_TOKENS} tokens, "
-        f"{TABLE_NEW_TOKENS} new tokens each, then {QUICK_EVAL.windows} held-out windows for quality"
+        f"{TABLE_NEW_TOKENS} new tokens each, then {QUICK_EVAL.windows} held-out windows "
+        "for quality"
     )
     rows = {}
     for name, config in (("dense", FlashLoopConfig()), ("all on", ALL_ON)):
@@ -86,28 +109,50 @@ def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
     def progress(stage: str, done: int, total: int) -> None:
         bars.setdefault(stage, ProgressBar(f"quality {stage}", total, "tokens")).update(done)
 
-    quality = evaluate(model, tokenizer, text, ALL_ON, "flashloop", QUICK_EVAL,
-                       block_size=block_size, progress=progress)  # fmt: skip
+    quality = evaluate(
+        model,
+        tokenizer,
+        text,
+        ALL_ON,
+        backend="flashloop",
+        settings=QUICK_EVAL,
+        block_size=block_size,
+        progress=progress,
+    )
     dense, flash = rows["dense"], rows["all on"]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     log("\n| | dense | FlashLoop, all on | ratio |")
     log("| --- | --- | --- | --- |")
-    log(f"| tokens/s on this machine (a) | {dense['tokens_per_s']:.1f} | {flash['tokens_per_s']:.1f} | "
-        f"{flash['tokens_per_s'] / dense['tokens_per_s']:.2f}x |")  # fmt: skip
-    log(f"| KV bytes per held token (b) | {dense['kv_bytes_per_token']:.0f} | {flash['kv_bytes_per_token']:.0f} | "
-        f"{dense['kv_bytes_per_token'] / flash['kv_bytes_per_token']:.2f}x smaller |")  # fmt: skip
-    log(f"| Δ bits/byte vs dense (95% CI) (c) | 0 | {quality['delta_bits_per_byte_percent']:+.2f}% "
-        f"[{quality['delta_ci95_percent'][0]:+.1f}, {quality['delta_ci95_percent'][1]:+.1f}] | |")  # fmt: skip
+    dense_speed, flash_speed = dense["tokens_per_s"], flash["tokens_per_s"]
+    log(
+        f"| tokens/s on this machine (a) | {dense_speed:.1f} | {flash_speed:.1f} | "
+        f"{flash_speed / dense_speed:.2f}x |"
+    )
+    dense_kv, flash_kv = dense["kv_bytes_per_token"], flash["kv_bytes_per_token"]
+    log(
+        f"| KV bytes per held token (b) | {dense_kv:.0f} | {flash_kv:.0f} | "
+        f"{dense_kv / flash_kv:.2f}x smaller |"
+    )
+    delta = quality["delta_bits_per_byte_percent"]
+    low, high = quality["delta_ci95_percent"]
+    log(f"| Δ bits/byte vs dense (95% CI) (c) | 0 | {delta:+.2f}% [{low:+.1f}, {high:+.1f}] | |")
     log(f"| top-1 agreement with dense (c) | 1 | {quality['top1_agreement']:.3f} | |")
     device = next(model.parameters()).device.type
-    log(f"\n(a) tokens generated per second of wall time for the {TABLE_PROMPTS} prompts of "
+    log(
+        f"\n(a) tokens generated per second of wall time for the {TABLE_PROMPTS} prompts of "
         f"{TABLE_PROMPT_TOKENS} tokens, prefill included (it dominates at {TABLE_NEW_TOKENS} new "
         f"tokens each), after a warm-up, on the flashloop backend; on {device} it runs the "
-        "reference kernels, so FlashLoop's speed shows on a GPU (results/README.md)")  # fmt: skip
-    log(f"(b) the most KV the live requests held at any step, over the tokens they held: dense: "
+        "reference kernels, so FlashLoop's speed shows on a GPU (results/README.md)"
+    )
+    log(
+        f"(b) the most KV the live requests held at any step, over the tokens they held: dense: "
         f"{dtype} blocks in use (a request's last block may be part-filled; a GPU's bfloat16 "
         f"cache is half this); all on: INT4 pages of every whole 64-token prompt group plus the "
-        f"{dtype} blocks of the generated tokens (the fixed_prompt policy keeps those uncompressed)")  # fmt: skip
-    log(f"(c) teacher-forced through the decode path, {QUICK_EVAL.windows} held-out windows of "
-        f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens")  # fmt: skip
+        f"{dtype} blocks of the generated tokens (the fixed_prompt policy keeps those "
+        "uncompressed)"
+    )
+    log(
+        f"(c) teacher-forced through the decode path, {QUICK_EVAL.windows} held-out windows of "
+        f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens"
+    )
     return {"rows": rows, "quality": quality}

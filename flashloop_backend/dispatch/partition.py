@@ -37,7 +37,8 @@ class RowPartition:
 
 
 def partition_rows(row_modes: torch.Tensor) -> RowPartition:
-    """Partition rows by mode: ``[P0, D0, P1, P2, D1, P3]`` with P1, P3 active -> ``[D0, D1 | P1, P3]``."""
+    """Partition rows by mode: ``[P0, D0, P1, P2, D1, P3]`` with P1, P3 active ->
+    ``[D0, D1 | P1, P3]``."""
     if row_modes.dim() != 1:
         raise ValueError(f"row_modes must be 1-D [rows]; got shape {tuple(row_modes.shape)}")
     modes = row_modes.long()

@@ -70,7 +70,9 @@ def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
     return tuple(needs)
 
 
-def decode_route_ops(config: FlashLoopConfig, depths: Iterable[int] | None = None) -> frozenset[OpName]:  # fmt: skip
+def decode_route_ops(
+    config: FlashLoopConfig, depths: Iterable[int] | None = None
+) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give a decode (or verify) row at one of ``depths`` (None:
     at any depth)."""
     dense = (
@@ -99,8 +101,9 @@ def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
     return frozenset({OpName.DENSE_PREFILL})
 
 
-def routable_ops(config: FlashLoopConfig, decode_only: bool,
-                 decode_depths: Iterable[int] | None = None) -> frozenset[OpName]:  # fmt: skip
+def routable_ops(
+    config: FlashLoopConfig, decode_only: bool, decode_depths: Iterable[int] | None = None
+) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give some row of a batch: with ``decode_only`` only those
     of decode rows (prefill ops would run on no rows); with ``decode_depths`` only those
     decode rows at these depths can take."""
@@ -135,7 +138,9 @@ def route_rows(
     return with_references(routes, correctable, config, reference_ready)
 
 
-def base_routes(view: BatchView, config: FlashLoopConfig) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def base_routes(
+    view: BatchView, config: FlashLoopConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer-independent half of :func:`route_rows`: each row's route as if no decode
     row held a reference, and [R] bool the decode rows that would correct if one did
     (None without sparse decode)."""
@@ -158,8 +163,12 @@ def base_routes(view: BatchView, config: FlashLoopConfig) -> tuple[torch.Tensor,
     return routes, decode & (depth >= SPARSE_START_DEPTH)
 
 
-def with_references(routes: torch.Tensor, correctable: torch.Tensor | None, config: FlashLoopConfig,
-                    reference_ready: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def with_references(
+    routes: torch.Tensor,
+    correctable: torch.Tensor | None,
+    config: FlashLoopConfig,
+    reference_ready: torch.Tensor | None,
+) -> torch.Tensor:
     """Routes of :func:`base_routes` with the correction for rows whose reference is ready
     (row order of the inputs is kept: any gathered order works)."""
     if correctable is None:

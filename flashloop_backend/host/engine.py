@@ -70,18 +70,25 @@ class Engine:
         (KV quantization): the packed pool; default enough pages to pack the most tokens the
         BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone."""
         cfg = model.config
-        self.max_context = max_context or cfg.max_position_embeddings
-        if not 1 <= self.max_context <= cfg.max_position_embeddings:
+        limit = cfg.max_position_embeddings
+        self.max_context = max_context or limit
+        if not 1 <= self.max_context <= limit:
             raise ValueError(
-                f"max_context={max_context} must lie in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+                f"max_context={max_context} must lie in [1, max_position_embeddings={limit}]"
             )
         param = next(model.parameters())
         self.model, self.backend, self.cfg = model, backend, cfg
         self.device, self.dtype = param.device, param.dtype
         self.kv = PagedKVCache(
-            num_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.total_ut_steps, self.dtype, self.device,
-        )  # fmt: skip
+            num_blocks,
+            num_layers=cfg.num_hidden_layers,
+            block_size=block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            num_depths=cfg.total_ut_steps,
+            dtype=self.dtype,
+            device=self.device,
+        )
         if prefill_chunk < 1 or max_batch_tokens < 1:
             raise ValueError(
                 f"prefill_chunk={prefill_chunk}, max_batch_tokens={max_batch_tokens} must be >= 1"
@@ -141,10 +148,11 @@ class Engine:
         log-softmax before every output token."""
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         total = len(prompt) + params.max_new_tokens
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.num_blocks:
             raise OutOfBlocksError(
-                f"a request of {total} tokens needs {self.kv.blocks_needed(total)} KV blocks but the "
-                f"whole pool has {self.kv.num_blocks}; raise num_blocks or shorten the request"
+                f"a request of {total} tokens needs {blocks} KV blocks but the whole pool has "
+                f"{self.kv.num_blocks}; raise num_blocks or shorten the request"
             )
         pages, pool = self.backend.pages_needed(len(prompt), params.max_new_tokens)
         if pages > pool:
@@ -167,12 +175,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return any(r.phase != "done" for r in self._requests.values())
 
+    def output_count(self, request_id: int) -> int | None:
+        """Tokens the request has output so far; None once it finished and left the engine
+        (its :class:`GenerationResult` holds them all)."""
+        request = self._requests.get(request_id)
+        return None if request is None else len(request.output)
+
+    def has_first_token(self, request_id: int) -> bool:
+        """Whether the request has output a token (a finished request has)."""
+        return self.output_count(request_id) != 0
+
     def counters(self) -> dict[str, int]:
         """Work so far, for progress displays: prompt rows computed (every loop counted),
         tokens generated, and requests whose prompt is still waiting or prefilling."""
         prompts = sum(r.phase in ("waiting", "prefill") for r in self._requests.values())
-        return {"prefill_rows": self.prefill_rows_run, "tokens_generated": self.tokens_generated,
-                "prompts_running": prompts, "steps": self.steps}  # fmt: skip
+        return {
+            "prefill_rows": self.prefill_rows_run,
+            "tokens_generated": self.tokens_generated,
+            "prompts_running": prompts,
+            "steps": self.steps,
+        }
 
     def kv_held(self) -> tuple[int, int]:
         """(tokens of live requests, KV bytes they hold now): BF16 blocks in use on every
@@ -211,7 +233,11 @@ class Engine:
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
         # host planning: which decode rows read which of the backend's own KV
-        owners = [None if g.mode == RowMode.PREFILL else g.request_id for g in groups for _ in range(g.count)]  # fmt: skip
+        owners = [
+            None if g.mode == RowMode.PREFILL else g.request_id
+            for g in groups
+            for _ in range(g.count)
+        ]
         depths = [g.depth for g in groups for _ in range(g.count)]
         self.backend.plan(batch.view, owners + [None] * pad, depths + [0] * pad)
         if pad:
@@ -281,8 +307,7 @@ class Engine:
         loops = self.cfg.total_ut_steps
         starts = list(itertools.accumulate((g.count for g in groups), initial=0))
         # exit hazards of every decode row that may still exit early: one host read
-        gated = [i for i, g in enumerate(groups) if g.mode != RowMode.PREFILL
-                 and self.cfg.exits_early and self._requests[g.request_id].depth < loops - 1]  # fmt: skip
+        gated = [i for i, g in enumerate(groups) if self._may_exit_early(g)]
         lams = self.model.exit_lambda(out[[starts[i] for i in gated]]).tolist() if gated else []
         hazard = dict(zip(gated, lams, strict=True))
         emits: list[tuple[Request, torch.Tensor]] = []
@@ -318,6 +343,12 @@ class Engine:
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
         self._emit(emits)
+
+    def _may_exit_early(self, group: RowGroup) -> bool:
+        """A decode row whose token may still leave before the last loop."""
+        if group.mode == RowMode.PREFILL or not self.cfg.exits_early:
+            return False
+        return self._requests[group.request_id].depth < self.cfg.total_ut_steps - 1
 
     def _emit(self, emits: list[tuple[Request, torch.Tensor]]) -> None:
         """Next tokens from final hidden states (one coda call for the step), then start

@@ -22,12 +22,13 @@ def token_sparsity(
     sparsity = config.token_sparse_prefill
     if config.num_loops != cfg.total_ut_steps:
         raise ConfigError(
-            f"num_loops={config.num_loops} differs from the model's total_ut_steps={cfg.total_ut_steps}"
+            f"num_loops={config.num_loops} differs from the model's "
+            f"total_ut_steps={cfg.total_ut_steps}"
         )
     if prefill_chunk % sparsity.window_size:
         raise ConfigError(
-            f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a multiple of "
-            f"token_sparse_prefill.window_size={sparsity.window_size}"
+            f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a "
+            f"multiple of token_sparse_prefill.window_size={sparsity.window_size}"
         )
     return sparsity
 

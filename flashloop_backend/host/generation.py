@@ -25,8 +25,9 @@ def generate_with_progress(
     prefill = ProgressBar(
         f"{label}: prefill", sum(map(len, prompts)) * loops, "prompt rows x loops"
     )
-    tokens = ProgressBar(f"{label}: generate", len(prompts) * params.max_new_tokens, "tokens",
-                         rate_unit="tokens")  # fmt: skip
+    tokens = ProgressBar(
+        f"{label}: generate", len(prompts) * params.max_new_tokens, "tokens", rate_unit="tokens"
+    )
     results: dict[int, GenerationResult] = {}
     try:
         while engine.has_unfinished():

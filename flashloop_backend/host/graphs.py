@@ -44,8 +44,16 @@ from flashloop_backend.host.batch import Batch, RowGroup, build_batch
 from flashloop_backend.host.kvcache import PagedKVCache
 
 LOG = logging.getLogger(__name__)
-VIEW_FIELDS = ("positions", "depths", "row_modes", "slots", "incarnations", "request_ids",
-               "window_ids", "context_lengths")  # fmt: skip
+VIEW_FIELDS = (
+    "positions",
+    "depths",
+    "row_modes",
+    "slots",
+    "incarnations",
+    "request_ids",
+    "window_ids",
+    "context_lengths",
+)
 
 
 class GraphSettings(BaseModel):
@@ -149,14 +157,17 @@ class DecodeGraphs:
             )
         widest = max(self.kv.table_blocks(g.request_id) for g in groups)
         if widest > self.width:
-            return (f"a block table of {widest} blocks exceeds the graph capacity of {self.width} "
-                    f"(max_context={self.max_context})")  # fmt: skip
+            return (
+                f"a block table of {widest} blocks exceeds the graph capacity of {self.width} "
+                f"(max_context={self.max_context})"
+            )
         return None
 
     def _view(self, bucket: int, depths: frozenset[int]) -> BatchView:
         fields = {name: tensor[:bucket] for name, tensor in self.fields.items()}
-        return BatchView(**fields, block_tables=self.tables[:, :bucket], decode_only=True,
-                         decode_depths=depths)  # fmt: skip
+        return BatchView(
+            **fields, block_tables=self.tables[:, :bucket], decode_only=True, decode_depths=depths
+        )
 
     def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:
         """Copy this step's rows into the fixed buffers (padding rows after them)."""
@@ -237,13 +248,20 @@ class DecodeGraphs:
         for key, start, end in self._timed or []:
             end.synchronize()
             per_key.setdefault(key, []).append(start.elapsed_time(end))
-        return {repr(key): {"median_ms": sorted(ms)[len(ms) // 2], "replays": len(ms)}
-                for key, ms in sorted(per_key.items())}  # fmt: skip
+        return {
+            repr(key): {"median_ms": sorted(ms)[len(ms) // 2], "replays": len(ms)}
+            for key, ms in sorted(per_key.items())
+        }
 
     def stats(self) -> dict:
+        steps = max(1, self.replays + self.eager_steps)
         return {
-            "graphs": sorted(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
-            "fallbacks": dict(self.fallbacks), "graph_bytes": self.graph_bytes,
-            "host_fill_ms_per_step": 1e3 * self.fill_seconds / max(1, self.replays + self.eager_steps),
-            "max_context": self.max_context, "buckets": list(self.settings.buckets),
-        }  # fmt: skip
+            "graphs": sorted(self.graphs),
+            "replays": self.replays,
+            "eager_steps": self.eager_steps,
+            "fallbacks": dict(self.fallbacks),
+            "graph_bytes": self.graph_bytes,
+            "host_fill_ms_per_step": 1e3 * self.fill_seconds / steps,
+            "max_context": self.max_context,
+            "buckets": list(self.settings.buckets),
+        }

@@ -22,7 +22,8 @@ class _Tables:
     planes: list[list[int]] = field(default_factory=list)  # [depth][block index] -> block id
     capacity_tokens: int = 0
     # [depths, blocks] int32 host copy of ``planes``, rebuilt after a change: a step's batch
-    # reads it instead of converting every plane's list again (2K entries per plane at 32K)
+    # reads it instead of converting every plane's list again (one entry per block: long
+    # contexts make long lists)
     cached: torch.Tensor | None = None
 
 

@@ -34,13 +34,18 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
 
 
 class NaiveOuro:
-    """``sparse_ratio`` switches on sparse decode attention (RFC §3.2) for generated tokens:
+    """``key_retention`` switches on sparse decode attention (RFC §3.2) for generated tokens:
     loop 2 records each token's reference with ``algorithms.sparse_reference_state`` and
     loops 3-4 use ``algorithms.sparse_correct``; prompt tokens stay dense."""
 
-    def __init__(self, cfg: OuroConfig, weights: dict[str, torch.Tensor], sparse_ratio: float | None = None,
-                 token_sparsity=None) -> None:  # fmt: skip
-        self.cfg, self.w, self.sparse_ratio = cfg, weights, sparse_ratio
+    def __init__(
+        self,
+        cfg: OuroConfig,
+        weights: dict[str, torch.Tensor],
+        key_retention: float | None = None,
+        token_sparsity=None,
+    ) -> None:
+        self.cfg, self.w, self.key_retention = cfg, weights, key_retention
         self.token_sparsity = (
             token_sparsity if token_sparsity is not None and token_sparsity.enabled else None
         )
@@ -79,7 +84,7 @@ class NaiveOuro:
             visible_k, visible_v = k[: t + 1], v[: t + 1]
             if loop == 1:
                 states[(t, layer)] = sparse_reference_state(
-                    q[t], visible_k, visible_v, self.sparse_ratio
+                    q[t], visible_k, visible_v, self.key_retention
                 )
             elif loop >= 2:
                 attn[t] = sparse_correct(states[(t, layer)], q[t], visible_k, visible_v)
@@ -118,7 +123,7 @@ class NaiveOuro:
                 )
                 heads.append(torch.softmax(scores, dim=-1) @ vh)
             attn = torch.stack(heads, dim=1)
-            if self.sparse_ratio is not None:
+            if self.key_retention is not None:
                 attn = self._sparse_rows(attn, q, k, v, layer, loop, states)
             attn = attn.to(h.dtype).reshape(length, -1)
             attn = attn @ w[p + "self_attn.o_proj.weight"].T

@@ -45,7 +45,8 @@ class PromptSchedule:
             chosen = select_in_windows(
                 scores, self.active, self.sparsity.retention[nxt], self.sparsity.window_size
             )
-            # The compact host schedules on the CPU: reading the selection here is its planning step.
+            # The compact host schedules on the CPU: reading the selection here is its
+            # planning step.
             dropped = (self.active & ~chosen).nonzero().flatten().tolist()
             kv.finalize_exits(request_id, dropped, depth)
             self.active = chosen

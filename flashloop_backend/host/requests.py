@@ -61,8 +61,13 @@ class Request:
         return len(self.prompt) + len(self.output) - 1
 
 
-def checked_params(prompt: list[int], params: SamplingParams | None, forced: list[int] | None,
-                   vocab_size: int, max_context: int) -> SamplingParams:  # fmt: skip
+def checked_params(
+    prompt: list[int],
+    params: SamplingParams | None,
+    forced: list[int] | None,
+    vocab_size: int,
+    max_context: int,
+) -> SamplingParams:
     """The sampling parameters a request runs with (teacher forcing: ``forced``'s length,
     EOS ignored), after checking the prompt's ids and the total length."""
     if forced is not None:

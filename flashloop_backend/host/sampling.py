@@ -1,5 +1,5 @@
 """Next tokens from final hidden states, many requests at a time: one coda call and one
-host read for every greedy row of a step (per-row reads were a host sync each)."""
+host read for every greedy row of a step (a read per row would be a host sync per row)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from flashloop_backend.host.model import OuroModel
 from flashloop_backend.host.requests import Request
 
 
-def choose_tokens(model: OuroModel, requests: list[Request], final_hidden: torch.Tensor) -> list[int]:  # fmt: skip
+def choose_tokens(
+    model: OuroModel, requests: list[Request], final_hidden: torch.Tensor
+) -> list[int]:
     """The next token of each request from its final hidden state [N, hidden]: the forced
     token (teacher forcing), a seeded sample (temperature > 0) or the argmax. Requests that
     keep log-probs get the FP32 log-softmax appended."""
@@ -31,8 +33,9 @@ def choose_tokens(model: OuroModel, requests: list[Request], final_hidden: torch
     return tokens
 
 
-def finish_reason(r: Request, eos_token_id: int | None,
-                  detokenize: Callable[[list[int]], str] | None) -> str:  # fmt: skip
+def finish_reason(
+    r: Request, eos_token_id: int | None, detokenize: Callable[[list[int]], str] | None
+) -> str:
     """Why ``r`` stops after its latest output token ("" if it goes on)."""
     token = r.output[-1]
     if r.forced is not None:

@@ -1,5 +1,49 @@
 """Kernel ops, providers and implementations (torch reference, Triton, FlashInfer)."""
 
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName, PagedAttention
+from flashloop_backend.kernels.ops import (
+    OP_INPUTS,
+    CorrectionInputs,
+    DenseSource,
+    KernelImpl,
+    KernelProvider,
+    OpInputs,
+    OpName,
+    PackedCorrectionInputs,
+    PackedDecode,
+    PackedDecodeInputs,
+    PackedDenseSource,
+    PackedKV,
+    PackedKVWrite,
+    PackedSourceInputs,
+    PackedSparseCorrection,
+    PagedAttention,
+    PagedInputs,
+    SourceInputs,
+    SourceOutputs,
+    SparseCorrection,
+    over_packed,
+)
 
-__all__ = ["KernelImpl", "KernelProvider", "OpName", "PagedAttention"]
+__all__ = [
+    "OP_INPUTS",
+    "CorrectionInputs",
+    "DenseSource",
+    "KernelImpl",
+    "KernelProvider",
+    "OpInputs",
+    "OpName",
+    "PackedCorrectionInputs",
+    "PackedDecode",
+    "PackedDecodeInputs",
+    "PackedDenseSource",
+    "PackedKV",
+    "PackedKVWrite",
+    "PackedSourceInputs",
+    "PackedSparseCorrection",
+    "PagedAttention",
+    "PagedInputs",
+    "SourceInputs",
+    "SourceOutputs",
+    "SparseCorrection",
+    "over_packed",
+]

@@ -10,6 +10,7 @@ Imported lazily: a missing package or GPU is a selection reason, never a crash.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -142,17 +143,36 @@ class FlashInferPagedAttention:
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
 
 
+# one planner per device (benchmarks reach the planned wrapper through planned_wrapper)
 _INSTANCES: dict[torch.device, FlashInferPagedAttention] = {}
 
 
 def paged_attention_flashinfer(
-    q, key_cache, value_cache, block_tables, context_lengths, scale=None
-):
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """The ``PagedAttention`` contract through FlashInfer (one planner per device)."""
     instance = _INSTANCES.get(q.device)
     if instance is None:
         instance = _INSTANCES[q.device] = FlashInferPagedAttention(q.device)
     return instance(q, key_cache, value_cache, block_tables, context_lengths, scale)
+
+
+def planned_wrapper(device: torch.device) -> Any:
+    """The FlashInfer wrapper (``BatchDecodeWithPagedKVCacheWrapper``, or the prefill one for
+    a batch of causal chunks) that the last :func:`paged_attention_flashinfer` call on
+    ``device`` planned. Its ``run(q, (key_cache, value_cache))`` (q [R, Hq, D], caches
+    [NB, BS, Hkv, D] of that call's shapes) repeats the attention without the plan check
+    and without zeroing padding rows, so benchmarks time FlashInfer's kernel alone.
+    LookupError if no call has planned on ``device`` yet."""
+    instance = _INSTANCES.get(device)
+    if instance is None or instance._key is None:
+        raise LookupError(f"no paged_attention_flashinfer call has planned on {device} yet")
+    return instance.prefill if instance.use_prefill else instance.decode
 
 
 def provider() -> KernelProvider:

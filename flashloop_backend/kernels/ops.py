@@ -1,21 +1,29 @@
-"""Attention operations the dispatcher routes segments to, as typed protocols.
+"""Attention operations the dispatcher routes segments to: typed protocols and inputs.
 
 Each op is implemented by one or more kernel providers (torch reference, Triton,
 FlashInfer, plugins) registered under the ``flashloop_backend.kernels`` entry-point group.
-Shapes use: R rows, Hq query heads, Hkv KV heads, D head dim, NB cache blocks,
-BS block size, MB block-table width.
+An implementation is a function with the op protocol's explicit arguments (tests,
+benchmarks and plugins call it that way); the backend calls it through
+:class:`KernelImpl` with one frozen inputs object per op (:data:`OP_INPUTS`), so no call
+site assembles a positional tuple. Shapes use: R rows, Hq query heads, Hkv KV heads, D
+head dim, NB cache blocks, BS block size, MB block-table width, Kb selected-key bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
 import torch
 
 from flashloop_backend.capabilities import Support
+
+if TYPE_CHECKING:
+    from flashloop_backend.kv.levels import LevelMetadata
+    from flashloop_backend.kv.store import PackedKVStore
 
 
 class OpName(str, Enum):
@@ -35,10 +43,26 @@ class OpName(str, Enum):
         return self.value
 
 
+class SourceOutputs(NamedTuple):
+    """What ``dense_source`` and ``packed_dense_source`` return: out [R, Hq, D] in q's
+    dtype; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
+    output [R, Hq, D] and contribution [R, Hq, D]; the last three FP32."""
+
+    out: torch.Tensor
+    indices: torch.Tensor
+    mass: torch.Tensor
+    output: torch.Tensor
+    contribution: torch.Tensor
+
+
+# ------------------------------------------------------------------ protocols
+
+
 class PagedAttention(Protocol):
-    """``dense_attention``, ``dense_prefill`` and ``sparse_prefill``: each row is one query at absolute
-    position ``context_lengths[r] - 1`` attending causally to keys ``[0, context_lengths[r])``
-    of its own block table, so rows may come from any request, depth or position.
+    """``dense_attention``, ``dense_prefill`` and ``sparse_prefill``: each row is one query at
+    absolute position ``context_lengths[r] - 1`` attending causally to keys
+    ``[0, context_lengths[r])`` of its own block table, so rows may come from any request,
+    depth or position.
 
     q: [R, Hq, D]; key_cache, value_cache: [NB, BS, Hkv, D] (strided per-layer views allowed);
     block_tables: [R, MB] int32 (entries past a row's context may be -1, 0 or stale);
@@ -60,57 +84,374 @@ class PagedAttention(Protocol):
 class DenseSource(Protocol):
     """``dense_source``: loop-2 decode attention that also returns selection statistics.
 
-    Paged inputs as :class:`PagedAttention`; ``ratio`` keeps K = max(1, ceil(ratio * T)) keys
-    per (row, head); ``k_bucket`` (Kb) is the fixed width of the index output. Returns
-    (out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 absolute positions (-1 unused),
-    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
+    Paged inputs as :class:`PagedAttention`; ``key_retention`` keeps
+    K = max(1, ceil(key_retention * T)) keys per (row, head); ``k_bucket`` (Kb) is the fixed
+    width of the index output. Returns :class:`SourceOutputs`' five tensors in order (a
+    plain tuple will do)."""
 
-    def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, ratio: float,
-                 k_bucket: int, scale: float | None = None) -> tuple[torch.Tensor, ...]: ...  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        key_retention: float,
+        k_bucket: int,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, ...]: ...
+
+
+class SparseCorrection(Protocol):
+    """``sparse_correction``: O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S, with k_S,
+    v_S read from this depth's pages at ``indices`` [R, Hq, Kb] int32 (-1 unused); mass
+    [R, Hq], output and contribution [R, Hq, D], FP32 (``dense_source``'s statistics);
+    paged inputs as :class:`PagedAttention`. Returns [R, Hq, D] in q's dtype."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        indices: torch.Tensor,
+        mass: torch.Tensor,
+        output: torch.Tensor,
+        contribution: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor: ...
 
 
 class PackedKVWrite(Protocol):
-    """``packed_kv_write``: ``algorithms.quantize_int4``'s contract (x, group_size, dim) ->
-    ``QuantizedInt4``; the store lays its codes out in pages."""
+    """``packed_kv_write``: ``algorithms.quantize_int4``'s contract (x [..., L along ``dim``,
+    ...], group_size, dim) -> ``QuantizedInt4``; the store lays its codes out in pages. Called
+    directly with these arguments (it has no inputs class)."""
 
     def __call__(self, x: torch.Tensor, group_size: int = 64, dim: int = -1): ...
 
 
 class PackedDecode(Protocol):
     """``packed_decode``: decode attention of q [R, Hq, D] over each row's history: rows
-    below ``meta.packed_lengths`` reconstructed from the packed store at the row's
-    depth (``meta``: :class:`~flashloop_backend.kv.levels.LevelMetadata`), later rows from
-    the BF16 paged cache through block_tables [R, MB]. Returns [R, Hq, D] q.dtype."""
+    below ``meta.packed_lengths`` reconstructed from layer ``layer`` of the packed ``store``
+    at the row's depth (``meta``: :class:`~flashloop_backend.kv.levels.LevelMetadata` of
+    the R rows), later rows from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
+    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
 
-    def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,
-                 context_lengths, scale: float | None = None) -> torch.Tensor: ...  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        store: PackedKVStore,
+        layer: int,
+        meta: LevelMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor: ...
 
 
-class PackedSparseDecode(Protocol):
-    """``packed_dense_source`` / ``packed_sparse_correction``: :class:`DenseSource` and
-    :class:`SparseCorrection` whose K/V below each row's packed length come from the
-    packed store (arguments as :class:`PackedDecode`, then the op's own: ``ratio,
-    k_bucket`` or ``indices, mass, output, contribution``)."""
+class PackedDenseSource(Protocol):
+    """``packed_dense_source``: :class:`DenseSource` whose K/V below each row's packed length
+    come from the packed store (``store``, ``layer``, ``meta`` as :class:`PackedDecode`)."""
 
-    def __call__(self, q, store, layer: int, meta, key_cache, value_cache, block_tables,
-                 *args, scale: float | None = None): ...  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        store: PackedKVStore,
+        layer: int,
+        meta: LevelMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lengths: torch.Tensor,
+        key_retention: float,
+        k_bucket: int,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, ...]: ...
 
 
-class SparseCorrection(Protocol):
-    """``sparse_correction``: O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S, with k_S, v_S
-    read from this depth's pages at ``indices`` [R, Hq, Kb]. Returns [R, Hq, D] q.dtype."""
+class PackedSparseCorrection(Protocol):
+    """``packed_sparse_correction``: :class:`SparseCorrection` whose selected K/V below each
+    row's packed length come from the packed store (``store``, ``layer``, ``meta`` as
+    :class:`PackedDecode`)."""
 
-    def __call__(self, q, key_cache, value_cache, block_tables, indices, mass, output,
-                 contribution, scale: float | None = None) -> torch.Tensor: ...  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        store: PackedKVStore,
+        layer: int,
+        meta: LevelMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        indices: torch.Tensor,
+        mass: torch.Tensor,
+        output: torch.Tensor,
+        contribution: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+OpFunction: TypeAlias = (
+    PagedAttention
+    | DenseSource
+    | SparseCorrection
+    | PackedKVWrite
+    | PackedDecode
+    | PackedDenseSource
+    | PackedSparseCorrection
+)
+
+
+# ------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """Inputs of ``dense_attention``, ``dense_prefill`` and ``sparse_prefill``
+    (:class:`PagedAttention`).
+
+    q [R, Hq, D]; key_cache, value_cache [NB, BS, Hkv, D]; block_tables [R, MB] int32;
+    context_lengths [R] int32 (0: a padding row, output zero); scale None: 1 / sqrt(D)."""
+
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lengths: torch.Tensor
+    scale: float | None = None
+
+    def call(self, fn: PagedAttention) -> torch.Tensor:
+        """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
+        return fn(
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.context_lengths,
+            self.scale,
+        )
+
+
+@dataclass(frozen=True)
+class SourceInputs:
+    """Inputs of ``dense_source`` (:class:`DenseSource`): paged fields as
+    :class:`PagedInputs`; key_retention in (0, 1] (K = max(1, ceil(key_retention * T)));
+    k_bucket: Kb, the width of the selected-index output (at least the largest K)."""
+
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lengths: torch.Tensor
+    key_retention: float
+    k_bucket: int
+    scale: float | None = None
+
+    def call(self, fn: DenseSource) -> SourceOutputs:
+        """``fn`` on these inputs, in the protocol's argument order."""
+        return SourceOutputs(
+            *fn(
+                self.q,
+                self.key_cache,
+                self.value_cache,
+                self.block_tables,
+                self.context_lengths,
+                self.key_retention,
+                self.k_bucket,
+                self.scale,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class CorrectionInputs:
+    """Inputs of ``sparse_correction`` (:class:`SparseCorrection`).
+
+    q [R, Hq, D]; key_cache, value_cache [NB, BS, Hkv, D]; block_tables [R, MB] int32;
+    indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq], output and
+    contribution [R, Hq, D], FP32 (the loop-2 statistics); scale None: 1 / sqrt(D)."""
+
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    indices: torch.Tensor
+    mass: torch.Tensor
+    output: torch.Tensor
+    contribution: torch.Tensor
+    scale: float | None = None
+
+    def call(self, fn: SparseCorrection) -> torch.Tensor:
+        """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
+        return fn(
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.indices,
+            self.mass,
+            self.output,
+            self.contribution,
+            self.scale,
+        )
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """Where the packed ops read K/V below each row's packed length: layer ``layer`` of the
+    packed INT4 ``store`` through ``meta`` (:class:`~flashloop_backend.kv.levels.LevelMetadata`
+    of the op's R rows: tables [R, Lv, P], maps [R, Lv, Tp], kinds [R, Lv],
+    packed_lengths [R], all int32)."""
+
+    store: PackedKVStore
+    layer: int
+    meta: LevelMetadata
+
+
+@dataclass(frozen=True)
+class PackedDecodeInputs:
+    """Inputs of ``packed_decode`` (:class:`PackedDecode`): ``dense_attention``'s
+    :class:`PagedInputs` (the BF16 pages above each row's packed length) plus the packed
+    KV below it."""
+
+    kv: PackedKV
+    paged: PagedInputs
+
+    def call(self, fn: PackedDecode) -> torch.Tensor:
+        """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
+        kv, p = self.kv, self.paged
+        return fn(
+            p.q,
+            kv.store,
+            kv.layer,
+            kv.meta,
+            p.key_cache,
+            p.value_cache,
+            p.block_tables,
+            p.context_lengths,
+            p.scale,
+        )
+
+
+@dataclass(frozen=True)
+class PackedSourceInputs:
+    """Inputs of ``packed_dense_source`` (:class:`PackedDenseSource`): ``dense_source``'s
+    :class:`SourceInputs` plus the packed KV below each row's packed length."""
+
+    kv: PackedKV
+    paged: SourceInputs
+
+    def call(self, fn: PackedDenseSource) -> SourceOutputs:
+        """``fn`` on these inputs, in the protocol's argument order."""
+        kv, p = self.kv, self.paged
+        return SourceOutputs(
+            *fn(
+                p.q,
+                kv.store,
+                kv.layer,
+                kv.meta,
+                p.key_cache,
+                p.value_cache,
+                p.block_tables,
+                p.context_lengths,
+                p.key_retention,
+                p.k_bucket,
+                p.scale,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class PackedCorrectionInputs:
+    """Inputs of ``packed_sparse_correction`` (:class:`PackedSparseCorrection`):
+    ``sparse_correction``'s :class:`CorrectionInputs` plus the packed KV below each row's
+    packed length."""
+
+    kv: PackedKV
+    paged: CorrectionInputs
+
+    def call(self, fn: PackedSparseCorrection) -> torch.Tensor:
+        """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
+        kv, p = self.kv, self.paged
+        return fn(
+            p.q,
+            kv.store,
+            kv.layer,
+            kv.meta,
+            p.key_cache,
+            p.value_cache,
+            p.block_tables,
+            p.indices,
+            p.mass,
+            p.output,
+            p.contribution,
+            p.scale,
+        )
+
+
+PagedOpInputs: TypeAlias = PagedInputs | SourceInputs | CorrectionInputs
+PackedOpInputs: TypeAlias = PackedDecodeInputs | PackedSourceInputs | PackedCorrectionInputs
+OpInputs: TypeAlias = PagedOpInputs | PackedOpInputs
+
+# The inputs class each op takes (``packed_kv_write`` has none: it is called directly).
+OP_INPUTS: Mapping[OpName, type[OpInputs]] = MappingProxyType(
+    {
+        OpName.DENSE_ATTENTION: PagedInputs,
+        OpName.DENSE_PREFILL: PagedInputs,
+        OpName.SPARSE_PREFILL: PagedInputs,
+        OpName.DENSE_SOURCE: SourceInputs,
+        OpName.SPARSE_CORRECTION: CorrectionInputs,
+        OpName.PACKED_DECODE: PackedDecodeInputs,
+        OpName.PACKED_SOURCE: PackedSourceInputs,
+        OpName.PACKED_CORRECTION: PackedCorrectionInputs,
+    }
+)
+_OVER_PACKED: Mapping[type[PagedOpInputs], type[PackedOpInputs]] = MappingProxyType(
+    {
+        PagedInputs: PackedDecodeInputs,
+        SourceInputs: PackedSourceInputs,
+        CorrectionInputs: PackedCorrectionInputs,
+    }
+)
+
+
+def over_packed(kv: PackedKV, paged: PagedOpInputs) -> PackedOpInputs:
+    """The packed-KV op's inputs for a paged op's ``paged`` inputs: the same arguments, with
+    K/V below each row's packed length read from ``kv`` (``packed_decode`` for
+    :class:`PagedInputs`, ``packed_dense_source`` for :class:`SourceInputs`,
+    ``packed_sparse_correction`` for :class:`CorrectionInputs`)."""
+    return _OVER_PACKED[type(paged)](kv, paged)
+
+
+# ------------------------------------------------------------------ providers
 
 
 @dataclass(frozen=True)
 class KernelImpl:
-    """One implementation of one op, with what it supports."""
+    """One implementation of one op, with what it supports.
+
+    ``fn`` follows the op's protocol and stays callable with explicit arguments; calling the
+    impl itself with the op's inputs object (:data:`OP_INPUTS`) checks the inputs' class
+    and calls ``fn`` in the protocol's argument order."""
 
     op: OpName
-    fn: Callable[..., torch.Tensor]
+    fn: OpFunction
     support: Support
+
+    def __call__(self, inputs: OpInputs) -> torch.Tensor | SourceOutputs:
+        expected = OP_INPUTS.get(self.op)
+        if expected is None:
+            raise TypeError(
+                f"op {self.op.value!r} takes no inputs object: call KernelImpl.fn with the "
+                "protocol's arguments"
+            )
+        if not isinstance(inputs, expected):
+            raise TypeError(
+                f"op {self.op.value!r} takes {expected.__name__}; got {type(inputs).__name__}"
+            )
+        return inputs.call(self.fn)
 
 
 @dataclass(frozen=True)

@@ -83,15 +83,18 @@ def level_metadata(
     levels, pages, rows = natural = level_widths(store, sequences, depths)
     if widths is not None:
         if any(w < n for w, n in zip(widths, natural, strict=True)):
-            raise ValueError(f"metadata widths {widths} are below this batch's (levels, pages, rows) {natural}")  # fmt: skip
+            raise ValueError(
+                f"metadata widths {widths} are below this batch's (levels, pages, rows) {natural}"
+            )
         levels, pages, rows = widths
     tables = torch.full((len(sequences), levels, pages), -1, dtype=torch.int32)
     maps = torch.full((len(sequences), levels, rows), -1, dtype=torch.int32)
     kinds = torch.full((len(sequences), levels), int(LevelKind.EMPTY), dtype=torch.int32)
     packed = torch.zeros(len(sequences), dtype=torch.int32)
     # per-row host work only for rows of packed sequences, once per (sequence, depth): a
-    # prefill chunk's thousands of rows (not packed yet) keep the fill values, where one
-    # small tensor per row cost seconds per 32K x 16 prefill on the host
+    # prefill chunk's thousands of rows (not packed yet) keep the fill values, so a step's
+    # host planning grows with its packed rows, not with its prefill rows (the cost of the
+    # other way is in results/README.md, "All three features at 32K")
     written: dict[tuple[int, int], int] = {}
     for i, (sequence, entry, depth) in enumerate(zip(sequences, entries, depths, strict=True)):
         if entry is None:

@@ -76,9 +76,16 @@ class PackedKVStore:
     :meth:`reserve` pages ahead: its appends draw on them first, and no other sequence's
     append can take them."""
 
-    def __init__(self, num_pages: int, num_layers: int, kv_heads: int, head_dim: int,
-                 group_size: int = 64, device: torch.device | str = "cpu",
-                 layers_per_pass: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        group_size: int = 64,
+        device: torch.device | str = "cpu",
+        layers_per_pass: int = 1,
+    ) -> None:
         """``layers_per_pass``: layers an append encodes together (FP32 scratch grows with
         it, launches shrink; the result is the same bit for bit)."""
         if head_dim % group_size:
@@ -102,7 +109,7 @@ class PackedKVStore:
         self.v_min = torch.zeros(
             (num_pages, num_layers, g, kv_heads, head_dim // g), dtype=torch.float16, device=device
         )
-        self.v_scale = torch.zeros_like(self.v_min)  # fmt: skip
+        self.v_scale = torch.zeros_like(self.v_min)
         self._free = list(range(num_pages - 1, -1, -1))
         self._reserved: dict[int, int] = {}  # sequence -> free pages held for its appends
         self.sequences: dict[int, SequenceLevels] = {}
@@ -149,15 +156,27 @@ class PackedKVStore:
             for pages in levels.pages:
                 self._free.extend(pages)
 
-    def encode(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
-               active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
+    def encode(
+        self,
+        sequence: int,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        active: list[torch.Tensor] | None = None,
+        quantize=quantize_int4,
+    ) -> None:
         """Encode a new sequence's first rows at every depth (see :meth:`append`)."""
         if sequence in self.sequences:
             raise ValueError(f"sequence {sequence} is already encoded; release it first")
         self.append(sequence, keys, values, active, quantize)
 
-    def append(self, sequence: int, keys: list[torch.Tensor], values: list[torch.Tensor],
-               active: list[torch.Tensor] | None = None, quantize=quantize_int4) -> None:  # fmt: skip
+    def append(
+        self,
+        sequence: int,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        active: list[torch.Tensor] | None = None,
+        quantize=quantize_int4,
+    ) -> None:
         """Encode the sequence's next rows (a new sequence starts at row 0) at every depth.
 
         keys/values: per depth [T, L, Hkv, D] (T a multiple of the group size; depth d's
@@ -203,9 +222,15 @@ class PackedKVStore:
             for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
                 if pages[depth]:
                     recon_k, recon_v = self._encode_level(
-                        k[:, layers], v[:, layers], recon_k, recon_v, presents[depth],
-                        pages[depth], layers, quantize,
-                    )  # fmt: skip
+                        k[:, layers],
+                        v[:, layers],
+                        recon_k,
+                        recon_v,
+                        present=presents[depth],
+                        pages=pages[depth],
+                        layers=layers,
+                        quantize=quantize,
+                    )
         for depth, k in enumerate(keys):
             self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
         levels.rows += rows
@@ -240,8 +265,15 @@ class PackedKVStore:
         recon_v[present] += dv
         return recon_k, recon_v
 
-    def _extend_level(self, levels: SequenceLevels, depth: int, pages: list[int],
-                      present: torch.Tensor | None, rows: int, device) -> None:  # fmt: skip
+    def _extend_level(
+        self,
+        levels: SequenceLevels,
+        depth: int,
+        pages: list[int],
+        present: torch.Tensor | None,
+        rows: int,
+        device,
+    ) -> None:
         """Add ``rows`` logical rows to one level: dense (``present`` None) or the compact
         rows ``present`` stored in ``pages``."""
         g = self.group_size
@@ -323,22 +355,32 @@ class PackedKVStore:
         maps, and the share per stored logical token and depth; pages used, still reserved
         for later appends, and in the pool."""
         page_payload = self.k_codes[0].numel() + self.v_codes[0].numel()
-        page_params = sum(t[0].numel() * t.element_size() for t in (self.k_min, self.k_scale, self.v_min, self.v_scale))  # fmt: skip
-        used = sum(len(p) for s in self.sequences.values() for p in s.pages)
-        maps = sum(m.numel() * m.element_size() for s in self.sequences.values() for m in s.maps if m is not None)  # fmt: skip
-        tokens = sum(s.rows for s in self.sequences.values())
-        depths = max((len(s.pages) for s in self.sequences.values()), default=0)
-        per_depth = [sum(len(s.pages[d]) for s in self.sequences.values() if d < len(s.pages))
-                     * (page_payload + page_params) for d in range(depths)]  # fmt: skip
-        steady = used * (page_payload + page_params) + maps
+        params = (self.k_min, self.k_scale, self.v_min, self.v_scale)
+        page_params = sum(t[0].numel() * t.element_size() for t in params)
+        page_bytes = page_payload + page_params
+        sequences = list(self.sequences.values())
+        used = sum(len(p) for s in sequences for p in s.pages)
+        stored_maps = [m for s in sequences for m in s.maps if m is not None]
+        maps = sum(m.numel() * m.element_size() for m in stored_maps)
+        tokens = sum(s.rows for s in sequences)
+        depths = max((len(s.pages) for s in sequences), default=0)
+        pages_by_depth = [
+            sum(len(s.pages[d]) for s in sequences if d < len(s.pages)) for d in range(depths)
+        ]
+        per_depth = [pages * page_bytes for pages in pages_by_depth]
+        steady = used * page_bytes + maps
         return {
-            "pages_used": used, "pages_reserved": sum(self._reserved.values()),
+            "pages_used": used,
+            "pages_reserved": sum(self._reserved.values()),
             "pages_total": self.num_pages,
-            "payload_bytes": used * page_payload, "param_bytes": used * page_params,
-            "map_bytes": maps, "steady_bytes": steady, "logical_tokens": tokens,
+            "payload_bytes": used * page_payload,
+            "param_bytes": used * page_params,
+            "map_bytes": maps,
+            "steady_bytes": steady,
+            "logical_tokens": tokens,
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
-        }  # fmt: skip
+        }
 
 
 def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_depths: int) -> dict:
@@ -352,5 +394,6 @@ def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_de
         "bf16_bytes_per_token_per_depth_per_layer": bf16,
         "dense_levels_ratio_vs_bf16": bf16 / level,
         "depths": num_depths,
-        "note": "compact levels (token-sparse depths) cost pages only for active rows plus a 4-byte map entry per row",
+        "note": "compact levels (token-sparse depths) cost pages only for active rows "
+        "plus a 4-byte map entry per row",
     }

@@ -114,9 +114,8 @@ class Registry:
         if failure is not None:
             return [failure.reason()]
         if name not in self.kernels:
-            return [
-                f"kernel implementation {name!r} is not installed (installed: {self.kernel_names()})"
-            ]
+            installed = self.kernel_names()
+            return [f"kernel implementation {name!r} is not installed (installed: {installed})"]
         impl = self.kernels[name].impls.get(op)
         if impl is None:
             provided = sorted(o.value for o in self.kernels[name].impls)

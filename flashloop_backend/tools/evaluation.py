@@ -81,19 +81,22 @@ class EvalSettings:
         )
         if longest > limit:
             raise ConfigError(f"evaluation needs {longest} positions; the model allows {limit}")
-        if text_tokens < self.context + self.continuation + 1:
-            raise ConfigError(
-                f"text has {text_tokens} tokens; one window needs {self.context + self.continuation + 1}"
-            )
+        window = self.context + self.continuation + 1
+        if text_tokens < window:
+            raise ConfigError(f"text has {text_tokens} tokens; one window needs {window}")
 
 
 def _engine_request(model: OuroModel, block_size: int) -> SupportRequest:
     """What the evaluation's engines ask of a backend: the model's attention shapes."""
     param, cfg = next(model.parameters()), model.config
     return SupportRequest(
-        device=param.device.type, dtype=param.dtype, head_dim=cfg.head_dim, block_size=block_size,
-        num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-    )  # fmt: skip
+        device=param.device.type,
+        dtype=param.dtype,
+        head_dim=cfg.head_dim,
+        block_size=block_size,
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+    )
 
 
 def _engine(
@@ -107,8 +110,15 @@ def _engine(
     if config.token_sparse_prefill.enabled:  # chunks must hold whole selection windows
         window = config.token_sparse_prefill.window_size
         chunk = window * -(-chunk // window)
-    engine = Engine(model, attention, num_blocks=4096, block_size=block_size, prefill_chunk=chunk,
-                    max_batch_tokens=max(512, chunk), detokenize=tokenizer_decode)  # fmt: skip
+    engine = Engine(
+        model,
+        attention,
+        num_blocks=4096,
+        block_size=block_size,
+        prefill_chunk=chunk,
+        max_batch_tokens=max(512, chunk),
+        detokenize=tokenizer_decode,
+    )
     return engine, effective.digest()
 
 
@@ -165,8 +175,9 @@ def evaluate(
     dense_cache: dict | None = None,
 ) -> dict:
     """``progress(stage, done, total)``: tokens scored or generated in each stage
-    (``dense: windows``, ``config: passkey``, ...). ``dense_cache``: pass the same dict to calls with the
-    same model, text and settings to run the dense side once (``eval --combinations``)."""
+    (``dense: windows``, ``config: passkey``, ...). ``dense_cache``: pass the same dict to
+    calls with the same model, text and settings to run the dense side once
+    (``eval --combinations``)."""
     settings = settings or EvalSettings()
     encode = lambda s: tokenizer.encode(s).ids  # noqa: E731
     tokens = encode(text)
@@ -190,8 +201,8 @@ def evaluate(
         scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
         scored = engine.generate(contexts, forced=targets, keep_logprobs=True, progress=scoring)
         asking = _stage(progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(pass_prompts))
-        answers = engine.generate(pass_prompts, progress=asking,
-                                  params=SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True))  # fmt: skip
+        answer_params = SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True)
+        answers = engine.generate(pass_prompts, progress=asking, params=answer_params)
         runs[label] = {
             "digest": digest,
             "logprobs": [r.logprobs for r in scored],

@@ -71,10 +71,12 @@ def _features_label(features: list[str]) -> str:
 
 
 def _registered_depth1(case: dict) -> dict:
-    """The depth-1 entry timed with today's registered launch (records keep sweeps)."""
+    """The depth-1 entry timed with the registered launch (``DEFAULT_TUNING``; records keep
+    sweeps)."""
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
-    fields = ("num_warps", "programs_per_sm", "rows_per_step")  # older records: no rows
+    # a record without rows_per_step reads it as None
+    fields = ("num_warps", "programs_per_sm", "rows_per_step")
     want = tuple(getattr(DEFAULT_TUNING, f) for f in fields)
     for key, entry in case["depths"].items():
         tuning = entry.get("tuning", {})

@@ -5,10 +5,14 @@ Shapes as :class:`~.ops.PackedDecode`; the store layout is ``kv.store``'s."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from flashloop_backend.kv.levels import LevelKind
+from flashloop_backend.kv.levels import LevelKind, LevelMetadata
+
+if TYPE_CHECKING:
+    from flashloop_backend.kv.store import PackedKVStore
 
 
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
@@ -92,8 +96,19 @@ def _scatter(t: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
     return full
 
 
-def packed_decode_reference(q, store, layer, meta, key_cache, value_cache, block_tables,
-                            context_lengths, scale=None) -> torch.Tensor:  # fmt: skip
+def packed_decode_reference(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``packed_decode`` (arguments and shapes as :class:`~.ops.PackedDecode`)."""
+
     def run(q, meta, block_tables, context_lengths):
         return _decode_rows(
             q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths, scale
@@ -120,20 +135,54 @@ def _decode_rows(
     return torch.einsum("rht,rthd->rhd", probs, values).to(q.dtype)
 
 
-def packed_dense_source(q, store, layer, meta, key_cache, value_cache, block_tables,
-                        context_lengths, ratio, k_bucket, scale=None):  # fmt: skip
+def packed_dense_source(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``dense_source`` over packed KV: the loop-2 statistics of the reconstructed history
-    (same outputs as :func:`~.torch_sparse_decode.dense_source`)."""
+    (same outputs as :func:`~.torch_ref.sparse_decode.dense_source`; arguments as
+    :class:`~.ops.PackedDenseSource`)."""
 
     def run(q, meta, block_tables, context_lengths):
-        return _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables,
-                            context_lengths, ratio, k_bucket, scale)  # fmt: skip
+        return _source_rows(
+            q,
+            store,
+            layer,
+            meta,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lengths,
+            key_retention,
+            k_bucket,
+            scale,
+        )
 
     return _only_rows(context_lengths > 0, run, q, meta, block_tables, context_lengths)
 
 
-def _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables, context_lengths,
-                 ratio, k_bucket, scale):  # fmt: skip
+def _source_rows(
+    q,
+    store,
+    layer,
+    meta,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lengths,
+    key_retention,
+    k_bucket,
+    scale,
+):
     from flashloop_backend.kernels.torch_ref.sparse_decode import source_statistics
 
     rows, num_q_heads, head_dim = q.shape
@@ -143,15 +192,28 @@ def _source_rows(q, store, layer, meta, key_cache, value_cache, block_tables, co
         empty = q.new_zeros((0, num_q_heads, head_dim), dtype=torch.float32)
         indices = torch.zeros((0, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
         return q.new_empty((0, num_q_heads, head_dim)), indices, empty[..., 0], empty, empty
-    stats = source_statistics(q, _per_query_head(keys, num_q_heads), _per_query_head(values, num_q_heads),
-                              context_lengths, ratio, k_bucket, scale)  # fmt: skip
+    keys, values = _per_query_head(keys, num_q_heads), _per_query_head(values, num_q_heads)
+    stats = source_statistics(q, keys, values, context_lengths, key_retention, k_bucket, scale)
     return (stats[0].to(q.dtype), *stats[1:])
 
 
-def packed_sparse_correction(q, store, layer, meta, key_cache, value_cache, block_tables,
-                             indices, mass, output, contribution, scale=None):  # fmt: skip
+def packed_sparse_correction(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor,
+    mass: torch.Tensor,
+    output: torch.Tensor,
+    contribution: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``sparse_correction`` over packed KV: the selected keys read from the reconstructed
-    history of this depth (only those positions enter the softmax)."""
+    history of this depth (only those positions enter the softmax; arguments as
+    :class:`~.ops.PackedSparseCorrection`). Returns [R, Hq, D] in q's dtype."""
 
     def run(q, meta, block_tables, indices, mass, output, contribution):
         return _correction_rows(q, store, layer, meta, key_cache, value_cache, block_tables,

@@ -1,6 +1,6 @@
 """Torch reference kernels for sparse decode attention over paged KV (the oracle for the
-Triton versions). Shapes: R rows, Hq query heads, Hkv KV heads, D head dim, Kb selected-key
-bucket; paged inputs as in :class:`~.ops.PagedAttention`."""
+Triton versions). Shapes: R rows, Hq query heads, Hkv KV heads, D head dim, T positions,
+Kb selected-key bucket; paged inputs as in :class:`~.ops.PagedAttention`."""
 
 from __future__ import annotations
 
@@ -8,24 +8,34 @@ import math
 
 import torch
 
-from flashloop_backend.algorithms import ratio_fraction
+from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.validate import check_paged_inputs
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024
 
 
-def selected_counts(context_lengths: torch.Tensor, ratio: float) -> torch.Tensor:
-    """[R] int64 K = max(1, ceil(ratio * T)) per row (``algorithms.selected_count``, integer
-    arithmetic on ``ratio_fraction``), 0 for rows without context."""
-    num, den = ratio_fraction(ratio)
+def selected_counts(context_lengths: torch.Tensor, key_retention: float) -> torch.Tensor:
+    """[R] int64 K = max(1, ceil(key_retention * T)) per row of ``context_lengths`` [R]
+    (``algorithms.selected_count``, integer arithmetic on ``key_retention_fraction``), 0
+    for rows without context."""
+    num, den = key_retention_fraction(key_retention)
     lengths = context_lengths.long()
     return torch.minimum((lengths * num + den - 1) // den, lengths).clamp(min=0)
 
 
 def dense_source(
-    q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
-):
-    """Loop-2 attention plus selection statistics for every row.
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Loop-2 attention plus selection statistics for every row (the ``DenseSource``
+    contract: paged inputs as :class:`~.ops.PagedAttention`, K = max(1,
+    ceil(key_retention * T)) keys kept, ``k_bucket`` Kb >= K).
 
     Returns (out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 absolute positions by
     descending probability (-1 past the row's K), mass [R, Hq], output [R, Hq, D] and
@@ -34,19 +44,29 @@ def dense_source(
         q, key_cache, value_cache, block_tables, context_lengths
     )
     span = block_tables.shape[1] * key_cache.shape[1]
-    if rows and k_bucket < min(span, math.ceil(ratio * span)):
-        raise ValueError(f"k_bucket={k_bucket} cannot hold ceil({ratio} * {span}) selected keys")
+    if rows and k_bucket < min(span, math.ceil(key_retention * span)):
+        raise ValueError(
+            f"k_bucket={k_bucket} cannot hold ceil({key_retention} * {span}) selected keys"
+        )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads * head_dim))
     parts = [
-        _source_rows(q[i : i + chunk], key_cache, value_cache, block_tables[i : i + chunk],
-                     context_lengths[i : i + chunk], ratio, k_bucket, scale)
+        _source_rows(
+            q[i : i + chunk],
+            key_cache,
+            value_cache,
+            block_tables[i : i + chunk],
+            context_lengths[i : i + chunk],
+            key_retention,
+            k_bucket,
+            scale,
+        )
         for i in range(0, rows, chunk)
-    ]  # fmt: skip
+    ]
     if not parts:
         empty = q.new_zeros((0, num_q_heads, head_dim), dtype=torch.float32)
-        return (q.new_empty((0, num_q_heads, head_dim)), torch.zeros((0, num_q_heads, k_bucket), dtype=torch.int32, device=q.device),
-                empty[..., 0], empty, empty)  # fmt: skip
+        indices = torch.zeros((0, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
+        return q.new_empty((0, num_q_heads, head_dim)), indices, empty[..., 0], empty, empty
     out, indices, mass, output, contribution = (torch.cat(t) for t in zip(*parts, strict=True))
     return out.to(q.dtype), indices, mass, output, contribution
 
@@ -57,17 +77,28 @@ def _gather(cache, block_tables, rows, span, num_q_heads):
     return x.repeat_interleave(num_q_heads // cache.shape[2], dim=2)  # [R, T, Hq, D]
 
 
-def _source_rows(q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale):
+def _source_rows(
+    q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
+):
     rows, num_q_heads, _ = q.shape
     span = block_tables.shape[1] * key_cache.shape[1]
     keys = _gather(key_cache, block_tables, rows, span, num_q_heads)
     values = _gather(value_cache, block_tables, rows, span, num_q_heads)
-    return source_statistics(q, keys, values, context_lengths, ratio, k_bucket, scale)
+    return source_statistics(q, keys, values, context_lengths, key_retention, k_bucket, scale)
 
 
-def source_statistics(q, keys, values, context_lengths, ratio, k_bucket, scale):
-    """The loop-2 statistics from explicit K/V [R, T, Hq, D] FP32: (output, indices, mass,
-    output, contribution) as :func:`dense_source` returns them (output in FP32)."""
+def source_statistics(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """The loop-2 statistics of q [R, Hq, D] from explicit K/V [R, T, Hq, D] FP32 and
+    context_lengths [R]: (output, indices, mass, output, contribution) as
+    :func:`dense_source` returns them (output in FP32)."""
     rows, num_q_heads, _ = q.shape
     span = keys.shape[1]
     visible = torch.arange(span, device=q.device)[None, :] < context_lengths.long()[:, None]
@@ -77,7 +108,7 @@ def source_statistics(q, keys, values, context_lengths, ratio, k_bucket, scale):
     output = torch.einsum("rht,rthd->rhd", probs, values)
     width = min(k_bucket, span)
     order = torch.sort(-probs, dim=-1, stable=True).indices[..., :width]  # [R, Hq, width]
-    counts = selected_counts(context_lengths, ratio)
+    counts = selected_counts(context_lengths, key_retention)
     valid = torch.arange(width, device=q.device)[None, None, :] < counts[:, None, None]
     chosen = torch.where(valid, torch.gather(probs, 2, order), 0.0)
     chosen_values = torch.gather(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+
+if TYPE_CHECKING:
+    from flashloop_backend.kv.levels import LevelMetadata
+    from flashloop_backend.kv.store import PackedKVStore
 
 SUPPORT = Support(
     devices=frozenset({"cuda"}),
@@ -40,10 +46,22 @@ def _sparse_prefill(*args, **kwargs) -> torch.Tensor:
     return sparse_prefill_triton(*args, **kwargs)
 
 
-def _dense_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+def _dense_source(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``dense_source`` (the ``DenseSource`` contract) through ``dense_source_triton``."""
     from flashloop_backend.kernels.triton.dense_source import dense_source_triton
 
-    return dense_source_triton(*args, **kwargs)
+    return dense_source_triton(
+        q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
+    )
 
 
 def _packed_decode(*args, **kwargs) -> torch.Tensor:
@@ -58,10 +76,36 @@ def _packed_kv_write(*args, **kwargs):
     return quantize_int4_triton(*args, **kwargs)
 
 
-def _packed_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+def _packed_source(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``packed_dense_source`` (the ``PackedDenseSource`` contract) through
+    ``packed_dense_source_triton``."""
     from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
 
-    return packed_dense_source_triton(*args, **kwargs)
+    return packed_dense_source_triton(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        key_retention,
+        k_bucket,
+        scale,
+    )
 
 
 def _packed_correction(*args, **kwargs) -> torch.Tensor:

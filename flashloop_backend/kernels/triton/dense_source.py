@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashloop_backend.algorithms import ratio_fraction
+from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.torch_ref.sparse_decode import selected_counts
 from flashloop_backend.kernels.triton.paged_decode import (
     next_pow2,
@@ -51,9 +51,9 @@ class SelectTuning:
 DEFAULT_SELECT = SelectTuning()
 
 
-def check_bucket(span: int, rows: int, ratio: float, k_bucket: int) -> None:
-    """``k_bucket`` must hold the keys the ratio selects from ``span`` positions."""
-    num, den = ratio_fraction(ratio)
+def check_bucket(span: int, rows: int, key_retention: float, k_bucket: int) -> None:
+    """``k_bucket`` must hold the keys ``key_retention`` selects from ``span`` positions."""
+    num, den = key_retention_fraction(key_retention)
     need = min(span, -(-span * num // den))
     if rows and k_bucket < need:
         raise ValueError(f"k_bucket={k_bucket} cannot hold the {need} keys selected from {span}")
@@ -69,24 +69,25 @@ def _logits_and_output(q, key_cache, value_cache, block_tables, context_lengths,
 
 
 def dense_source_triton(
-    q,
-    key_cache,
-    value_cache,
-    block_tables,
-    context_lengths,
-    ratio,
-    k_bucket,
-    scale=None,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
     tuning: SelectTuning = DEFAULT_SELECT,
-):
+) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
-    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32).
+    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
+    K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket``.
 
     Paged inputs as ``paged_attention_triton``; the value cache is read again only at the
     selected positions."""
     block_size = key_cache.shape[1]
     span = block_tables.shape[1] * block_size
-    check_bucket(span, block_tables.shape[0], ratio, k_bucket)
+    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
     logits, lse, output = _logits_and_output(
         q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )
@@ -102,27 +103,32 @@ def dense_source_triton(
     if rows == 0:
         return out, indices, mass, output, contribution
     launch_selection(logits, lse, context_lengths, value_cache, block_tables, output, out,
-                     indices, mass, contribution, scratch, ratio, tuning, contribute=True)  # fmt: skip
+                     indices, mass, contribution, scratch, key_retention, tuning,
+                     contribute=True)  # fmt: skip
     return out, indices, mass, output, contribution
 
 
 def launch_selection(logits, lse, context_lengths, value_cache, block_tables, output, out, indices,
-                     mass, contribution, scratch, ratio, tuning: SelectTuning, contribute: bool) -> None:  # fmt: skip
-    """The top-K selection over ``logits`` [R, Hq, T] / ``lse`` [R, Hq]: writes ``indices``,
-    ``mass``, ``out`` (``output`` in q's dtype) and, if ``contribute``, ``contribution``
-    from the value cache (packed KV sums it itself: its values are not in pages)."""
+                     mass, contribution, scratch, key_retention: float, tuning: SelectTuning,
+                     contribute: bool) -> None:  # fmt: skip
+    """The top-K selection (K = max(1, ceil(key_retention * T))) over ``logits`` [R, Hq, T]
+    / ``lse`` [R, Hq]: writes ``indices`` [R, Hq, Kb], ``mass`` [R, Hq], ``out`` [R, Hq, D]
+    (``output`` [R, Hq, D] FP32 in q's dtype) and, if ``contribute``, ``contribution``
+    [R, Hq, D] from the value cache (packed KV sums it itself: its values are not in
+    pages)."""
     from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
     rows, num_q_heads, k_bucket = indices.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
     if logits.shape[-1] >= tuning.split_min_span:
         launch_split_selection(logits, lse, context_lengths, value_cache, block_tables, output,
-                               out, indices, mass, contribution, ratio, tuning, contribute)  # fmt: skip
+                               out, indices, mass, contribution, key_retention, tuning,
+                               contribute)  # fmt: skip
         return
     select_statistics_kernel[(rows, num_q_heads)](
         logits, lse, context_lengths, value_cache, block_tables, output,
         out, indices, mass, contribution, scratch,
-        *ratio_fraction(ratio),
+        *key_retention_fraction(key_retention),
         logits.stride(0), logits.stride(1),
         lse.stride(0),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -140,8 +146,8 @@ def launch_selection(logits, lse, context_lengths, value_cache, block_tables, ou
 
 
 def launch_split_selection(logits, lse, context_lengths, value_cache, block_tables, output, out,
-                           indices, mass, contribution, ratio, tuning: SelectTuning,
-                           contribute: bool) -> None:  # fmt: skip
+                           indices, mass, contribution, key_retention: float,
+                           tuning: SelectTuning, contribute: bool) -> None:  # fmt: skip
     """:func:`launch_selection`'s result from (row, head, split) programs: one launch per
     8-bit digit into shared histograms, one to count, one to compact in position order;
     the splits' mass and contribution are summed afterwards (deterministic)."""
@@ -167,9 +173,9 @@ def launch_split_selection(logits, lse, context_lengths, value_cache, block_tabl
     contrib_parts = torch.empty(
         (rows, num_q_heads, splits, head_dim), dtype=torch.float32, device=device
     )
-    ratio_num, ratio_den = ratio_fraction(ratio)
+    key_retention_num, key_retention_den = key_retention_fraction(key_retention)
     grid = (rows, num_q_heads, splits)
-    common = (ratio_num, ratio_den, logits.stride(0), logits.stride(1), per_split)
+    common = (key_retention_num, key_retention_den, logits.stride(0), logits.stride(1), per_split)
     for level in range(DIGIT_COUNT):
         select_digit_kernel[grid](logits, context_lengths, hist, *common, LEVEL=level,
                                   BLOCK=tuning.block, num_warps=tuning.split_num_warps)  # fmt: skip
@@ -178,7 +184,7 @@ def launch_split_selection(logits, lse, context_lengths, value_cache, block_tabl
     select_compact_kernel[grid](
         logits, lse, context_lengths, hist, counts, value_cache, block_tables, output,
         out, indices, mass_parts, contrib_parts,
-        ratio_num, ratio_den,
+        key_retention_num, key_retention_den,
         logits.stride(0), logits.stride(1), lse.stride(0),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         output.stride(0), output.stride(1), out.stride(0), out.stride(1),
@@ -204,14 +210,21 @@ def order_key(logits: torch.Tensor) -> torch.Tensor:
 
 
 def dense_source_torch_topk(
-    q, key_cache, value_cache, block_tables, context_lengths, ratio, k_bucket, scale=None
-):
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
     """First design: Triton logits, then ``torch.topk`` over :func:`order_key` (indices by
     descending probability) and a torch gather for the contribution."""
     rows, num_q_heads, _ = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     span = block_tables.shape[1] * block_size
-    check_bucket(span, block_tables.shape[0], ratio, k_bucket)
+    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
     logits, lse, output = _logits_and_output(
         q, key_cache, value_cache, block_tables, context_lengths, scale, span
     )
@@ -221,7 +234,7 @@ def dense_source_torch_topk(
     top = torch.topk(order_key(logits), width, dim=-1, sorted=True).indices  # [R, Hq, width]
     valid = (
         torch.arange(width, device=q.device)[None, None, :]
-        < selected_counts(context_lengths, ratio)[:, None, None]
+        < selected_counts(context_lengths, key_retention)[:, None, None]
     )
     chosen = torch.where(valid, torch.exp(torch.gather(logits, 2, top) - lse[..., None]), 0.0)
     page_col = (top // block_size).reshape(rows, -1)

@@ -10,6 +10,7 @@ import torch
 
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
 from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
 
@@ -56,9 +57,7 @@ def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int
     return min(rows, group_size)
 
 
-def packed_span(
-    store: PackedKVStore, meta: dict[str, torch.Tensor], block_tables, block_size: int
-) -> int:
+def packed_span(store: PackedKVStore, meta: LevelMetadata, block_tables, block_size: int) -> int:
     """Positions the readers cover: whole groups over the packed rows and the BF16 pages."""
     g = store.group_size
     return math.ceil(max(block_tables.shape[1] * block_size, meta.maps.shape[2]) / g) * g
@@ -83,7 +82,7 @@ def packed_strides(pools, meta, key_cache, value_cache, block_tables) -> tuple[i
     )  # fmt: skip
 
 
-def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
+def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: LevelMetadata,
                          key_cache, value_cache, block_tables, context_lengths,
                          scale: float | None = None, tuning: PackedTuning = DEFAULT_TUNING,
                          logits: torch.Tensor | None = None, lse: torch.Tensor | None = None,

@@ -31,6 +31,7 @@ from flashloop_backend.kernels.triton.packed_decode import (
 )
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
 from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
+from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
 GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
@@ -41,7 +42,7 @@ BLOCK_N = 16
 SELECTED_WARPS = 2
 
 
-def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor], key_cache,
+def packed_gather(store: PackedKVStore, layer: int, meta: LevelMetadata, key_cache,
                   value_cache, block_tables, positions: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """K and V [R, Hq, N, D] in ``dtype`` at ``positions`` [R, Hq, N] int32 (-1: zeros):
@@ -74,7 +75,7 @@ def packed_gather(store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor
     return out_k, out_v
 
 
-def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: dict[str, torch.Tensor],
+def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: LevelMetadata,
                           key_cache, value_cache, block_tables, indices: torch.Tensor,
                           scale: float, logits: torch.Tensor | None = None,
                           lse: torch.Tensor | None = None, block_n: int = BLOCK_N,
@@ -163,15 +164,29 @@ def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_ca
                                 correction=_correction_terms(output, contribution, mass))  # fmt: skip
 
 
-def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                               context_lengths, ratio, k_bucket, scale=None,
-                               tuning: SelectTuning = DEFAULT_SELECT, block_n: int = BLOCK_N,
-                               num_warps: int = SELECTED_WARPS):  # fmt: skip
+def packed_dense_source_triton(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+    tuning: SelectTuning = DEFAULT_SELECT,
+    block_n: int = BLOCK_N,
+    num_warps: int = SELECTED_WARPS,
+) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
-    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32)."""
+    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
+    K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket`` (the ``PackedDenseSource``
+    contract)."""
     rows, num_q_heads, _ = q.shape
     span = packed_span(store, meta, block_tables, key_cache.shape[1])
-    check_bucket(span, rows, ratio, k_bucket)
+    check_bucket(span, rows, key_retention, k_bucket)
     logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
     lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
     output = packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
@@ -187,7 +202,8 @@ def packed_dense_source_triton(q, store, layer, meta, key_cache, value_cache, bl
         (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
     )
     launch_selection(logits, lse, context_lengths, value_cache, block_tables.contiguous(), output,
-                     out, indices, mass, unused, scratch, ratio, tuning, contribute=False)  # fmt: skip
+                     out, indices, mass, unused, scratch, key_retention, tuning,
+                     contribute=False)  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     part_out, _, _ = packed_selected_parts(q, store, layer, meta, key_cache, value_cache,
                                            block_tables, indices, scale, logits, lse, block_n,

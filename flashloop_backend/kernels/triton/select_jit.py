@@ -146,8 +146,9 @@ def select_statistics_kernel(
     position) on order-preserving keys, then one pass in position order that writes the
     K indices, their probability mass and contribution sum p * v.
 
-    K = ceil(T * ratio_num / ratio_den) in integer arithmetic; indices past K are -1; the
-    dense output [D] FP32 is also written in the output dtype (``out``)."""
+    K = ceil(T * ratio_num / ratio_den) in integer arithmetic, (ratio_num, ratio_den) being
+    ``key_retention_fraction(key_retention)``; indices past K are -1; the dense output [D]
+    FP32 is also written in the output dtype (``out``)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     kv_head = head // GROUP

@@ -3,8 +3,9 @@
 (``select_jit.py``) leaves most SMs idle and sorts 4,096-key samples; here every digit of
 an MSB-first radix select is one launch over (row, head, split) programs that add their
 256-bin histogram into a shared one, and two more launches count and compact the keys
-in position order. Same result as ``select_statistics_kernel``: exact top-K, ties to the
-earlier positions, indices in position order."""
+in position order. Same result as ``select_statistics_kernel``: exact top-K (K from
+``ratio_num / ratio_den``, ``key_retention_fraction(key_retention)``), ties to the earlier
+positions, indices in position order."""
 
 import triton
 import triton.language as tl

@@ -20,10 +20,17 @@ def ouro_1p4b_shapes(layers: int | None = None):
     from flashloop_backend.host.config import OuroConfig
 
     return OuroConfig(
-        hidden_size=2048, num_hidden_layers=layers or 24, num_attention_heads=16, num_key_value_heads=16,
-        head_dim=128, intermediate_size=5632, vocab_size=49152, rope_theta=1e6, total_ut_steps=4,
+        hidden_size=2048,
+        num_hidden_layers=layers or 24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        intermediate_size=5632,
+        vocab_size=49152,
+        rope_theta=1e6,
+        total_ut_steps=4,
         max_position_embeddings=65536,
-    )  # fmt: skip
+    )
 
 
 def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
@@ -44,8 +51,7 @@ def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
         torch.cuda.synchronize()
         now = time.perf_counter() - start
         for rid in ids:
-            r = engine._requests.get(rid)
-            if rid not in first and (r is None or r.output):
+            if rid not in first and engine.has_first_token(rid):
                 first[rid] = now
         for f in finished:
             done[f.request_id] = now
@@ -66,8 +72,14 @@ def random_ouro(layers: int | None, block_size: int):
         model = OuroModel(cfg).to(torch.bfloat16).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    request = SupportRequest("cuda", torch.bfloat16, cfg.head_dim, block_size,
-                             cfg.num_attention_heads, cfg.num_key_value_heads)  # fmt: skip
+    request = SupportRequest(
+        device="cuda",
+        dtype=torch.bfloat16,
+        head_dim=cfg.head_dim,
+        block_size=block_size,
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+    )
     return model, request
 
 
@@ -128,9 +140,16 @@ def bench_end_to_end(
         effective = (config or FlashLoopConfig()) if base == "flashloop" else FlashLoopConfig()
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(base, wanted, effective)
-        engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
-                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
-                        cuda_graphs=graphs, max_context=tokens_per_request)  # fmt: skip
+        engine = Engine(
+            model,
+            backend,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_batch_tokens=max_batch_tokens,
+            prefill_chunk=prefill_chunk,
+            cuda_graphs=graphs,
+            max_context=tokens_per_request,
+        )
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
         *_, warm_s = _timed_workload(engine, warm_prompts, new_tokens)
@@ -144,30 +163,47 @@ def bench_end_to_end(
         ids, first, done, total = _timed_workload(engine, prompts, new_tokens, probe)
         ttft = [first[i] for i in ids]
         tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
+        baseline = results.get(backends[0])
+        speedup = baseline["prefill_latency_s"] / max(ttft) if baseline else 1.0
         results[name] = {
-            "prefill_latency_s": max(ttft), "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
+            "prefill_latency_s": max(ttft),
+            "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
             "tpot_ms": {"median": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
-            "throughput_tokens_s": concurrency * new_tokens / total, "total_s": total, "host_steps": engine.steps - warm_steps,
+            "throughput_tokens_s": concurrency * new_tokens / total,
+            "total_s": total,
+            "host_steps": engine.steps - warm_steps,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "kv_bytes_per_token": engine.kv.bytes_per_token(), "failed_requests": concurrency - len(done),
+            "kv_bytes_per_token": engine.kv.bytes_per_token(),
+            "failed_requests": concurrency - len(done),
             # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
             "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
             "config_digest": resolve(effective, base, wanted, registry).digest(),
             "graphs": engine.graphs.stats() if engine.graphs else None,
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
-            "prefill_speedup_vs_first": results[backends[0]]["prefill_latency_s"] / max(ttft)
-            if backends[0] in results else 1.0,
-        }  # fmt: skip
-        log(f"  e2e {name} ctx={context} conc={concurrency}: TTFT {statistics.median(ttft):.3f} s, "
-            f"TPOT {results[name]['tpot_ms']['median']:.1f} ms, {results[name]['throughput_tokens_s']:.1f} tok/s")  # fmt: skip
+            "prefill_speedup_vs_first": speedup,
+        }
+        summary = results[name]
+        log(
+            f"  e2e {name} ctx={context} conc={concurrency}: TTFT {statistics.median(ttft):.3f} s, "
+            f"TPOT {summary['tpot_ms']['median']:.1f} ms, "
+            f"{summary['throughput_tokens_s']:.1f} tok/s"
+        )
         del engine, backend
         gc.collect()  # the engine and its graph runner reference each other: free the caches now
         torch.cuda.empty_cache()
     return {
-        "kind": "end_to_end_host", "environment": environment_record(),
+        "kind": "end_to_end_host",
+        "environment": environment_record(),
         "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
-        "context": context, "concurrency": concurrency, "new_tokens": new_tokens, "prefill_chunk": prefill_chunk,
-        "max_batch_tokens": max_batch_tokens, "warmup_context": warmup_context or context, "method": "timed pass after an untimed warm-up pass (prompts cut to warmup_context) per backend, same process",
-        "config": (config or FlashLoopConfig()).model_dump(mode="json"), "results": results,
-    }  # fmt: skip
+        "context": context,
+        "concurrency": concurrency,
+        "new_tokens": new_tokens,
+        "prefill_chunk": prefill_chunk,
+        "max_batch_tokens": max_batch_tokens,
+        "warmup_context": warmup_context or context,
+        "method": "timed pass after an untimed warm-up pass (prompts cut to warmup_context) "
+        "per backend, same process",
+        "config": (config or FlashLoopConfig()).model_dump(mode="json"),
+        "results": results,
+    }

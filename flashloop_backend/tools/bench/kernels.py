@@ -79,9 +79,9 @@ def bench_decode_kernels(
                 reference = out if reference is None else reference
                 if name == "flashinfer":
                     # FlashInfer plans once per batch on the host and runs per layer: time the run.
-                    from flashloop_backend.kernels.flashinfer import _INSTANCES
+                    from flashloop_backend.kernels.flashinfer import planned_wrapper
 
-                    wrapper = _INSTANCES[q.device].decode
+                    wrapper = planned_wrapper(q.device)
                     fns[name] = lambda q, k, v, t, n, w=wrapper: w.run(q, (k, v))
                 err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
                 if err > 2e-2:
@@ -162,8 +162,9 @@ def bench_decode_kernels(
         "config_digest": digest,
         "method": (
             f"CUDA events, {repeats} samples x {calls_per_sample} calls, interleaved, rotating "
-            f"{ROTATION_BYTES >> 20} MiB of caches; flashinfer timed as run() after one plan per batch "
-            "(how a runtime uses it across layers); triton timed through its full wrapper"
+            f"{ROTATION_BYTES >> 20} MiB of caches; flashinfer timed as run() after one plan "
+            "per batch (how a runtime uses it across layers); triton timed through its full "
+            "wrapper"
         ),
         "cases": cases,
     }

@@ -18,10 +18,10 @@ from flashloop_backend.tools.bench.timing import (
 )
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
-# (positions per step, warps) of the selected-key kernel: 32 x 4 (registered before) and
-# 16 x 2 (registered since the sparse-ops record) among them.
-# ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
-# levels (4.7-32 KB of spills per thread); 16 x 2 spills about 1 KB, 16 x 4 under 0.2 KB
+# (positions per step, warps) of the selected-key kernel: the registered 16 x 2
+# (kernels/triton/packed_sparse.py) beside 32 x 4 and 16 x 4. ptxas
+# (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4 levels:
+# they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
 SELECTED_LAUNCHES = [(32, 4), (16, 4), (16, 2)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
@@ -97,11 +97,18 @@ def _tunings(levels: int, sweep: bool) -> list:
     the ``deep_`` pair from three)."""
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
-    warps, rows = ("num_warps", "rows_per_step") if levels <= 2 else ("deep_num_warps", "deep_rows_per_step")  # fmt: skip
+    if levels <= 2:
+        warps, rows = "num_warps", "rows_per_step"
+    else:
+        warps, rows = "deep_num_warps", "deep_rows_per_step"
     out = [DEFAULT_TUNING]
     if sweep:
-        grid = [replace(DEFAULT_TUNING, **{warps: w, "programs_per_sm": p, rows: r})
-                for r in (None, 32, 16) for w in (1, 2, 4) for p in (16, 32)]  # fmt: skip
+        grid = [
+            replace(DEFAULT_TUNING, **{warps: w, "programs_per_sm": p, rows: r})
+            for r in (None, 32, 16)
+            for w in (1, 2, 4)
+            for p in (16, 32)
+        ]
         out += [t for t in grid if t != DEFAULT_TUNING]
     return out
 
@@ -131,10 +138,10 @@ def _bf16_rows(context: int, batch: int, gen: torch.Generator):
 
 def _flashinfer_ms(q, kc, vc, tables, lengths) -> float:
     """FlashInfer's BF16 paged decode of these rows, CUDA-graph median ms."""
-    from flashloop_backend.kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
+    from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer, planned_wrapper
 
     paged_attention_flashinfer(q, kc, vc, tables, lengths)
-    wrapper = _INSTANCES[q.device].decode
+    wrapper = planned_wrapper(q.device)
     return graph_ms(lambda: wrapper.run(q, (kc, vc)))
 
 
@@ -166,21 +173,35 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
                 if tuning != DEFAULT_TUNING:
                     key += tuning_label(tuning, depth + 1)
+                tb_s = read / (ms / 1e3) / 1e12
                 results["depths"][key] = {
-                    "ms": ms, "speedup_vs_flashinfer_bf16": dense_ms / ms, "bytes_read": read,
-                    "tb_s": read / (ms / 1e3) / 1e12, "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
+                    "ms": ms,
+                    "speedup_vs_flashinfer_bf16": dense_ms / ms,
+                    "bytes_read": read,
+                    "tb_s": tb_s,
+                    "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
                     "tuning": asdict(tuning),
-                }  # fmt: skip
-                log(f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
-                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {read / (ms / 1e3) / 1e12:.2f} TB/s")  # fmt: skip
+                }
+                log(
+                    f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
+                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {tb_s:.2f} TB/s"
+                )
         del store
         torch.cuda.empty_cache()
     return results
 
 
-def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_ms: float | None,
-                    ratio: float = 0.25, timer=graph_ms, select=None,
-                    launches=SELECTED_LAUNCHES) -> dict:  # fmt: skip
+def sparse_ops_case(
+    context: int,
+    batch: int,
+    gen: torch.Generator,
+    log,
+    dense_ms: float | None,
+    key_retention: float = 0.25,
+    timer=graph_ms,
+    select=None,
+    launches=SELECTED_LAUNCHES,
+) -> dict:
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
     (two-level read, selection, contribution) and the loop 3-4 correction over the
     selected keys at three and four levels, dense and compact levels, each selected-key
@@ -201,40 +222,57 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
     q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)  # BF16 pages: never read (packed)
     if dense_ms is None and device.type == "cuda":
         dense_ms = _flashinfer_ms(q, kc, vc, tables, lengths)
-    bucket = key_bucket(ratio, context)
-    results: dict = {"context": context, "concurrency": batch, "key_retention": ratio,
-                     "key_bucket": bucket, "dense_flashinfer_ms": dense_ms, "ops": {}}  # fmt: skip
+    bucket = key_bucket(key_retention, context)
+    results: dict = {
+        "context": context,
+        "concurrency": batch,
+        "key_retention": key_retention,
+        "key_bucket": bucket,
+        "dense_flashinfer_ms": dense_ms,
+        "ops": {},
+    }
 
     def record(key: str, ms: float) -> None:
         entry = {"ms": ms}
         if dense_ms:
             entry["vs_dense_decode"] = ms / dense_ms
         results["ops"][key] = entry
-        log(f"  packed sparse ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us"
-            + (f" ({ms / dense_ms:.2f}x a dense decode)" if dense_ms else ""))  # fmt: skip
+        log(
+            f"  packed sparse ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us"
+            + (f" ({ms / dense_ms:.2f}x a dense decode)" if dense_ms else "")
+        )
 
     for sparse in (False, True):
         name = "token_sparse" if sparse else "dense_levels"
         store, _ = _store(batch, context, 1, sparse, gen)
         meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
-        source = (q, store, 0, meta[1], kc, vc, tables, lengths, ratio, bucket, None, select or DEFAULT_SELECT)  # fmt: skip
+        reads = (q, store, 0, meta[1], kc, vc, tables, lengths)  # layer 0 at loop 2
+        source = (*reads, key_retention, bucket, None, select or DEFAULT_SELECT)  # default scale
         _, indices, mass, output, contribution = packed_dense_source_triton(*source)
-        corrections = {depth: (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
-                       for depth in (2, 3)}  # fmt: skip
-        for depth, args in corrections.items():  # the second design: the reader, unselected masked
+        corrections = {
+            depth: (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
+            for depth in (2, 3)
+        }
+        # the streamed design: the packed reader with unselected positions masked
+        for depth, args in corrections.items():
             key = f"{name}_correction_depth{depth + 1}_streamed"
             record(key, timer(lambda a=args: packed_streamed_correction_triton(*a)))
-            gap = (packed_streamed_correction_triton(*args).float()
-                   - packed_sparse_correction_triton(*args).float()).abs().max().item()  # fmt: skip
+            streamed = packed_streamed_correction_triton(*args).float()
+            gathered = packed_sparse_correction_triton(*args).float()
+            gap = (streamed - gathered).abs().max().item()
             results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
         for block_n, warps in launches:
             launch = {"block_n": block_n, "num_warps": warps}
             suffix = f"_block{block_n}_w{warps}"
-            record(f"{name}_source_depth2{suffix}",
-                   timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)))  # fmt: skip
+            record(
+                f"{name}_source_depth2{suffix}",
+                timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
+            )
             for depth, args in corrections.items():
-                record(f"{name}_correction_depth{depth + 1}{suffix}",
-                       timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)))  # fmt: skip
+                record(
+                    f"{name}_correction_depth{depth + 1}{suffix}",
+                    timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)),
+                )
         del store
     return results
 
@@ -242,27 +280,44 @@ def sparse_ops_case(context: int, batch: int, gen: torch.Generator, log, dense_m
 PACKED_PARTS = ("decode", "sparse_ops")
 
 
-def bench_packed_kv(contexts: list[int], concurrency: list[int], log=print,
-                    parts: tuple[str, ...] = PACKED_PARTS) -> dict:  # fmt: skip
+def bench_packed_kv(
+    contexts: list[int], concurrency: list[int], log=print, parts: tuple[str, ...] = PACKED_PARTS
+) -> dict:
     """``parts``: the reader per depth with its launch sweep (``decode``) and the packed
     sparse-decode ops (``sparse_ops``); each names FlashInfer's BF16 decode of its rows."""
     unknown = sorted(set(parts) - set(PACKED_PARTS))
     if unknown or not parts:
-        raise ConfigError(f"bench packed parts {unknown or list(parts)} are not among {list(PACKED_PARTS)}")  # fmt: skip
+        named = unknown or list(parts)
+        raise ConfigError(f"bench packed parts {named} are not among {list(PACKED_PARTS)}")
     require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(c, b) for c in contexts for b in concurrency]
     cases = [_decode_case(c, b, gen, log) for c, b in shapes] if "decode" in parts else []
     dense = {(c["context"], c["concurrency"]): c["dense_flashinfer_ms"] for c in cases}
-    sparse_ops = [sparse_ops_case(c, b, gen, log, dense.get((c, b)))
-                  for c, b in shapes] if "sparse_ops" in parts else []  # fmt: skip
+    sparse_ops = []
+    if "sparse_ops" in parts:
+        sparse_ops = [sparse_ops_case(c, b, gen, log, dense.get((c, b))) for c, b in shapes]
     accounting = _accounting(2048, 24, gen)
-    log(f"  steady bytes/token over 4 depths: dense levels x{accounting['dense_levels']['ratio_vs_bf16']:.2f}, "
-        f"token sparse x{accounting['token_sparse_1_1_0.25_0.10']['ratio_vs_bf16']:.2f} smaller than BF16")  # fmt: skip
+    dense_levels = accounting["dense_levels"]["ratio_vs_bf16"]
+    token_sparse = accounting["token_sparse_1_1_0.25_0.10"]["ratio_vs_bf16"]
+    log(
+        f"  steady bytes/token over 4 depths: dense levels x{dense_levels:.2f}, "
+        f"token sparse x{token_sparse:.2f} smaller than BF16"
+    )
     return {
-        "kind": "packed_kv", "environment": environment_record(),
-        "shapes": {"heads": HEADS, "head_dim": HEAD_DIM, "group_size": GROUP, "block_size": BLOCK_SIZE,
-                   "dtype": "bfloat16", "policy": "fixed_prompt (whole prompt packed, no tail)"},
-        "method": "CUDA-graph replay medians (30 x 10 calls), FlashInfer BF16 decode of the same rows in the same run",
-        "decode": cases, "sparse_ops": sparse_ops, "accounting": accounting,
-    }  # fmt: skip
+        "kind": "packed_kv",
+        "environment": environment_record(),
+        "shapes": {
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "group_size": GROUP,
+            "block_size": BLOCK_SIZE,
+            "dtype": "bfloat16",
+            "policy": "fixed_prompt (whole prompt packed, no tail)",
+        },
+        "method": "CUDA-graph replay medians (30 x 10 calls), "
+        "FlashInfer BF16 decode of the same rows in the same run",
+        "decode": cases,
+        "sparse_ops": sparse_ops,
+        "accounting": accounting,
+    }

@@ -21,18 +21,18 @@ from flashloop_backend.tools.bench.timing import (
 HEADS, HEAD_DIM, BLOCK_SIZE, WINDOW = 16, 128, 16, 64
 
 
-def windowed_subset(length: int, ratio: float, gen: torch.Generator) -> torch.Tensor:
-    """Sorted positions keeping ceil(ratio * window) random positions of each 64-window."""
+def windowed_subset(length: int, retention: float, gen: torch.Generator) -> torch.Tensor:
+    """Sorted positions keeping ceil(retention * window) random positions of each 64-window."""
     chosen = []
     for start in range(0, length, WINDOW):
         size = min(WINDOW, length - start)
-        keep = max(1, math.ceil(ratio * size))
+        keep = max(1, math.ceil(retention * size))
         pick = torch.randperm(size, generator=gen, device=gen.device)[:keep] + start
         chosen.append(pick)
     return torch.cat(chosen).sort().values
 
 
-def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
+def _case(context: int, retention: list[float], gen: torch.Generator, log) -> dict:
     from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
     from flashloop_backend.kernels.triton.sparse_prefill import sparse_prefill_triton
 
@@ -67,38 +67,52 @@ def _case(context: int, ratios: list[float], gen: torch.Generator, log) -> dict:
         "triton_vs_flashinfer_max_abs_error": (mine - reference).abs().max().item(),
         "sparse": [],
     }
-    log(f"  prefill ctx={context}: FlashInfer {dense_fi_ms:.2f} ms ({dense_tflops:.0f} TFLOP/s), "
-        f"Triton tiled {dense_triton_ms:.2f} ms")  # fmt: skip
-    for ratio in ratios:
-        subset = windowed_subset(context, ratio, gen)
+    log(
+        f"  prefill ctx={context}: FlashInfer {dense_fi_ms:.2f} ms ({dense_tflops:.0f} TFLOP/s), "
+        f"Triton tiled {dense_triton_ms:.2f} ms"
+    )
+    for value in retention:
+        subset = windowed_subset(context, value, gen)
         q, tables, lengths = rows(subset)
         ms = eager_ms(
             lambda q=q, t=tables, n=lengths: sparse_prefill_triton(q, kc, vc, t, n), 10, 3
         )
         tflops = flops(subset) / (ms / 1e3) / 1e12
-        record["sparse"].append({
-            "retention": ratio, "rows": len(subset), "ms": ms, "tflops": tflops,
+        subset_record = {
+            "retention": value,
+            "rows": len(subset),
+            "ms": ms,
+            "tflops": tflops,
             "tflops_vs_dense_flashinfer": tflops / dense_tflops,
             "fraction_of_bf16_peak": tflops * 1e12 / BF16_FLOPS,
             "time_vs_dense_flashinfer": ms / dense_fi_ms,
-        })  # fmt: skip
-        log(f"    retention {ratio}: {ms:.2f} ms, {tflops:.0f} TFLOP/s "
-            f"({tflops / dense_tflops:.2f} of FlashInfer's)")  # fmt: skip
+        }
+        record["sparse"].append(subset_record)
+        log(
+            f"    retention {value}: {ms:.2f} ms, {tflops:.0f} TFLOP/s "
+            f"({tflops / dense_tflops:.2f} of FlashInfer's)"
+        )
     return record
 
 
-def bench_prefill_attention(contexts: list[int], ratios: list[float], log=print) -> dict:
+def bench_prefill_attention(contexts: list[int], retention: list[float], log=print) -> dict:
     """One record per context; every candidate timed in the same process on the same KV."""
     require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for context in contexts:
-        cases.append(_case(context, ratios, gen, log))
+        cases.append(_case(context, retention, gen, log))
         torch.cuda.empty_cache()
     return {
-        "kind": "prefill_attention_per_layer", "environment": environment_record(),
-        "shapes": {"heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
-                   "dtype": "bfloat16", "selection_window": WINDOW},
+        "kind": "prefill_attention_per_layer",
+        "environment": environment_record(),
+        "shapes": {
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "bfloat16",
+            "selection_window": WINDOW,
+        },
         "method": "CUDA-event medians of 10 samples x 3 calls (eager; FlashInfer planned once)",
         "cases": cases,
-    }  # fmt: skip
+    }

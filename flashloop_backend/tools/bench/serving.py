@@ -80,8 +80,10 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
 
     combos = dict(feature_combinations(config))
     enabled = config.enabled_features()
-    out = [Variant("dense", baseline, FlashLoopConfig()),
-           Variant("flashloop_dense", "flashloop", FlashLoopConfig())]  # fmt: skip
+    out = [
+        Variant("dense", baseline, FlashLoopConfig()),
+        Variant("flashloop_dense", "flashloop", FlashLoopConfig()),
+    ]
     out += [Variant(f"{name} alone", "flashloop", combos[(name,)]) for name in enabled]
     for size in range(2, len(enabled) + 1):
         chosen = enabled[:size]
@@ -112,15 +114,25 @@ def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> Non
         run_workload(engine, arrivals, vocab, concurrency=size, sync=sync)
 
 
-def serve_variants(model, request, variants: list[Variant], workloads: list[dict], num_blocks: int,
-                   block_size: int, sync=lambda: None, log=print, graphs=None, max_context=None,
-                   on_record: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:  # fmt: skip
+def serve_variants(
+    model,
+    request,
+    variants: list[Variant],
+    workloads: list[dict],
+    num_blocks: int,
+    block_size: int,
+    sync=lambda: None,
+    log=print,
+    graphs=None,
+    max_context=None,
+    on_record: Callable[[list[dict]], None] = lambda records: None,
+) -> list[dict]:
     """Every workload on every variant, one engine per variant after an untimed
-    :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``: dicts with ``name``,
-    ``arrivals`` and ``concurrency`` (None = open loop). ``on_record`` receives the
-    records so far after each workload (a run cut mid-variant keeps what it measured). ``graphs``
-    (GraphSettings): every variant replays decode steps from CUDA graphs, its kernels
-    chosen with the ``cuda_graphs`` capability."""
+    :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``:
+    dicts with ``name``, ``arrivals`` and ``concurrency`` (None = open loop). ``on_record``
+    receives the records so far after each workload (a run cut mid-variant keeps what it
+    measured). ``graphs`` (GraphSettings): every variant replays decode steps from CUDA
+    graphs, its kernels chosen with the ``cuda_graphs`` capability."""
     import torch
 
     from flashloop_backend.capabilities import Capability
@@ -134,8 +146,14 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(variant.backend, wanted, variant.config)
         try:
-            engine = Engine(model, backend, num_blocks=num_blocks, block_size=block_size,
-                            cuda_graphs=graphs, max_context=max_context)  # fmt: skip
+            engine = Engine(
+                model,
+                backend,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                cuda_graphs=graphs,
+                max_context=max_context,
+            )
         except (MemoryError, torch.OutOfMemoryError) as exc:  # this variant's pool does not fit
             records.append(
                 {
@@ -162,13 +180,22 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
             )
             if capturing:  # capture steps inside the timed window (0 when warm-up met all)
                 summary["graph_captures_in_window"] = engine.graphs.eager_steps - captured
-            summary.update(variant=variant.name, backend=variant.backend, workload=workload["name"],
-                           config_digest=digest, kernels=kernels, memory=memory_breakdown(engine),
-                           graphs=engine.graphs.stats() if engine.graphs else None)  # fmt: skip
+            summary.update(
+                variant=variant.name,
+                backend=variant.backend,
+                workload=workload["name"],
+                config_digest=digest,
+                kernels=kernels,
+                memory=memory_breakdown(engine),
+                graphs=engine.graphs.stats() if engine.graphs else None,
+            )
             records.append(summary)
             on_record(records)
-            log(f"  serving {variant.name:<40} {workload['name']:<28} "
-                f"{summary['throughput_tokens_s']:8.1f} tok/s, failed {summary['failed_requests']}")  # fmt: skip
+            throughput, failed = summary["throughput_tokens_s"], summary["failed_requests"]
+            log(
+                f"  serving {variant.name:<40} {workload['name']:<28} "
+                f"{throughput:8.1f} tok/s, failed {failed}"
+            )
         del engine, backend
         gc.collect()  # the engine and its graph runner reference each other: free the pools
         if torch.cuda.is_available():
@@ -176,10 +203,18 @@ def serve_variants(model, request, variants: list[Variant], workloads: list[dict
     return records
 
 
-def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[int],
-                  new_tokens: int, layers: int | None, rate_per_s: float, log=print,
-                  on_partial: Callable[[dict], None] = lambda record: None,
-                  variant_keys: list[str] | None = None) -> dict:  # fmt: skip
+def bench_serving(
+    config,
+    baseline: str,
+    contexts: list[int],
+    concurrency: list[int],
+    new_tokens: int,
+    layers: int | None,
+    rate_per_s: float,
+    log=print,
+    on_partial: Callable[[dict], None] = lambda record: None,
+    variant_keys: list[str] | None = None,
+) -> dict:
     """The GPU record: a fixed-arrival mixed workload (prompts drawn from ``contexts``,
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
     closed-loop matrix contexts x concurrency (2 x concurrency requests each), on dense
@@ -194,7 +229,9 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
     from flashloop_backend.tools.bench.timing import environment_record
 
     if not config.enabled_features():
-        raise ConfigError("bench serving compares features with dense: --config must enable at least one")  # fmt: skip
+        raise ConfigError(
+            "bench serving compares features with dense: --config must enable at least one"
+        )
     most = max(concurrency)
     tokens = max(contexts) + new_tokens
     baseline, graphs = graph_variant(baseline, most, tokens)
@@ -203,27 +240,46 @@ def bench_serving(config, baseline: str, contexts: list[int], concurrency: list[
     model, request = random_ouro(layers, block_size)
     num_blocks = most * math.ceil(tokens / block_size) * model.config.total_ut_steps + 8
     outputs = sorted({max(1, new_tokens // 2), new_tokens})
-    workloads = [{"name": f"fixed_arrival_{rate_per_s}/s", "concurrency": None,
-                  "arrivals": fixed_arrival_schedule(2 * most, rate_per_s, contexts, outputs)}]  # fmt: skip
+    mixed = fixed_arrival_schedule(2 * most, rate_per_s, contexts, outputs)
+    workloads = [{"name": f"fixed_arrival_{rate_per_s}/s", "concurrency": None, "arrivals": mixed}]
     workloads += [
-        {"name": f"closed_ctx{ctx}_conc{conc}", "concurrency": conc,
-         "arrivals": fixed_arrival_schedule(2 * conc, 1.0, [ctx], [new_tokens])}
-        for ctx in contexts for conc in concurrency
-    ]  # fmt: skip
+        {
+            "name": f"closed_ctx{ctx}_conc{conc}",
+            "concurrency": conc,
+            "arrivals": fixed_arrival_schedule(2 * conc, 1.0, [ctx], [new_tokens]),
+        }
+        for ctx in contexts
+        for conc in concurrency
+    ]
     environment = environment_record()
+    model_name = "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else "")
+    host = "decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)"
+    method = host + ", one engine per variant after an untimed warm-up"
 
     def record(runs: list[dict]) -> dict:
         return {
-            "kind": "serving", "environment": environment,
-            "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
-            "kv_pool_blocks": num_blocks, "block_size": block_size, "new_tokens": new_tokens,
-            "method": ("decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)")
-            + ", one engine per variant after an untimed warm-up",
-            "config": config.model_dump(mode="json"), "runs": runs,
-        }  # fmt: skip
+            "kind": "serving",
+            "environment": environment,
+            "model": model_name,
+            "kv_pool_blocks": num_blocks,
+            "block_size": block_size,
+            "new_tokens": new_tokens,
+            "method": method,
+            "config": config.model_dump(mode="json"),
+            "runs": runs,
+        }
 
-    runs = serve_variants(model, request, variants, workloads, num_blocks,
-                          block_size, sync=torch.cuda.synchronize, log=log, graphs=graphs,
-                          max_context=tokens,
-                          on_record=lambda runs: on_partial(record(list(runs))))  # fmt: skip
+    runs = serve_variants(
+        model,
+        request,
+        variants,
+        workloads,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        sync=torch.cuda.synchronize,
+        log=log,
+        graphs=graphs,
+        max_context=tokens,
+        on_record=lambda runs: on_partial(record(list(runs))),
+    )
     return record(runs)

@@ -18,7 +18,7 @@ from flashloop_backend.tools.bench.timing import (
 )
 
 
-def _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket) -> dict:
+def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> dict:
     """Side-by-side timings of the dense-source designs and of plain Triton decode."""
     from flashloop_backend.kernels.triton import dense_source as designs
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
@@ -28,13 +28,13 @@ def _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket) -> dict:
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
         "radix_select": lambda: designs.dense_source_triton(
-            q, kc, vc, tables, lengths, ratio, bucket
+            q, kc, vc, tables, lengths, key_retention, bucket
         ),
         "split_select": lambda: designs.dense_source_triton(
-            q, kc, vc, tables, lengths, ratio, bucket, tuning=split
+            q, kc, vc, tables, lengths, key_retention, bucket, tuning=split
         ),
         "torch_topk": lambda: designs.dense_source_torch_topk(
-            q, kc, vc, tables, lengths, ratio, bucket
+            q, kc, vc, tables, lengths, key_retention, bucket
         ),
     }
     result = {}
@@ -47,14 +47,14 @@ def _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket) -> dict:
     return result
 
 
-def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
+def _sparse_case(ctx, conc, key_retention, backend, gen) -> dict:
     from flashloop_backend.backends.sparse_state import key_bucket
-    from flashloop_backend.kernels.flashinfer import _INSTANCES, paged_attention_flashinfer
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer, planned_wrapper
+    from flashloop_backend.kernels.ops import CorrectionInputs, OpName, SourceInputs
 
     heads, dim, bs, dtype = 16, 128, 16, torch.bfloat16
-    source_fn = backend.kernels[OpName.DENSE_SOURCE].impl.fn
-    correct_fn = backend.kernels[OpName.SPARSE_CORRECTION].impl.fn
+    source_impl = backend.kernels[OpName.DENSE_SOURCE].impl
+    correct_impl = backend.kernels[OpName.SPARSE_CORRECTION].impl
     pages = math.ceil(ctx / bs)
     shape = (conc * pages, bs, heads, dim)
     kc = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
@@ -62,29 +62,31 @@ def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
     tables = torch.randperm(conc * pages, device="cuda", generator=gen).int().reshape(conc, pages)
     lengths = torch.full((conc,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(conc, heads, dim, device="cuda", dtype=dtype, generator=gen)
-    bucket = key_bucket(ratio, ctx)
+    bucket = key_bucket(key_retention, ctx)
     paged_attention_flashinfer(q, kc, vc, tables, lengths)
-    wrapper = _INSTANCES[q.device].decode
+    wrapper = planned_wrapper(q.device)
     dense_ms = graph_ms(lambda: wrapper.run(q, (kc, vc)))
-    _, idx, mass, ref_out, contribution = source_fn(q, kc, vc, tables, lengths, ratio, bucket)
-    correct_ms = graph_ms(lambda: correct_fn(q, kc, vc, tables, idx, mass, ref_out, contribution))
+    source_inputs = SourceInputs(q, kc, vc, tables, lengths, key_retention, bucket)
+    _, idx, mass, ref_out, contribution = source_impl(source_inputs)
+    correction = CorrectionInputs(q, kc, vc, tables, idx, mass, ref_out, contribution)
+    correct_ms = graph_ms(lambda: correct_impl(correction))
 
     def source():
-        return source_fn(q, kc, vc, tables, lengths, ratio, bucket)
+        return source_impl(source_inputs)
 
     try:
         source_ms, source_mode = graph_ms(source), "graph"
     except Exception:  # an implementation that cannot be captured is timed eagerly
         torch.cuda.synchronize()
         source_ms, source_mode = eager_ms(source, reps=5, calls=1), "eager"
-    designs = _dense_source_designs(q, kc, vc, tables, lengths, ratio, bucket)
+    designs = _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket)
     # with unchanged K/V the correction must give back the dense output exactly
     dense_out = wrapper.run(q, (kc, vc)).float()
-    self_check = correct_fn(q, kc, vc, tables, idx, mass, ref_out, contribution).float()
+    self_check = correct_impl(correction).float()
     self_check_error = (self_check - dense_out).abs().max().item()
     selected_bytes = conc * heads * bucket * dim * 2 * 2 + idx.numel() * 4
     return {
-        "context": ctx, "concurrency": conc, "ratio": ratio, "key_bucket": bucket,
+        "context": ctx, "concurrency": conc, "ratio": key_retention, "key_bucket": bucket,
         "dense_flashinfer_ms": dense_ms,
         "sparse_correction_ms": correct_ms,
         "sparse_correction_speedup": dense_ms / correct_ms,
@@ -101,27 +103,31 @@ def _sparse_case(ctx, conc, ratio, backend, gen) -> dict:
 
 
 def bench_sparse_decode(
-    contexts: list[int], concurrency: list[int], ratio: float = 0.10, log=print
+    contexts: list[int], concurrency: list[int], key_retention: float = 0.10, log=print
 ) -> dict:
     """Sparse decode per layer call vs FlashInfer dense decode of the same rows: the loop-3/4
     sparse correction, the loop-2 dense source with statistics (each as the registry selects
-    it), and the 4-loop sum (2 dense + source + 2 corrections)."""
+    it), and the 4-loop sum (2 dense + source + 2 corrections). The records keep the key
+    ``ratio`` for ``key_retention`` (the report and earlier records read it)."""
     require_cuda()
     registry = Registry.discover()
-    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": ratio})
+    config = FlashLoopConfig(
+        sparse_decode_attention={"enabled": True, "key_retention": key_retention}
+    )
     request = SupportRequest("cuda", torch.bfloat16, 128, 16, 16, 16)
     backend = registry.create("flashloop", request, config)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for ctx in contexts:
         for conc in concurrency:
-            row = _sparse_case(ctx, conc, ratio, backend, gen)
+            row = _sparse_case(ctx, conc, key_retention, backend, gen)
             cases.append(row)
             log(f"  sparse ctx={ctx} conc={conc}: dense {row['dense_flashinfer_ms'] * 1e3:.1f} us, correction "
                 f"{row['sparse_correction_ms'] * 1e3:.1f} us (x{row['sparse_correction_speedup']:.2f}), source "
                 f"{row['dense_source_ms'] * 1e3:.1f} us ({row['dense_source_timing']}), 4-loop x{row['four_loop_speedup']:.2f}")  # fmt: skip
             torch.cuda.empty_cache()
-    return {"kind": "sparse_decode_per_layer", "environment": environment_record(), "ratio": ratio,
+    return {"kind": "sparse_decode_per_layer", "environment": environment_record(),
+            "ratio": key_retention,
             "shapes": {"heads": 16, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
             "method": "CUDA-graph replay medians (30 x 10 calls); states from the selected dense_source",
             "config_digest": resolve(config, "flashloop", request, registry).digest(), "cases": cases}  # fmt: skip

@@ -20,13 +20,11 @@ import torch
 from flashloop_backend._version import __version__
 from flashloop_backend.config import ConfigError
 
-HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth measured on the test machine (DESIGN §6)
-
-
-BF16_FLOPS = 790e12
-
-
-ROTATION_BYTES = 512 * 2**20  # > 4x the H200's 50 MB L2
+HBM_BYTES_PER_S = 4.3e12  # the H200's HBM copy bandwidth (DESIGN §5-6)
+BF16_FLOPS = 790e12  # the H200's dense BF16 tensor-core rate (DESIGN §5)
+# several times the H200's L2 cache, so every timed call reads its caches from HBM
+# (results/README.md, "Dense decode attention")
+ROTATION_BYTES = 512 * 2**20
 
 
 def environment_record() -> dict:

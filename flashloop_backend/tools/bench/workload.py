@@ -22,8 +22,9 @@ class Arrival:
     output_len: int
 
 
-def fixed_arrival_schedule(requests: int, rate_per_s: float, prompt_lens: list[int],
-                           output_lens: list[int], seed: int = 0) -> list[Arrival]:  # fmt: skip
+def fixed_arrival_schedule(
+    requests: int, rate_per_s: float, prompt_lens: list[int], output_lens: list[int], seed: int = 0
+) -> list[Arrival]:
     """``requests`` arrivals 1/rate apart, lengths drawn (seeded) from the given lists."""
     if requests <= 0 or rate_per_s <= 0:
         raise ValueError(f"requests={requests} and rate_per_s={rate_per_s} must be positive")
@@ -32,7 +33,10 @@ def fixed_arrival_schedule(requests: int, rate_per_s: float, prompt_lens: list[i
             f"prompt_lens={prompt_lens} and output_lens={output_lens} need positive lengths"
         )
     rng = random.Random(seed)
-    return [Arrival(i / rate_per_s, rng.choice(prompt_lens), rng.choice(output_lens)) for i in range(requests)]  # fmt: skip
+    return [
+        Arrival(i / rate_per_s, rng.choice(prompt_lens), rng.choice(output_lens))
+        for i in range(requests)
+    ]
 
 
 @dataclass
@@ -67,18 +71,29 @@ def summarize(times: list[RequestTimes], wall_s: float) -> dict:
     itl = [1e3 * (b - a) for t in ok for a, b in zip(t.token_s, t.token_s[1:], strict=False)]
     tokens = sum(len(t.token_s) for t in ok)
     return {
-        "requests": len(times), "completed": len(ok), "failed_requests": len(times) - len(ok),
+        "requests": len(times),
+        "completed": len(ok),
+        "failed_requests": len(times) - len(ok),
         "errors": sorted({t.error for t in times if t.error}),
-        "ttft_s": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl),
+        "ttft_s": _percentiles(ttft),
+        "tpot_ms": _percentiles(tpot),
+        "itl_ms": _percentiles(itl),
         "latency_s": _percentiles([t.finished_s - t.arrival_s for t in ok]),
-        "output_tokens": tokens, "throughput_tokens_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "output_tokens": tokens,
+        "throughput_tokens_s": tokens / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
-    }  # fmt: skip
+    }
 
 
-def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
-                 concurrency: int | None = None, sync: Callable[[], None] = lambda: None,
-                 seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> dict:  # fmt: skip
+def run_workload(
+    engine,
+    arrivals: list[Arrival],
+    vocab_size: int,
+    concurrency: int | None = None,
+    sync: Callable[[], None] = lambda: None,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     """Drive ``engine`` with ``arrivals``. ``concurrency`` None: open loop (each request
     enters at its arrival time); an int: closed loop (arrival times ignored, at most that
     many in flight, the next one entering when one finishes). A request the engine
@@ -122,8 +137,7 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
         start += clock() - probe
         for rid, entry in live.items():
-            request = engine._requests.get(rid)
-            produced = len(request.output) if request is not None else None
+            produced = engine.output_count(rid)
             if produced is not None and produced > len(entry.token_s):
                 entry.token_s.extend([now] * (produced - len(entry.token_s)))
         for result in finished:
@@ -133,6 +147,9 @@ def run_workload(engine, arrivals: list[Arrival], vocab_size: int,
                 entry.token_s.extend([now] * missing)
                 entry.finished_s = now
     summary = summarize(times, clock() - start)
-    summary["kv_held"] = {"peak_bytes": held[1], "tokens_at_peak": held[0],
-                          "bytes_per_token_at_peak": held[1] / held[0] if held[0] else None}  # fmt: skip
+    summary["kv_held"] = {
+        "peak_bytes": held[1],
+        "tokens_at_peak": held[0],
+        "bytes_per_token_at_peak": held[1] / held[0] if held[0] else None,
+    }
     return summary
