@@ -120,19 +120,15 @@ def _dense_source_impls():
     # that fits the scratch, and one that overflows it (exact radix-select fallback)
     bracket = module.SelectTuning(sample=16, candidates=64, block=16)
     fallback = module.SelectTuning(sample=16, candidates=16, block=16)
-    # the split design on every span, several splits per (row, head)
-    split = module.SelectTuning(block=16, split_min_span=0, split_programs_per_sm=64, split_max=4)
     return {
         "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
         "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
-        "split": lambda *a: module.dense_source_triton(*a, tuning=split),
-        "topk": module.dense_source_torch_topk,
     }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
-@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix"])
 def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
 
@@ -147,7 +143,7 @@ def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
         torch.testing.assert_close(mine, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
 
 
-@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix"])
 def test_dense_source_ties_go_to_the_earlier_positions(impl, rng):
     q, _, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
     # integer queries against all-one keys: every logit is the same small integer times a
@@ -201,10 +197,9 @@ def test_quantize_int4_rounding_constant_groups_and_errors():
         quantize_int4_triton(halves, 24)
 
 
-@pytest.mark.parametrize("impl", ["bracket", "radix", "split", "topk"])
+@pytest.mark.parametrize("impl", ["bracket", "radix"])
 def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
-    """Two logit values: every larger key is taken, then the earliest ties up to K; with
-    the split design the larger keys and the ties fall in different splits."""
+    """Two logit values: every larger key is taken, then the earliest ties up to K."""
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
 
     q, kc, vc, tables, lengths = _case(rng, 2, 2, torch.float32)

@@ -118,7 +118,6 @@ def _in_tree_functions():
         (OpName.DENSE_ATTENTION, paged_attention_triton),
         (OpName.SPARSE_PREFILL, sparse_prefill_triton),
         (OpName.DENSE_SOURCE, dense_source.dense_source_triton),
-        (OpName.DENSE_SOURCE, dense_source.dense_source_torch_topk),
         (OpName.SPARSE_CORRECTION, sparse_decode.sparse_correction_triton),
         (OpName.PACKED_DECODE, packed_decode_triton),
         (OpName.PACKED_SOURCE, packed_sparse.packed_dense_source_triton),

@@ -67,7 +67,8 @@ def sparse_reference_state(
     (ties go to the earlier position), their mass, and their weighted value contribution."""
     if q.dim() != 2 or k.dim() != 3 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
         raise ValueError(
-            f"expected q [H, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"expected q [H, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     keys, values = _per_query_head(q, k), _per_query_head(q, v)  # [T, H, D]

@@ -37,11 +37,17 @@ class BatchPlan:
         order = partition.order
         routes, correctable = base_routes(view, config)
         return BatchPlan(
-            view, order, view.row_block_tables()[order], view.context_lengths[order],
-            view.slots[order], view.incarnations[order], routes[order],
+            view,
+            order,
+            view.row_block_tables()[order],
+            view.context_lengths[order],
+            view.slots[order],
+            view.incarnations[order],
+            routes[order],
             correctable[order] if correctable is not None else None,
-            partition.inverse != NOT_ROUTED, partition.inverse.clamp(min=0),
-        )  # fmt: skip
+            partition.inverse != NOT_ROUTED,
+            partition.inverse.clamp(min=0),
+        )
 
     def restore(self, gathered: torch.Tensor) -> torch.Tensor:
         """[R, ...] in gather order -> original row order; inactive and padding rows zero."""

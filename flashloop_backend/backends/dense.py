@@ -37,8 +37,14 @@ class DenseBackendSpec(BackendSpec):
     highest-priority usable one. Only decode steps are captured in CUDA graphs, so that
     choice ignores a required ``cuda_graphs``."""
 
-    def __init__(self, name: str, provider: str, priority: int, description: str,
-                 prefill_provider: str | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        provider: str,
+        priority: int,
+        description: str,
+        prefill_provider: str | None,
+    ) -> None:
         self.name, self.provider, self.priority = name, provider, priority
         self.version, self.description = __version__, description
         self.prefill_provider = prefill_provider
@@ -72,8 +78,11 @@ class DenseBackendSpec(BackendSpec):
         if self.prefill_provider is not None:  # a fixed kernel: name it, not an override
             eager = replace(request, required=request.required - {Capability.CUDA_GRAPHS})
             found = registry.kernel_reasons(self.prefill_provider, OpName.DENSE_PREFILL, eager)
-            reasons += [f"prefill rows ({self.prefill_provider!r} dense_prefill): {r}"
-                        for r in found if r not in reasons]  # fmt: skip
+            reasons += [
+                f"prefill rows ({self.prefill_provider!r} dense_prefill): {r}"
+                for r in found
+                if r not in reasons
+            ]
         else:
             try:
                 self._prefill(registry, request)
@@ -135,7 +144,8 @@ class DenseBackend(AttentionBackend):
             return []
         return [
             f"dense_attention runs on {self.info.selected_backend!r}, which does not declare "
-            f"{Capability.CUDA_GRAPHS.value!r} here (declared: {sorted(c.value for c in self.capabilities)})"
+            f"{Capability.CUDA_GRAPHS.value!r} here "
+            f"(declared: {sorted(c.value for c in self.capabilities)})"
         ]
 
     def forward(

@@ -30,8 +30,15 @@ class ReferenceStates:
     contribution [S+1, L, H, D] FP32, incarnation [S+1, L] int64. Slot S is scratch: rows
     that must not write are pointed at it."""
 
-    def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
-                 k_bucket: int, device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        k_bucket: int,
+        device: torch.device | str,
+    ) -> None:
         shape = (num_slots + 1, num_layers, num_heads)
         self.num_slots, self.k_bucket = num_slots, k_bucket
         self.indices = torch.full((*shape, k_bucket), -1, dtype=torch.int32, device=device)
@@ -46,9 +53,17 @@ class ReferenceStates:
         usable = keep & (slots >= 0) & (slots < self.num_slots)
         return torch.where(usable, slots, self.num_slots)
 
-    def write(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor, keep: torch.Tensor,
-              indices: torch.Tensor, mass: torch.Tensor, output: torch.Tensor,
-              contribution: torch.Tensor) -> None:  # fmt: skip
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        incarnations: torch.Tensor,
+        keep: torch.Tensor,
+        indices: torch.Tensor,
+        mass: torch.Tensor,
+        output: torch.Tensor,
+        contribution: torch.Tensor,
+    ) -> None:
         """Store the rows where ``keep`` ([N] bool) holds; other rows land in scratch."""
         target = self._slots(slots, keep)
         width = indices.shape[-1]
@@ -74,8 +89,12 @@ class ReferenceStates:
     def read(self, layer: int, slots: torch.Tensor):
         """(indices, mass, output, contribution) of each row's slot for ``layer``."""
         target = self._slots(slots, torch.ones_like(slots, dtype=torch.bool))
-        return (self.indices[target, layer], self.mass[target, layer],
-                self.output[target, layer], self.contribution[target, layer])  # fmt: skip
+        return (
+            self.indices[target, layer],
+            self.mass[target, layer],
+            self.output[target, layer],
+            self.contribution[target, layer],
+        )
 
     def retire(self, slot: int) -> None:
         """The token in ``slot`` is gone: its state can never be read again."""

@@ -86,14 +86,28 @@ class FlashInferPagedAttention:
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         if self.use_prefill:
             self.prefill.plan(
-                qo_indptr.to(device), kv_indptr.to(device), indices.to(device), last.to(device),
-                num_q_heads, num_kv_heads, head_dim, block_size, causal=True, **common,
-            )  # fmt: skip
+                qo_indptr.to(device),
+                kv_indptr.to(device),
+                indices.to(device),
+                last.to(device),
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                causal=True,
+                **common,
+            )
         else:
             self.decode.plan(
-                kv_indptr.to(device), indices.to(device), last.to(device),
-                num_q_heads, num_kv_heads, head_dim, block_size, **common,
-            )  # fmt: skip
+                kv_indptr.to(device),
+                indices.to(device),
+                last.to(device),
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                **common,
+            )
 
     def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, scale=None):
         rows, num_q_heads, head_dim = check_paged_inputs(
@@ -136,8 +150,12 @@ class FlashInferPagedAttention:
                 scale,
             )
             self._key = (key, block_tables.clone(), context_lengths.clone())
-        self._key = (*self._key[:3], block_tables, context_lengths,
-                     (block_tables._version, context_lengths._version))  # fmt: skip
+        self._key = (
+            *self._key[:3],
+            block_tables,
+            context_lengths,
+            (block_tables._version, context_lengths._version),
+        )
         wrapper = self.prefill if self.use_prefill else self.decode
         out = wrapper.run(q, (key_cache, value_cache))
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
@@ -190,6 +208,9 @@ def provider() -> KernelProvider:
         for op in (OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL)
     }
     return KernelProvider(
-        name="flashinfer", version=f"{__version__} (flashinfer {fi_version})", priority=30,
-        description="FlashInfer batch paged decode and prefill (host-planned)", impls=impl,
-    )  # fmt: skip
+        name="flashinfer",
+        version=f"{__version__} (flashinfer {fi_version})",
+        priority=30,
+        description="FlashInfer batch paged decode and prefill (host-planned)",
+        impls=impl,
+    )

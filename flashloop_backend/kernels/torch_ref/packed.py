@@ -216,15 +216,39 @@ def packed_sparse_correction(
     :class:`~.ops.PackedSparseCorrection`). Returns [R, Hq, D] in q's dtype."""
 
     def run(q, meta, block_tables, indices, mass, output, contribution):
-        return _correction_rows(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                indices, mass, output, contribution, scale)  # fmt: skip
+        return _correction_rows(
+            q,
+            store,
+            layer,
+            meta,
+            key_cache,
+            value_cache,
+            block_tables,
+            indices,
+            mass,
+            output,
+            contribution,
+            scale,
+        )
 
     needed = (indices >= 0).flatten(1).any(1)
     return _only_rows(needed, run, q, meta, block_tables, indices, mass, output, contribution)
 
 
-def _correction_rows(q, store, layer, meta, key_cache, value_cache, block_tables, indices, mass,
-                     output, contribution, scale):  # fmt: skip
+def _correction_rows(
+    q,
+    store,
+    layer,
+    meta,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale,
+):
     rows, num_q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     keys, values = packed_history(store, layer, meta, key_cache, value_cache, block_tables, q.dtype)

@@ -150,37 +150,56 @@ def provider() -> KernelProvider:
     )
     impl[OpName.DENSE_SOURCE] = KernelImpl(OpName.DENSE_SOURCE, _dense_source, SPARSE_SUPPORT)
     packed = Support(
-        devices=SUPPORT.devices, dtypes=SUPPORT.dtypes, head_dims=frozenset({64, 128, 256}),
-        block_sizes=SUPPORT.block_sizes, python_modules=SUPPORT.python_modules,
+        devices=SUPPORT.devices,
+        dtypes=SUPPORT.dtypes,
+        head_dims=frozenset({64, 128, 256}),
+        block_sizes=SUPPORT.block_sizes,
+        python_modules=SUPPORT.python_modules,
         capabilities=SUPPORT.capabilities | {Capability.PACKED_KV_READ},
-    )  # fmt: skip
+    )
     impl[OpName.PACKED_DECODE] = KernelImpl(OpName.PACKED_DECODE, _packed_decode, packed)
     impl[OpName.PACKED_KV_WRITE] = KernelImpl(OpName.PACKED_KV_WRITE, _packed_kv_write, packed)
     packed_sparse = Support(
-        devices=packed.devices, dtypes=packed.dtypes, head_dims=packed.head_dims,
-        block_sizes=packed.block_sizes, python_modules=packed.python_modules,
-        capabilities=packed.capabilities | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
-    )  # fmt: skip
+        devices=packed.devices,
+        dtypes=packed.dtypes,
+        head_dims=packed.head_dims,
+        block_sizes=packed.block_sizes,
+        python_modules=packed.python_modules,
+        capabilities=packed.capabilities
+        | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
+    )
     impl[OpName.PACKED_SOURCE] = KernelImpl(OpName.PACKED_SOURCE, _packed_source, packed_sparse)
     impl[OpName.PACKED_CORRECTION] = KernelImpl(
         OpName.PACKED_CORRECTION, _packed_correction, packed_sparse
     )
     return KernelProvider(
-        name="triton", version=__version__, priority=20,
-        description="Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact top-K statistics, sparse correction, packed INT4 KV (decode, source, correction)", impls=impl,
-    )  # fmt: skip
+        name="triton",
+        version=__version__,
+        priority=20,
+        description=(
+            "Triton paged decode, tiled nonconsecutive-query prefill, dense source with exact "
+            "top-K statistics, sparse correction, packed INT4 KV (decode, source, correction)"
+        ),
+        impls=impl,
+    )
 
 
 def streamed_provider() -> KernelProvider:
-    """The second loop 3-4 correction design over packed KV (the packed reader over whole
-    pages, unselected logits masked), named by ``kernel_overrides``
-    ``{"packed_sparse_correction": "triton_streamed"}``; below ``triton`` in automatic
-    selection: on the H200 it is 1.6-1.9x faster than the gather design on dense levels
-    but slower on compact (token-sparse) ones (results/bench_packed_kv_sparse_ops.json)."""
+    """The streamed loop 3-4 correction over packed KV (the packed reader over whole pages,
+    unselected logits masked), named by ``kernel_overrides``
+    ``{"packed_sparse_correction": "triton_streamed"}``. Below ``triton`` in automatic
+    selection: streaming whole pages suits dense levels, where the gather design's
+    selected V rows touch every page anyway, but not compact (token-sparse) ones, which
+    the reader reaches through a per-row gather (results/bench_packed_kv_sparse_ops.json;
+    results/README.md, "All three features at 32K")."""
     gather = provider().impls[OpName.PACKED_CORRECTION]
     impl = KernelImpl(OpName.PACKED_CORRECTION, _streamed_correction, gather.support)
     return KernelProvider(
-        name="triton_streamed", version=__version__, priority=10,
-        description="Triton packed sparse correction streamed over whole pages (unselected logits masked)",
+        name="triton_streamed",
+        version=__version__,
+        priority=10,
+        description=(
+            "Triton packed sparse correction streamed over whole pages (unselected logits masked)"
+        ),
         impls={OpName.PACKED_CORRECTION: impl},
-    )  # fmt: skip
+    )

@@ -16,18 +16,21 @@ from flashloop_backend.kv.store import PackedKVStore
 
 @dataclass(frozen=True)
 class PackedTuning:
-    """Launch shape of the packed reader (swept with ``flashloop-backend bench packed``).
+    """Launch shape of the packed reader (chosen with ``flashloop-backend bench packed``).
     Launches that read one or two levels take ``num_warps`` / ``rows_per_step``; three or
     more (two residual levels and up) take the ``deep_`` pair."""
 
     num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
     programs_per_sm: int = 32
     # rows of a group per loop step, at most (None or a larger value: the whole group).
-    # Fewer rows keep the tiles in registers (ptxas, scripts/kernel_registers.py); at one or
-    # two levels the whole 64-row group measured as fast (H200, 32K x 16)
+    # Fewer rows keep the tiles in registers (ptxas, scripts/kernel_registers.py) but take
+    # more loop steps; at one or two levels the whole group is no slower
+    # (results/bench_packed_rows_per_step.log)
     rows_per_step: int | None = None
-    # three or more levels: 1 warp, 32 rows per step measured 1.5x / 2.2x faster at 3 / 4
-    # levels than 2 warps over whole groups (results/bench_packed_rows_per_step.log)
+    # three or more levels: one warp (more warps reduce across warps through shared
+    # memory) over 32 rows per step (16 rows take twice the loop steps) is the fastest
+    # launch (results/bench_packed_rows_per_step.log; results/README.md, "All three
+    # features at 32K")
     deep_num_warps: int = 1
     deep_rows_per_step: int | None = 32
 
@@ -74,20 +77,49 @@ def packed_strides(pools, meta, key_cache, value_cache, block_tables) -> tuple[i
     kc, kmin, _, vc, vmin, _ = pools
     tables, maps, kinds = meta.tables, meta.maps, meta.kinds
     return (
-        kc.stride(0), kc.stride(1), kc.stride(2), kmin.stride(0), kmin.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vmin.stride(0), vmin.stride(1), vmin.stride(2),
-        tables.stride(0), tables.stride(1), maps.stride(0), maps.stride(1), kinds.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-    )  # fmt: skip
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        kmin.stride(0),
+        kmin.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        vmin.stride(0),
+        vmin.stride(1),
+        vmin.stride(2),
+        tables.stride(0),
+        tables.stride(1),
+        maps.stride(0),
+        maps.stride(1),
+        kinds.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+    )
 
 
-def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: LevelMetadata,
-                         key_cache, value_cache, block_tables, context_lengths,
-                         scale: float | None = None, tuning: PackedTuning = DEFAULT_TUNING,
-                         logits: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None, selected: torch.Tensor | None = None,
-                         correction: tuple | None = None) -> torch.Tensor:  # fmt: skip
+def packed_decode_triton(
+    q,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lengths,
+    scale: float | None = None,
+    tuning: PackedTuning = DEFAULT_TUNING,
+    logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    selected: torch.Tensor | None = None,
+    correction: tuple | None = None,
+) -> torch.Tensor:
     """Decode attention of q [R, Hq, D] over each row's history: positions below
     ``packed_lengths`` from the packed store (reconstructed at the row's depth in
     registers), the rest from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
@@ -106,14 +138,15 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: LevelMetadat
     _, store_heads, store_dim = store.shape
     if (store_heads, store_dim) != (num_kv_heads, head_dim):
         raise ValueError(
-            f"store holds {store_heads} heads x {store_dim} dims; the cache {num_kv_heads} x {head_dim}"
+            f"store holds {store_heads} heads x {store_dim} dims; "
+            f"the cache {num_kv_heads} x {head_dim}"
         )
     tables, maps = meta.tables, meta.maps
     kinds, packed = meta.kinds, meta.packed_lengths
     if tables.shape[0] != rows or kinds.shape != tables.shape[:2] or packed.shape != (rows,):
         raise ValueError(
-            f"metadata rows/levels disagree: tables {tuple(tables.shape)}, kinds {tuple(kinds.shape)}, "
-            f"packed {tuple(packed.shape)} for {rows} rows"
+            f"metadata rows/levels disagree: tables {tuple(tables.shape)}, "
+            f"kinds {tuple(kinds.shape)}, packed {tuple(packed.shape)} for {rows} rows"
         )
     for name in ("tables", "maps", "kinds", "packed_lengths"):
         tensor = getattr(meta, name)
@@ -133,12 +166,18 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: LevelMetadat
         raise ValueError(
             f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
         )
-    if selected is not None and (selected.dtype != torch.uint8 or selected.device != q.device
-                                 or selected.shape[:2] != q.shape[:2] or selected.shape[2] < groups * g
-                                 or selected.stride(2) != 1 or logits is not None):  # fmt: skip
+    if selected is not None and (
+        selected.dtype != torch.uint8
+        or selected.device != q.device
+        or selected.shape[:2] != q.shape[:2]
+        or selected.shape[2] < groups * g
+        or selected.stride(2) != 1
+        or logits is not None
+    ):
         raise ValueError(
-            f"selected must be uint8 [{rows}, {num_q_heads}, >= {groups * g}] on {q.device}, last axis "
-            f"contiguous, without logits; got {selected.dtype} {tuple(selected.shape)} on {selected.device}"
+            f"selected must be uint8 [{rows}, {num_q_heads}, >= {groups * g}] on {q.device}, "
+            f"last axis contiguous, without logits; got {selected.dtype} "
+            f"{tuple(selected.shape)} on {selected.device}"
         )
     want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
@@ -147,21 +186,46 @@ def packed_decode_triton(q, store: PackedKVStore, layer: int, meta: LevelMetadat
     pools = layer_pools(store, layer)
     block_tables = block_tables.contiguous()
     args = (
-        q, *pools, tables, maps, kinds, packed,
-        key_cache, value_cache, block_tables, context_lengths,
-        part_out, part_max, part_sum, logits if logits is not None else part_max,
+        q,
+        *pools,
+        tables,
+        maps,
+        kinds,
+        packed,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        part_out,
+        part_max,
+        part_sum,
+        logits if logits is not None else part_max,
         selected if selected is not None else packed,
         scale,
-        q.stride(0), q.stride(1),
+        q.stride(0),
+        q.stride(1),
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
-        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
-        selected.stride(0) if selected is not None else 0, selected.stride(1) if selected is not None else 0,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        logits.stride(0) if logits is not None else 0,
+        logits.stride(1) if logits is not None else 0,
+        selected.stride(0) if selected is not None else 0,
+        selected.stride(1) if selected is not None else 0,
         per_split,
-    )  # fmt: skip
-    shape = dict(GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=g,
-                 BLOCK_SIZE=block_size, LEVELS=tables.shape[1], STORE_LOGITS=logits is not None,
-                 SELECTED=selected is not None,
-                 ROWS=rows_per_step(tuning, g, tables.shape[1]), num_warps=warps_for(tuning, tables.shape[1]))  # fmt: skip
+    )
+    shape = dict(
+        GROUP_Q=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        GROUP=g,
+        BLOCK_SIZE=block_size,
+        LEVELS=tables.shape[1],
+        STORE_LOGITS=logits is not None,
+        SELECTED=selected is not None,
+        ROWS=rows_per_step(tuning, g, tables.shape[1]),
+        num_warps=warps_for(tuning, tables.shape[1]),
+    )
     packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out, lse, correction)

@@ -30,8 +30,9 @@ def _units(word, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h,
-                  HEAD_DIM: tl.constexpr):  # fmt: skip
+def _folded_query(
+    q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM: tl.constexpr
+):
     """K's parameters of one page folded into the query: 16 q scale for even and odd
     channels [D/2] and the constant sum q (min - 16 scale)."""
     pair = tl.arange(0, HEAD_DIM // 2)
@@ -45,27 +46,62 @@ def _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h,
 
 
 @triton.jit
-def _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, first, parity, skc_p, skc_t,
-                  skc_h, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _dense_logits(
+    fold_e,
+    fold_o,
+    offset,
+    kc_ptr,
+    page,
+    kv_head,
+    first,
+    parity,
+    skc_p,
+    skc_t,
+    skc_h,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """q . k [ROWS/2] of a dense page's rows first + 2 r + parity."""
     rows = first + 2 * tl.arange(0, ROWS // 2) + parity
-    word = tl.load(kc_ptr + page * skc_p + rows[:, None] * skc_t + kv_head * skc_h
-                   + tl.arange(0, HEAD_DIM // 2)[None, :]).to(tl.int32)  # fmt: skip
+    word = tl.load(
+        kc_ptr
+        + page * skc_p
+        + rows[:, None] * skc_t
+        + kv_head * skc_h
+        + tl.arange(0, HEAD_DIM // 2)[None, :]
+    ).to(tl.int32)
     terms = fold_e[None, :] * _units(word, 0) + fold_o[None, :] * _units(word, 4)
     return offset + tl.sum(terms, axis=1)
 
 
 @triton.jit
-def _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, first, svc_p, svc_h,
-                  svc_d, svm_p, svm_t, svm_h, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                  ROWS: tl.constexpr):  # fmt: skip
+def _dense_values(
+    p_e,
+    p_o,
+    vc_ptr,
+    vmin_ptr,
+    vscale_ptr,
+    page,
+    kv_head,
+    first,
+    svc_p,
+    svc_h,
+    svc_d,
+    svm_p,
+    svm_t,
+    svm_h,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """sum_t p_t v_t [D/G, G] over a dense page's rows first .. first + ROWS (p_e, p_o
     [ROWS/2]: even, odd rows; ``first`` even)."""
     groups = tl.arange(0, HEAD_DIM // GROUP)
     pairs = first // 2 + tl.arange(0, ROWS // 2)
     channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
-    word = tl.load(vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d
-                   + pairs[None, None, :]).to(tl.int32)  # fmt: skip
+    word = tl.load(
+        vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d + pairs[None, None, :]
+    ).to(tl.int32)
     param = page * svm_p + (2 * pairs)[None, :] * svm_t + kv_head * svm_h + groups[:, None]
     min_e = tl.load(vmin_ptr + param).to(tl.float32)  # [D/G, G/2]
     min_o = tl.load(vmin_ptr + param + svm_t).to(tl.float32)
@@ -90,12 +126,30 @@ def _compact_rows(maps, table, pos, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, page, within, present, kv_head,
-                    skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM: tl.constexpr):  # fmt: skip
+def _compact_logits(
+    q_e,
+    q_o,
+    kc_ptr,
+    kmin_ptr,
+    kscale_ptr,
+    page,
+    within,
+    present,
+    kv_head,
+    skc_p,
+    skc_t,
+    skc_h,
+    skm_p,
+    skm_h,
+    HEAD_DIM: tl.constexpr,
+):
     """q . r for residual rows gathered from a compact level (absent rows: 0)."""
     pair = tl.arange(0, HEAD_DIM // 2)[None, :]
-    word = tl.load(kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + pair,
-                   mask=present[:, None], other=0).to(tl.int32)  # fmt: skip
+    word = tl.load(
+        kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + pair,
+        mask=present[:, None],
+        other=0,
+    ).to(tl.int32)
     param = (page * skm_p + kv_head * skm_h)[:, None] + 2 * pair
     min_e = tl.load(kmin_ptr + param, mask=present[:, None], other=0.0).to(tl.float32)
     min_o = tl.load(kmin_ptr + param + 1, mask=present[:, None], other=0.0).to(tl.float32)
@@ -107,9 +161,24 @@ def _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, page, within, presen
 
 
 @triton.jit
-def _compact_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, within, present, kv_head,
-                    svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
-                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+def _compact_values(
+    p,
+    vc_ptr,
+    vmin_ptr,
+    vscale_ptr,
+    page,
+    within,
+    present,
+    kv_head,
+    svc_p,
+    svc_h,
+    svc_d,
+    svm_p,
+    svm_t,
+    svm_h,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """sum_j p_j r_j [D/G, G] over residual rows gathered from a compact level."""
     groups = tl.arange(0, HEAD_DIM // GROUP)
     channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
@@ -123,23 +192,72 @@ def _compact_values(p, vc_ptr, vmin_ptr, vscale_ptr, page, within, present, kv_h
     return tl.sum(p[None, None, :] * values, axis=2)
 
 
-# fmt: off
 @triton.jit
 def packed_decode_split_kernel(
-    q_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
-    level_tables_ptr, level_maps_ptr, level_kinds_ptr, packed_ptr,
-    k_ptr, v_ptr, tables_ptr, lengths_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr, logits_ptr, selected_ptr,
+    q_ptr,
+    kc_ptr,
+    kmin_ptr,
+    kscale_ptr,
+    vc_ptr,
+    vmin_ptr,
+    vscale_ptr,
+    level_tables_ptr,
+    level_maps_ptr,
+    level_kinds_ptr,
+    packed_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lengths_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    logits_ptr,
+    selected_ptr,
     scale,
-    stride_qr, stride_qh,
-    skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
-    stride_lr, stride_ll, stride_mr, stride_ml, stride_kr,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
-    stride_pr, stride_ph, stride_ps, stride_sr, stride_sh,
-    stride_gr, stride_gh, stride_xr, stride_xh,
+    stride_qr,
+    stride_qh,
+    skc_p,
+    skc_t,
+    skc_h,
+    skm_p,
+    skm_h,
+    svc_p,
+    svc_h,
+    svc_d,
+    svm_p,
+    svm_t,
+    svm_h,
+    stride_lr,
+    stride_ll,
+    stride_mr,
+    stride_ml,
+    stride_kr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_sr,
+    stride_sh,
+    stride_gr,
+    stride_gh,
+    stride_xr,
+    stride_xh,
     groups_per_split,
-    GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr, STORE_LOGITS: tl.constexpr, ROWS: tl.constexpr, SELECTED: tl.constexpr,
+    GROUP_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    LEVELS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    SELECTED: tl.constexpr,
 ):
     """One (row, query head, split) over groups of GROUP rows, ROWS rows per step (fewer
     rows per step: smaller tiles, fewer registers per thread): groups below the row's
@@ -167,37 +285,133 @@ def packed_decode_split_kernel(
     acc = tl.zeros([HEAD_DIM // GROUP, GROUP], tl.float32)
     first = split * groups_per_split
     # groups past the row's length hold no visible key: a row routed to another op (length
-    # 0) costs its programs nothing, where it had read its whole packed history
+    # 0) costs its programs nothing instead of a read of its whole packed history
     last = tl.minimum(first + groups_per_split, tl.cdiv(length, GROUP))
     for step in range(first * (GROUP // ROWS), tl.minimum(last, packed_groups) * (GROUP // ROWS)):
         group = step // (GROUP // ROWS)
         row0 = (step % (GROUP // ROWS)) * ROWS  # the step's first row in its group
         pos_e = group * GROUP + row0 + 2 * tl.arange(0, ROWS // 2)
         page = tl.load(tables + group).to(tl.int64)
-        fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM)
-        s_e = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, row0, 0, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
-        s_o = _dense_logits(fold_e, fold_o, offset, kc_ptr, page, kv_head, row0, 1, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
+        fold_e, fold_o, offset = _folded_query(
+            q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM
+        )
+        s_e = _dense_logits(
+            fold_e,
+            fold_o,
+            offset,
+            kc_ptr,
+            page,
+            kv_head,
+            row0,
+            0,
+            skc_p,
+            skc_t,
+            skc_h,
+            HEAD_DIM,
+            ROWS,
+        )
+        s_o = _dense_logits(
+            fold_e,
+            fold_o,
+            offset,
+            kc_ptr,
+            page,
+            kv_head,
+            row0,
+            1,
+            skc_p,
+            skc_t,
+            skc_h,
+            HEAD_DIM,
+            ROWS,
+        )
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
-                fold_e, fold_o, offset = _folded_query(q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM)
-                s_e += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, row0, 0, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
-                s_o += _dense_logits(fold_e, fold_o, offset, kc_ptr, lpage, kv_head, row0, 1, skc_p, skc_t, skc_h, HEAD_DIM, ROWS)
+                fold_e, fold_o, offset = _folded_query(
+                    q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM
+                )
+                s_e += _dense_logits(
+                    fold_e,
+                    fold_o,
+                    offset,
+                    kc_ptr,
+                    lpage,
+                    kv_head,
+                    row0,
+                    0,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    HEAD_DIM,
+                    ROWS,
+                )
+                s_o += _dense_logits(
+                    fold_e,
+                    fold_o,
+                    offset,
+                    kc_ptr,
+                    lpage,
+                    kv_head,
+                    row0,
+                    1,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    HEAD_DIM,
+                    ROWS,
+                )
             elif kind == COMPACT:
-                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
-                s_e += _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
-                                       skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM)
-                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e + 1, GROUP)
-                s_o += _compact_logits(q_e, q_o, kc_ptr, kmin_ptr, kscale_ptr, cpage, within, present, kv_head,
-                                       skc_p, skc_t, skc_h, skm_p, skm_h, HEAD_DIM)
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e, GROUP
+                )
+                s_e += _compact_logits(
+                    q_e,
+                    q_o,
+                    kc_ptr,
+                    kmin_ptr,
+                    kscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    skm_p,
+                    skm_h,
+                    HEAD_DIM,
+                )
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e + 1, GROUP
+                )
+                s_o += _compact_logits(
+                    q_e,
+                    q_o,
+                    kc_ptr,
+                    kmin_ptr,
+                    kscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    skc_p,
+                    skc_t,
+                    skc_h,
+                    skm_p,
+                    skm_h,
+                    HEAD_DIM,
+                )
         s_e = tl.where(pos_e < length, s_e, float("-inf"))
         s_o = tl.where(pos_e + 1 < length, s_o, float("-inf"))
         if SELECTED:
             marks = selected_ptr + row * stride_xr + head * stride_xh + pos_e
             s_e = tl.where(tl.load(marks, mask=pos_e < length, other=0) != 0, s_e, float("-inf"))
-            s_o = tl.where(tl.load(marks + 1, mask=pos_e + 1 < length, other=0) != 0, s_o, float("-inf"))
+            s_o = tl.where(
+                tl.load(marks + 1, mask=pos_e + 1 < length, other=0) != 0, s_o, float("-inf")
+            )
         if STORE_LOGITS:
             logits_row = logits_ptr + row * stride_gr + head * stride_gh
             tl.store(logits_row + pos_e, s_e, mask=pos_e < length)
@@ -208,22 +422,92 @@ def packed_decode_split_kernel(
         p_o = tl.exp(s_o - m_safe)
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p_e, axis=0) + tl.sum(p_o, axis=0)
-        acc = acc * alpha + _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, page, kv_head, row0,
-                                          svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP, ROWS)
+        acc = acc * alpha + _dense_values(
+            p_e,
+            p_o,
+            vc_ptr,
+            vmin_ptr,
+            vscale_ptr,
+            page,
+            kv_head,
+            row0,
+            svc_p,
+            svc_h,
+            svc_d,
+            svm_p,
+            svm_t,
+            svm_h,
+            HEAD_DIM,
+            GROUP,
+            ROWS,
+        )
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
             table = tables + level * stride_ll
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
-                acc += _dense_values(p_e, p_o, vc_ptr, vmin_ptr, vscale_ptr, lpage, kv_head, row0,
-                                     svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP, ROWS)
+                acc += _dense_values(
+                    p_e,
+                    p_o,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    lpage,
+                    kv_head,
+                    row0,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                    ROWS,
+                )
             elif kind == COMPACT:
-                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e, GROUP)
-                acc += _compact_values(p_e, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
-                                       svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
-                cpage, within, present = _compact_rows(maps + level * stride_ml, table, pos_e + 1, GROUP)
-                acc += _compact_values(p_o, vc_ptr, vmin_ptr, vscale_ptr, cpage, within, present, kv_head,
-                                       svc_p, svc_h, svc_d, svm_p, svm_t, svm_h, HEAD_DIM, GROUP)
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e, GROUP
+                )
+                acc += _compact_values(
+                    p_e,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
+                cpage, within, present = _compact_rows(
+                    maps + level * stride_ml, table, pos_e + 1, GROUP
+                )
+                acc += _compact_values(
+                    p_o,
+                    vc_ptr,
+                    vmin_ptr,
+                    vscale_ptr,
+                    cpage,
+                    within,
+                    present,
+                    kv_head,
+                    svc_p,
+                    svc_h,
+                    svc_d,
+                    svm_p,
+                    svm_t,
+                    svm_h,
+                    HEAD_DIM,
+                    GROUP,
+                )
         m_i = m_new
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(query + d).to(tl.float32) * scale
@@ -231,12 +515,16 @@ def packed_decode_split_kernel(
     for step in range(tl.maximum(first, packed_groups) * (GROUP // ROWS), last * (GROUP // ROWS)):
         pos = step * ROWS + tl.arange(0, ROWS)
         visible = pos < length
-        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0).to(
+            tl.int64
+        )
         slot = page * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=visible[:, None], other=0.0)
         s = tl.where(visible, tl.sum(q[None, :] * k.to(tl.float32), axis=1), float("-inf"))
         if SELECTED:
-            mark = tl.load(selected_ptr + row * stride_xr + head * stride_xh + pos, mask=visible, other=0)
+            mark = tl.load(
+                selected_ptr + row * stride_xr + head * stride_xh + pos, mask=visible, other=0
+            )
             s = tl.where(mark != 0, s, float("-inf"))
         if STORE_LOGITS:
             tl.store(logits_ptr + row * stride_gr + head * stride_gh + pos, s, mask=visible)
@@ -246,10 +534,13 @@ def packed_decode_split_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         vslot = page * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + vslot[:, None, None] + channel[None, :, :], mask=visible[:, None, None], other=0.0)
+        v = tl.load(
+            v_ptr + vslot[:, None, None] + channel[None, :, :],
+            mask=visible[:, None, None],
+            other=0.0,
+        )
         acc = acc * alpha + tl.sum(p[:, None, None] * v.to(tl.float32), axis=0)
         m_i = m_new
     tl.store(part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + channel, acc)
     tl.store(part_max_ptr + row * stride_sr + head * stride_sh + split, m_i)
     tl.store(part_sum_ptr + row * stride_sr + head * stride_sh + split, l_i)
-# fmt: on

@@ -10,8 +10,9 @@ COMPACT = tl.constexpr(int(LevelKind.COMPACT))
 
 
 @triton.jit
-def _level_rows(pos, row, level, tables, maps, kinds, stride_ll, stride_ml, stride_kr, take,
-                GROUP: tl.constexpr):  # fmt: skip
+def _level_rows(
+    pos, row, level, tables, maps, kinds, stride_ll, stride_ml, stride_kr, take, GROUP: tl.constexpr
+):
     """Page, row within the page and presence [N] of positions ``pos`` at one level."""
     kind = tl.load(kinds + row * stride_kr + level)
     logical = tl.where(
@@ -26,14 +27,51 @@ def _level_rows(pos, row, level, tables, maps, kinds, stride_ll, stride_ml, stri
 
 @triton.jit
 def reconstruct_rows(
-    pos, row, kv_head, d, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
-    tables, maps, level_kinds_ptr, packed_ptr, k_ptr, v_ptr, tables_ptr,
-    skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
-    stride_ll, stride_ml, stride_kr,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr, WANT_K: tl.constexpr,
-):  # fmt: skip
+    pos,
+    row,
+    kv_head,
+    d,
+    kc_ptr,
+    kmin_ptr,
+    kscale_ptr,
+    vc_ptr,
+    vmin_ptr,
+    vscale_ptr,
+    tables,
+    maps,
+    level_kinds_ptr,
+    packed_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    skc_p,
+    skc_t,
+    skc_h,
+    skm_p,
+    skm_h,
+    svc_p,
+    svc_h,
+    svc_d,
+    svm_p,
+    svm_t,
+    svm_h,
+    stride_ll,
+    stride_ml,
+    stride_kr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    LEVELS: tl.constexpr,
+    WANT_K: tl.constexpr,
+):
     """FP32 K and V [BLOCK_N, D] of one row's positions ``pos`` [BLOCK_N] (-1: zeros) for
     KV head ``kv_head``: below the row's packed length the sum of its levels (base +
     residuals present at its depth), above it the BF16 paged cache. ``tables`` / ``maps``
@@ -43,20 +81,39 @@ def reconstruct_rows(
     k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for level in tl.static_range(LEVELS):
-        page, within, present = _level_rows(pos, row, level, tables, maps, level_kinds_ptr,
-                                            stride_ll, stride_ml, stride_kr, in_packed, GROUP)  # fmt: skip
+        page, within, present = _level_rows(
+            pos,
+            row,
+            level,
+            tables,
+            maps,
+            level_kinds_ptr,
+            stride_ll,
+            stride_ml,
+            stride_kr,
+            in_packed,
+            GROUP,
+        )
         mask = present[:, None]
         if WANT_K:
-            k_byte = tl.load(kc_ptr + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None] + (d // 2)[None, :],
-                             mask=mask, other=0).to(tl.int32)  # fmt: skip
+            k_byte = tl.load(
+                kc_ptr
+                + (page * skc_p + within * skc_t + kv_head * skc_h)[:, None]
+                + (d // 2)[None, :],
+                mask=mask,
+                other=0,
+            ).to(tl.int32)
             k_code = ((k_byte >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
             k_param = (page * skm_p + kv_head * skm_h)[:, None] + d[None, :]
             k += (
                 tl.load(kmin_ptr + k_param, mask=mask, other=0.0).to(tl.float32)
                 + tl.load(kscale_ptr + k_param, mask=mask, other=0.0).to(tl.float32) * k_code
             )
-        v_byte = tl.load(vc_ptr + (page * svc_p + kv_head * svc_h + within // 2)[:, None] + d[None, :] * svc_d,
-                         mask=mask, other=0).to(tl.int32)  # fmt: skip
+        v_byte = tl.load(
+            vc_ptr + (page * svc_p + kv_head * svc_h + within // 2)[:, None] + d[None, :] * svc_d,
+            mask=mask,
+            other=0,
+        ).to(tl.int32)
         v_code = ((v_byte >> ((within % 2) * 4)[:, None]) & 15).to(tl.float32)
         v_param = (page * svm_p + within * svm_t + kv_head * svm_h)[:, None] + (d // GROUP)[None, :]
         v += (
@@ -79,18 +136,58 @@ def reconstruct_rows(
 
 @triton.jit
 def packed_gather_kernel(
-    positions_ptr, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
-    level_tables_ptr, level_maps_ptr, level_kinds_ptr, packed_ptr,
-    k_ptr, v_ptr, tables_ptr, out_k_ptr, out_v_ptr,
-    stride_pr, stride_ph,
-    skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
-    stride_lr, stride_ll, stride_mr, stride_ml, stride_kr,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
-    stride_or, stride_oh, stride_on,
+    positions_ptr,
+    kc_ptr,
+    kmin_ptr,
+    kscale_ptr,
+    vc_ptr,
+    vmin_ptr,
+    vscale_ptr,
+    level_tables_ptr,
+    level_maps_ptr,
+    level_kinds_ptr,
+    packed_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    out_k_ptr,
+    out_v_ptr,
+    stride_pr,
+    stride_ph,
+    skc_p,
+    skc_t,
+    skc_h,
+    skm_p,
+    skm_h,
+    svc_p,
+    svc_h,
+    svc_d,
+    svm_p,
+    svm_t,
+    svm_h,
+    stride_lr,
+    stride_ll,
+    stride_mr,
+    stride_ml,
+    stride_kr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    stride_or,
+    stride_oh,
+    stride_on,
     count,
-    GROUP_Q: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    GROUP_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """K and V [BLOCK_N, D] of one (row, query head)'s positions (-1: zeros), in the output
     dtype (:func:`reconstruct_rows`)."""
     row = tl.program_id(0).to(tl.int64)
@@ -100,14 +197,51 @@ def packed_gather_kernel(
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row * stride_pr + head * stride_ph + n, mask=n < count, other=-1)
     k, v = reconstruct_rows(
-        pos, row, kv_head, d, kc_ptr, kmin_ptr, kscale_ptr, vc_ptr, vmin_ptr, vscale_ptr,
-        level_tables_ptr + row * stride_lr, level_maps_ptr + row * stride_mr, level_kinds_ptr,
-        packed_ptr, k_ptr, v_ptr, tables_ptr,
-        skc_p, skc_t, skc_h, skm_p, skm_h, svc_p, svc_h, svc_d, svm_p, svm_t, svm_h,
-        stride_ll, stride_ml, stride_kr,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tr,
-        BLOCK_N, HEAD_DIM, GROUP, BLOCK_SIZE, LEVELS, True,
-    )  # fmt: skip
+        pos,
+        row,
+        kv_head,
+        d,
+        kc_ptr,
+        kmin_ptr,
+        kscale_ptr,
+        vc_ptr,
+        vmin_ptr,
+        vscale_ptr,
+        level_tables_ptr + row * stride_lr,
+        level_maps_ptr + row * stride_mr,
+        level_kinds_ptr,
+        packed_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        skc_p,
+        skc_t,
+        skc_h,
+        skm_p,
+        skm_h,
+        svc_p,
+        svc_h,
+        svc_d,
+        svm_p,
+        svm_t,
+        svm_h,
+        stride_ll,
+        stride_ml,
+        stride_kr,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_tr,
+        BLOCK_N,
+        HEAD_DIM,
+        GROUP,
+        BLOCK_SIZE,
+        LEVELS,
+        True,
+    )
     out = row * stride_or + head * stride_oh + n[:, None] * stride_on + d[None, :]
     valid = (n < count)[:, None]
     tl.store(out_k_ptr + out, k.to(out_k_ptr.dtype.element_ty), mask=valid)

@@ -3,9 +3,9 @@
 reader with logits, the Triton top-K selection, and sums p * v over the selected keys
 reconstructed in registers; the correction reconstructs only the selected keys and runs
 the softmax over them in the same kernel (``packed_selected_jit.py``), split over programs
-from shapes only; ``packed_streamed_correction_triton`` is the other correction design
-(the reader over whole pages, unselected logits masked; the ``triton_streamed`` override:
-on the H200 faster on dense levels, slower on compact ones).
+from shapes only; ``packed_streamed_correction_triton`` is the streamed correction (the
+reader over whole pages, unselected logits masked; the ``triton_streamed`` override, which
+suits dense levels and not compact ones).
 ``packed_gather`` materialises chosen positions (a reconstruction tool the tests compare
 with the store's history)."""
 
@@ -35,16 +35,23 @@ from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
 GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
-# The selected-key launch: 16 positions per step by 2 warps beat 32 x 4 and 16 x 4 for the
-# source and both corrections, dense levels and token-sparse alike, at 32K x 16 on the H200
-# (results/bench_packed_kv_sparse_ops.json: 1.35x the source, 1.57-1.73x the corrections).
+# The selected-key launch: 16 positions per step by 2 warps is the fastest that
+# ``bench packed`` times (against 32 x 4 and 16 x 4) for the source and both corrections,
+# dense levels and token-sparse alike (results/bench_packed_kv_sparse_ops.json).
 BLOCK_N = 16
 SELECTED_WARPS = 2
 
 
-def packed_gather(store: PackedKVStore, layer: int, meta: LevelMetadata, key_cache,
-                  value_cache, block_tables, positions: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def packed_gather(
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache,
+    value_cache,
+    block_tables,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [R, Hq, N, D] in ``dtype`` at ``positions`` [R, Hq, N] int32 (-1: zeros):
     the row's reconstruction at its depth below its packed length, BF16 pages above."""
     from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
@@ -52,9 +59,15 @@ def packed_gather(store: PackedKVStore, layer: int, meta: LevelMetadata, key_cac
     rows, num_q_heads, count = positions.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if positions.dtype != torch.int32 or positions.device != key_cache.device:
-        raise ValueError(f"positions must be int32 on {key_cache.device}; got {positions.dtype} on {positions.device}")  # fmt: skip
+        raise ValueError(
+            f"positions must be int32 on {key_cache.device}; "
+            f"got {positions.dtype} on {positions.device}"
+        )
     if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"positions for {num_q_heads} query heads do not fit the store's {tuple(store.shape[1:])} / cache's {num_kv_heads} x {head_dim}")  # fmt: skip
+        raise ValueError(
+            f"positions for {num_q_heads} query heads do not fit the store's "
+            f"{tuple(store.shape[1:])} / cache's {num_kv_heads} x {head_dim}"
+        )
     out_k = torch.empty((rows, num_q_heads, count, head_dim), dtype=dtype, device=key_cache.device)
     out_v = torch.empty_like(out_k)
     if rows == 0 or count == 0:
@@ -63,27 +76,54 @@ def packed_gather(store: PackedKVStore, layer: int, meta: LevelMetadata, key_cac
     tables, maps, kinds = meta.tables, meta.maps, meta.kinds
     pools = layer_pools(store, layer)
     packed_gather_kernel[(rows, num_q_heads, math.ceil(count / GATHER_BLOCK_N))](
-        positions, *pools, tables, maps, kinds, meta.packed_lengths,
-        key_cache, value_cache, block_tables, out_k, out_v,
-        positions.stride(0), positions.stride(1),
+        positions,
+        *pools,
+        tables,
+        maps,
+        kinds,
+        meta.packed_lengths,
+        key_cache,
+        value_cache,
+        block_tables,
+        out_k,
+        out_v,
+        positions.stride(0),
+        positions.stride(1),
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
-        out_k.stride(0), out_k.stride(1), out_k.stride(2),
+        out_k.stride(0),
+        out_k.stride(1),
+        out_k.stride(2),
         count,
-        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
-        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=GATHER_BLOCK_N,
-    )  # fmt: skip
+        GROUP_Q=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        GROUP=store.group_size,
+        BLOCK_SIZE=block_size,
+        LEVELS=tables.shape[1],
+        BLOCK_N=GATHER_BLOCK_N,
+    )
     return out_k, out_v
 
 
-def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: LevelMetadata,
-                          key_cache, value_cache, block_tables, indices: torch.Tensor,
-                          scale: float, logits: torch.Tensor | None = None,
-                          lse: torch.Tensor | None = None, block_n: int = BLOCK_N,
-                          num_warps: int = SELECTED_WARPS):  # fmt: skip
+def packed_selected_parts(
+    q,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices: torch.Tensor,
+    scale: float,
+    logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = SELECTED_WARPS,
+):
     """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
-    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps: (acc [R, Hq, S, D], max,
-    sum [R, Hq, S]) of the softmax of q k^T * scale, or with ``logits`` [R, Hq, T] /
-    ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split (the loop-2 contribution)."""
+    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps:
+    (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of q k^T * scale, or with
+    ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split
+    (the loop-2 contribution)."""
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
 
     rows, num_q_heads, head_dim = q.shape
@@ -93,9 +133,15 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: LevelMetada
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8")
     if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
-        raise ValueError(f"indices must be int32 [{rows}, {num_q_heads}, Kb]; got {indices.dtype} {tuple(indices.shape)}")  # fmt: skip
+        raise ValueError(
+            f"indices must be int32 [{rows}, {num_q_heads}, Kb]; "
+            f"got {indices.dtype} {tuple(indices.shape)}"
+        )
     if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"q [R, {num_q_heads}, {head_dim}] does not fit the store's {tuple(store.shape[1:])} / cache's {num_kv_heads} heads")  # fmt: skip
+        raise ValueError(
+            f"q [R, {num_q_heads}, {head_dim}] does not fit the store's "
+            f"{tuple(store.shape[1:])} / cache's {num_kv_heads} heads"
+        )
     bucket = indices.shape[-1]
     splits, keys_per_split = selected_key_splits(rows, num_q_heads, max(1, bucket), q.device)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
@@ -106,21 +152,46 @@ def packed_selected_parts(q, store: PackedKVStore, layer: int, meta: LevelMetada
     pools = layer_pools(store, layer)
     from_logits = logits is not None
     packed_selected_split_kernel[(rows, num_q_heads, splits)](
-        q, indices, logits if from_logits else part_max, lse if from_logits else part_max,
-        *pools, tables, maps, kinds, meta.packed_lengths,
-        key_cache, value_cache, block_tables, part_out, part_max, part_sum,
+        q,
+        indices,
+        logits if from_logits else part_max,
+        lse if from_logits else part_max,
+        *pools,
+        tables,
+        maps,
+        kinds,
+        meta.packed_lengths,
+        key_cache,
+        value_cache,
+        block_tables,
+        part_out,
+        part_max,
+        part_sum,
         scale,
-        q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),
-        logits.stride(0) if from_logits else 0, logits.stride(1) if from_logits else 0,
+        q.stride(0),
+        q.stride(1),
+        indices.stride(0),
+        indices.stride(1),
+        logits.stride(0) if from_logits else 0,
+        logits.stride(1) if from_logits else 0,
         lse.stride(0) if from_logits else 0,
         *packed_strides(pools, meta, key_cache, value_cache, block_tables),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        keys_per_split, bucket,
-        GROUP_Q=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, GROUP=store.group_size,
-        BLOCK_SIZE=block_size, LEVELS=tables.shape[1], BLOCK_N=block_n, FROM_LOGITS=from_logits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        keys_per_split,
+        bucket,
+        GROUP_Q=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        GROUP=store.group_size,
+        BLOCK_SIZE=block_size,
+        LEVELS=tables.shape[1],
+        BLOCK_N=block_n,
+        FROM_LOGITS=from_logits,
         num_warps=num_warps,
-    )  # fmt: skip
+    )
     return part_out, part_max, part_sum
 
 
@@ -129,24 +200,59 @@ def _correction_terms(output, contribution, mass) -> tuple[torch.Tensor, ...]:
     return output.float().contiguous(), contribution.float().contiguous(), mass.float()
 
 
-def packed_sparse_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                    indices, mass, output, contribution, scale=None,
-                                    block_n: int = BLOCK_N, num_warps: int = SELECTED_WARPS):  # fmt: skip
+def packed_sparse_correction_triton(
+    q,
+    store,
+    layer,
+    meta,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale=None,
+    block_n: int = BLOCK_N,
+    num_warps: int = SELECTED_WARPS,
+):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    parts = packed_selected_parts(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                  indices.to(torch.int32), scale, block_n=block_n,
-                                  num_warps=num_warps)  # fmt: skip
+    parts = packed_selected_parts(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        indices.to(torch.int32),
+        scale,
+        block_n=block_n,
+        num_warps=num_warps,
+    )
     return merge_splits(
         *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
     )
 
 
-def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                      indices, mass, output, contribution, scale=None,
-                                      tuning: PackedTuning = DEFAULT_TUNING):  # fmt: skip
-    """:func:`packed_sparse_correction_triton`'s result by another design: the packed reader
+def packed_streamed_correction_triton(
+    q,
+    store,
+    layer,
+    meta,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale=None,
+    tuning: PackedTuning = DEFAULT_TUNING,
+):
+    """:func:`packed_sparse_correction_triton`'s result, streamed: the packed reader
     streams every page of the row up to its last selected position and masks the logits of
     positions not in ``indices`` [R, Hq, Kb] (-1: none), instead of gathering the selected
     keys (whose V rows each touch a whole page block per level). Returns [R, Hq, D]."""
@@ -159,9 +265,20 @@ def packed_streamed_correction_triton(q, store, layer, meta, key_cache, value_ca
         lengths = (indices.amax(dim=-1).amax(dim=-1) + 1).to(torch.int32)  # 0: nothing selected
     else:
         lengths = torch.zeros(rows, dtype=torch.int32, device=q.device)
-    return packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                lengths, scale, tuning, selected=marks,
-                                correction=_correction_terms(output, contribution, mass))  # fmt: skip
+    return packed_decode_triton(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        lengths,
+        scale,
+        tuning,
+        selected=marks,
+        correction=_correction_terms(output, contribution, mass),
+    )
 
 
 def packed_dense_source_triton(
@@ -189,9 +306,20 @@ def packed_dense_source_triton(
     check_bucket(span, rows, key_retention, k_bucket)
     logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
     lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
-    output = packed_decode_triton(q, store, layer, meta, key_cache, value_cache, block_tables,
-                                  context_lengths, scale, logits=logits, lse=lse,
-                                  out_dtype=torch.float32)  # fmt: skip
+    output = packed_decode_triton(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale,
+        logits=logits,
+        lse=lse,
+        out_dtype=torch.float32,
+    )
     out = torch.empty_like(q)
     indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
     mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
@@ -201,11 +329,36 @@ def packed_dense_source_triton(
     scratch = torch.empty(
         (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
     )
-    launch_selection(logits, lse, context_lengths, value_cache, block_tables.contiguous(), output,
-                     out, indices, mass, unused, scratch, key_retention, tuning,
-                     contribute=False)  # fmt: skip
+    launch_selection(
+        logits,
+        lse,
+        context_lengths,
+        value_cache,
+        block_tables.contiguous(),
+        output,
+        out,
+        indices,
+        mass,
+        unused,
+        scratch,
+        key_retention,
+        tuning,
+        contribute=False,
+    )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    part_out, _, _ = packed_selected_parts(q, store, layer, meta, key_cache, value_cache,
-                                           block_tables, indices, scale, logits, lse, block_n,
-                                           num_warps)  # fmt: skip
+    part_out, _, _ = packed_selected_parts(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        indices,
+        scale,
+        logits,
+        lse,
+        block_n,
+        num_warps,
+    )
     return out, indices, mass, output, part_out.sum(2)

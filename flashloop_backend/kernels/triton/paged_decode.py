@@ -33,9 +33,9 @@ class DecodeTuning:
     use_dot: bool = False
 
 
-# Swept on the H200 (results/sweep_triton_decode.json): tensor-core dots, 64 keys per
-# iteration, 4 warps, 2 stages, ~2 programs per SM had the best geometric-mean ratio to
-# FlashInfer over 1K-32K contexts at batch 1 and 16.
+# The sweep's best geometric-mean ratio to FlashInfer over 1K-32K contexts at batch 1 and
+# 16 (results/sweep_triton_decode.json): tensor-core dots, 64 keys per iteration, 4 warps,
+# 2 stages, ~2 programs per SM.
 DEFAULT_TUNING = DecodeTuning(use_dot=True)
 
 
@@ -77,15 +77,33 @@ def merge_splits(
     rows, heads, splits, head_dim = part_out.shape
     ref, contrib, mass = correction if correction is not None else (out, out, part_max)
     merge_splits_kernel[(rows, heads)](
-        part_out, part_max, part_sum, out, lse if lse is not None else out, ref, contrib, mass,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        out.stride(0), out.stride(1),
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        lse if lse is not None else out,
+        ref,
+        contrib,
+        mass,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        out.stride(0),
+        out.stride(1),
         lse.stride(0) if lse is not None else 0,
-        ref.stride(0), ref.stride(1), contrib.stride(0), contrib.stride(1), mass.stride(0),
-        NUM_SPLITS=splits, SPLITS_PAD=max(2, next_pow2(splits)), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None, CORRECT=correction is not None,
-    )  # fmt: skip
+        ref.stride(0),
+        ref.stride(1),
+        contrib.stride(0),
+        contrib.stride(1),
+        mass.stride(0),
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, next_pow2(splits)),
+        HEAD_DIM=head_dim,
+        STORE_LSE=lse is not None,
+        CORRECT=correction is not None,
+    )
     return out
 
 
@@ -137,23 +155,45 @@ def paged_attention_triton(
         pages = max(1, pages // group_pad)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     paged_attention_split_kernel[(rows, num_kv_heads, splits)](
-        q, key_cache, value_cache, block_tables, context_lengths, part_out, part_max, part_sum,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        part_out,
+        part_max,
+        part_sum,
         logits if logits is not None else part_max,
         scale,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        logits.stride(0) if logits is not None else 0,
+        logits.stride(1) if logits is not None else 0,
         blocks_per_split,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PAGES=pages,
         USE_DOT=tuning.use_dot,
         # FP32 inputs keep IEEE products (a TF32 dot would lose ~3 digits); 16-bit inputs
         # multiply exactly on tensor cores either way.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STORE_LOGITS=logits is not None,
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-    )  # fmt: skip
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        STORE_LOGITS=logits is not None,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
+    )
     merge_splits(part_out, part_max, part_sum, out, lse)
     return out

@@ -7,21 +7,42 @@ import triton.language as tl
 
 @triton.jit
 def paged_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lengths_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     logits_ptr,
     scale,
-    stride_qr, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_tr,
-    stride_pr, stride_ph, stride_ps,
-    stride_mr, stride_mh,
-    stride_lr, stride_lh,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    stride_lr,
+    stride_lh,
     blocks_per_split,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr,
-):  # fmt: skip
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+):
     """One (row, kv head, split): online softmax over this split's pages, FP32 state.
 
     USE_DOT computes QK and PV with tensor-core dots (query heads padded to GROUP_PAD >= 16,
@@ -41,8 +62,9 @@ def paged_attention_split_kernel(
     q_mask = g < GROUP
     q = tl.load(
         q_ptr + row.to(tl.int64) * stride_qr + q_heads[:, None] * stride_qh + d[None, :],
-        mask=q_mask[:, None], other=0.0,
-    )  # fmt: skip
+        mask=q_mask[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -60,15 +82,23 @@ def paged_attention_split_kernel(
         visible = in_range & (pos < length)
         base = block.to(tl.int64)
         k = tl.load(
-            k_ptr + base[:, None] * stride_kb + slot_of_t[:, None] * stride_kt
-            + kv_head * stride_kh + d[None, :],
-            mask=visible[:, None], other=0.0,
-        )  # fmt: skip
+            k_ptr
+            + base[:, None] * stride_kb
+            + slot_of_t[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=visible[:, None],
+            other=0.0,
+        )
         v = tl.load(
-            v_ptr + base[:, None] * stride_vb + slot_of_t[:, None] * stride_vt
-            + kv_head * stride_vh + d[None, :],
-            mask=visible[:, None], other=0.0,
-        )  # fmt: skip
+            v_ptr
+            + base[:, None] * stride_vb
+            + slot_of_t[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=visible[:, None],
+            other=0.0,
+        )
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, N]
         else:
@@ -76,9 +106,13 @@ def paged_attention_split_kernel(
         s = tl.where(visible[None, :], s, float("-inf"))
         if STORE_LOGITS:  # selection statistics: every visible key's scaled logit, once
             tl.store(
-                logits_ptr + row.to(tl.int64) * stride_lr + q_heads[:, None] * stride_lh + pos[None, :],
-                s, mask=q_mask[:, None] & visible[None, :],
-            )  # fmt: skip
+                logits_ptr
+                + row.to(tl.int64) * stride_lr
+                + q_heads[:, None] * stride_lh
+                + pos[None, :],
+                s,
+                mask=q_mask[:, None] & visible[None, :],
+            )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -104,18 +138,33 @@ def paged_attention_split_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, lse_ptr,
-    ref_ptr, contrib_ptr, mass_ptr,
-    stride_pr, stride_ph, stride_ps,
-    stride_mr, stride_mh,
-    stride_or, stride_oh,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    lse_ptr,
+    ref_ptr,
+    contrib_ptr,
+    mass_ptr,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    stride_or,
+    stride_oh,
     stride_lr,
-    stride_rr, stride_rh,
-    stride_cr, stride_ch,
+    stride_rr,
+    stride_rh,
+    stride_cr,
+    stride_ch,
     stride_sr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    STORE_LSE: tl.constexpr, CORRECT: tl.constexpr,
-):  # fmt: skip
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    CORRECT: tl.constexpr,
+):
     """One (row, query head): combine split partial states; rows with no key give 0.
     With CORRECT the result is the sparse correction ref - contrib + mass * merged."""
     row = tl.program_id(0).to(tl.int64)
@@ -132,8 +181,9 @@ def merge_splits_kernel(
     sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
     acc = tl.load(
         part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=s_mask[:, None], other=0.0,
-    )  # fmt: skip
+        mask=s_mask[:, None],
+        other=0.0,
+    )
     numer = tl.sum(acc * weight[:, None], axis=0)
     denom = tl.sum(sums * weight, axis=0)
     out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)

@@ -21,9 +21,8 @@ def quantize_int4_triton(x: torch.Tensor, group_size: int = 64, dim: int = -1) -
     dim = dim % x.dim()
     moved = x.movedim(dim, -1)
     lead, length = moved.shape[:-1], moved.shape[-1]
-    rows = moved.reshape(
-        -1, length
-    )  # a copy only when the grouped axis is not innermost-compatible
+    # a copy only when the grouped axis is not innermost-compatible
+    rows = moved.reshape(-1, length)
     groups = -(-length // group_size)
     codes = torch.empty(
         (rows.shape[0], groups, group_size // 2), dtype=torch.uint8, device=x.device
@@ -32,10 +31,18 @@ def quantize_int4_triton(x: torch.Tensor, group_size: int = 64, dim: int = -1) -
     scale = torch.empty_like(minimum)
     if rows.numel():
         quantize_int4_kernel[(rows.shape[0], groups)](
-            rows, codes, minimum, scale,
-            length, rows.stride(0), rows.stride(1), codes.stride(0), codes.stride(1), minimum.stride(0),
+            rows,
+            codes,
+            minimum,
+            scale,
+            length,
+            rows.stride(0),
+            rows.stride(1),
+            codes.stride(0),
+            codes.stride(1),
+            minimum.stride(0),
             GROUP=group_size,
-        )  # fmt: skip
+        )
     return QuantizedInt4(
         codes.reshape(*lead, groups, group_size // 2),
         minimum.reshape(*lead, groups),

@@ -6,10 +6,18 @@ import triton.language as tl
 
 @triton.jit
 def quantize_int4_kernel(
-    x_ptr, codes_ptr, min_ptr, scale_ptr,
-    length, stride_xo, stride_xl, stride_co, stride_cg, stride_po,
+    x_ptr,
+    codes_ptr,
+    min_ptr,
+    scale_ptr,
+    length,
+    stride_xo,
+    stride_xl,
+    stride_co,
+    stride_cg,
+    stride_po,
     GROUP: tl.constexpr,
-):  # fmt: skip
+):
     """One (outer row, group): FP16 min and scale from the group's own elements, codes
     rounded half to even from the stored parameters, two codes per byte (low nibble first)."""
     outer = tl.program_id(0).to(tl.int64)

@@ -13,9 +13,25 @@ def _order_key(logit):
 
 
 @triton.jit
-def compact_selected(logits_row, idx_row, first, last, threshold, remaining, written, ties_seen,
-                     lse, v_head, tables_row, stride_vb, stride_vt, HEAD_DIM: tl.constexpr,
-                     BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTRIBUTE: tl.constexpr):  # fmt: skip
+def compact_selected(
+    logits_row,
+    idx_row,
+    first,
+    last,
+    threshold,
+    remaining,
+    written,
+    ties_seen,
+    lse,
+    v_head,
+    tables_row,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CONTRIBUTE: tl.constexpr,
+):
     """Positions [first, last) of one (row, head) in order: the keys above ``threshold`` and
     the ties at it whose rank (after ``ties_seen`` earlier ones) is below ``remaining`` are
     written to ``idx_row`` from slot ``written``. Returns their probability mass and, with
@@ -37,8 +53,14 @@ def compact_selected(logits_row, idx_row, first, last, threshold, remaining, wri
         p = tl.where(take, tl.exp(logit - lse), 0.0)
         if CONTRIBUTE:
             page = tl.load(tables_row + pos // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
-            v = tl.load(v_head + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt + d[None, :],
-                        mask=take[:, None], other=0.0).to(tl.float32)  # fmt: skip
+            v = tl.load(
+                v_head
+                + page[:, None] * stride_vb
+                + (pos % BLOCK_SIZE)[:, None] * stride_vt
+                + d[None, :],
+                mask=take[:, None],
+                other=0.0,
+            ).to(tl.float32)
             contribution += tl.sum(p[:, None] * v, 0)
         mass += tl.sum(p, 0)
         written += tl.sum(take.to(tl.int32), 0)
@@ -80,8 +102,15 @@ def _pick(sorted_keys, index, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _bracket_threshold(logits_row, scratch_row, length, count, BLOCK: tl.constexpr,
-                       SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr):  # fmt: skip
+def _bracket_threshold(
+    logits_row,
+    scratch_row,
+    length,
+    count,
+    BLOCK: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):
     """The K-th largest key from a strided sample: its sorted sample brackets the K-th key
     by rank (+-3 sigma + 16); one pass counts keys above the bracket and copies those inside
     to scratch; sorting them gives the exact key. Returns (threshold, ties to take, ok); ok
@@ -125,23 +154,45 @@ def _bracket_threshold(logits_row, scratch_row, length, count, BLOCK: tl.constex
 
 @triton.jit
 def select_statistics_kernel(
-    logits_ptr, lse_ptr, lengths_ptr, v_ptr, tables_ptr, output_ptr,
-    out_ptr, idx_ptr, mass_ptr, contrib_ptr, scratch_ptr,
-    ratio_num, ratio_den,
-    stride_lr, stride_lh,
+    logits_ptr,
+    lse_ptr,
+    lengths_ptr,
+    v_ptr,
+    tables_ptr,
+    output_ptr,
+    out_ptr,
+    idx_ptr,
+    mass_ptr,
+    contrib_ptr,
+    scratch_ptr,
+    ratio_num,
+    ratio_den,
+    stride_lr,
+    stride_lh,
     stride_er,
-    stride_vb, stride_vt, stride_vh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_tr,
-    stride_or, stride_oh,
-    stride_qr, stride_qh,
-    stride_ir, stride_ih,
+    stride_or,
+    stride_oh,
+    stride_qr,
+    stride_qh,
+    stride_ir,
+    stride_ih,
     stride_mr,
-    stride_cr, stride_ch,
+    stride_cr,
+    stride_ch,
     bucket,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-    RADIX_BITS: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    CANDIDATES: tl.constexpr,
     CONTRIBUTE: tl.constexpr,
-):  # fmt: skip
+):
     """One (row, query head): exact top-K of the row's scaled logits (ties to the earlier
     position) on order-preserving keys, then one pass in position order that writes the
     K indices, their probability mass and contribution sum p * v.
@@ -160,9 +211,14 @@ def select_statistics_kernel(
 
     # ---- the K-th largest key: sampled bracket, exact radix select if the bracket misses
     threshold, remaining, ok = _bracket_threshold(
-        logits_row, scratch_ptr + (row * tl.num_programs(1) + head) * CANDIDATES, length, count,
-        BLOCK, SAMPLE, CANDIDATES,
-    )  # fmt: skip
+        logits_row,
+        scratch_ptr + (row * tl.num_programs(1) + head) * CANDIDATES,
+        length,
+        count,
+        BLOCK,
+        SAMPLE,
+        CANDIDATES,
+    )
     if not ok:
         threshold, remaining = _radix_threshold(logits_row, length, count, BLOCK, RADIX_BITS)
 
@@ -170,10 +226,24 @@ def select_statistics_kernel(
     d = tl.arange(0, HEAD_DIM)
     zero = tl.zeros([], tl.int32)
     mass, contribution = compact_selected(
-        logits_row, idx_ptr + row * stride_ir + head * stride_ih, 0, length, threshold,
-        remaining, zero, zero, lse, v_ptr + kv_head * stride_vh, tables_ptr + row * stride_tr,
-        stride_vb, stride_vt, HEAD_DIM, BLOCK, BLOCK_SIZE, CONTRIBUTE,
-    )  # fmt: skip
+        logits_row,
+        idx_ptr + row * stride_ir + head * stride_ih,
+        0,
+        length,
+        threshold,
+        remaining,
+        zero,
+        zero,
+        lse,
+        v_ptr + kv_head * stride_vh,
+        tables_ptr + row * stride_tr,
+        stride_vb,
+        stride_vt,
+        HEAD_DIM,
+        BLOCK,
+        BLOCK_SIZE,
+        CONTRIBUTE,
+    )
     for start in range(count, bucket, BLOCK):
         pos = start + offs
         tl.store(idx_ptr + row * stride_ir + head * stride_ih + pos, -1, mask=pos < bucket)

@@ -12,7 +12,9 @@ from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count
 KEYS_PER_SPLIT_MIN = 64
 
 
-def selected_key_splits(rows: int, heads: int, bucket: int, device: torch.device) -> tuple[int, int]:  # fmt: skip
+def selected_key_splits(
+    rows: int, heads: int, bucket: int, device: torch.device
+) -> tuple[int, int]:
     """(splits, keys per split) of a kernel over each (row, head)'s ``bucket`` selected
     keys: about two programs per SM, at least ``KEYS_PER_SPLIT_MIN`` keys per split."""
     want = max(1, math.ceil(2 * sm_count(device) / max(1, rows * heads)))
@@ -33,8 +35,12 @@ def sparse_correction_triton(
 
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = key_cache.shape
-    expected = {"indices": (rows, num_q_heads), "mass": (rows, num_q_heads), "output": (rows, num_q_heads, head_dim),
-                "contribution": (rows, num_q_heads, head_dim)}  # fmt: skip
+    expected = {
+        "indices": (rows, num_q_heads),
+        "mass": (rows, num_q_heads),
+        "output": (rows, num_q_heads, head_dim),
+        "contribution": (rows, num_q_heads, head_dim),
+    }
     for name, tensor in (
         ("indices", indices),
         ("mass", mass),
@@ -50,11 +56,13 @@ def sparse_correction_triton(
     output, contribution = output.contiguous(), contribution.contiguous()
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q [R, {num_q_heads}, {head_dim}] does not fit KV cache heads/dim {num_kv_heads}/{cache_dim}"
+            f"q [R, {num_q_heads}, {head_dim}] does not fit KV cache heads/dim "
+            f"{num_kv_heads}/{cache_dim}"
         )
     if head_dim < 16 or head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
-            f"head_dim={head_dim} (power of two >= 16) and block_size={block_size} (power of two) required"
+            f"head_dim={head_dim} (power of two >= 16) and block_size={block_size} "
+            "(power of two) required"
         )
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
         indices = indices.to(torch.int32).contiguous()
@@ -66,18 +74,38 @@ def sparse_correction_triton(
     splits, keys_per_split = selected_key_splits(rows, num_q_heads, bucket, q.device)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     sparse_correction_split_kernel[(rows, num_q_heads, splits)](
-        q, key_cache, value_cache, block_tables, indices, part_out, part_max, part_sum,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        indices,
+        part_out,
+        part_max,
+        part_sum,
         scale,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        indices.stride(0), indices.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        keys_per_split, bucket,
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_K=64,
+        indices.stride(0),
+        indices.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        keys_per_split,
+        bucket,
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_K=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     out = torch.empty_like(q)
     return merge_splits(part_out, part_max, part_sum, out, correction=(output, contribution, mass))

@@ -6,19 +6,39 @@ import triton.language as tl
 
 @triton.jit
 def sparse_correction_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, idx_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    idx_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     scale,
-    stride_qr, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_tr,
-    stride_ir, stride_ih,
-    stride_pr, stride_ph, stride_ps,
-    stride_mr, stride_mh,
-    keys_per_split, num_keys,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_ir,
+    stride_ih,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    keys_per_split,
+    num_keys,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """One (row, query head, split): softmax over this split's selected keys, gathered from
     the row's pages at absolute positions; FP32 partial state (acc, max, sum).
 
@@ -48,10 +68,24 @@ def sparse_correction_split_kernel(
             tl.int64
         )
         slot = pos % BLOCK_SIZE
-        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None], other=0.0)  # fmt: skip
-        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=valid[:, None], other=0.0)  # fmt: skip
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kb
+            + slot[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vb
+            + slot[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
         # ---- online softmax over the selected keys (row 0 of the 16-row tiles is the query)
         s16 = tl.dot(q16, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [16, BLOCK_K]
         s = tl.where(valid, tl.sum(tl.where(first_row[:, None], s16, 0.0), axis=0), float("-inf"))

@@ -15,7 +15,8 @@ from flashloop_backend.kernels.validate import check_triton_paged
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """Launch shape (swept on the H200 at 32K, ``scripts/sweep_sparse_prefill.py``)."""
+    """Launch shape: the best of the 32K sweep (results/sweep_sparse_prefill.jsonl,
+    ``scripts/sweep_sparse_prefill.py``)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -83,18 +84,38 @@ def sparse_prefill_triton(
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     sparse_prefill_kernel[(programs, num_q_heads, splits)](
-        q, key_cache, value_cache, block_tables, context_lengths, starts, num_tiles,
-        part_out, part_max, part_sum,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        starts,
+        num_tiles,
+        part_out,
+        part_max,
+        part_sum,
         scale,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_max.stride(0), part_max.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=tuning.block_m,
+        BLOCK_N=tuning.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-    )  # fmt: skip
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
+    )
     return merge_splits(part_out, part_max, part_sum, out)

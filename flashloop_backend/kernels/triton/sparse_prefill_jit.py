@@ -6,10 +6,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr, kv_head, qk_scale,
-                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    first,
+    table,
+    lengths,
+    longest,
+    k_ptr,
+    v_ptr,
+    kv_head,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One key block [first, first + BLOCK_N) folded into the online softmax state. Unmasked
     blocks lie below every row's length, so they skip the visibility and bounds masks."""
     keys = first + tl.arange(0, BLOCK_N)
@@ -47,17 +68,38 @@ def _attend_block(q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr
 
 @triton.jit
 def sparse_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, tile_start_ptr, num_tiles_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lengths_ptr,
+    tile_start_ptr,
+    num_tiles_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     scale,
-    stride_qr, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_tr,
-    stride_pr, stride_ph, stride_ps, stride_mr, stride_mh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Tiles for one (query head, key split), taken pid, pid + programs, ... from the last
     (longest contexts first, so the tail of the launch is short). A tile is up to BLOCK_M
     consecutive rows that share one block table (rows [tile_start[t], tile_start[t + 1]));
@@ -81,8 +123,11 @@ def sparse_prefill_kernel(
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < end
         lengths = tl.load(lengths_ptr + rows, mask=row_mask, other=0)
-        q = tl.load(q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :],
-                    mask=row_mask[:, None], other=0.0)  # fmt: skip
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
         table = tables_ptr + start.to(tl.int64) * stride_tr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,19 +140,66 @@ def sparse_prefill_kernel(
         hi = tl.minimum(lo + span, longest)
         for first in range(lo, tl.minimum(hi, full_blocks_end), BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr, kv_head, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                first,
+                table,
+                lengths,
+                longest,
+                k_ptr,
+                v_ptr,
+                kv_head,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                BLOCK_N,
+                False,
+                DOT_PRECISION,
+            )
         for first in range(tl.maximum(lo, full_blocks_end), hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, first, table, lengths, longest, k_ptr, v_ptr, kv_head, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                first,
+                table,
+                lengths,
+                longest,
+                k_ptr,
+                v_ptr,
+                kv_head,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                DOT_PRECISION,
+            )
         # partial state in natural-log units (merge_splits' convention)
-        tl.store(part_out_ptr + rows[:, None] * stride_pr + head * stride_ph + split * stride_ps + d[None, :],
-                 acc, mask=row_mask[:, None])  # fmt: skip
+        tl.store(
+            part_out_ptr
+            + rows[:, None] * stride_pr
+            + head * stride_ph
+            + split * stride_ps
+            + d[None, :],
+            acc,
+            mask=row_mask[:, None],
+        )
         stat = rows * stride_mr + head * stride_mh + split
         tl.store(part_max_ptr + stat, m_i * 0.6931471805599453, mask=row_mask)
         tl.store(part_sum_ptr + stat, l_i, mask=row_mask)

@@ -19,21 +19,21 @@ from flashloop_backend.tools.bench.timing import (
 
 
 def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> dict:
-    """Side-by-side timings of the dense-source designs and of plain Triton decode."""
-    from flashloop_backend.kernels.triton import dense_source as designs
+    """Side-by-side timings of the registered dense source, its baselines
+    (``tools/bench/baselines.py``) and plain Triton decode."""
+    from flashloop_backend.kernels.triton.dense_source import dense_source_triton
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
-
-    split = designs.SelectTuning(split_min_span=0)  # the split design at every span
+    from flashloop_backend.tools.bench import baselines
 
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
-        "radix_select": lambda: designs.dense_source_triton(
+        "radix_select": lambda: dense_source_triton(
             q, kc, vc, tables, lengths, key_retention, bucket
         ),
-        "split_select": lambda: designs.dense_source_triton(
-            q, kc, vc, tables, lengths, key_retention, bucket, tuning=split
+        "split_select": lambda: baselines.dense_source_split(
+            q, kc, vc, tables, lengths, key_retention, bucket
         ),
-        "torch_topk": lambda: designs.dense_source_torch_topk(
+        "torch_topk": lambda: baselines.dense_source_torch_topk(
             q, kc, vc, tables, lengths, key_retention, bucket
         ),
     }
@@ -86,12 +86,16 @@ def _sparse_case(ctx, conc, key_retention, backend, gen) -> dict:
     self_check_error = (self_check - dense_out).abs().max().item()
     selected_bytes = conc * heads * bucket * dim * 2 * 2 + idx.numel() * 4
     return {
-        "context": ctx, "concurrency": conc, "ratio": key_retention, "key_bucket": bucket,
+        "context": ctx,
+        "concurrency": conc,
+        "ratio": key_retention,
+        "key_bucket": bucket,
         "dense_flashinfer_ms": dense_ms,
         "sparse_correction_ms": correct_ms,
         "sparse_correction_speedup": dense_ms / correct_ms,
         "sparse_correction_tb_s": selected_bytes / (correct_ms / 1e3) / 1e12,
-        "dense_source_ms": source_ms, "dense_source_timing": source_mode,
+        "dense_source_ms": source_ms,
+        "dense_source_timing": source_mode,
         "dense_source_vs_dense": source_ms / dense_ms,
         "dense_source_impl": backend.kernels[OpName.DENSE_SOURCE].provider.name,
         "dense_source_designs_ms": designs,
@@ -99,7 +103,7 @@ def _sparse_case(ctx, conc, key_retention, backend, gen) -> dict:
         "sparse_correction_impl": backend.kernels[OpName.SPARSE_CORRECTION].provider.name,
         # loop 1 dense, loop 2 the dense source, loops 3 and 4 the correction
         "four_loop_speedup": 4 * dense_ms / (dense_ms + source_ms + 2 * correct_ms),
-    }  # fmt: skip
+    }
 
 
 def bench_sparse_decode(
@@ -122,12 +126,23 @@ def bench_sparse_decode(
         for conc in concurrency:
             row = _sparse_case(ctx, conc, key_retention, backend, gen)
             cases.append(row)
-            log(f"  sparse ctx={ctx} conc={conc}: dense {row['dense_flashinfer_ms'] * 1e3:.1f} us, correction "
-                f"{row['sparse_correction_ms'] * 1e3:.1f} us (x{row['sparse_correction_speedup']:.2f}), source "
-                f"{row['dense_source_ms'] * 1e3:.1f} us ({row['dense_source_timing']}), 4-loop x{row['four_loop_speedup']:.2f}")  # fmt: skip
+            dense_us = row["dense_flashinfer_ms"] * 1e3
+            correction_us = row["sparse_correction_ms"] * 1e3
+            source_us = row["dense_source_ms"] * 1e3
+            log(
+                f"  sparse ctx={ctx} conc={conc}: dense {dense_us:.1f} us, correction "
+                f"{correction_us:.1f} us (x{row['sparse_correction_speedup']:.2f}), source "
+                f"{source_us:.1f} us ({row['dense_source_timing']}), "
+                f"4-loop x{row['four_loop_speedup']:.2f}"
+            )
             torch.cuda.empty_cache()
-    return {"kind": "sparse_decode_per_layer", "environment": environment_record(),
-            "ratio": key_retention,
-            "shapes": {"heads": 16, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
-            "method": "CUDA-graph replay medians (30 x 10 calls); states from the selected dense_source",
-            "config_digest": resolve(config, "flashloop", request, registry).digest(), "cases": cases}  # fmt: skip
+    return {
+        "kind": "sparse_decode_per_layer",
+        "environment": environment_record(),
+        "ratio": key_retention,
+        "shapes": {"heads": 16, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"},
+        "method": "CUDA-graph replay medians (30 x 10 calls); states from the selected "
+        "dense_source",
+        "config_digest": resolve(config, "flashloop", request, registry).digest(),
+        "cases": cases,
+    }
