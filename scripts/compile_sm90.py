@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the package for sm_90 (H100/H200) on a machine
 without a GPU: the interpreter does not catch what only the GPU front end rejects (a
-reshape shape built from a tensor once kept a design from compiling there). Prints one
-line per variant; exits 1 if any fails.
+reshape shape built from a tensor, for one). Prints one line per variant; exits 1 if any
+fails.
 
     python3 scripts/compile_sm90.py
 """
@@ -21,14 +21,35 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 # pointer types of the packed-KV kernels' arguments (others default to *fp32)
-STORE = {"kc_ptr": "*u8", "vc_ptr": "*u8", "kmin_ptr": "*fp16", "kscale_ptr": "*fp16",
-         "vmin_ptr": "*fp16", "vscale_ptr": "*fp16", "level_tables_ptr": "*i32",
-         "level_maps_ptr": "*i32", "level_kinds_ptr": "*i32", "packed_ptr": "*i32",
-         "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lengths_ptr": "*i32",
-         "q_ptr": "*bf16", "positions_ptr": "*i32", "out_k_ptr": "*bf16", "out_v_ptr": "*bf16",
-         "selected_ptr": "*u8"}  # fmt: skip
-SELECTED = {**STORE, "idx_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
-            "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}  # fmt: skip
+STORE = {
+    "kc_ptr": "*u8",
+    "vc_ptr": "*u8",
+    "kmin_ptr": "*fp16",
+    "kscale_ptr": "*fp16",
+    "vmin_ptr": "*fp16",
+    "vscale_ptr": "*fp16",
+    "level_tables_ptr": "*i32",
+    "level_maps_ptr": "*i32",
+    "level_kinds_ptr": "*i32",
+    "packed_ptr": "*i32",
+    "k_ptr": "*bf16",
+    "v_ptr": "*bf16",
+    "tables_ptr": "*i32",
+    "lengths_ptr": "*i32",
+    "q_ptr": "*bf16",
+    "positions_ptr": "*i32",
+    "out_k_ptr": "*bf16",
+    "out_v_ptr": "*bf16",
+    "selected_ptr": "*u8",
+}
+SELECTED = {
+    **STORE,
+    "idx_ptr": "*i32",
+    "lse_ptr": "*fp32",
+    "part_out_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+}
 
 
 def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> dict:
@@ -75,10 +96,25 @@ def main() -> int:
         if levels == 4:  # the streamed loop 3-4 correction (selected positions only)
             variants.append((False, True, registered))
         for logits, selected, rows in variants:
-            shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                         STORE_LOGITS=logits, ROWS=rows, SELECTED=selected)  # fmt: skip
-            ok &= _compile(f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} ROWS={rows}",
-                           packed_decode_split_kernel, STORE, {"scale"}, shape, warps_for(DEFAULT_TUNING, levels))  # fmt: skip
+            shape = dict(
+                GROUP_Q=1,
+                HEAD_DIM=128,
+                GROUP=64,
+                BLOCK_SIZE=16,
+                LEVELS=levels,
+                STORE_LOGITS=logits,
+                ROWS=rows,
+                SELECTED=selected,
+            )
+            ok &= _compile(
+                f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} "
+                f"ROWS={rows}",
+                packed_decode_split_kernel,
+                STORE,
+                {"scale"},
+                shape,
+                warps_for(DEFAULT_TUNING, levels),
+            )
     for levels in (1, 4):
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)
         ok &= _compile(
@@ -87,19 +123,55 @@ def main() -> int:
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
     from flashloop_backend.kernels.triton.packed_sparse import BLOCK_N, SELECTED_WARPS
 
-    # the registered launch at one and four levels, and the earlier 32 x 4 one
-    for levels, block_n, warps in ((1, BLOCK_N, SELECTED_WARPS), (4, BLOCK_N, SELECTED_WARPS), (4, 32, 4)):  # fmt: skip
+    # the registered launch at one and four levels, and the 32 x 4 one bench packed times
+    for levels, block_n, warps in (
+        (1, BLOCK_N, SELECTED_WARPS),
+        (4, BLOCK_N, SELECTED_WARPS),
+        (4, 32, 4),
+    ):
         for from_logits in (False, True):
-            shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                         BLOCK_N=block_n, FROM_LOGITS=from_logits)  # fmt: skip
-            ok &= _compile(f"packed_selected LEVELS={levels} BLOCK_N={block_n} warps={warps} FROM_LOGITS={from_logits}",
-                           packed_selected_split_kernel, SELECTED, {"scale"}, shape, warps)  # fmt: skip
-    select = {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32", "v_ptr": "*bf16",
-              "tables_ptr": "*i32", "output_ptr": "*fp32", "out_ptr": "*bf16", "idx_ptr": "*i32",
-              "mass_ptr": "*fp32", "contrib_ptr": "*fp32", "scratch_ptr": "*i32"}  # fmt: skip
+            shape = dict(
+                GROUP_Q=1,
+                HEAD_DIM=128,
+                GROUP=64,
+                BLOCK_SIZE=16,
+                LEVELS=levels,
+                BLOCK_N=block_n,
+                FROM_LOGITS=from_logits,
+            )
+            ok &= _compile(
+                f"packed_selected LEVELS={levels} BLOCK_N={block_n} warps={warps} "
+                f"FROM_LOGITS={from_logits}",
+                packed_selected_split_kernel,
+                SELECTED,
+                {"scale"},
+                shape,
+                warps,
+            )
+    select = {
+        "logits_ptr": "*fp32",
+        "lse_ptr": "*fp32",
+        "lengths_ptr": "*i32",
+        "v_ptr": "*bf16",
+        "tables_ptr": "*i32",
+        "output_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "idx_ptr": "*i32",
+        "mass_ptr": "*fp32",
+        "contrib_ptr": "*fp32",
+        "scratch_ptr": "*i32",
+    }
     for contribute in (True, False):
-        shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, RADIX_BITS=8, SAMPLE=4096,
-                     CANDIDATES=4096, CONTRIBUTE=contribute)  # fmt: skip
+        shape = dict(
+            GROUP=1,
+            HEAD_DIM=128,
+            BLOCK_SIZE=16,
+            BLOCK=1024,
+            RADIX_BITS=8,
+            SAMPLE=4096,
+            CANDIDATES=4096,
+            CONTRIBUTE=contribute,
+        )
         ok &= _compile(
             f"select_statistics CONTRIBUTE={contribute}",
             select_statistics_kernel,
@@ -110,29 +182,98 @@ def main() -> int:
         )
     ok &= _split_selection()
     ok &= _dense_kernels()
+    ok &= _layer_kernels()
     return 0 if ok else 1
 
 
+def _layer_kernels() -> bool:
+    """The model's fused per-layer kernels at Ouro-1.4B shapes (hidden 2048, 16 + 16 heads
+    of 128, intermediate 5632), bf16 activations."""
+    from flashloop_backend.host.layer_ops_jit import (
+        add_rmsnorm_kernel,
+        kv_write_kernel,
+        rope_qk_kernel,
+        silu_mul_kernel,
+    )
+
+    bf16 = {
+        name: "*bf16"
+        for name in (
+            "h_ptr",
+            "x_ptr",
+            "x_weight_ptr",
+            "next_weight_ptr",
+            "h_out_ptr",
+            "y_ptr",
+            "qkv_ptr",
+            "q_ptr",
+            "k_ptr",
+            "v_ptr",
+            "gate_up_ptr",
+            "out_ptr",
+            "key_cache_ptr",
+            "value_cache_ptr",
+        )
+    }
+    pointers = {**bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
+    ok = True
+    for has_x in (True, False):
+        ok &= _compile(
+            f"add_rmsnorm HAS_X={has_x}",
+            add_rmsnorm_kernel,
+            pointers,
+            {"eps"},
+            dict(HAS_X=has_x, BLOCK=2048),
+            4,
+        )
+    rope = dict(Q_HEADS=16, KV_HEADS=16, HEAD_DIM=128)
+    ok &= _compile("rope_qk", rope_qk_kernel, pointers, set(), rope, 4)
+    ok &= _compile("silu_mul", silu_mul_kernel, pointers, set(), dict(BLOCK=1024), 4)
+    ok &= _compile("kv_write", kv_write_kernel, pointers, set(), dict(WIDTH=2048), 4)
+    return ok
+
+
 def _split_selection() -> bool:
-    """The split selection's digit (first and last), count and compact kernels."""
-    from flashloop_backend.kernels.triton.select_split_jit import (
+    """The split selection's digit (first and last), count and compact kernels (a baseline
+    ``bench sparse`` times, ``tools/bench/baselines.py``)."""
+    from flashloop_backend.tools.bench.baselines import (
         select_compact_kernel,
         select_count_kernel,
         select_digit_kernel,
     )
 
-    pointers = {"lengths_ptr": "*i32", "hist_ptr": "*i32", "counts_ptr": "*i32", "idx_ptr": "*i32",
-                "v_ptr": "*bf16", "tables_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
+    pointers = {
+        "lengths_ptr": "*i32",
+        "hist_ptr": "*i32",
+        "counts_ptr": "*i32",
+        "idx_ptr": "*i32",
+        "v_ptr": "*bf16",
+        "tables_ptr": "*i32",
+        "out_ptr": "*bf16",
+    }
     ok = True
     for level in (0, 3):
-        ok &= _compile(f"select_digit LEVEL={level}", select_digit_kernel, pointers, set(),
-                       dict(LEVEL=level, BLOCK=1024), 4)  # fmt: skip
+        ok &= _compile(
+            f"select_digit LEVEL={level}",
+            select_digit_kernel,
+            pointers,
+            set(),
+            dict(LEVEL=level, BLOCK=1024),
+            4,
+        )
     ok &= _compile("select_count", select_count_kernel, pointers, set(), dict(BLOCK=1024), 4)
     for contribute in (False, True):
-        shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, SPLITS_PAD=64,
-                     CONTRIBUTE=contribute)  # fmt: skip
-        ok &= _compile(f"select_compact CONTRIBUTE={contribute}", select_compact_kernel,
-                       pointers, set(), shape, 4)  # fmt: skip
+        shape = dict(
+            GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, SPLITS_PAD=64, CONTRIBUTE=contribute
+        )
+        ok &= _compile(
+            f"select_compact CONTRIBUTE={contribute}",
+            select_compact_kernel,
+            pointers,
+            set(),
+            shape,
+            4,
+        )
     return ok
 
 
@@ -147,12 +288,28 @@ def _dense_kernels() -> bool:
     from flashloop_backend.kernels.triton.sparse_decode_jit import sparse_correction_split_kernel
     from flashloop_backend.kernels.triton.sparse_prefill_jit import sparse_prefill_kernel
 
-    paged = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32",
-             "lengths_ptr": "*i32", "idx_ptr": "*i32", "tile_start_ptr": "*i32", "num_tiles_ptr": "*i32"}  # fmt: skip
+    paged = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "v_ptr": "*bf16",
+        "tables_ptr": "*i32",
+        "lengths_ptr": "*i32",
+        "idx_ptr": "*i32",
+        "tile_start_ptr": "*i32",
+        "num_tiles_ptr": "*i32",
+    }
     ok = True
     for logits in (False, True):
-        shape = dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGES=4, USE_DOT=True,
-                     DOT_PRECISION="tf32", STORE_LOGITS=logits)  # fmt: skip
+        shape = dict(
+            GROUP=1,
+            GROUP_PAD=16,
+            HEAD_DIM=128,
+            BLOCK_SIZE=16,
+            PAGES=4,
+            USE_DOT=True,
+            DOT_PRECISION="tf32",
+            STORE_LOGITS=logits,
+        )
         ok &= _compile(
             f"paged_attention STORE_LOGITS={logits}",
             paged_attention_split_kernel,

@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashloop_backend.host.config import OuroConfig  # noqa: E402
+from flashloop_backend.host.layer_ops import rope_reference  # noqa: E402
 from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
 from flashloop_backend.host.model import (  # noqa: E402
     OuroModel,
-    apply_rope,
     exit_distribution,
     rope_cos_sin,
 )
@@ -116,7 +116,7 @@ def analyse(model: OuroModel, tokens: torch.Tensor) -> dict:
         for layer in model.model.layers:
             x = layer.input_layernorm(h)
             k = layer.self_attn.k_proj(x).view(*x.shape[:2], cfg.num_key_value_heads, cfg.head_dim)
-            k_loop.append(apply_rope(k, cos, sin).float())
+            k_loop.append(rope_reference(k, cos, sin).float())
             v_loop.append(layer.self_attn.v_proj(x).float())
             # advance h through the layer exactly as full_forward does
             q, kk, vv = layer.self_attn.qkv(x, cos, sin)

@@ -55,9 +55,13 @@ def test_graph_variant_names():
 
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
-    [({"max_batch_tokens": 0}, "max_batch_tokens=0 must be >= 1"),
-     ({"warmup_context": -1}, "warmup_context=-1 must be >= 1")],
-)  # fmt: skip
+    [
+        ({"max_batch_tokens": 0}, "max_batch_tokens=0 must be >= 1"),
+        ({"warmup_context": -1}, "warmup_context=-1 must be >= 1"),
+        ({"layer_ops": ("fused", "fast")}, "each must be 'fused' or 'reference'"),
+        ({"layer_ops": ()}, "each must be 'fused' or 'reference'"),
+    ],
+)
 def test_end_to_end_rejects_bad_step_sizes_before_touching_the_gpu(kwargs, fragment):
     from flashloop_backend.config import ConfigError
     from flashloop_backend.tools.bench.e2e import bench_end_to_end

@@ -271,6 +271,7 @@ def _bench(args: argparse.Namespace) -> int:
                     config=config,
                     max_batch_tokens=args.max_batch_tokens,
                     warmup_context=args.warmup_context,
+                    layer_ops=tuple(v for v in args.layer_ops.split(",") if v),
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -358,6 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="e2e: tokens per host step (default: one 2048-token prefill chunk per request)",
+    )
+    bench.add_argument(
+        "--layer-ops",
+        default="fused",
+        help="e2e: the model's per-layer work, comma-separated: fused (one QKV and one gate-up "
+        "GEMM, fused norm/RoPE/SiLU/KV-write kernels) and/or reference (separate projections, "
+        "torch ops), each timed beside the other",
     )
     bench.add_argument(
         "--warmup-context",

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashloop_backend.host.layer_ops import write_kv
+
 
 class OutOfBlocksError(RuntimeError):
     """The pool cannot hold a request; nothing was allocated and no KV was touched."""
@@ -163,16 +165,8 @@ class PagedKVCache:
     # ------------------------------------------------------------ writes
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [R, Hkv, D] at flat slots [R] (int64, -1 = skip) of one layer."""
-        trash = self.num_blocks * self.block_size
-        slots = torch.where(
-            slots >= 0,
-            slots,
-            trash + torch.arange(slots.shape[0], device=slots.device) % self.block_size,
-        )
         key_view, value_view = self.layer_views(layer)
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        key_view[blocks, offsets] = k.to(key_view.dtype)
-        value_view[blocks, offsets] = v.to(value_view.dtype)
+        write_kv(key_view, value_view, slots, k, v, scratch=self.num_blocks * self.block_size)
 
     def finalize_exit(self, request_id: int, position: int, exit_depth: int) -> None:
         """Copy-on-exit: planes deeper than ``exit_depth`` take that plane's K/V (all layers)."""

@@ -126,7 +126,9 @@ def load_model(
         model = OuroModel(cfg)
     state = {k: v.to(dtype) for k, v in weights.items() if k in expected_shapes(cfg)}
     model.load_state_dict(state, assign=True)
-    return model.to(device=device).eval()
+    model = model.to(device=device).eval()
+    model.fuse_projections()
+    return model
 
 
 def save_checkpoint(

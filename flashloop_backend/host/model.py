@@ -15,6 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashloop_backend.host.config import OuroConfig
+from flashloop_backend.host.layer_ops import (
+    add_rms_norm,
+    rms_norm_reference,
+    rope_qk,
+    rope_reference,
+    silu_mul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -42,14 +46,6 @@ def rope_cos_sin(
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., H, D] rotated by cos/sin [..., D] (broadcast over heads), computed in FP32."""
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: OuroConfig) -> None:
         super().__init__()
@@ -62,14 +58,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # [q; k; v] weights (``fuse_projections``); a buffer so ``.to()`` moves it
+        self.register_buffer("fused", None, persistent=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., hidden] -> post-RoPE q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]."""
+        if self.fused is not None and x.dim() == 2:  # one GEMM, one RoPE launch for q and k
+            qkv = F.linear(x, self.fused)
+            return rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -78,9 +79,25 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # [gate; up] weights (``fuse_projections``); a buffer so ``.to()`` moves it
+        self.register_buffer("fused", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:  # one GEMM, one SiLU x up launch
+            return self.down_proj(silu_mul(F.linear(x, self.fused)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
+    """One weight [sum of outputs, in] holding ``linears``' weights, which become views of
+    it: the fused GEMM and the checkpoint's names share one copy of the bytes."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -122,8 +139,20 @@ class OuroModel(nn.Module):
     def __init__(self, cfg: OuroConfig) -> None:
         super().__init__()
         self.config = cfg
+        # fused projections and the layer kernels (on CUDA); False: the reference path
+        self.fused = False
         self.model = OuroBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights for inference: one GEMM each,
+        the checkpoint's parameters viewing the fused weights (no second copy). Call it
+        after moving the model to its device and dtype."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.fused = True
 
     # ------------------------------------------------------------ stage operations
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -134,14 +163,25 @@ class OuroModel(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """One loop over every layer, then the end-of-loop norm: [R, hidden] -> [R, hidden]."""
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        h = hidden
-        for index, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
+        cfg = self.config
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        layers, eps = self.model.layers, cfg.rms_norm_eps
+        # the sandwich norms fused pairwise: each residual add with the norm of what is
+        # added and the norm the next block reads (the next layer's, or the loop's last)
+        kernels = None if self.fused else False  # unfused: the reference ops everywhere
+        h, x = add_rms_norm(hidden, None, None, layers[0].input_layernorm.weight, eps, kernels)
+        for index, layer in enumerate(layers):
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
             attn = ctx.attend(index, q, k, v)
             attn = layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-            h = layer.mlp_block(h + layer.input_layernorm_2(attn))
-        return self.model.norm(h)
+            norm_2, post = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
+            h, x = add_rms_norm(h, attn, norm_2, post, eps, kernels)
+            last = index + 1 == len(layers)
+            after = self.model.norm if last else layers[index + 1].input_layernorm
+            h, x = add_rms_norm(
+                h, layer.mlp(x), layer.post_attention_layernorm_2.weight, after.weight, eps, kernels
+            )
+        return x
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [R, hidden] -> logits [R, vocab] (FP32)."""

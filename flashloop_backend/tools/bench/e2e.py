@@ -60,9 +60,10 @@ def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
     return ids, first, done, time.perf_counter() - start
 
 
-def random_ouro(layers: int | None, block_size: int):
+def random_ouro(layers: int | None, block_size: int, fused: bool = True):
     """Ouro-1.4B shapes with random bf16 weights on the GPU (no download), and the
-    matching support request."""
+    matching support request. ``fused``: one QKV and one gate-up GEMM per layer and the
+    fused layer kernels (False: separate projections and the torch reference ops)."""
     from flashloop_backend.host.model import OuroModel
 
     device = require_cuda()
@@ -72,6 +73,8 @@ def random_ouro(layers: int | None, block_size: int):
         model = OuroModel(cfg).to(torch.bfloat16).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    if fused:
+        model.fuse_projections()
     request = SupportRequest(
         device="cuda",
         dtype=torch.bfloat16,
@@ -109,6 +112,7 @@ def bench_end_to_end(
     config: FlashLoopConfig | None = None,
     max_batch_tokens: int | None = None,
     warmup_context: int | None = None,
+    layer_ops: tuple[str, ...] = ("fused",),
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -119,7 +123,11 @@ def bench_end_to_end(
     per request: every prompt prefills in the same steps, so decode starts in lockstep and
     TPOT is the decode of ``concurrency`` rows, not decode interleaved with other prefills.
     The untimed warm-up pass uses ``warmup_context``-token prompts (default: ``context``):
-    it compiles kernels and captures graphs, whose shapes do not depend on prompt length."""
+    it compiles kernels and captures graphs, whose shapes do not depend on prompt length.
+    ``layer_ops``: the model's per-layer work, ``fused`` (one QKV and one gate-up GEMM, the
+    fused norm, RoPE, SiLU and KV-write kernels) and/or ``reference`` (separate projections,
+    torch ops), each on its own copy of the same weights; a reference run's results are
+    named ``<backend> [reference layers]``."""
     from flashloop_backend.host.engine import Engine
 
     for name, value in (("max_batch_tokens", max_batch_tokens), ("warmup_context", warmup_context)):
@@ -127,7 +135,11 @@ def bench_end_to_end(
             raise ConfigError(f"{name}={value} must be >= 1 (or left unset for the default)")
     max_batch_tokens = max_batch_tokens or concurrency * prefill_chunk
 
-    model, request = random_ouro(layers, block_size)
+    unknown = [v for v in layer_ops if v not in ("fused", "reference")]
+    if not layer_ops or unknown:
+        raise ConfigError(f"layer_ops {list(layer_ops)}: each must be 'fused' or 'reference'")
+    models = {v: random_ouro(layers, block_size, fused=v == "fused") for v in layer_ops}
+    model, request = models[layer_ops[0]]
     cfg = model.config
     registry = Registry.discover()
     tokens_per_request = context + new_tokens
@@ -135,8 +147,11 @@ def bench_end_to_end(
     prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     warm_prompts = [p[: warmup_context or context] for p in prompts]
     results = {}
-    for name in backends:
-        base, graphs = graph_variant(name, concurrency, tokens_per_request)
+    runs = [(variant, name) for variant in layer_ops for name in backends]
+    for variant, entry in runs:
+        model = models[variant][0]
+        name = entry if variant == "fused" else f"{entry} [reference layers]"
+        base, graphs = graph_variant(entry, concurrency, tokens_per_request)
         effective = (config or FlashLoopConfig()) if base == "flashloop" else FlashLoopConfig()
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(base, wanted, effective)
@@ -163,7 +178,7 @@ def bench_end_to_end(
         ids, first, done, total = _timed_workload(engine, prompts, new_tokens, probe)
         ttft = [first[i] for i in ids]
         tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
-        baseline = results.get(backends[0])
+        baseline = next(iter(results.values()), None)
         speedup = baseline["prefill_latency_s"] / max(ttft) if baseline else 1.0
         results[name] = {
             "prefill_latency_s": max(ttft),
@@ -182,6 +197,7 @@ def bench_end_to_end(
             "graphs": engine.graphs.stats() if engine.graphs else None,
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": speedup,
+            "layer_ops": variant,
         }
         summary = results[name]
         log(
