@@ -138,3 +138,10 @@ def test_help_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("command", [["demo", "--no-compare"], ["generate", "--prompt", "x" * 40]])
+def test_a_pool_too_small_for_the_request_exits_2(command, capsys):
+    """Requests that need more than 4 KV blocks: refused with the counts, exit 2."""
+    assert _exit([*command, "--num-blocks", "4", "--max-new-tokens", "8"]) == EXIT_USAGE
+    assert "KV blocks" in capsys.readouterr().err

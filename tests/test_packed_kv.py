@@ -357,8 +357,8 @@ def test_backend_refuses_an_unplanned_packed_batch(rng):
 
 
 def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
-    """Prefill (and padding) rows pass None: the plan covers the decode rows only, in the
-    decode-first order the readers take, equal to those rows of a full plan."""
+    """The host lists the decode rows only: the plan covers them in the decode-first order
+    the readers take, equal to those rows of a full plan."""
     from flashloop_backend.backends.packed_state import PackedState
     from flashloop_backend.dispatch import BatchView, RowMode
     from flashloop_backend.kv.levels import level_metadata
@@ -371,13 +371,13 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
     rows = torch.zeros(4, dtype=torch.int64)
     view = BatchView(rows, rows, modes, rows, rows, rows, rows, rows.int() + 1,
                      torch.zeros(1, 4, 1, dtype=torch.int32), decode_bound=2)  # fmt: skip
-    state.plan(view, [None, 1, None, 0], [0, 2, 1, 3])
+    state.plan(view, [1, 0], [2, 3])
     meta = state.meta_for(view, torch.tensor([1, 3, 0, 2]))
     expected = level_metadata(store, [1, 0], [2, 3], "cpu")
     names = ("tables", "maps", "kinds", "packed_lengths")
     assert all(torch.equal(getattr(meta, n), getattr(expected, n)) for n in names)
-    with pytest.raises(ValueError, match="3 rows read packed KV but the batch has decode_bound=2"):
-        state.plan(view, [None, 1, 1, 0], [0, 2, 1, 3])
+    with pytest.raises(ValueError, match="plan got 3 rows but the batch has decode_bound=2"):
+        state.plan(view, [1, 1, 0], [2, 1, 3])
 
 
 @pytest.mark.parametrize(

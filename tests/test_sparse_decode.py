@@ -155,7 +155,10 @@ def test_error_paths(rng):
         incarnations=one, request_ids=one, window_ids=-one, context_lengths=torch.tensor([2], dtype=torch.int32),
         block_tables=torch.zeros(4, 1, 1, dtype=torch.int32),
     )  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"reserve_state\(...\) before the first forward"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"reserve\(EngineCapacity\) \(or reserve_state\) before the first forward",
+    ):
         backend.forward(
             torch.randn(1, 4, 16, generator=rng),
             torch.randn(2, 4, 2, 16),

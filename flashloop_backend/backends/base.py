@@ -157,9 +157,10 @@ class AttentionBackend(ABC):
         return None
 
     # ------------------------------------------------------------ steps
-    def plan(self, view: BatchView, request_ids: list[int | None], depths: list[int]) -> None:
+    def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
         """Host planning step of a batch after it is built: ``request_ids[i]`` and
-        ``depths[i]`` of row i (None: a prefill or padding row)."""
+        ``depths[i]`` of its i-th decode row, in batch order (the view's ``decode_bound``
+        rows; prefill and padding rows are not listed)."""
         return None
 
     # ------------------------------------------------------------ CUDA graphs

@@ -18,7 +18,7 @@ from flashloop_backend.backends.batch_plan import BatchPlan
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
-from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.config import ConfigError, FlashLoopConfig, UnservableError
 from flashloop_backend.dispatch import (
     ROUTE_CODES,
     BatchView,
@@ -157,7 +157,7 @@ class FlashLoopSpec(BackendSpec):
     ) -> FlashLoopBackend:
         choices, reasons = self._choose(request, config, registry)
         if reasons:
-            raise ValueError("flashloop cannot serve this request: " + "; ".join(reasons))
+            raise UnservableError("flashloop cannot serve this request: " + "; ".join(reasons))
         caps = self.capabilities(registry, config, registry.env, request.device)
         return FlashLoopBackend(config, choices, caps, info)
 
@@ -213,7 +213,8 @@ class FlashLoopBackend(AttentionBackend):
         c = capacity
         if self.config.enabled_features() and self.config.num_loops != c.loops:
             raise ConfigError(
-                f"num_loops={self.config.num_loops} differs from the model's loops ({c.loops})"
+                f"num_loops={self.config.num_loops} differs from the model's "
+                f"total_ut_steps={c.loops}"
             )
         self.reserve_state(
             c.max_slots, c.num_layers, c.num_heads, c.head_dim, c.max_context, c.device
@@ -292,7 +293,7 @@ class FlashLoopBackend(AttentionBackend):
             self.states.retire(slot)
 
     # ------------------------------------------------------------ steps and graphs
-    def plan(self, view: BatchView, request_ids: list[int | None], depths: list[int]) -> None:
+    def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
         """Which decode rows read which packed levels (KV quantization; see ``PackedState``)."""
         if self.packed is not None:
             self.packed.plan(view, request_ids, depths)
@@ -342,7 +343,9 @@ class FlashLoopBackend(AttentionBackend):
         """
         states = self.states
         if self.config.sparse_decode_attention.enabled and states is None:
-            raise RuntimeError("sparse decode needs reserve_state(...) before the first forward")
+            raise RuntimeError(
+                "sparse decode needs reserve(EngineCapacity) (or reserve_state) before the first forward"
+            )
         if self._plan is None or self._plan.view is not view:  # once per batch, not per layer
             self._plan = BatchPlan.of(view, self.config)
         plan = self._plan
@@ -395,7 +398,7 @@ class FlashLoopBackend(AttentionBackend):
             if op in PACKED_READ_OPS:
                 if meta is None:
                     raise RuntimeError(
-                        "KV quantization needs reserve_packed(...) before the first forward"
+                        "KV quantization needs reserve(EngineCapacity) (or reserve_packed) before the first forward"
                     )
                 inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
             result = choice.impl(inputs)

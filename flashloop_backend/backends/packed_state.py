@@ -145,25 +145,18 @@ class PackedState:
             self.pack_rows(sequence, kv, self.packed_rows(sequence) + self.group_size)
 
     # ------------------------------------------------------------ per-batch metadata
-    def plan(self, view: BatchView, sequences: list[int | None], depths: list[int]) -> None:
-        """Reader metadata for ``view`` (host planning step). ``sequences[i]`` None: row i
-        reads no packed KV (a prefill or padding row); rows of sequences not packed yet
-        read BF16 only. When some rows are None the others must be exactly the view's
-        ``decode_bound`` decode rows, which its stable decode-first order puts first: only
-        they get metadata, so a prefill chunk's thousands of rows cost nothing here."""
-        reading = [i for i, s in enumerate(sequences) if s is not None]
-        if len(reading) == len(sequences):
-            meta = level_metadata(self.store, sequences, depths, view.device)
-            self._planned, self._ordered = (view, meta), None
-            return
-        if view.decode_bound != len(reading):
+    def plan(self, view: BatchView, sequences: list[int], depths: list[int]) -> None:
+        """Reader metadata for ``view``'s decode rows (host planning step): ``sequences[i]``
+        and ``depths[i]`` of its i-th decode row, in batch order, which the stable
+        decode-first order keeps first; rows of sequences not packed yet read BF16 only.
+        Prefill and padding rows read no packed KV and cost nothing here."""
+        bound = view.num_rows if view.decode_bound is None else view.decode_bound
+        if len(sequences) != bound or len(depths) != bound:
             raise ValueError(
-                f"{len(reading)} rows read packed KV but the batch has decode_bound="
-                f"{view.decode_bound} decode rows: only decode rows may read it"
+                f"plan got {len(sequences)} rows but the batch has decode_bound={bound} decode "
+                "rows: only decode rows read packed KV, each planned once"
             )
-        meta = level_metadata(
-            self.store, [sequences[i] for i in reading], [depths[i] for i in reading], view.device
-        )
+        meta = level_metadata(self.store, sequences, depths, view.device)
         self._planned, self._ordered = (view, meta), meta  # already the decode-first order
 
     def meta_for(self, view: BatchView, order: torch.Tensor) -> LevelMetadata:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from flashloop_backend.config import ConfigError, UnservableError
 from flashloop_backend.host.embedded import embedded_model_path
-from flashloop_backend.host.progress import ProgressBar
+from flashloop_backend.host.progress import StageBars
 
 DEMO_PROMPTS = (
     "def fibonacci(n):\n",
@@ -93,20 +93,11 @@ def _load(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace, log):
-    from flashloop_backend.capabilities import SupportRequest
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
 
-    device, dtype, config, model, tokenizer = _load(args)
-    cfg = model.config
-    request = SupportRequest(
-        device=device,
-        dtype=dtype,
-        head_dim=cfg.head_dim,
-        block_size=args.block_size,
-        num_q_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-    )
+    _, _, config, model, tokenizer = _load(args)
+    request = model.support_request(args.block_size)
     registry = Registry.discover()
     selection = registry.select_backend(args.backend, request, config)
     try:
@@ -236,7 +227,7 @@ def _eval(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
-    with _StageBars() as bars:
+    with StageBars("eval") as bars:
         try:
             report = evaluate(
                 model,
@@ -274,25 +265,6 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-class _StageBars:
-    """One progress bar per evaluation stage, made when the stage first reports."""
-
-    def __init__(self) -> None:
-        self.bars: dict[str, ProgressBar] = {}
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        if stage not in self.bars:
-            self.bars[stage] = ProgressBar(f"eval {stage}", total, "tokens", rate_unit="tokens")
-        self.bars[stage].update(done, rate_count=done)
-
-    def __enter__(self) -> _StageBars:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for bar in self.bars.values():
-            bar.close()
-
-
 def _passkey_mean(cells: dict[str, float]) -> float:
     return sum(cells.values()) / max(1, len(cells))
 
@@ -309,7 +281,7 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     records, dense_cache = [], {}
     for i, (features, combo) in enumerate(combos, 1):
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
-        with _StageBars() as bars:
+        with StageBars("eval") as bars:
             try:
                 report = evaluate(
                     model,

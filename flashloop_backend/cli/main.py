@@ -399,6 +399,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (RuntimeError, MemoryError) as exc:
+        # a request larger than the pools: a bad value, like a config's (loaded only here,
+        # where an error already happened: these modules need torch)
+        from flashloop_backend.host.kvcache import OutOfBlocksError
+        from flashloop_backend.kv.store import OutOfPackedPagesError
+
+        if not isinstance(exc, OutOfBlocksError | OutOfPackedPagesError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # output piped into a closed reader (e.g. `| head`)
         return 0
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import random
 import time
 
-from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.host.generation import generate_with_progress
-from flashloop_backend.host.progress import ProgressBar
+from flashloop_backend.host.progress import StageBars
 from flashloop_backend.registry import Registry
 from flashloop_backend.tools.evaluation import EvalSettings, evaluate, heldout_text
 
@@ -56,16 +55,8 @@ def measure(
     """Generate ``new_tokens`` per prompt (EOS ignored, so both sides do the same work)
     after an untimed warm-up request; tokens/s of the timed run and the most KV bytes per
     held token at any step (BF16 or FP32 blocks in use plus the packed store's pages)."""
-    cfg = model.config
-    param = next(model.parameters())
-    request = SupportRequest(
-        device=param.device.type,
-        dtype=param.dtype,
-        head_dim=cfg.head_dim,
-        block_size=block_size,
-        num_q_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-    )
+    next(model.parameters())
+    request = model.support_request(block_size)
     backend = Registry.discover().create("flashloop", request, config)
     engine = Engine(
         model,
@@ -104,21 +95,17 @@ def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
     for name, config in (("dense", FlashLoopConfig()), ("all on", ALL_ON)):
         rows[name] = measure(model, prompts, config, block_size, TABLE_NEW_TOKENS, f"table: {name}")
     text, _ = heldout_text()
-    bars: dict[str, ProgressBar] = {}
-
-    def progress(stage: str, done: int, total: int) -> None:
-        bars.setdefault(stage, ProgressBar(f"quality {stage}", total, "tokens")).update(done)
-
-    quality = evaluate(
-        model,
-        tokenizer,
-        text,
-        ALL_ON,
-        backend="flashloop",
-        settings=QUICK_EVAL,
-        block_size=block_size,
-        progress=progress,
-    )
+    with StageBars("quality") as bars:
+        quality = evaluate(
+            model,
+            tokenizer,
+            text,
+            ALL_ON,
+            backend="flashloop",
+            settings=QUICK_EVAL,
+            block_size=block_size,
+            progress=bars.update,
+        )
     dense, flash = rows["dense"], rows["all on"]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     log("\n| | dense | FlashLoop, all on | ratio |")

@@ -36,11 +36,13 @@ from flashloop_backend.host.sampling import choose_tokens, finish_reason
 class _LayerAttention:
     """The model's attention context for one traversal: KV write, then backend attention."""
 
-    def __init__(self, kv: PagedKVCache, backend: AttentionBackend, batch: Batch) -> None:
-        self.kv, self.backend, self.batch = kv, backend, batch
+    def __init__(
+        self, kv: PagedKVCache, backend: AttentionBackend, batch: Batch, kernels: bool | None
+    ) -> None:
+        self.kv, self.backend, self.batch, self.kernels = kv, backend, batch, kernels
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.kv.write(layer, self.batch.slots, k, v)
+        self.kv.write(layer, self.batch.slots, k, v, use_triton=self.kernels)
         key_view, value_view = self.kv.layer_views(layer)
         return self.backend.forward(q, key_view, value_view, self.batch.view, layer=layer)
 
@@ -104,7 +106,7 @@ class Engine:
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
-        self.sparsity = token_sparsity(backend, cfg, prefill_chunk)
+        self.sparsity = token_sparsity(backend, prefill_chunk)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         backend.reserve(
@@ -233,13 +235,8 @@ class Engine:
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
         # host planning: which decode rows read which of the backend's own KV
-        owners = [
-            None if g.mode == RowMode.PREFILL else g.request_id
-            for g in groups
-            for _ in range(g.count)
-        ]
-        depths = [g.depth for g in groups for _ in range(g.count)]
-        self.backend.plan(batch.view, owners + [None] * pad, depths + [0] * pad)
+        decode = [g for g in groups if g.mode != RowMode.PREFILL]
+        self.backend.plan(batch.view, [g.request_id for g in decode], [g.depth for g in decode])
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         with torch.no_grad():
@@ -250,7 +247,7 @@ class Engine:
 
     def _traverse(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One loop over every layer for the batch's rows: [R, hidden] -> [R, hidden]."""
-        ctx = _LayerAttention(self.kv, self.backend, batch)
+        ctx = _LayerAttention(self.kv, self.backend, batch, self.model.layer_kernels)
         return self.model.recurrent(hidden, batch.view.positions, ctx)
 
     def _admit(self) -> None:
@@ -320,11 +317,10 @@ class Engine:
                 if r.chunk_start == len(r.schedule.positions):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0
-                    if r.depth == loops and self.on_prompt_done is not None:
-                        self.on_prompt_done(self, r)
-                    if r.depth == loops:
-                        self.backend.prompt_done(r.id, self._request_kv(r))
                     if r.depth == loops:  # prompt done: its last token predicts the first output
+                        if self.on_prompt_done is not None:
+                            self.on_prompt_done(self, r)
+                        self.backend.prompt_done(r.id, self._request_kv(r))
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         emits.append((r, last))
                 continue

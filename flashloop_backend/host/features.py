@@ -13,18 +13,13 @@ from flashloop_backend.host.requests import Request
 
 
 def token_sparsity(
-    backend: AttentionBackend, cfg, prefill_chunk: int
+    backend: AttentionBackend, prefill_chunk: int
 ) -> TokenSparsePrefillConfig | None:
     """The backend's token-sparse prefill settings, checked against the engine's geometry."""
     config = backend.config
     if not config.token_sparse_prefill.enabled:
         return None
-    sparsity = config.token_sparse_prefill
-    if config.num_loops != cfg.total_ut_steps:
-        raise ConfigError(
-            f"num_loops={config.num_loops} differs from the model's "
-            f"total_ut_steps={cfg.total_ut_steps}"
-        )
+    sparsity = config.token_sparse_prefill  # num_loops vs the model: the backend's reserve
     if prefill_chunk % sparsity.window_size:
         raise ConfigError(
             f"prefill_chunk={prefill_chunk} must hold whole selection windows: make it a "

@@ -163,10 +163,19 @@ class PagedKVCache:
         return self.key_pool[:, layer], self.value_pool[:, layer]
 
     # ------------------------------------------------------------ writes
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [R, Hkv, D] at flat slots [R] (int64, -1 = skip) of one layer."""
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        use_triton: bool | None = None,
+    ) -> None:
+        """Store k/v [R, Hkv, D] at flat slots [R] (int64, -1 = skip) of one layer
+        (``use_triton`` as :func:`~flashloop_backend.host.layer_ops.write_kv`'s)."""
         key_view, value_view = self.layer_views(layer)
-        write_kv(key_view, value_view, slots, k, v, scratch=self.num_blocks * self.block_size)
+        scratch = self.num_blocks * self.block_size
+        write_kv(key_view, value_view, slots, k, v, scratch, use_triton)
 
     def finalize_exit(self, request_id: int, position: int, exit_depth: int) -> None:
         """Copy-on-exit: planes deeper than ``exit_depth`` take that plane's K/V (all layers)."""

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashloop_backend.kernels.triton.paged_decode import next_pow2
+
 
 def _triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     return x.is_cuda if use_triton is None else use_triton
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,7 +62,7 @@ def add_rms_norm(
             y.stride(0),
             eps,
             HAS_X=x is not None,
-            BLOCK=_next_pow2(hidden),
+            BLOCK=next_pow2(hidden),
         )
     return out, y
 
@@ -84,7 +82,8 @@ def rope_qk(
     q, k, v = qkv.view(rows, q_heads + 2 * kv_heads, head_dim).split(
         (q_heads, kv_heads, kv_heads), dim=1
     )
-    if not _triton(qkv, use_triton):
+    # the kernel spans a head with one power-of-two range; other widths take the reference
+    if not _triton(qkv, use_triton) or head_dim & (head_dim - 1):
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin), v
     from flashloop_backend.host.layer_ops_jit import rope_qk_kernel
 
@@ -127,7 +126,7 @@ def silu_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Ten
 
     rows = gate_up.shape[0]
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _next_pow2(inter))
+    block = min(1024, next_pow2(inter))
     if rows:
         silu_mul_kernel[(rows, -(-inter // block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block
@@ -177,5 +176,5 @@ def write_kv(
             key_view.stride(1),
             block_size,
             width,
-            WIDTH=_next_pow2(width),
+            WIDTH=next_pow2(width),
         )

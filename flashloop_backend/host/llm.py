@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from flashloop_backend.backends.base import AttentionBackend
-from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.host.embedded import embedded_model_path
 from flashloop_backend.host.engine import Engine
@@ -48,22 +47,11 @@ class LLM:
         path = Path(model) if model is not None else embedded_model_path()
         self.model = load_model(path, device, dtype)
         self.tokenizer = load_tokenizer(path)
-        cfg = self.model.config
-        self.request = SupportRequest(
-            device=device,
-            dtype=dtype,
-            head_dim=cfg.head_dim,
-            block_size=block_size,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
+        self.request = self.model.support_request(block_size)
+        self.backend: AttentionBackend = Registry.discover().create(
+            backend, self.request, config or FlashLoopConfig()
         )
-        registry = Registry.discover()
-        config = config or FlashLoopConfig()
-        selection = registry.select_backend(backend, self.request, config)
-        self.selection: SelectionInfo = selection.info
-        self.backend: AttentionBackend = selection.spec.create(
-            self.request, config, registry, selection.info
-        )
+        self.selection: SelectionInfo = self.backend.info
         self.engine = Engine(
             self.model,
             self.backend,

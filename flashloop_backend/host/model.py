@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host.config import OuroConfig
 from flashloop_backend.host.layer_ops import (
     add_rms_norm,
@@ -154,6 +155,25 @@ class OuroModel(nn.Module):
             mlp.fused = _fuse([mlp.gate_proj, mlp.up_proj])
         self.fused = True
 
+    def support_request(self, block_size: int = 16) -> SupportRequest:
+        """What this model asks of an attention backend: its attention shapes, its device
+        and dtype, and the KV cache's ``block_size``."""
+        param, cfg = next(self.parameters()), self.config
+        return SupportRequest(
+            device=param.device.type,
+            dtype=param.dtype,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            num_q_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+        )
+
+    @property
+    def layer_kernels(self) -> bool | None:
+        """``use_triton`` of the per-layer ops (``layer_ops``) and the KV write: None (the
+        kernels on CUDA) once fused, False (the torch references) before."""
+        return None if self.fused else False
+
     # ------------------------------------------------------------ stage operations
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids [R] -> hidden [R, hidden]."""
@@ -168,7 +188,7 @@ class OuroModel(nn.Module):
         layers, eps = self.model.layers, cfg.rms_norm_eps
         # the sandwich norms fused pairwise: each residual add with the norm of what is
         # added and the norm the next block reads (the next layer's, or the loop's last)
-        kernels = None if self.fused else False  # unfused: the reference ops everywhere
+        kernels = self.layer_kernels
         h, x = add_rms_norm(hidden, None, None, layers[0].input_layernorm.weight, eps, kernels)
         for index, layer in enumerate(layers):
             q, k, v = layer.self_attn.qkv(x, cos, sin)

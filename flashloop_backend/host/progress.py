@@ -84,3 +84,26 @@ class ProgressBar:
             self.stream.write("\n")
             self.stream.flush()
         self._closed = True
+
+
+class StageBars:
+    """One bar per stage of a long job (``progress(stage, done, total)`` callbacks, e.g.
+    an evaluation's), made when the stage first reports and closed on exit."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bars: dict[str, ProgressBar] = {}
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.bars:
+            self.bars[stage] = ProgressBar(
+                f"{self.label} {stage}", total, "tokens", rate_unit="tokens"
+            )
+        self.bars[stage].update(done, rate_count=done)
+
+    def __enter__(self) -> StageBars:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for bar in self.bars.values():
+            bar.close()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.host.model import OuroModel
@@ -86,23 +85,10 @@ class EvalSettings:
             raise ConfigError(f"text has {text_tokens} tokens; one window needs {window}")
 
 
-def _engine_request(model: OuroModel, block_size: int) -> SupportRequest:
-    """What the evaluation's engines ask of a backend: the model's attention shapes."""
-    param, cfg = next(model.parameters()), model.config
-    return SupportRequest(
-        device=param.device.type,
-        dtype=param.dtype,
-        head_dim=cfg.head_dim,
-        block_size=block_size,
-        num_q_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-    )
-
-
 def _engine(
     model: OuroModel, tokenizer_decode, backend: str, config: FlashLoopConfig, block_size: int
 ) -> tuple[Engine, str]:
-    request = _engine_request(model, block_size)
+    request = model.support_request(block_size)
     registry = Registry.discover()
     effective = resolve(config, backend, request, registry)
     attention = registry.create(backend, request, config)
@@ -189,7 +175,7 @@ def evaluate(
     targets = [tokens[s + settings.context : s + span] for s in starts]
     pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
 
-    resolve(config, backend, _engine_request(model, block_size))  # unservable: before dense work
+    resolve(config, backend, model.support_request(block_size))  # unservable: before dense work
     runs = {}
     for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
         if label == "dense" and dense_cache is not None and "dense" in dense_cache:

@@ -33,7 +33,7 @@ SPARSE_DECODE_SUPPORT = Support(
 )
 
 
-# The packed-KV references read which rows they serve on the host (``torch_packed``), so
+# The packed-KV references read which rows they serve on the host (``torch_ref/packed.py``), so
 # they cannot be queued ahead asynchronously.
 PACKED_SUPPORT = Support(
     devices=SUPPORT.devices,

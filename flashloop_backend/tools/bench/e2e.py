@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from flashloop_backend.capabilities import Capability, SupportRequest
+from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.registry import Registry, resolve
 from flashloop_backend.tools.bench.timing import environment_record, require_cuda
@@ -75,14 +75,7 @@ def random_ouro(layers: int | None, block_size: int, fused: bool = True):
         torch.nn.init.normal_(p, std=0.02)
     if fused:
         model.fuse_projections()
-    request = SupportRequest(
-        device="cuda",
-        dtype=torch.bfloat16,
-        head_dim=cfg.head_dim,
-        block_size=block_size,
-        num_q_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-    )
+    request = model.support_request(block_size)
     return model, request
 
 

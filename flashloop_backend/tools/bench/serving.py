@@ -1,6 +1,6 @@
 """Serving benchmark through the host: dense and each FlashLoop variant in one process,
 one engine per variant after an untimed warm-up, every workload of
-:mod:`serving_workload` (fixed-arrival mixed and closed-loop) per variant, with a memory
+:mod:`~flashloop_backend.tools.bench.workload` (fixed-arrival mixed and closed-loop) per variant, with a memory
 breakdown; the record carries each variant's effective-config digest and kernels."""
 
 from __future__ import annotations
