@@ -64,3 +64,15 @@ def test_kv_write_lands_every_real_row_and_skips_padding(dtype, rng):
     for ref, mine in zip(caches[False], caches[True], strict=True):
         assert torch.equal(ref[:5], mine[:5])  # block 5 is the reference's scratch
     assert torch.equal(caches[True][0][1, 1], k[0]) and torch.equal(caches[True][1][4, 1], v[2])
+
+
+def test_rope_of_a_head_width_off_powers_of_two_takes_the_reference(rng):
+    """The kernel spans a head with one power-of-two range: a 24-wide head gets the
+    reference's result, not a launch that cannot compile."""
+    qkv = torch.randn(2, 4 * 24, generator=rng).to(DEVICE)
+    angles = torch.randn(2, 24, generator=rng).to(DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    expected = layer_ops.rope_qk(qkv, cos, sin, 2, 1, 24, use_triton=False)
+    got = layer_ops.rope_qk(qkv, cos, sin, 2, 1, 24, use_triton=True)
+    for mine, ref in zip(got, expected, strict=True):
+        assert torch.equal(mine, ref)
