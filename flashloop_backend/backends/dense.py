@@ -8,7 +8,7 @@ paths.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,6 +137,7 @@ class DenseBackend(AttentionBackend):
         self.capabilities, self.info = capabilities, info
         self.config = FlashLoopConfig()
         self.dense_attention = impl.fn
+        self._plan: _DensePlan | None = None
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
@@ -160,26 +161,60 @@ class DenseBackend(AttentionBackend):
         """Dense attention for every row of ``view``; inactive and padding rows get zeros.
         Decode rows run on ``dense_attention``, prefill rows on ``dense_prefill``; a kernel
         whose rows the host knows are absent (``decode_only``, ``decode_bound == 0``) is not
-        launched."""
-        modes = view.row_modes.long()
+        launched. The rows' tables and lengths are planned once per view (every layer of a
+        traversal passes the same tensors, so a planning kernel plans once too)."""
+        if self._plan is None or self._plan.view is not view:
+            self._plan = _DensePlan.of(view, one_kernel=self.prefill_impl.fn is self.impl.fn)
+        plan = self._plan
+        out = None
+        if plan.prefill_lengths is not None:
+            one_kernel = self.prefill_impl.fn is self.impl.fn
+            impl = self.impl if one_kernel else self.prefill_impl
+            out = impl(
+                PagedInputs(q, key_cache, value_cache, plan.tables, plan.prefill_lengths, scale)
+            )
+        if plan.decode_lengths is not None:
+            dense = self.impl(
+                PagedInputs(q, key_cache, value_cache, plan.tables, plan.decode_lengths, scale)
+            )
+            out = dense if out is None else torch.where(plan.decode_rows[:, None, None], dense, out)
+        return torch.zeros_like(q) if out is None else out
+
+
+@dataclass(frozen=True)
+class _DensePlan:
+    """What the dense backend derives from a view once: tables [R, MB] int32 of each row's
+    own depth plane; the lengths [R] int32 each kernel sees (rows it does not serve at 0),
+    None for a kernel not launched; decode_rows [R] bool picks the decode kernel's rows
+    where both run. With one kernel for every row, its lengths are ``prefill_lengths``."""
+
+    view: BatchView
+    tables: torch.Tensor
+    prefill_lengths: torch.Tensor | None
+    decode_lengths: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+
+    @staticmethod
+    def of(view: BatchView, one_kernel: bool) -> _DensePlan:
         tables, lengths = view.row_block_tables(), view.context_lengths
+        if view.decode_only:  # DECODE, VERIFY or PAD rows: padding already has length 0
+            if one_kernel:
+                return _DensePlan(view, tables, lengths, None, None)
+            return _DensePlan(view, tables, None, lengths, None)
+        modes = view.row_modes
         decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
         prefill = modes == RowMode.PREFILL
-
-        def inputs(selected: torch.Tensor) -> PagedInputs:
-            """Every row, those outside ``selected`` [R] bool as padding (length 0)."""
-            masked = torch.where(selected, lengths, torch.zeros_like(lengths))
-            return PagedInputs(q, key_cache, value_cache, tables, masked, scale)
-
-        if self.prefill_impl.fn is self.impl.fn:  # one kernel serves both: one launch
-            return self.impl(inputs(decode | prefill))
-        out = None
-        if not view.decode_only:
-            out = self.prefill_impl(inputs(prefill))
+        zeros = torch.zeros_like(lengths)
+        if one_kernel:
+            return _DensePlan(
+                view, tables, torch.where(decode | prefill, lengths, zeros), None, None
+            )
+        decode_lengths = None
         if view.decode_bound != 0:
-            dense = self.impl(inputs(decode))
-            out = dense if out is None else torch.where(decode[:, None, None], dense, out)
-        return torch.zeros_like(q) if out is None else out
+            decode_lengths = torch.where(decode, lengths, zeros)
+        return _DensePlan(
+            view, tables, torch.where(prefill, lengths, zeros), decode_lengths, decode
+        )
 
 
 def torch_factory() -> DenseBackendSpec:

@@ -38,6 +38,15 @@ class Batch:
     num_real_rows: int
 
 
+def upload(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``. To a GPU through pinned memory and an
+    asynchronous copy: a copy from pageable memory waits for the device's queued work."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def build_batch(
     groups: list[RowGroup],
     kv: PagedKVCache,
@@ -89,21 +98,20 @@ def build_batch(
     owner_of = {request_id: index for index, request_id in enumerate(owners)}
     row_owner = [owner_of[g.request_id] for g in groups for _ in range(g.count)]
     row_owner += [len(owners)] * pad  # padding rows read the all -1 table
-    row_owner_t = torch.tensor(row_owner, dtype=torch.int64, device=device)
-    planes = per_request.to(device)[:, row_owner_t]
-
-    position_t = torch.tensor(positions, dtype=torch.int64)
-    mode_t = torch.tensor(modes, dtype=torch.int8)
+    per_row = [positions, depths, modes, token_slots, incarnations, requests, slots, row_owner]
+    fields = upload(torch.tensor(per_row, dtype=torch.int64), device)
+    position_t, depth_t, mode_t, token_slot_t, incarnation_t, request_t, slot_t, owner_t = fields
+    planes = upload(per_request, device)[:, owner_t]
     lengths = torch.where(mode_t == RowMode.PAD, 0, position_t + 1).to(torch.int32)
     view = BatchView(
-        positions=position_t.to(device),
-        depths=torch.tensor(depths, dtype=torch.int64, device=device),
-        row_modes=mode_t.to(device),
-        slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
-        incarnations=torch.tensor(incarnations, dtype=torch.int64, device=device),
-        request_ids=torch.tensor(requests, dtype=torch.int64, device=device),
+        positions=position_t,
+        depths=depth_t,
+        row_modes=mode_t.to(torch.int8),
+        slots=token_slot_t,
+        incarnations=incarnation_t,
+        request_ids=request_t,
         window_ids=torch.full((len(positions),), -1, dtype=torch.int64, device=device),
-        context_lengths=lengths.to(device),
+        context_lengths=lengths,
         block_tables=planes,
         decode_only=all(g.mode in (RowMode.DECODE, RowMode.VERIFY) for g in groups),
         decode_bound=sum(g.count for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)),
@@ -111,4 +119,4 @@ def build_batch(
             g.depth for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)
         ),
     )
-    return Batch(view, torch.tensor(slots, dtype=torch.int64, device=device), tuple(groups), real)
+    return Batch(view, slot_t, tuple(groups), real)

@@ -18,7 +18,7 @@ import torch
 
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
-from flashloop_backend.host.batch import Batch, RowGroup, build_batch
+from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
 from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
@@ -364,7 +364,7 @@ class Engine:
                 going.append(r)
         if not going:
             return
-        ids = torch.tensor([r.output[-1] for r in going], device=self.device)
+        ids = upload(torch.tensor([r.output[-1] for r in going]), self.device)
         for r, hidden in zip(going, self.model.prelude(ids), strict=True):
             r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
             self._incarnations += 1  # a new token: its reference state starts empty

@@ -6,7 +6,8 @@ at a fixed address, allocated once for the largest bucket: the hidden states, th
 view (positions, depths, modes, slots, incarnations, lengths; block tables at a fixed
 width) and the KV write slots; the backend plans its own inputs (with KV quantization, the
 packed reader's metadata) into fixed buffers it allocates (``reserve_graph_inputs``,
-``plan_graph_step``). A step copies its rows into the leading part of those buffers;
+``plan_graph_step``). A step copies its rows into the leading part of those buffers (one
+asynchronous copy of the engine's, ``graph_inputs.py``);
 padding rows are PAD with length zero and slot -1 (their KV write lands in the cache's
 scratch block and the backend returns zeros for them). The loop-2 reference states and the
 packed store are the backend's own fixed device tensors.
@@ -40,7 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flashloop_backend.backends.base import AttentionBackend, GraphStep
 from flashloop_backend.config import ConfigError
 from flashloop_backend.dispatch import BatchView, RowMode
-from flashloop_backend.host.batch import Batch, RowGroup, build_batch
+from flashloop_backend.host.batch import Batch, RowGroup
+from flashloop_backend.host.graph_inputs import GraphInputs
 from flashloop_backend.host.kvcache import PagedKVCache
 
 LOG = logging.getLogger(__name__)
@@ -129,15 +131,12 @@ class DecodeGraphs:
         self.settings, self.kv, self.backend, self.traverse = settings, kv, backend, traverse
         self.max_context = settings.max_context or max_context
         self.width = math.ceil(self.max_context / kv.block_size)
-        rows, depths = settings.buckets[-1], kv.num_depths
+        rows = settings.buckets[-1]
         self.hidden = torch.zeros(rows, hidden_size, dtype=kv.key_pool.dtype, device=device)
-        self.fields = {
-            name: torch.zeros(rows, dtype=torch.int64, device=device) for name in VIEW_FIELDS
-        }
-        self.fields["row_modes"] = self.fields["row_modes"].to(torch.int8)
-        self.fields["context_lengths"] = self.fields["context_lengths"].to(torch.int32)
-        self.tables = torch.full((depths, rows, self.width), -1, dtype=torch.int32, device=device)
-        self.kv_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.inputs = GraphInputs(rows, kv.num_depths, self.width, device)
+        fields = self.inputs.device_fields
+        self.fields = {name: fields[name] for name in VIEW_FIELDS}
+        self.tables, self.kv_slots = fields["tables"], fields["kv_slots"]
         backend.reserve_graph_inputs(rows, self.width * kv.block_size)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
@@ -171,13 +170,10 @@ class DecodeGraphs:
 
     def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:
         """Copy this step's rows into the fixed buffers (padding rows after them)."""
-        batch = build_batch(groups, self.kv, "cpu", pad_to=bucket, table_width=self.width)
-        for name, tensor in self.fields.items():
-            tensor[:bucket].copy_(getattr(batch.view, name))
-        self.tables[:, :bucket].copy_(batch.view.block_tables)
-        self.kv_slots[:bucket].copy_(batch.slots)
+        self.inputs.fill(groups, self.kv, bucket)
         self.hidden[: len(groups)].copy_(hidden)
-        self.hidden[len(groups) : bucket].zero_()
+        if bucket > len(groups):
+            self.hidden[len(groups) : bucket].zero_()
 
     # ------------------------------------------------------------ running
     def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
