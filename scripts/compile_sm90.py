@@ -194,6 +194,7 @@ def _layer_kernels() -> bool:
         kv_write_kernel,
         rope_qk_kernel,
         silu_mul_kernel,
+        small_rows_linear_kernel,
     )
 
     bf16 = {
@@ -213,6 +214,7 @@ def _layer_kernels() -> bool:
             "out_ptr",
             "key_cache_ptr",
             "value_cache_ptr",
+            "w_ptr",
         )
     }
     pointers = {**bf16, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
@@ -226,10 +228,22 @@ def _layer_kernels() -> bool:
             dict(HAS_X=has_x, BLOCK=2048),
             4,
         )
-    rope = dict(Q_HEADS=16, KV_HEADS=16, HEAD_DIM=128)
+    rope = dict(Q_HEADS=16, KV_HEADS=16, HEADS_PAD=32, HEAD_DIM=128)
     ok &= _compile("rope_qk", rope_qk_kernel, pointers, set(), rope, 4)
     ok &= _compile("silu_mul", silu_mul_kernel, pointers, set(), dict(BLOCK=1024), 4)
     ok &= _compile("kv_write", kv_write_kernel, pointers, set(), dict(WIDTH=2048), 4)
+    for rows_pad, use_dot in ((1, False), (16, True)):
+        linear = dict(
+            ROWS_PAD=rows_pad, BLOCK_N=16, BLOCK_K=256, USE_DOT=use_dot, DOT_PRECISION="tf32"
+        )
+        ok &= _compile(
+            f"small_rows_linear USE_DOT={use_dot}",
+            small_rows_linear_kernel,
+            pointers,
+            set(),
+            linear,
+            4,
+        )
     return ok
 
 

@@ -76,3 +76,25 @@ def test_rope_of_a_head_width_off_powers_of_two_takes_the_reference(rng):
     got = layer_ops.rope_qk(qkv, cos, sin, 2, 1, 24, use_triton=True)
     for mine, ref in zip(got, expected, strict=True):
         assert torch.equal(mine, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3], ids=["one_row_lanes", "three_rows_dot"])
+def test_small_rows_linear_matches_f_linear(dtype, rows, rng):
+    # 40 outputs and 300 inputs: neither a multiple of the tile, so both masks are used
+    x = torch.randn(rows, 300, generator=rng).to(DEVICE, dtype)
+    weight = (torch.randn(40, 300, generator=rng) / 16).to(DEVICE, dtype)
+    tuning = layer_ops.LinearTuning(block_n=16, block_k=128, max_rows=4)
+    got = layer_ops.linear(x, weight, use_triton=True, tuning=tuning)
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    # FP32 sums of 300 products: the result's own rounding plus the order of the sums
+    _close(got, expected.to(dtype), dtype)
+
+
+def test_linear_takes_f_linear_beyond_the_small_row_limit(rng):
+    x = torch.randn(5, 32, generator=rng)
+    weight = torch.randn(16, 32, generator=rng)
+    tuning = layer_ops.LinearTuning(max_rows=4)
+    got = layer_ops.linear(x, weight, use_triton=True, tuning=tuning)
+    assert torch.equal(got, torch.nn.functional.linear(x, weight))

@@ -9,6 +9,8 @@ Shapes: R rows, H hidden, Hq / Hkv heads of D dims, I intermediate channels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -92,7 +94,7 @@ def rope_qk(
     q_out = torch.empty((rows, q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k_out = torch.empty((rows, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if rows:
-        rope_qk_kernel[(rows, q_heads + kv_heads)](
+        rope_qk_kernel[(rows,)](
             qkv,
             cos,
             sin,
@@ -104,9 +106,72 @@ def rope_qk(
             k_out.stride(0),
             Q_HEADS=q_heads,
             KV_HEADS=kv_heads,
+            HEADS_PAD=1 << (q_heads + kv_heads - 1).bit_length(),
             HEAD_DIM=head_dim,
         )
     return q_out, k_out, v
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+    """Launch shape of the small-rows linear kernel; ``max_rows``: more rows take cuBLAS."""
+
+    block_n: int = 4
+    block_k: int = 1024
+    num_warps: int = 2
+    num_stages: int = 3
+    use_dot: bool = False
+    max_rows: int = 1
+
+
+# The launch shape with the least total time over Ouro-1.4B's four projections at one row
+# (scripts/bench_small_linear.py; results/bench_small_linear.json): at 16 rows cuBLAS is
+# as fast, so more than one row takes it.
+DEFAULT_LINEAR = LinearTuning()
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    use_triton: bool | None = None,
+    tuning: LinearTuning = DEFAULT_LINEAR,
+) -> torch.Tensor:
+    """x [R, K] @ weight [N, K]^T -> [R, N] in x's dtype: a decode step's few rows through
+    one Triton pass over the weights (FP32 accumulation), other row counts through
+    ``F.linear``."""
+    rows = x.shape[0]
+    if not _triton(x, use_triton) or not 0 < rows <= tuning.max_rows:
+        return F.linear(x, weight)
+    from flashloop_backend.host.layer_ops_jit import small_rows_linear_kernel
+
+    n_out, k_in = weight.shape
+    if x.shape[1] != k_in or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(
+            f"linear needs x [R, {k_in}] and weight [N, {k_in}] with unit inner strides; "
+            f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    use_dot = tuning.use_dot or rows > 1
+    y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    small_rows_linear_kernel[(-(-n_out // tuning.block_n),)](
+        x,
+        weight,
+        y,
+        rows,
+        n_out,
+        k_in,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        ROWS_PAD=max(16, next_pow2(rows)) if use_dot else 1,
+        BLOCK_N=tuning.block_n,
+        BLOCK_K=tuning.block_k,
+        USE_DOT=use_dot,
+        # FP32 inputs keep IEEE products (TF32 would lose ~3 digits)
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
+    )
+    return y
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -60,28 +60,29 @@ def rope_qk_kernel(
     stride_k,
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """One (row, head of q then k): x * cos + rotate_half(x) * sin in FP32, rounded once.
-    The fused projection holds q, k, v heads in that order along a row."""
+    """One row, every head of q then k: x * cos + rotate_half(x) * sin in FP32, rounded
+    once. The fused projection holds q, k, v heads in that order along a row."""
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)
+    head = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    valid = (head < Q_HEADS + KV_HEADS) & (d < HEAD_DIM)
     partner = tl.where(d < half, d + half, d - half)
     sign = tl.where(d < half, -1.0, 1.0)
     base = qkv_ptr + row * stride_qkv + head * HEAD_DIM
-    x = tl.load(base + d)
+    x = tl.load(base + d, mask=valid, other=0.0)
     dtype = x.dtype
-    x = x.to(tl.float32)
-    rotated = sign * tl.load(base + partner).to(tl.float32)
+    rotated = sign * tl.load(base + partner, mask=valid, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + row * stride_cs + d)
     sin = tl.load(sin_ptr + row * stride_cs + d)
-    out = (x * cos + rotated * sin).to(dtype)
-    if head < Q_HEADS:
-        tl.store(q_ptr + row * stride_q + head * HEAD_DIM + d, out)
-    else:
-        tl.store(k_ptr + row * stride_k + (head - Q_HEADS) * HEAD_DIM + d, out)
+    out = (x.to(tl.float32) * cos + rotated * sin).to(dtype)
+    is_q = head < Q_HEADS
+    tl.store(q_ptr + row * stride_q + head * HEAD_DIM + d, out, mask=valid & is_q)
+    k_head = tl.where(is_q, 0, head - Q_HEADS)
+    tl.store(k_ptr + row * stride_k + k_head * HEAD_DIM + d, out, mask=valid & ~is_q)
 
 
 @triton.jit
@@ -124,3 +125,51 @@ def kv_write_kernel(
         at = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + i
         tl.store(key_cache_ptr + at, tl.load(k_ptr + row * stride_kr + i, mask=valid), mask=valid)
         tl.store(value_cache_ptr + at, tl.load(v_ptr + row * stride_vr + i, mask=valid), mask=valid)
+
+
+@triton.jit
+def small_rows_linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rows,
+    n_out,
+    k_in,
+    stride_x,
+    stride_w,
+    stride_y,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """A block of BLOCK_N outputs of y = x W^T for every one of a few rows, each weight
+    tile read once, FP32 accumulation. ``USE_DOT``: tensor-core tiles with the rows padded
+    to ROWS_PAD >= 16; else (ROWS_PAD == 1) per-lane products summed once at the end."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    r = tl.arange(0, ROWS_PAD)
+    r_ok = r < rows
+    if USE_DOT:
+        acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_in
+        w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :]
+        w = tl.load(w_at, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            x_at = x_ptr + r[:, None] * stride_x + k[None, :]
+            x = tl.load(x_at, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        else:
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    dtype = y_ptr.dtype.element_ty
+    if USE_DOT:
+        y_at = y_ptr + r[:, None] * stride_y + n[None, :]
+        tl.store(y_at, acc.to(dtype), mask=r_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(y_ptr + n, tl.sum(acc, axis=1).to(dtype), mask=n_ok)

@@ -18,6 +18,7 @@ from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host.config import OuroConfig
 from flashloop_backend.host.layer_ops import (
     add_rms_norm,
+    linear,
     rms_norm_reference,
     rope_qk,
     rope_reference,
@@ -65,7 +66,7 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., hidden] -> post-RoPE q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D]."""
         if self.fused is not None and x.dim() == 2:  # one GEMM, one RoPE launch for q and k
-            qkv = F.linear(x, self.fused)
+            qkv = linear(x, self.fused)
             return rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
@@ -85,18 +86,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.dim() == 2:  # one GEMM, one SiLU x up launch
-            return self.down_proj(silu_mul(F.linear(x, self.fused)))
+            return linear(silu_mul(linear(x, self.fused)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
     """One weight [sum of outputs, in] holding ``linears``' weights, which become views of
     it: the fused GEMM and the checkpoint's names share one copy of the bytes."""
-    fused = torch.cat([linear.weight.detach() for linear in linears])
+    fused = torch.cat([module.weight.detach() for module in linears])
     start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+    for module in linears:
+        rows = module.weight.shape[0]
+        module.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
         start += rows
     return fused
 
@@ -193,7 +194,9 @@ class OuroModel(nn.Module):
         for index, layer in enumerate(layers):
             q, k, v = layer.self_attn.qkv(x, cos, sin)
             attn = ctx.attend(index, q, k, v)
-            attn = layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+            attn = attn.reshape(attn.shape[0], -1)
+            o_proj = layer.self_attn.o_proj
+            attn = linear(attn, o_proj.weight) if self.fused else o_proj(attn)
             norm_2, post = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
             h, x = add_rms_norm(h, attn, norm_2, post, eps, kernels)
             last = index + 1 == len(layers)

@@ -12,7 +12,7 @@ import torch
 from flashloop_backend.kernels.validate import check_triton_paged
 
 SM_COUNT_FALLBACK = 132  # H100/H200
-KEYS_PER_SPLIT_MIN = 512
+KEYS_PER_SPLIT_MIN = 256
 
 
 @functools.cache
@@ -29,21 +29,22 @@ class DecodeTuning:
     keys_per_iter: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: int = 2
+    programs_per_sm: int = 4
     use_dot: bool = False
 
 
-# The sweep's best geometric-mean ratio to FlashInfer over 1K-32K contexts at batch 1 and
-# 16 (results/sweep_triton_decode.json): tensor-core dots, 64 keys per iteration, 4 warps,
-# 2 stages, ~2 programs per SM.
+# Tensor-core dots, 64 keys per iteration, 4 warps, 2 stages (results/sweep_triton_decode.json)
+# and ~4 programs per SM of at least 256 keys: 32 splits at 8K and 32K for one row, timed
+# from CUDA graphs (results/sweep_triton_decode_graphs.json).
 DEFAULT_TUNING = DecodeTuning(use_dot=True)
 
 
 def _num_splits(
     rows: int, kv_heads: int, capacity_keys: int, device: torch.device, per_sm: int
 ) -> int:
-    """Splits so that about ``per_sm`` programs run per SM, never below 512 keys a split."""
-    want = max(1, math.ceil(per_sm * sm_count(device) / max(1, rows * kv_heads)))
+    """Splits so that at most ``per_sm`` programs run per SM (one wave: a partial second
+    wave costs a whole one), never below ``KEYS_PER_SPLIT_MIN`` keys a split."""
+    want = max(1, per_sm * sm_count(device) // max(1, rows * kv_heads))
     most = max(1, math.ceil(capacity_keys / KEYS_PER_SPLIT_MIN))
     return min(want, most)
 
