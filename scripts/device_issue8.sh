@@ -60,7 +60,7 @@ case "${1:?stage: tests, combos, features, graphs, decode, prefill, select, pack
     bench packed --contexts 32768 --concurrency 16 ${PARTS:+--parts "$PARTS"} --out "$OUT/bench_packed_kv${PARTS:+_$PARTS}.json" ;;
   profile)
     # where all-on decode time goes at 32K x 16 (eager steps, torch.profiler kernel table)
-    timeout "${LIMIT_S:-540}" python3 scripts/profile_decode.py --config configs/all_on.json \
+    timeout "${LIMIT_S:-540}" python3 scripts/profile_step.py --config configs/all_on.json \
       --context 32768 --concurrency 16 --layers 2 --steps 8 2>&1 | tee "$OUT/profile_all_on_32k.log" | tail -40 ;;
   conversion)
     # the prompt's conversion to packed INT4 per chunk size, and its top ops (TTFT cost)

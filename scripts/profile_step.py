@@ -1,15 +1,20 @@
-"""Where a decode step's GPU time goes: the top CUDA kernels of eager decode steps of one
-backend through the host (Ouro-1.4B shapes, random weights), as a torch.profiler table.
+"""Where a host step's GPU time goes: the top CUDA kernels of eager steps of one backend
+through the host (Ouro-1.4B shapes, random weights), as a torch.profiler table and, with
+``--json``, a record of each kernel's share of the profiled GPU time.
 
-    python3 scripts/profile_decode.py --backend flashloop --config configs/all_on.json \
-        --context 32768 --concurrency 16 --layers 2 --steps 8
+    python3 scripts/profile_step.py --backend triton --context 8192 --concurrency 1 \
+        --layers 4 --phase decode --json profile_decode_8k.json
 
-A warm-up pass on short prompts compiles the kernels first; profiled steps start once every
-request decodes (one decode step per loop depth, so --steps 8 covers each depth twice)."""
+``--phase decode`` profiles ``--steps`` decode steps once every request decodes (one step
+per loop depth, so --steps 8 covers each depth twice); ``--phase prefill`` profiles every
+prompt step (each chunk at each loop). A warm-up pass on short prompts compiles the
+kernels first. Decode records also time --steps eager steps without the profiler (wall ms
+per step, beside the profiled GPU kernel ms per step)."""
 
 import argparse
 import json
 import sys
+import time
 
 import torch
 
@@ -30,10 +35,17 @@ def _engine(args, model, request):
         backend,
         num_blocks=blocks,
         block_size=16,
-        prefill_chunk=2048,
-        max_batch_tokens=2048 * args.concurrency,
+        prefill_chunk=args.prefill_chunk,
+        max_batch_tokens=args.prefill_chunk * args.concurrency,
         max_context=args.context + 64,
     )
+
+
+def _device_us(event) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
 
 
 def main() -> int:
@@ -44,32 +56,86 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--layer-ops", choices=("fused", "reference"), default="fused")
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=30, help="kernels listed")
+    parser.add_argument("--json", help="write the record here")
     args = parser.parse_args()
-    model, request = random_ouro(args.layers, 16)
+    model, request = random_ouro(args.layers, 16, fused=args.layer_ops == "fused")
     engine = _engine(args, model, request)
-    params = SamplingParams(max_new_tokens=4 + args.steps // 4, ignore_eos=True)
+    # decode: --steps timed without the profiler, then --steps profiled
+    params = SamplingParams(max_new_tokens=4 + args.steps // 2, ignore_eos=True)
     prompts = [
         torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
         for _ in range(args.concurrency)
     ]
-    engine.generate([p[:2048] for p in prompts], params)  # compiles every kernel
+    warm = min(args.context, args.prefill_chunk)
+    engine.generate([p[:warm] for p in prompts], params)  # compiles every kernel
     for p in prompts:
         engine.add_request(p, params)
-    while engine.counters()["prompts_running"]:  # until every request decodes
-        engine.step()
+    if args.phase == "decode":
+        while engine.counters()["prompts_running"]:  # until every request decodes
+            engine.step()
     torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    wall_ms = None
+    if args.phase == "decode":
+        started = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    print(
-        f"{args.backend} {args.config or 'dense'} ctx={args.context} conc={args.concurrency} "
-        f"layers={args.layers}: {args.steps} decode steps",
-        file=sys.stderr,
+        wall_ms = 1e3 * (time.perf_counter() - started) / args.steps
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    steps = 0
+    with torch.profiler.profile(activities=activities) as prof:
+        if args.phase == "decode":
+            for _ in range(args.steps):
+                engine.step()
+            steps = args.steps
+        else:
+            while engine.counters()["prompts_running"]:
+                engine.step()
+                steps += 1
+        torch.cuda.synchronize()
+    title = (
+        f"{args.backend} {args.config or 'dense'} {args.layer_ops} layer ops "
+        f"ctx={args.context} conc={args.concurrency} layers={args.layers}: {steps} "
+        f"{args.phase} steps"
     )
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
+    print(title, file=sys.stderr)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(_device_us(e) for e in kernels)
+    top = sorted(kernels, key=_device_us, reverse=True)[: args.rows]
+    record = {
+        "title": title,
+        "phase": args.phase,
+        "backend": args.backend,
+        "layer_ops": args.layer_ops,
+        "context": args.context,
+        "concurrency": args.concurrency,
+        "layers": args.layers,
+        "steps": steps,
+        "eager_wall_ms_per_step_unprofiled": wall_ms,
+        "gpu_kernel_ms_per_step": gpu_us / 1e3 / steps,
+        "gpu_us_per_layer_step": gpu_us / steps / args.layers,
+        "kernel_launches_per_layer_step": sum(e.count for e in kernels) / steps / args.layers,
+        "top_kernels": [
+            {
+                "name": e.key[:120],
+                "share": _device_us(e) / gpu_us,
+                "us_per_step": _device_us(e) / steps,
+                "launches_per_step": e.count / steps,
+            }
+            for e in top
+        ],
+        "method": "torch.profiler over eager host steps (profiler overhead inflates wall time)",
+    }
+    print(json.dumps({k: v for k, v in record.items() if k != "top_kernels"}), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 

@@ -75,13 +75,17 @@ def progress_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def graph_ms(fn, reps: int = 30, calls: int = 10) -> float:
-    """Median ms per call of ``fn`` replayed from a CUDA graph of ``calls`` launches."""
-    fn()
+def graph_ms(fn, reps: int = 30, calls: int = 10, rotate: list | None = None) -> float:
+    """Median ms per call of ``fn`` replayed from a CUDA graph of ``calls`` launches. With
+    ``rotate``, call i is ``fn(rotate[i % len(rotate)])``: inputs larger than the L2 cache
+    together time reads from memory, as a traversal reads each layer's tensors once."""
+    call = (lambda i: fn(rotate[i % len(rotate)])) if rotate else (lambda i: fn())
+    call(0)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            call(i)
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
