@@ -1,0 +1,193 @@
+"""Instructions per element of the decode readers' main loops, from the sm_90 SASS (no GPU
+needed): each kernel variant is compiled for sm_90a, disassembled with the cuobjdump
+Triton bundles, and every innermost loop (a backward branch with no other loop inside) is
+listed with its instruction mix. The main loop's static size x warps / elements per
+iteration is the instructions per element a step issues (per 4-bit code for the packed
+reader, per BF16 value for the dense kernel). With LEVELS > 1 the packed loop holds both
+the dense- and the compact-level paths of each deeper level, of which a row runs one: its
+static size overstates a dense read.
+
+The issue-rate ceiling converts that into bytes per second: an H200 issues at most one
+warp instruction per clock on each of 4 schedulers of 132 SMs (1.98 GHz boost), so a loop
+of I warp instructions per element cannot stream faster than 132 x 4 x 1.98e9 / I elements
+per second, whatever the memory does (2 bytes per BF16 value, half a byte per code).
+
+    python3 scripts/sass_per_code.py [--levels 1,2,4] [--json sass_per_code.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton
+from compile_sm90 import STORE, TARGET, _signature
+from triton.compiler import ASTSource
+
+ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x schedulers x boost clock
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+BRANCH_TARGET = re.compile(r"^\s*(0x[0-9a-f]+)")
+# instruction classes of the mix
+CLASSES = {
+    "LDG": "global load",
+    "LDS": "shared load",
+    "STS": "shared store",
+    "STL": "local (spill) store",
+    "LDL": "local (spill) load",
+    "LDSM": "shared load",
+    "HMMA": "tensor core",
+    "FFMA": "fp32 math",
+    "FMUL": "fp32 math",
+    "FADD": "fp32 math",
+    "FMNMX": "fp32 math",
+    "HFMA2": "fp16x2 math",
+    "HADD2": "fp16x2 math",
+    "HMUL2": "fp16x2 math",
+    "LOP3": "integer logic",
+    "SHF": "shift",
+    "PRMT": "byte permute",
+    "I2F": "int to float",
+    "F2F": "float convert",
+    "F2FP": "float convert",
+    "IMAD": "integer math / move",
+    "IADD3": "integer math / move",
+    "LEA": "address",
+    "MOV": "integer math / move",
+    "SHFL": "shuffle",
+    "MUFU": "special function",
+    "ISETP": "compare",
+    "FSETP": "compare",
+    "SEL": "select",
+    "FSEL": "select",
+    "BAR": "barrier",
+}
+
+
+def sass(fn, pointers: dict, floats: set, constexprs: dict, warps: int) -> str:
+    source = ASTSource(fn, _signature(fn, pointers, floats, constexprs), constexprs)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run(
+            [str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def innermost_loops(text: str) -> list[dict]:
+    """Every innermost loop: its address range, size and instruction mix."""
+    instructions, loops = [], []
+    for raw in text.splitlines():
+        found = LINE.search(raw)
+        if not found:
+            continue
+        address, opcode = int(found.group(1), 16), found.group(3)
+        instructions.append((address, opcode))
+        target = BRANCH_TARGET.match(found.group(4))
+        if opcode.startswith("BRA") and target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    inner = [
+        (start, end)
+        for start, end in loops
+        if not any(s >= start and e <= end and (s, e) != (start, end) for s, e in loops)
+    ]
+    result = []
+    for start, end in inner:
+        body = [op for address, op in instructions if start <= address <= end and op != "NOP"]
+        mix = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in body)
+        result.append(
+            {
+                "start": start,
+                "end": end,
+                "instructions": len(body),
+                "mix": dict(mix.most_common()),
+                "top_opcodes": dict(collections.Counter(body).most_common(16)),
+            }
+        )
+    return sorted(result, key=lambda loop: -loop["instructions"])
+
+
+def packed_reader(levels: int) -> dict:
+    from flashloop_backend.kernels.triton.packed_decode import (
+        DEFAULT_TUNING,
+        rows_per_step,
+        warps_for,
+    )
+    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
+
+    rows = rows_per_step(DEFAULT_TUNING, 64, levels)
+    warps = warps_for(DEFAULT_TUNING, levels)
+    shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
+                 STORE_LOGITS=False, ROWS=rows, SELECTED=False)  # fmt: skip
+    text = sass(packed_decode_split_kernel, STORE, {"scale"}, shape, warps)
+    # one step: ROWS rows of K and V codes (128 channels each) at every level
+    return _record(f"packed_decode LEVELS={levels}", text, warps, rows * 128 * 2 * levels, 0.5)
+
+
+def bf16_reader() -> dict:
+    from flashloop_backend.kernels.triton.paged_decode import DEFAULT_TUNING
+    from flashloop_backend.kernels.triton.paged_decode_jit import paged_attention_split_kernel
+
+    tuning = DEFAULT_TUNING
+    pages = tuning.keys_per_iter // 16
+    shape = dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGES=pages,
+                 USE_DOT=tuning.use_dot, DOT_PRECISION="tf32", STORE_LOGITS=False)  # fmt: skip
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32",
+                "lengths_ptr": "*i32"}  # fmt: skip
+    text = sass(paged_attention_split_kernel, pointers, {"scale"}, shape, tuning.num_warps)
+    # one step: keys_per_iter keys of K and V (128 values each)
+    return _record("paged_attention BF16", text, tuning.num_warps, tuning.keys_per_iter * 256, 2)
+
+
+def _record(label: str, text: str, warps: int, elements: int, element_bytes: float) -> dict:
+    loops = innermost_loops(text)
+    if not loops:
+        raise RuntimeError(f"{label}: no loop found in the SASS")
+    main = loops[0]
+    per = main["instructions"] * warps / elements
+    return {
+        "kernel": label,
+        "warps": warps,
+        "elements_per_iteration": elements,
+        "element_bytes": element_bytes,
+        "main_loop_instructions": main["instructions"],
+        "warp_instructions_per_element": per,
+        "issue_ceiling_tb_s": ISSUE_PER_S / per * element_bytes / 1e12,
+        "main_loop_mix": main["mix"],
+        "main_loop_top_opcodes": main["top_opcodes"],
+        "innermost_loops": [loop["instructions"] for loop in loops],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,2,4")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    records = [bf16_reader()] + [packed_reader(int(n)) for n in args.levels.split(",")]
+    for r in records:
+        print(
+            f"{r['kernel']:24s} warps={r['warps']} loop={r['main_loop_instructions']} instr, "
+            f"{r['elements_per_iteration']} elements/iter: "
+            f"{r['warp_instructions_per_element']:.3f} warp instr/element, issue ceiling "
+            f"{r['issue_ceiling_tb_s']:.2f} TB/s; mix {r['main_loop_mix']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
