@@ -1,4 +1,4 @@
-"""The SASS loop finder of scripts/sass_per_code.py on a hand-written listing: the
+"""The SASS loop finder of scripts/sass_per_code.py (scripts/sass_loops.py) on a hand-written listing: the
 innermost loop is the backward branch with no other loop inside (not the outer loop, not
 the branch-to-itself that ends every kernel), NOPs are not counted."""
 
@@ -23,7 +23,7 @@ LISTING = """
 
 
 def test_the_innermost_loop_is_found_with_its_mix():
-    from sass_per_code import innermost_loops
+    from sass_loops import innermost_loops
 
     loops = innermost_loops(LISTING)
     assert [(loop["start"], loop["end"]) for loop in loops] == [(0x10, 0x60)]
