@@ -240,3 +240,33 @@ def test_decode_steps_launch_only_the_ops_of_their_depths(rng):
     finally:
         for op, fn in originals.items():
             object.__setattr__(backend.kernels[op].impl, "fn", fn)
+
+
+def test_decode_only_view_keeps_its_order_with_padding_anywhere(rng):
+    """A decode-only view runs in its own row order (no gather or scatter): padding rows
+    between decode rows get zeros and every decode row its reference attention, across
+    layers (the per-view masks are reused) and with or without a second op."""
+    from dataclasses import replace
+
+    M = RowMode
+    modes = [M.DECODE, M.PAD, M.VERIFY, M.PAD, M.DECODE]
+    depths = [0, 0, 1, 0, 3]
+    positions = [7, 0, 4, 0, 10]
+    kc = torch.randn(12, 4, 2, 16, generator=rng)
+    vc = torch.randn(12, 4, 2, 16, generator=rng)
+    planes = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    for config in (FlashLoopConfig(), FlashLoopConfig(token_sparse_prefill={"enabled": True})):
+        backend = Registry.discover().create("flashloop", REQUEST, config)
+        view = replace(_view(modes, depths, positions, planes), decode_only=True)
+        for layer in range(2):
+            out = backend.forward(q, kc, vc, view, layer=layer)
+            for r, mode in enumerate(modes):
+                if mode == M.PAD:
+                    assert torch.equal(out[r], torch.zeros_like(out[r]))
+                    continue
+                table = planes[depths[r], r : r + 1]
+                lengths = view.context_lengths[r : r + 1]
+                torch.testing.assert_close(
+                    out[r : r + 1], paged_attention(q[r : r + 1], kc, vc, table, lengths)
+                )

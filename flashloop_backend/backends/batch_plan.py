@@ -18,24 +18,41 @@ class BatchPlan:
     tables [R, MB] int32, lengths [R] int32, slots / incarnations [R] int64 of each row;
     routes [R] int64 the layer-independent routes (:func:`base_routes`); correctable [R]
     bool (or None) the decode rows that correct when their reference is ready. ``kept``
-    [R] bool and ``source`` [R] int64 (original order) scatter the results back."""
+    [R] bool and ``source`` [R] int64 (original order) scatter the results back.
+
+    A decode-only view keeps its own order (``order``, ``kept`` and ``source`` None): its
+    rows are decode rows or padding, padding routes to no op and reads no key, so no
+    gather or scatter is needed and every decode op runs over all its rows."""
 
     view: BatchView
-    order: torch.Tensor
+    order: torch.Tensor | None
     tables: torch.Tensor
     lengths: torch.Tensor
     slots: torch.Tensor
     incarnations: torch.Tensor
     routes: torch.Tensor
     correctable: torch.Tensor | None
-    kept: torch.Tensor
-    source: torch.Tensor
+    kept: torch.Tensor | None
+    source: torch.Tensor | None
 
     @staticmethod
     def of(view: BatchView, config: FlashLoopConfig) -> BatchPlan:
+        routes, correctable = base_routes(view, config)
+        if view.decode_only:
+            return BatchPlan(
+                view,
+                None,
+                view.row_block_tables(),
+                view.context_lengths,
+                view.slots,
+                view.incarnations,
+                routes,
+                correctable,
+                None,
+                None,
+            )
         partition = partition_rows(view.row_modes)
         order = partition.order
-        routes, correctable = base_routes(view, config)
         return BatchPlan(
             view,
             order,
@@ -49,7 +66,14 @@ class BatchPlan:
             partition.inverse.clamp(min=0),
         )
 
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, ...] in the view's order -> the plan's order."""
+        return rows if self.order is None else rows[self.order]
+
     def restore(self, gathered: torch.Tensor) -> torch.Tensor:
-        """[R, ...] in gather order -> original row order; inactive and padding rows zero."""
+        """[R, ...] in gather order -> original row order; inactive and padding rows zero
+        (rows no op wrote hold zeros already)."""
+        if self.order is None:
+            return gathered
         restored = gathered[self.source]
         return torch.where(self.kept[:, None, None], restored, torch.zeros_like(restored))

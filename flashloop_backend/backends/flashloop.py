@@ -68,6 +68,8 @@ PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPAR
 SOURCE_OPS = frozenset({OpName.DENSE_SOURCE, OpName.PACKED_SOURCE})
 CORRECTION_OPS = frozenset({OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION})
 PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
+# Ops whose output rows for context length 0 are zeros (the PagedInputs contract).
+PLAIN_OUTPUT_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.PACKED_DECODE})
 WIRED_OPS = PAGED_OPS | SOURCE_OPS | CORRECTION_OPS | PACKED_READ_OPS | {OpName.PACKED_KV_WRITE}
 
 
@@ -181,6 +183,8 @@ class FlashLoopBackend(AttentionBackend):
         self.packed: PackedState | None = None
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
         self._plan: BatchPlan | None = None
+        # (plan, op -> (rows it serves [n] bool, their masked lengths [n] int32 or None))
+        self._masks: tuple[BatchPlan, dict] | None = None
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
@@ -349,21 +353,37 @@ class FlashLoopBackend(AttentionBackend):
         if self._plan is None or self._plan.view is not view:  # once per batch, not per layer
             self._plan = BatchPlan.of(view, self.config)
         plan = self._plan
-        order, tables, lengths = plan.order, plan.tables, plan.lengths
+        tables, lengths = plan.tables, plan.lengths
         ready = states.ready(layer, plan.slots, plan.incarnations) if states is not None else None
         gathered_routes = with_references(plan.routes, plan.correctable, self.config, ready)
-        gathered_q = q[order]
-        out = torch.zeros_like(gathered_q)
-        meta = self.packed.meta_for(view, order) if self.packed is not None else None
+        gathered_q = plan.gather(q)
+        meta = self.packed.meta_for(view, plan.order) if self.packed is not None else None
         prefill_ops = prefill_route_ops(self.config)
         launched = routable_ops(self.config, view.decode_only, view.decode_depths)
         bound = view.num_rows if view.decode_bound is None else view.decode_bound
+        if plan.order is None:  # the view's own order: padding may sit anywhere
+            bound = view.num_rows
         key_retention = self.config.sparse_decode_attention.key_retention
-        for op, choice in self.kernels.items():
-            n = view.num_rows if op in prefill_ops else bound  # decode ops: the decode segment
-            if op not in launched or n == 0:
-                continue
-            mine = gathered_routes[:n] == ROUTE_CODES[op]
+        # without sparse decode the routes do not depend on the layer: each op's rows and
+        # masked lengths are planned on the first layer and reused
+        static = states is None
+        if not static or self._masks is None or self._masks[0] is not plan:
+            self._masks = (plan, {})
+        masks = self._masks[1]
+        runs = [
+            (op, choice, view.num_rows if op in prefill_ops else bound)
+            for op, choice in self.kernels.items()
+        ]
+        runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
+        out = None
+        for op, choice, n in runs:
+            if op not in masks:
+                mine = gathered_routes[:n] == ROUTE_CODES[op]
+                masked = None
+                if op not in CORRECTION_OPS:
+                    masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
+                masks[op] = (mine, masked)
+            mine, masked = masks[op]
             q_n, tables_n = gathered_q[:n], tables[:n]
             if op in CORRECTION_OPS:
                 indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
@@ -380,21 +400,19 @@ class FlashLoopBackend(AttentionBackend):
                     contribution,
                     scale,
                 )
+            elif op in SOURCE_OPS:
+                inputs = SourceInputs(
+                    q_n,
+                    key_cache,
+                    value_cache,
+                    tables_n,
+                    masked,
+                    key_retention,
+                    states.k_bucket,
+                    scale,
+                )
             else:
-                masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
-                if op in SOURCE_OPS:
-                    inputs = SourceInputs(
-                        q_n,
-                        key_cache,
-                        value_cache,
-                        tables_n,
-                        masked,
-                        key_retention,
-                        states.k_bucket,
-                        scale,
-                    )
-                else:
-                    inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
+                inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
             if op in PACKED_READ_OPS:
                 if meta is None:
                     raise RuntimeError(
@@ -414,9 +432,18 @@ class FlashLoopBackend(AttentionBackend):
                     result.contribution,
                 )
                 result = result.out
+            if len(runs) == 1 and n == view.num_rows and op in PLAIN_OUTPUT_OPS:
+                # the only op over every row: rows it does not serve had length 0, which
+                # the op contract answers with zeros
+                out = result
+                continue
+            if out is None:
+                out = torch.zeros_like(gathered_q)
             out[:n] = torch.where(mine[:, None, None], result, out[:n])
         if states is not None:
             states.missing_reference += (plan.correctable & ~ready).sum()
+        if out is None:
+            out = torch.zeros_like(gathered_q)
         return plan.restore(out)
 
 

@@ -159,14 +159,16 @@ class PackedState:
         meta = level_metadata(self.store, sequences, depths, view.device)
         self._planned, self._ordered = (view, meta), meta  # already the decode-first order
 
-    def meta_for(self, view: BatchView, order: torch.Tensor) -> LevelMetadata:
+    def meta_for(self, view: BatchView, order: torch.Tensor | None) -> LevelMetadata:
         """The planned metadata in the backend's gathered row order (computed once per
-        batch: every layer gathers the same order)."""
+        batch: every layer gathers the same order; ``order`` None: the view's own)."""
         if self._planned is None or self._planned[0] is not view:
             raise RuntimeError(
                 "packed KV metadata was not planned for this batch: the host calls "
                 "backend.plan(view, request_ids, depths) after building it"
             )
+        if order is None:
+            return self._planned[1]
         if self._ordered is None:
             self._ordered = self._planned[1].rows(order)
         return self._ordered  # decode rows first: readers take the first decode_bound rows
