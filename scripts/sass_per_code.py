@@ -1,6 +1,8 @@
 """Instructions per element of the decode readers' main loops, from the sm_90 SASS (no GPU
-needed): each kernel variant is compiled for sm_90a, disassembled with the cuobjdump
-Triton bundles, and every innermost loop (a backward branch with no other loop inside) is
+needed): each reader's wrapper runs on CPU tensors of Ouro-1.4B's shapes (8K context, one
+row; the packed reader with a graph step's metadata widths) with its launches recorded,
+the recorded launch is compiled for sm_90a as Triton's JIT would specialize it,
+disassembled with the cuobjdump Triton bundles, and every innermost loop (a backward branch with no other loop inside) is
 listed with its instruction mix. The main loop's static size x warps / elements per
 iteration is the instructions per element a step issues (per 4-bit code for the packed
 reader, per BF16 value for the dense kernel). With LEVELS > 1 the packed loop holds both
@@ -28,18 +30,36 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch
 import triton
-from compile_sm90 import STORE, TARGET, _signature
+from compile_sm90 import TARGET
 from sass_loops import innermost_loops
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 from triton.compiler import ASTSource
 
 ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x schedulers x boost clock
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def sass(fn, pointers: dict, floats: set, constexprs: dict, warps: int) -> str:
-    source = ASTSource(fn, _signature(fn, pointers, floats, constexprs), constexprs)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": warps})
+def sass(fn, args: tuple, kwargs: dict) -> str:
+    """SASS of ``fn`` compiled for sm_90a as Triton's JIT specializes it for this launch:
+    ints of value 1 become constants, ints and tensor addresses divisible by 16 carry the
+    divisibility hint (so loads vectorize as they do at run time)."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    signature, constexprs, attrs = {}, dict(kwargs), {}
+    for index, (name, value) in enumerate(zip(fn.arg_names, args, strict=False)):
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            constexprs[name] = spec
+        elif spec == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        signature[name] = kind
+    for name in kwargs:
+        signature[name] = "constexpr"
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options
+    )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -48,36 +68,88 @@ def sass(fn, pointers: dict, floats: set, constexprs: dict, warps: int) -> str:
         ).stdout
 
 
-def packed_reader(levels: int) -> dict:
-    from flashloop_backend.kernels.triton.packed_decode import (
-        DEFAULT_TUNING,
-        rows_per_step,
-        warps_for,
-    )
-    from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
+class _Launches:
+    """Stands in for every Triton kernel of ``modules`` while a wrapper runs: records each
+    launch's (kernel, args, kwargs) instead of running it (no GPU here)."""
 
-    rows = rows_per_step(DEFAULT_TUNING, 64, levels)
-    warps = warps_for(DEFAULT_TUNING, levels)
-    shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                 STORE_LOGITS=False, ROWS=rows, SELECTED=False)  # fmt: skip
-    text = sass(packed_decode_split_kernel, STORE, {"scale"}, shape, warps)
+    def __init__(self, *modules) -> None:
+        self.modules, self.calls, self._saved = modules, [], []
+
+    def __enter__(self):
+        for module in self.modules:
+            for name in dir(module):
+                kernel = getattr(module, name)
+                if isinstance(kernel, triton.runtime.jit.JITFunction):
+                    self._saved.append((module, name, kernel))
+                    setattr(module, name, _Recorder(kernel, self.calls))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, kernel in self._saved:
+            setattr(module, name, kernel)
+
+    def first(self, kernel) -> tuple[tuple, dict]:
+        return next((a, k) for fn, a, k in self.calls if fn is kernel)
+
+
+class _Recorder:
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args, dict(kwargs)))
+
+
+def _caches(context: int, rows: int):
+    """Ouro-1.4B's BF16 cache views of layer 1 (24 layers, 16 heads x 128, blocks of 16)
+    and block tables for ``rows`` rows of ``context`` tokens, on the CPU."""
+    blocks = context // 16
+    pool = torch.zeros(2 * rows * blocks + 1, 24, 16, 16, 128, dtype=torch.bfloat16)
+    tables = torch.arange(rows * blocks, dtype=torch.int32).reshape(rows, blocks)
+    lengths = torch.full((rows,), context, dtype=torch.int32)
+    q = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
+    return q, pool[:, 1], pool[:, 1], tables, lengths
+
+
+def packed_reader(levels: int, context: int = 8192) -> dict:
+    """The packed reader of a graph step (metadata at the graph's fixed widths), one row
+    whose whole ``context`` is packed."""
+    import flashloop_backend.kernels.triton.packed_decode_jit as jit
+    import flashloop_backend.kernels.triton.paged_decode_jit as paged_jit
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+    from flashloop_backend.kv.levels import LevelKind, LevelMetadata
+    from flashloop_backend.kv.store import PackedKVStore
+
+    store = PackedKVStore(4, 24, 16, 128, 64)
+    q, key_cache, value_cache, tables, lengths = _caches(context, 1)
+    pages = context // 64
+    meta = LevelMetadata(
+        torch.arange(levels * pages, dtype=torch.int32).reshape(1, levels, pages) % 4,
+        torch.full((1, levels, context), -1, dtype=torch.int32),
+        torch.full((1, levels), int(LevelKind.DENSE), dtype=torch.int32),
+        torch.full((1,), context, dtype=torch.int32),
+    )
+    with _Launches(jit, paged_jit) as launches:
+        packed_decode_triton(q, store, 1, meta, key_cache, value_cache, tables, lengths)
+    args, kwargs = launches.first(jit.packed_decode_split_kernel)
+    rows, warps = kwargs["ROWS"], kwargs["num_warps"]
+    text = sass(jit.packed_decode_split_kernel, args, kwargs)
     # one step: ROWS rows of K and V codes (128 channels each) at every level
     return _record(f"packed_decode LEVELS={levels}", text, warps, rows * 128 * 2 * levels, 0.5)
 
 
-def bf16_reader() -> dict:
-    from flashloop_backend.kernels.triton.paged_decode import DEFAULT_TUNING
-    from flashloop_backend.kernels.triton.paged_decode_jit import paged_attention_split_kernel
+def bf16_reader(context: int = 8192) -> dict:
+    import flashloop_backend.kernels.triton.paged_decode_jit as jit
+    from flashloop_backend.kernels.triton.paged_decode import DEFAULT_TUNING, paged_attention_triton
 
-    tuning = DEFAULT_TUNING
-    pages = tuning.keys_per_iter // 16
-    shape = dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, PAGES=pages,
-                 USE_DOT=tuning.use_dot, DOT_PRECISION="tf32", STORE_LOGITS=False)  # fmt: skip
-    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32",
-                "lengths_ptr": "*i32"}  # fmt: skip
-    text = sass(paged_attention_split_kernel, pointers, {"scale"}, shape, tuning.num_warps)
+    q, key_cache, value_cache, tables, lengths = _caches(context, 1)
+    with _Launches(jit) as launches:
+        paged_attention_triton(q, key_cache, value_cache, tables, lengths)
+    args, kwargs = launches.first(jit.paged_attention_split_kernel)
+    text = sass(jit.paged_attention_split_kernel, args, dict(kwargs))
+    keys = DEFAULT_TUNING.keys_per_iter
     # one step: keys_per_iter keys of K and V (128 values each)
-    return _record("paged_attention BF16", text, tuning.num_warps, tuning.keys_per_iter * 256, 2)
+    return _record("paged_attention BF16", text, kwargs["num_warps"], keys * 256, 2)
 
 
 def _record(label: str, text: str, warps: int, elements: int, element_bytes: float) -> dict:
