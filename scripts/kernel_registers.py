@@ -1,6 +1,8 @@
 """Registers and spills of the packed INT4 decode reader (or, ``--kernel selected``, the
 selected-key kernel of the packed sparse ops) per launch shape, from ptxas on
-the sm_90 PTX (no GPU needed): a static check of the reader's register pressure, which
+the sm_90 PTX (no GPU needed; the reader's launch is the one its wrapper makes, specialized
+as at run time (``recorded_launch.py``), the selected-key kernel's without the run-time
+divisibility hints): a static check of the reader's register pressure, which
 decides its occupancy (255 registers: at most 8 warps per SM) and its local-memory spill
 traffic. Launch-shape timings belong to ``flashloop-backend bench packed`` on the H200.
 
@@ -22,7 +24,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton
-from compile_sm90 import SELECTED, STORE, TARGET, _signature
+from compile_sm90 import SELECTED, TARGET, _signature
+from recorded_launch import compile_launch, packed_launch
 from triton.compiler import ASTSource
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -32,24 +35,18 @@ def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[st
     """ptxas -v figures of one variant (Ouro-1.4B shapes): the packed reader
     (``decode``, ``rows`` per step) or the selected-key kernel of the loop 3-4 correction
     (``selected``, ``rows`` positions per step)."""
-    if kernel == "decode":
-        from flashloop_backend.kernels.triton.packed_decode_jit import (
-            packed_decode_split_kernel as fn,
-        )
-
-        pointers = STORE
-        shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                     STORE_LOGITS=False, ROWS=rows, SELECTED=False)  # fmt: skip
+    if kernel == "decode":  # the wrapper's own launch, specialized as at run time
+        fn, args, kwargs = packed_launch(levels)
+        compiled = compile_launch(fn, args, {**kwargs, "ROWS": rows, "num_warps": warps})
     else:
         from flashloop_backend.kernels.triton.packed_selected_jit import (
             packed_selected_split_kernel as fn,
         )
 
-        pointers = SELECTED
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
                      BLOCK_N=rows, FROM_LOGITS=False)  # fmt: skip
-    compiled = triton.compile(ASTSource(fn, _signature(fn, pointers, {"scale"}, shape), shape),
-                              target=TARGET, options={"num_warps": warps})  # fmt: skip
+        compiled = triton.compile(ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape),
+                                  target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()

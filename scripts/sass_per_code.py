@@ -30,36 +30,17 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
 import triton
-from compile_sm90 import TARGET
+from recorded_launch import Launches, compile_launch, ouro_caches, packed_launch
 from sass_loops import innermost_loops
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
-from triton.compiler import ASTSource
 
 ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x schedulers x boost clock
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def sass(fn, args: tuple, kwargs: dict) -> str:
-    """SASS of ``fn`` compiled for sm_90a as Triton's JIT specializes it for this launch:
-    ints of value 1 become constants, ints and tensor addresses divisible by 16 carry the
-    divisibility hint (so loads vectorize as they do at run time)."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    signature, constexprs, attrs = {}, dict(kwargs), {}
-    for index, (name, value) in enumerate(zip(fn.arg_names, args, strict=False)):
-        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
-        if kind == "constexpr":
-            constexprs[name] = spec
-        elif spec == "D":
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        signature[name] = kind
-    for name in kwargs:
-        signature[name] = "constexpr"
-    compiled = triton.compile(
-        ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options
-    )
+    """SASS of ``fn`` compiled for this launch (:func:`compile_launch`)."""
+    compiled = compile_launch(fn, args, kwargs)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -68,72 +49,11 @@ def sass(fn, args: tuple, kwargs: dict) -> str:
         ).stdout
 
 
-class _Launches:
-    """Stands in for every Triton kernel of ``modules`` while a wrapper runs: records each
-    launch's (kernel, args, kwargs) instead of running it (no GPU here)."""
-
-    def __init__(self, *modules) -> None:
-        self.modules, self.calls, self._saved = modules, [], []
-
-    def __enter__(self):
-        for module in self.modules:
-            for name in dir(module):
-                kernel = getattr(module, name)
-                if isinstance(kernel, triton.runtime.jit.JITFunction):
-                    self._saved.append((module, name, kernel))
-                    setattr(module, name, _Recorder(kernel, self.calls))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for module, name, kernel in self._saved:
-            setattr(module, name, kernel)
-
-    def first(self, kernel) -> tuple[tuple, dict]:
-        return next((a, k) for fn, a, k in self.calls if fn is kernel)
-
-
-class _Recorder:
-    def __init__(self, kernel, calls: list) -> None:
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.kernel, args, dict(kwargs)))
-
-
-def _caches(context: int, rows: int):
-    """Ouro-1.4B's BF16 cache views of layer 1 (24 layers, 16 heads x 128, blocks of 16)
-    and block tables for ``rows`` rows of ``context`` tokens, on the CPU."""
-    blocks = context // 16
-    pool = torch.zeros(2 * rows * blocks + 1, 24, 16, 16, 128, dtype=torch.bfloat16)
-    tables = torch.arange(rows * blocks, dtype=torch.int32).reshape(rows, blocks)
-    lengths = torch.full((rows,), context, dtype=torch.int32)
-    q = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
-    return q, pool[:, 1], pool[:, 1], tables, lengths
-
-
 def packed_reader(levels: int, context: int = 8192) -> dict:
-    """The packed reader of a graph step (metadata at the graph's fixed widths), one row
-    whose whole ``context`` is packed."""
-    import flashloop_backend.kernels.triton.packed_decode_jit as jit
-    import flashloop_backend.kernels.triton.paged_decode_jit as paged_jit
-    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
-    from flashloop_backend.kv.levels import LevelKind, LevelMetadata
-    from flashloop_backend.kv.store import PackedKVStore
-
-    store = PackedKVStore(4, 24, 16, 128, 64)
-    q, key_cache, value_cache, tables, lengths = _caches(context, 1)
-    pages = context // 64
-    meta = LevelMetadata(
-        torch.arange(levels * pages, dtype=torch.int32).reshape(1, levels, pages) % 4,
-        torch.full((1, levels, context), -1, dtype=torch.int32),
-        torch.full((1, levels), int(LevelKind.DENSE), dtype=torch.int32),
-        torch.full((1,), context, dtype=torch.int32),
-    )
-    with _Launches(jit, paged_jit) as launches:
-        packed_decode_triton(q, store, 1, meta, key_cache, value_cache, tables, lengths)
-    args, kwargs = launches.first(jit.packed_decode_split_kernel)
+    """The packed reader of a graph step, one row whose whole ``context`` is packed."""
+    fn, args, kwargs = packed_launch(levels, context)
     rows, warps = kwargs["ROWS"], kwargs["num_warps"]
-    text = sass(jit.packed_decode_split_kernel, args, kwargs)
+    text = sass(fn, args, kwargs)
     # one step: ROWS rows of K and V codes (128 channels each) at every level
     return _record(f"packed_decode LEVELS={levels}", text, warps, rows * 128 * 2 * levels, 0.5)
 
@@ -142,8 +62,8 @@ def bf16_reader(context: int = 8192) -> dict:
     import flashloop_backend.kernels.triton.paged_decode_jit as jit
     from flashloop_backend.kernels.triton.paged_decode import DEFAULT_TUNING, paged_attention_triton
 
-    q, key_cache, value_cache, tables, lengths = _caches(context, 1)
-    with _Launches(jit) as launches:
+    q, key_cache, value_cache, tables, lengths = ouro_caches(context, 1)
+    with Launches(jit) as launches:
         paged_attention_triton(q, key_cache, value_cache, tables, lengths)
     args, kwargs = launches.first(jit.paged_attention_split_kernel)
     text = sass(jit.paged_attention_split_kernel, args, dict(kwargs))
