@@ -270,3 +270,38 @@ def test_decode_only_view_keeps_its_order_with_padding_anywhere(rng):
                 torch.testing.assert_close(
                     out[r : r + 1], paged_attention(q[r : r + 1], kc, vc, table, lengths)
                 )
+
+
+def test_prefill_kernel_sees_the_same_tables_and_lengths_at_every_layer(rng):
+    """A kernel that plans on the host (FlashInfer) recognises the batch by its input
+    tensors: every layer of one view passes the very same tables and lengths objects, with
+    and without sparse decode (whose decode routes change from layer to layer)."""
+    from flashloop_backend.kernels.ops import OpName
+
+    M = RowMode
+    modes = [M.PREFILL, M.PREFILL, M.DECODE, M.PAD]
+    planes = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    kc = torch.randn(12, 4, 2, 16, generator=rng)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    for config in (FlashLoopConfig(), FlashLoopConfig(sparse_decode_attention={"enabled": True})):
+        backend = Registry.discover().create("flashloop", REQUEST, config)
+        if config.sparse_decode_attention.enabled:
+            backend.reserve_state(
+                4, num_layers=2, num_heads=4, head_dim=16, max_context=64, device="cpu"
+            )
+        choice = backend.kernels[OpName.DENSE_PREFILL]
+        original, seen = choice.impl.fn, []
+
+        def spy(q, kc, vc, tables, lengths, scale=None, original=original, seen=seen):
+            seen.append((tables, lengths))
+            return original(q, kc, vc, tables, lengths, scale)
+
+        object.__setattr__(choice.impl, "fn", spy)
+        try:
+            view = _view(modes, [0, 0, 1, 0], [2, 3, 7, 0], planes)
+            for layer in range(2):
+                backend.forward(q, kc, kc, view, layer=layer)
+        finally:
+            object.__setattr__(choice.impl, "fn", original)
+        assert len(seen) == 2
+        assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]

@@ -364,12 +364,15 @@ class FlashLoopBackend(AttentionBackend):
         if plan.order is None:  # the view's own order: padding may sit anywhere
             bound = view.num_rows
         key_retention = self.config.sparse_decode_attention.key_retention
-        # without sparse decode the routes do not depend on the layer: each op's rows and
-        # masked lengths are planned on the first layer and reused
-        static = states is None
-        if not static or self._masks is None or self._masks[0] is not plan:
+        # each op's rows and masked lengths are planned on the first layer and reused, but
+        # for decode ops under sparse decode (a row's route follows its reference's
+        # readiness at this layer); prefill rows' routes never depend on the layer
+        if self._masks is None or self._masks[0] is not plan:
             self._masks = (plan, {})
         masks = self._masks[1]
+        if states is not None:
+            masks = {op: m for op, m in masks.items() if op in prefill_ops}
+            self._masks = (plan, masks)
         runs = [
             (op, choice, view.num_rows if op in prefill_ops else bound)
             for op, choice in self.kernels.items()
@@ -384,7 +387,10 @@ class FlashLoopBackend(AttentionBackend):
                     masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
                 masks[op] = (mine, masked)
             mine, masked = masks[op]
-            q_n, tables_n = gathered_q[:n], tables[:n]
+            # the plan's own tensors where every row runs: a kernel that plans on the host
+            # (FlashInfer) recognises them at every layer and plans once
+            q_n = gathered_q if n == view.num_rows else gathered_q[:n]
+            tables_n = tables if n == view.num_rows else tables[:n]
             if op in CORRECTION_OPS:
                 indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
                 # rows routed elsewhere may hold another token's state: they select nothing
