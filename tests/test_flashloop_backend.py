@@ -245,7 +245,7 @@ def test_decode_steps_launch_only_the_ops_of_their_depths(rng):
 def test_decode_only_view_keeps_its_order_with_padding_anywhere(rng):
     """A decode-only view runs in its own row order (no gather or scatter): padding rows
     between decode rows get zeros and every decode row its reference attention, across
-    layers (the per-view masks are reused) and with or without a second op."""
+    layers (the per-view masks are reused; one op serves every row)."""
     from dataclasses import replace
 
     M = RowMode
@@ -256,20 +256,76 @@ def test_decode_only_view_keeps_its_order_with_padding_anywhere(rng):
     vc = torch.randn(12, 4, 2, 16, generator=rng)
     planes = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
     q = torch.randn(len(modes), 4, 16, generator=rng)
-    for config in (FlashLoopConfig(), FlashLoopConfig(token_sparse_prefill={"enabled": True})):
+    backend = Registry.discover().create("flashloop", REQUEST, FlashLoopConfig())
+    view = replace(_view(modes, depths, positions, planes), decode_only=True)
+    assert backend._plan is None or backend._plan.view is not view
+    for layer in range(2):
+        out = backend.forward(q, kc, vc, view, layer=layer)
+        assert backend._plan.order is None  # the view's own order
+        for r, mode in enumerate(modes):
+            if mode == M.PAD:
+                assert torch.equal(out[r], torch.zeros_like(out[r]))
+                continue
+            table = planes[depths[r], r : r + 1]
+            lengths = view.context_lengths[r : r + 1]
+            torch.testing.assert_close(
+                out[r : r + 1], paged_attention(q[r : r + 1], kc, vc, table, lengths)
+            )
+
+
+def test_decode_only_order_gives_what_the_partitioned_order_gives_with_sparse_decode(rng):
+    """Sparse decode launches the loop-2 source, the correction and dense attention over
+    one decode-only view: in the view's own order (padding between rows) the outputs and
+    the reference states written equal those of the same rows gathered decode-first."""
+    from dataclasses import replace
+
+    M = RowMode
+    modes = [M.DECODE, M.PAD, M.DECODE, M.DECODE, M.PAD, M.DECODE]
+    depths = [1, 0, 2, 0, 0, 1]
+    positions = [9, 0, 6, 11, 0, 5]
+    kc = torch.randn(12, 4, 2, 16, generator=rng)
+    vc = torch.randn(12, 4, 2, 16, generator=rng)
+    planes = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    base = _view(modes, depths, positions, planes)
+    slots = torch.tensor([0, -1, 1, 2, -1, 3])
+    base = replace(base, slots=slots, incarnations=torch.ones(len(modes), dtype=torch.int64))
+    config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.5})
+    results = []
+    for decode_only in (True, False):
         backend = Registry.discover().create("flashloop", REQUEST, config)
-        view = replace(_view(modes, depths, positions, planes), decode_only=True)
-        for layer in range(2):
-            out = backend.forward(q, kc, vc, view, layer=layer)
-            for r, mode in enumerate(modes):
-                if mode == M.PAD:
-                    assert torch.equal(out[r], torch.zeros_like(out[r]))
-                    continue
-                table = planes[depths[r], r : r + 1]
-                lengths = view.context_lengths[r : r + 1]
-                torch.testing.assert_close(
-                    out[r : r + 1], paged_attention(q[r : r + 1], kc, vc, table, lengths)
-                )
+        backend.reserve_state(
+            4, num_layers=2, num_heads=4, head_dim=16, max_context=64, device="cpu"
+        )
+        view = replace(base, decode_only=decode_only)
+        outs = [backend.forward(q, kc, vc, view, layer=layer) for layer in range(2)]
+        assert (backend._plan.order is None) == decode_only
+        results.append((outs, backend.states.read(1, slots.clamp(min=0))))
+    (outs_own, states_own), (outs_gathered, states_gathered) = results
+    for own, gathered in zip(outs_own, outs_gathered, strict=True):
+        torch.testing.assert_close(own, gathered)
+        assert torch.equal(own[1], torch.zeros_like(own[1]))
+    for own, gathered in zip(states_own, states_gathered, strict=True):
+        torch.testing.assert_close(own, gathered)
+
+
+def test_decode_only_view_with_rows_past_its_decode_bound_is_partitioned():
+    """Padding past ``decode_bound`` (the host plans packed metadata for the first
+    decode_bound rows only) keeps the decode-first gather; a bucket's view (no bound) and
+    a view without padding keep their own order."""
+    from dataclasses import replace
+
+    from flashloop_backend.backends.batch_plan import BatchPlan
+
+    M = RowMode
+    planes = torch.zeros(4, 3, 2, dtype=torch.int32)
+    view = replace(
+        _view([M.DECODE, M.DECODE, M.PAD], [0, 1, 0], [3, 4, 0], planes), decode_only=True
+    )
+    assert BatchPlan.of(replace(view, decode_bound=2), FlashLoopConfig()).order is not None
+    assert BatchPlan.of(view, FlashLoopConfig()).order is None
+    full = replace(_view([M.DECODE, M.DECODE], [0, 1], [3, 4], planes[:, :2]), decode_only=True)
+    assert BatchPlan.of(replace(full, decode_bound=2), FlashLoopConfig()).order is None
 
 
 def test_prefill_kernel_sees_the_same_tables_and_lengths_at_every_layer(rng):

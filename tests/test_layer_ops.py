@@ -98,3 +98,11 @@ def test_linear_takes_f_linear_beyond_the_small_row_limit(rng):
     tuning = layer_ops.LinearTuning(max_rows=4)
     got = layer_ops.linear(x, weight, use_triton=True, tuning=tuning)
     assert torch.equal(got, torch.nn.functional.linear(x, weight))
+
+
+def test_small_rows_linear_refuses_a_tile_too_narrow_for_tensor_cores(rng):
+    x = torch.randn(3, 32, generator=rng)
+    weight = torch.randn(16, 32, generator=rng)
+    tuning = layer_ops.LinearTuning(block_n=4, max_rows=4)
+    with pytest.raises(ValueError, match="block_n=4 must be >= 16"):
+        layer_ops.linear(x, weight, use_triton=True, tuning=tuning)

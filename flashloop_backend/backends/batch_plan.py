@@ -20,9 +20,11 @@ class BatchPlan:
     bool (or None) the decode rows that correct when their reference is ready. ``kept``
     [R] bool and ``source`` [R] int64 (original order) scatter the results back.
 
-    A decode-only view keeps its own order (``order``, ``kept`` and ``source`` None): its
-    rows are decode rows or padding, padding routes to no op and reads no key, so no
-    gather or scatter is needed and every decode op runs over all its rows."""
+    A decode-only view whose decode segment spans every row (``decode_bound`` None, as in
+    a CUDA graph's bucket, or all rows) keeps its own order (``order``, ``kept`` and
+    ``source`` None): its rows are decode rows or padding, padding routes to no op and
+    reads no key, so no gather or scatter is needed and every decode op runs over all its
+    rows."""
 
     view: BatchView
     order: torch.Tensor | None
@@ -38,7 +40,9 @@ class BatchPlan:
     @staticmethod
     def of(view: BatchView, config: FlashLoopConfig) -> BatchPlan:
         routes, correctable = base_routes(view, config)
-        if view.decode_only:
+        # the view's own order when nothing is left out of the decode segment: the packed
+        # metadata the host plans covers the first decode_bound rows only
+        if view.decode_only and view.decode_bound in (None, view.num_rows):
             return BatchPlan(
                 view,
                 None,

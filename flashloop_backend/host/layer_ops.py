@@ -151,6 +151,11 @@ def linear(
             f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
     use_dot = tuning.use_dot or rows > 1
+    if use_dot and tuning.block_n < 16:
+        raise ValueError(
+            f"block_n={tuning.block_n} must be >= 16 for tensor-core tiles (use_dot, or "
+            f"{rows} rows with max_rows={tuning.max_rows})"
+        )
     y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     small_rows_linear_kernel[(-(-n_out // tuning.block_n),)](
         x,

@@ -80,6 +80,7 @@ def graph_ms(fn, reps: int = 30, calls: int = 10, rotate: list | None = None) ->
     ``rotate``, call i is ``fn(rotate[i % len(rotate)])``: inputs larger than the L2 cache
     together time reads from memory, as a traversal reads each layer's tensors once."""
     call = (lambda i: fn(rotate[i % len(rotate)])) if rotate else (lambda i: fn())
+    calls = max(calls, len(rotate or ()))  # every rotated input once at least
     call(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
