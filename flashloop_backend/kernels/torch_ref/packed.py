@@ -81,6 +81,12 @@ def _only_rows(needed: torch.Tensor, fn, q, meta, block_tables, *per_row):
     is called over the whole batch with other rows' lengths masked to 0, and rebuilding
     their histories would dominate this reference. (Reads the mask on the host: the
     reference is the oracle, not the graph-safe path.)"""
+    rows = q.shape[0]
+    if meta.tables.shape[0] != rows or meta.packed_lengths.shape != (rows,):
+        raise ValueError(  # as the Triton wrapper checks: every query row has its metadata
+            f"metadata rows/levels disagree: tables {tuple(meta.tables.shape)}, kinds "
+            f"{tuple(meta.kinds.shape)}, packed {tuple(meta.packed_lengths.shape)} for {rows} rows"
+        )
     index = needed.nonzero().flatten()
     sub_meta = meta.rows(index)
     result = fn(q[index], sub_meta, block_tables[index], *(t[index] for t in per_row))
