@@ -9,7 +9,7 @@ from flashloop_backend.kernels.flashinfer import FlashInferPagedAttention
 
 class _Wrapper:
     def run(self, q, caches):
-        return torch.zeros_like(q)
+        return torch.ones_like(q)  # non-zero: padding rows must be zeroed by the adapter
 
 
 def _adapter(plans: list):
@@ -19,6 +19,7 @@ def _adapter(plans: list):
     def plan(tables, lengths, device, *rest):
         plans.append((tables.clone(), lengths.clone()))
         adapter.empty_rows = (lengths == 0).to(device)
+        adapter.has_empty_rows = bool(adapter.empty_rows.any())
 
     adapter.plan = plan
     return adapter
@@ -83,3 +84,16 @@ def test_planned_wrapper_is_the_wrapper_the_last_call_planned(monkeypatch):
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     flashinfer.paged_attention_flashinfer(q, cache, cache, tables, torch.tensor([20, 30]).int())
     assert flashinfer.planned_wrapper(device) is adapter.decode
+
+
+def test_padding_rows_are_zeroed_and_a_batch_without_them_returns_the_kernel_output():
+    adapter = _adapter([])
+    q = torch.randn(2, 2, 16)
+    cache = torch.randn(4, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    out = adapter(q, cache, cache, tables, torch.tensor([20, 0], dtype=torch.int32))
+    assert torch.equal(out[0], torch.ones_like(out[0])) and torch.equal(
+        out[1], torch.zeros_like(out[1])
+    )
+    out = adapter(q, cache, cache, tables, torch.tensor([20, 30], dtype=torch.int32))
+    assert torch.equal(out, torch.ones_like(out))

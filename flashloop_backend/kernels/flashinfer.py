@@ -81,6 +81,9 @@ class FlashInferPagedAttention:
     ):
         """Plan for tables [R, MB] and lengths [R] (see :func:`plan_sequences`)."""
         self.empty_rows = lengths == 0
+        # read once per batch, where planning waits for the device anyway: a batch without
+        # padding rows then returns the kernel's output with no zeroing at every layer
+        self.has_empty_rows = bool(self.empty_rows.any())
         qo_indptr, kv_indptr, indices, last = plan_sequences(tables, lengths, block_size)
         self.use_prefill = len(qo_indptr) - 1 < len(lengths)
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
@@ -158,6 +161,8 @@ class FlashInferPagedAttention:
         )
         wrapper = self.prefill if self.use_prefill else self.decode
         out = wrapper.run(q, (key_cache, value_cache))
+        if not self.has_empty_rows:
+            return out
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
 
 
