@@ -163,12 +163,12 @@ class DenseBackend(AttentionBackend):
         whose rows the host knows are absent (``decode_only``, ``decode_bound == 0``) is not
         launched. The rows' tables and lengths are planned once per view (every layer of a
         traversal passes the same tensors, so a planning kernel plans once too)."""
+        one_kernel = self.prefill_impl.fn is self.impl.fn
         if self._plan is None or self._plan.view is not view:
-            self._plan = _DensePlan.of(view, one_kernel=self.prefill_impl.fn is self.impl.fn)
+            self._plan = _DensePlan.of(view, one_kernel)
         plan = self._plan
         out = None
         if plan.prefill_lengths is not None:
-            one_kernel = self.prefill_impl.fn is self.impl.fn
             impl = self.impl if one_kernel else self.prefill_impl
             out = impl(
                 PagedInputs(q, key_cache, value_cache, plan.tables, plan.prefill_lengths, scale)

@@ -364,15 +364,9 @@ class FlashLoopBackend(AttentionBackend):
         if plan.order is None:  # the view's own order: padding may sit anywhere
             bound = view.num_rows
         key_retention = self.config.sparse_decode_attention.key_retention
-        # each op's rows and masked lengths are planned on the first layer and reused, but
-        # for decode ops under sparse decode (a row's route follows its reference's
-        # readiness at this layer); prefill rows' routes never depend on the layer
         if self._masks is None or self._masks[0] is not plan:
             self._masks = (plan, {})
         masks = self._masks[1]
-        if states is not None:
-            masks = {op: m for op, m in masks.items() if op in prefill_ops}
-            self._masks = (plan, masks)
         runs = [
             (op, choice, view.num_rows if op in prefill_ops else bound)
             for op, choice in self.kernels.items()
@@ -380,13 +374,17 @@ class FlashLoopBackend(AttentionBackend):
         runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
         out = None
         for op, choice, n in runs:
-            if op not in masks:
+            if op in masks:
+                mine, masked = masks[op]
+            else:
                 mine = gathered_routes[:n] == ROUTE_CODES[op]
                 masked = None
                 if op not in CORRECTION_OPS:
                     masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
-                masks[op] = (mine, masked)
-            mine, masked = masks[op]
+                # kept for the next layers unless the route follows this layer's reference
+                # readiness (decode ops under sparse decode); prefill routes never do
+                if states is None or op in prefill_ops:
+                    masks[op] = (mine, masked)
             # the plan's own tensors where every row runs: a kernel that plans on the host
             # (FlashInfer) recognises them at every layer and plans once
             q_n = gathered_q if n == view.num_rows else gathered_q[:n]

@@ -45,7 +45,6 @@ class GraphInputs:
         self._host = {name: t.numpy() for name, t in self._views(self._host_bytes).items()}
         self._host["tables"][:] = -1
         self._copied = torch.cuda.Event() if pinned else None
-        self._in_flight = False
 
     def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of ``buffer`` (every offset aligned to its element size)."""
@@ -65,8 +64,8 @@ class GraphInputs:
         """Write decode ``groups`` (one row each) and padding rows up to ``bucket``, then
         start their copy to the device (queued on the current stream, so work launched
         after this reads them)."""
-        if self._in_flight and self._copied is not None:
-            self._copied.synchronize()  # the last step's copy still reads the host buffer
+        if self._copied is not None:  # the last step's copy may still read the host buffer
+            self._copied.synchronize()  # (an event never recorded returns at once)
         host = self._host
         for row, group in enumerate(groups):
             if group.depth >= kv.num_depths:
@@ -96,4 +95,3 @@ class GraphInputs:
         self._device_bytes.copy_(self._host_bytes, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-            self._in_flight = True
