@@ -106,3 +106,10 @@ def test_small_rows_linear_refuses_a_tile_too_narrow_for_tensor_cores(rng):
     tuning = layer_ops.LinearTuning(block_n=4, max_rows=4)
     with pytest.raises(ValueError, match="block_n=4 must be >= 16"):
         layer_ops.linear(x, weight, use_triton=True, tuning=tuning)
+
+
+def test_small_rows_linear_names_mismatched_shapes(rng):
+    x = torch.randn(1, 24, generator=rng)
+    weight = torch.randn(16, 32, generator=rng)
+    with pytest.raises(ValueError, match=r"x \[R, 32\].*got x \(1, 24\), weight \(16, 32\)"):
+        layer_ops.linear(x, weight, use_triton=True)

@@ -560,3 +560,18 @@ def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
     state = ref[1:]
     torch.testing.assert_close(packed_sparse.packed_sparse_correction_triton(*args, *state),
                                packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip
+
+
+def test_torch_reference_reader_refuses_metadata_for_fewer_rows_than_queries(rng):
+    from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
+    from flashloop_backend.kv.levels import level_metadata
+
+    store = PackedKVStore(8, L, H, D, G)
+    store.encode(0, *(_versions(rng, G),) * 2)
+    meta = level_metadata(store, [0], [0], "cpu")  # one row planned
+    q = torch.randn(2, H, D, generator=rng)  # two query rows
+    cache = torch.randn(4, 16, H, D, generator=rng)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    lengths = torch.tensor([G, G], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"tables \(1, 1, 1\).*for 2 rows"):
+        packed_decode_reference(q, store, 0, meta, cache, cache, tables, lengths)
