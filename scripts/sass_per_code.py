@@ -49,13 +49,15 @@ def sass(fn, args: tuple, kwargs: dict) -> str:
         ).stdout
 
 
-def packed_reader(levels: int, context: int = 8192) -> dict:
+def packed_reader(levels: int, context: int = 8192, mma: bool = True) -> dict:
     """The packed reader of a graph step, one row whose whole ``context`` is packed."""
-    fn, args, kwargs = packed_launch(levels, context)
-    rows, warps = kwargs["ROWS"], kwargs["num_warps"]
+    fn, args, kwargs = packed_launch(levels, context, mma)
+    rows, warps = kwargs.get("ROWS", kwargs["GROUP"]), kwargs["num_warps"]
     text = sass(fn, args, kwargs)
-    # one step: ROWS rows of K and V codes (128 channels each) at every level
-    return _record(f"packed_decode LEVELS={levels}", text, warps, rows * 128 * 2 * levels, 0.5)
+    # one step: ROWS rows (a group for the tensor-core reader) of K and V codes (128
+    # channels each) at every level
+    name = f"packed_{'mma' if mma else 'fma'} LEVELS={levels}"
+    return _record(name, text, warps, rows * 128 * 2 * levels, 0.5)
 
 
 def bf16_reader(context: int = 8192) -> dict:
@@ -97,7 +99,9 @@ def main() -> int:
     parser.add_argument("--levels", default="1,2,4")
     parser.add_argument("--json")
     args = parser.parse_args()
-    records = [bf16_reader()] + [packed_reader(int(n)) for n in args.levels.split(",")]
+    records = [bf16_reader()] + [
+        packed_reader(int(n), mma=mma) for mma in (True, False) for n in args.levels.split(",")
+    ]
     for r in records:
         print(
             f"{r['kernel']:24s} warps={r['warps']} loop={r['main_loop_instructions']} instr, "

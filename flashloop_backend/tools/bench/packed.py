@@ -91,34 +91,32 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 
 def _tunings(levels: int, sweep: bool) -> list:
-    """The registered launch, then (``sweep``) rows per step 64 / 32 / 16 at 1 / 2 / 4
-    warps and 16 / 32 programs per SM for ``levels`` levels, each once (the fields of
-    launches with that many levels: ``num_warps`` / ``rows_per_step`` up to two levels,
-    the ``deep_`` pair from three)."""
+    """The registered launch, then (``sweep``) the tensor-core reader at 1 / 2 / 4 warps
+    and 4 / 8 / 16 programs per SM and the CUDA-core reader at its registered launch
+    (``mma=False``), each once."""
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
-    if levels <= 2:
-        warps, rows = "num_warps", "rows_per_step"
-    else:
-        warps, rows = "deep_num_warps", "deep_rows_per_step"
     out = [DEFAULT_TUNING]
-    if sweep:
-        grid = [
-            replace(DEFAULT_TUNING, **{warps: w, "programs_per_sm": p, rows: r})
-            for r in (None, 32, 16)
-            for w in (1, 2, 4)
-            for p in (16, 32)
-        ]
-        out += [t for t in grid if t != DEFAULT_TUNING]
-    return out
+    if not sweep:
+        return [*out, replace(DEFAULT_TUNING, mma=False)]
+    grid = [
+        replace(DEFAULT_TUNING, mma=True, mma_num_warps=w, mma_programs_per_sm=p)
+        for w in (1, 2, 4)
+        for p in (4, 8, 16)
+    ]
+    grid.append(replace(DEFAULT_TUNING, mma=False))
+    return out + [t for t in grid if t != DEFAULT_TUNING]
 
 
 def tuning_label(tuning, levels: int) -> str:
-    """``_w{warps}_p{programs per SM}``, and ``_r{rows per step}`` when a 64-row group is
-    not read whole."""
+    """``_mma_w{warps}_p{programs per SM}`` for the tensor-core reader; for the CUDA-core
+    one ``_fma_w{warps}_p{programs per SM}``, and ``_r{rows per step}`` when a 64-row
+    group is not read whole."""
     from flashloop_backend.kernels.triton.packed_decode import rows_per_step, warps_for
 
-    label = f"_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
+    if tuning.mma:
+        return f"_mma_w{tuning.mma_num_warps}_p{tuning.mma_programs_per_sm}"
+    label = f"_fma_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
     rows = rows_per_step(tuning, GROUP, levels)
     return label + (f"_r{rows}" if rows != GROUP else "")
 
@@ -164,7 +162,12 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                 sum(m.numel() * 4 for m in store.sequences[0].maps[: depth + 1] if m is not None)
                 * batch
             )
+            exact = packed_decode_triton(
+                q, store, 0, meta, kc, vc, tables, lengths, tuning=replace(DEFAULT_TUNING, mma=False)
+            ).float()
             for tuning in _tunings(depth + 1, sweep=not sparse):
+                got = packed_decode_triton(q, store, 0, meta, kc, vc, tables, lengths, tuning=tuning)
+                gap = (got.float() - exact).abs().max().item()
                 ms = graph_ms(
                     lambda m=meta, s=store, t=tuning: packed_decode_triton(
                         q, s, 0, m, kc, vc, tables, lengths, tuning=t
@@ -181,10 +184,12 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
                     "tb_s": tb_s,
                     "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
                     "tuning": asdict(tuning),
+                    "max_abs_vs_fma_reader": gap,
                 }
                 log(
                     f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
-                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {tb_s:.2f} TB/s"
+                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {tb_s:.2f} TB/s, "
+                    f"max |diff| vs the CUDA-core reader {gap:.1e}"
                 )
         del store
         torch.cuda.empty_cache()
