@@ -81,12 +81,11 @@ def ouro_caches(context: int, rows: int):
     return q, pool[:, 1], pool[:, 1], tables, lengths
 
 
-def packed_launch(levels: int, context: int = 8192, mma: bool = True):
+def packed_launch(levels: int, context: int = 8192, half_products: bool = True):
     """(kernel, args, kwargs) of the packed reader's launch for one row whose whole
-    ``context`` is packed at ``levels`` dense levels, metadata at a graph step's widths:
-    the tensor-core reader (with its PTX conversion, as on a GPU) or the CUDA-core one."""
+    ``context`` is packed at ``levels`` dense levels, metadata at a graph step's widths,
+    with its PTX paths as on a GPU."""
     import flashloop_backend.kernels.triton.packed_decode_jit as jit
-    import flashloop_backend.kernels.triton.packed_mma_jit as mma_jit
     import flashloop_backend.kernels.triton.paged_decode_jit as paged_jit
     from flashloop_backend.kernels.triton.packed_decode import PackedTuning, packed_decode_triton
     from flashloop_backend.kv.levels import LevelKind, LevelMetadata
@@ -101,12 +100,10 @@ def packed_launch(levels: int, context: int = 8192, mma: bool = True):
         torch.full((1, levels), int(LevelKind.DENSE), dtype=torch.int32),
         torch.full((1,), context, dtype=torch.int32),
     )
-    with Launches(jit, mma_jit, paged_jit) as launches:
+    tuning = PackedTuning(half_products=half_products)
+    with Launches(jit, paged_jit) as launches:
         packed_decode_triton(
-            q, store, 1, meta, key_cache, value_cache, tables, lengths, tuning=PackedTuning(mma=mma)
+            q, store, 1, meta, key_cache, value_cache, tables, lengths, tuning=tuning
         )
-    if not mma:
-        args, kwargs = launches.first(jit.packed_decode_split_kernel)
-        return jit.packed_decode_split_kernel, args, kwargs
-    args, kwargs = launches.first(mma_jit.packed_mma_split_kernel)
-    return mma_jit.packed_mma_split_kernel, args, {**kwargs, "ASM": True}
+    args, kwargs = launches.first(jit.packed_decode_split_kernel)
+    return jit.packed_decode_split_kernel, args, {**kwargs, "ASM": True}

@@ -49,14 +49,13 @@ def sass(fn, args: tuple, kwargs: dict) -> str:
         ).stdout
 
 
-def packed_reader(levels: int, context: int = 8192, mma: bool = True) -> dict:
+def packed_reader(levels: int, context: int = 8192, half_products: bool = True) -> dict:
     """The packed reader of a graph step, one row whose whole ``context`` is packed."""
-    fn, args, kwargs = packed_launch(levels, context, mma)
-    rows, warps = kwargs.get("ROWS", kwargs["GROUP"]), kwargs["num_warps"]
+    fn, args, kwargs = packed_launch(levels, context, half_products)
+    rows, warps = kwargs["ROWS"], kwargs["num_warps"]
     text = sass(fn, args, kwargs)
-    # one step: ROWS rows (a group for the tensor-core reader) of K and V codes (128
-    # channels each) at every level
-    name = f"packed_{'mma' if mma else 'fma'} LEVELS={levels}"
+    # one step: ROWS rows of K and V codes (128 channels each) at every level
+    name = f"packed_decode{'' if half_products else ' fp32'} LEVELS={levels}"
     return _record(name, text, warps, rows * 128 * 2 * levels, 0.5)
 
 
@@ -100,7 +99,9 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     records = [bf16_reader()] + [
-        packed_reader(int(n), mma=mma) for mma in (True, False) for n in args.levels.split(",")
+        packed_reader(int(n), half_products=half)
+        for half in (True, False)
+        for n in args.levels.split(",")
     ]
     for r in records:
         print(

@@ -155,12 +155,14 @@ STEPPING = [(G, None), (32, None), (32, 16)]
 STEPPING_IDS = [f"group{g}_rows{r or g}" for g, r in STEPPING]
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
+@pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
 @pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_per_step, mma, rng):
+def test_packed_decode_matches_reconstruction_plus_bf16_tail(
+    dtype, group, rows_per_step, half, rng
+):
     from flashloop_backend.kernels.triton.packed_decode import (
-        MMA_TOLERANCE,
+        PLAIN_READ_TOLERANCE,
         PackedTuning,
         packed_decode_triton,
     )
@@ -185,7 +187,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
-        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, mma=mma),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, half_products=half),
     )  # fmt: skip
     assert torch.equal(got[4].float().cpu(), torch.zeros(H, D))
     for i, (sequence, depth) in enumerate(zip(sequences[:4], depths[:4], strict=True)):
@@ -196,7 +198,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, rows_
         v = torch.cat([v.cpu().to(dtype).float(), tail_v])
         expected = _attention(q[i].to(dtype).float(), k, v, int(lengths[i]))
         tol = 2e-5 if dtype == torch.float32 else 3e-3
-        tol = max(tol, MMA_TOLERANCE) if mma else tol
+        tol = max(tol, PLAIN_READ_TOLERANCE) if half else tol
         torch.testing.assert_close(got[i].float().cpu(), expected, atol=tol, rtol=tol)
 
 
@@ -220,19 +222,21 @@ def _sparse_case(rng, group: int = G):
     return (q, store, 0, meta, cache_k, cache_v, tables), lengths
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
+@pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
 @pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
-def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_step, mma, rng):
+def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_step, half, rng):
     from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
     from flashloop_backend.kernels.triton.packed_decode import (
-        MMA_TOLERANCE,
+        PLAIN_READ_TOLERANCE,
         PackedTuning,
         packed_decode_triton,
     )
 
     args, lengths = _sparse_case(rng, group)
-    tuning = PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, mma=mma)
-    tol = MMA_TOLERANCE if mma else 2e-5
+    tuning = PackedTuning(
+        rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, half_products=half
+    )
+    tol = PLAIN_READ_TOLERANCE if half else 2e-5
     torch.testing.assert_close(packed_decode_reference(*args, lengths),
                                packed_decode_triton(*args, lengths, tuning=tuning), atol=tol, rtol=tol)  # fmt: skip
 

@@ -34,19 +34,19 @@ class PackedTuning:
     # features at 32K")
     deep_num_warps: int = 1
     deep_rows_per_step: int | None = 32
-    # plain reads (no selection statistics, no selected marks) on tensor cores
-    # (``packed_mma_jit``): codes stay codes, the parameters fold into the other operand
-    mma: bool = True
-    mma_num_warps: int = 4
-    mma_programs_per_sm: int = 8
+    # plain reads (no selection statistics, no selected marks): codes become exact FP16
+    # values in registers (lop3, no convert) and meet FP16 folded weights in packed-half
+    # products, summed in FP32 (``PLAIN_READ_TOLERANCE``)
+    half_products: bool = True
 
 
 DEFAULT_TUNING = PackedTuning()
 
-# Absolute and relative tolerance of the tensor-core reader against the FP32 reconstruction:
-# its operands are FP16 (q times K's scale, p times V's scale: 11-bit mantissas, finer than
-# the BF16 a dense read multiplies in); the CUDA-core reader stays within FP32 rounding.
-MMA_TOLERANCE = 2e-3
+# Absolute and relative tolerance of a plain read with half products against the FP32
+# reconstruction: each product rounds to FP16 (q times K's scale, p times V's scale, times
+# an exact code: 11-bit mantissas, finer than the BF16 a dense read multiplies in); reads
+# with selection statistics or marks stay within FP32 rounding (exact top-K needs it).
+PLAIN_READ_TOLERANCE = 2e-3
 
 
 def warps_for(tuning: PackedTuning, levels: int) -> int:
@@ -71,10 +71,9 @@ def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int
     return min(rows, group_size)
 
 
-def mma_fits(group_size: int, head_dim: int) -> bool:
-    """Whether the tensor-core reader takes these shapes: mma tiles need every extent >= 16
-    and one mma row per V channel group."""
-    return group_size >= 16 and head_dim >= 16 and head_dim // group_size <= 16
+def uses_ptx(q: torch.Tensor) -> bool:
+    """Whether kernels on q's device take their inline-PTX paths (not the interpreter)."""
+    return q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def packed_span(store: PackedKVStore, meta: LevelMetadata, block_tables, block_size: int) -> int:
@@ -147,7 +146,6 @@ def packed_decode_triton(
     (output, contribution [R, Hq, D], mass [R, Hq], FP32) is applied by the merge (the
     streamed loop 3-4 correction, ``packed_streamed_correction_triton``)."""
     from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
-    from flashloop_backend.kernels.triton.packed_mma_jit import packed_mma_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
@@ -197,9 +195,7 @@ def packed_decode_triton(
             f"last axis contiguous, without logits; got {selected.dtype} "
             f"{tuple(selected.shape)} on {selected.device}"
         )
-    mma = logits is None and selected is None and tuning.mma and mma_fits(g, head_dim)
-    per_sm = tuning.mma_programs_per_sm if mma else tuning.programs_per_sm
-    want = max(1, math.ceil(per_sm * sm_count(q.device) / (rows * num_q_heads)))
+    want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
     per_split = math.ceil(groups / splits)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
@@ -208,31 +204,6 @@ def packed_decode_triton(
     common = (*pools, tables, maps, kinds, packed, key_cache, value_cache, block_tables)
     strides = packed_strides(pools, meta, key_cache, value_cache, block_tables)
     grid = (rows, num_q_heads, splits)
-    if mma:
-        packed_mma_split_kernel[grid](
-            q,
-            *common,
-            context_lengths,
-            part_out,
-            part_max,
-            part_sum,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            *strides,
-            *part_out.stride()[:3],
-            *part_max.stride()[:2],
-            per_split,
-            GROUP_Q=num_q_heads // num_kv_heads,
-            HEAD_DIM=head_dim,
-            GROUP=g,
-            BLOCK_SIZE=block_size,
-            LEVELS=tables.shape[1],
-            ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
-            TAIL_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-            num_warps=tuning.mma_num_warps,
-        )
-        return merge_splits(part_out, part_max, part_sum, out, lse, correction)
     args = (
         q,
         *common,
@@ -265,6 +236,8 @@ def packed_decode_triton(
         LEVELS=tables.shape[1],
         STORE_LOGITS=logits is not None,
         SELECTED=selected is not None,
+        HALF=tuning.half_products and logits is None and selected is None,
+        ASM=uses_ptx(q),
         ROWS=rows_per_step(tuning, g, tables.shape[1]),
         num_warps=warps_for(tuning, tables.shape[1]),
     )

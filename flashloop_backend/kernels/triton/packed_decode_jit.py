@@ -16,6 +16,7 @@ the output as [D/G, G] (channel g * G + c).
 import triton
 import triton.language as tl
 
+from flashloop_backend.kernels.triton.nibbles_jit import exact_nibbles
 from flashloop_backend.kv.levels import LevelKind
 
 COMPACT = tl.constexpr(int(LevelKind.COMPACT))
@@ -31,18 +32,27 @@ def _units(word, SHIFT: tl.constexpr):
 
 @triton.jit
 def _folded_query(
-    q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM: tl.constexpr
-):
-    """K's parameters of one page folded into the query: 16 q scale for even and odd
-    channels [D/2] and the constant sum q (min - 16 scale)."""
+    q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    """K's parameters of one page folded into the query, for even and odd channels [D/2]
+    and a constant: FP32 16 q scale and sum q (min - 16 scale) (the 1 + c/16 form), or
+    (HALF) FP16 q scale and q scale / 16 and sum q min (exact codes c and 16 c)."""
     pair = tl.arange(0, HEAD_DIM // 2)
     where = page * skm_p + kv_head * skm_h + 2 * pair
     min_e = tl.load(kmin_ptr + where).to(tl.float32)
     min_o = tl.load(kmin_ptr + where + 1).to(tl.float32)
     scale_e = tl.load(kscale_ptr + where).to(tl.float32)
     scale_o = tl.load(kscale_ptr + where + 1).to(tl.float32)
-    offset = tl.sum(q_e * (min_e - 16.0 * scale_e) + q_o * (min_o - 16.0 * scale_o), axis=0)
-    return 16.0 * q_e * scale_e, 16.0 * q_o * scale_o, offset
+    if HALF:
+        offset = tl.sum(q_e * min_e + q_o * min_o, axis=0)
+        fold_e = (q_e * scale_e).to(tl.float16)
+        fold_o = (q_o * scale_o / 16.0).to(tl.float16)
+    else:
+        offset = tl.sum(q_e * (min_e - 16.0 * scale_e) + q_o * (min_o - 16.0 * scale_o), axis=0)
+        fold_e = 16.0 * q_e * scale_e
+        fold_o = 16.0 * q_o * scale_o
+    return fold_e, fold_o, offset
 
 
 @triton.jit
@@ -60,17 +70,25 @@ def _dense_logits(
     skc_h,
     HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr,
+    HALF: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """q . k [ROWS/2] of a dense page's rows first + 2 r + parity."""
+    """q . k [ROWS/2] of a dense page's rows first + 2 r + parity (``fold_*`` and
+    ``offset`` from :func:`_folded_query` with the same HALF)."""
     rows = first + 2 * tl.arange(0, ROWS // 2) + parity
-    word = tl.load(
+    byte = tl.load(
         kc_ptr
         + page * skc_p
         + rows[:, None] * skc_t
         + kv_head * skc_h
         + tl.arange(0, HEAD_DIM // 2)[None, :]
-    ).to(tl.int32)
-    terms = fold_e[None, :] * _units(word, 0) + fold_o[None, :] * _units(word, 4)
+    )
+    if HALF:  # FP16 products q scale c and q scale / 16 * 16 c, summed in FP32
+        low, high = exact_nibbles(byte, ASM)
+        terms = (low * fold_e[None, :] + high * fold_o[None, :]).to(tl.float32)
+    else:
+        word = byte.to(tl.int32)
+        terms = fold_e[None, :] * _units(word, 0) + fold_o[None, :] * _units(word, 4)
     return offset + tl.sum(terms, axis=1)
 
 
@@ -93,26 +111,35 @@ def _dense_values(
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
+    HALF: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """sum_t p_t v_t [D/G, G] over a dense page's rows first .. first + ROWS (p_e, p_o
     [ROWS/2]: even, odd rows; ``first`` even)."""
     groups = tl.arange(0, HEAD_DIM // GROUP)
     pairs = first // 2 + tl.arange(0, ROWS // 2)
     channel = groups[:, None, None] * GROUP + tl.arange(0, GROUP)[None, :, None]
-    word = tl.load(
-        vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d + pairs[None, None, :]
-    ).to(tl.int32)
+    byte = tl.load(vc_ptr + page * svc_p + kv_head * svc_h + channel * svc_d + pairs[None, None, :])
     param = page * svm_p + (2 * pairs)[None, :] * svm_t + kv_head * svm_h + groups[:, None]
     min_e = tl.load(vmin_ptr + param).to(tl.float32)  # [D/G, G/2]
     min_o = tl.load(vmin_ptr + param + svm_t).to(tl.float32)
     scale_e = tl.load(vscale_ptr + param).to(tl.float32)
     scale_o = tl.load(vscale_ptr + param + svm_t).to(tl.float32)
-    weight_e = (16.0 * p_e[None, :] * scale_e)[:, None, :]
-    weight_o = (16.0 * p_o[None, :] * scale_o)[:, None, :]
-    offset = tl.sum(
-        p_e[None, :] * (min_e - 16.0 * scale_e) + p_o[None, :] * (min_o - 16.0 * scale_o), axis=1
-    )
-    terms = weight_e * _units(word, 0) + weight_o * _units(word, 4)
+    if HALF:  # FP16 products p scale c and p scale / 16 * 16 c, summed in FP32
+        low, high = exact_nibbles(byte, ASM)
+        weight_e = (p_e[None, :] * scale_e).to(tl.float16)[:, None, :]
+        weight_o = (p_o[None, :] * scale_o / 16.0).to(tl.float16)[:, None, :]
+        offset = tl.sum(p_e[None, :] * min_e + p_o[None, :] * min_o, axis=1)
+        terms = (low * weight_e + high * weight_o).to(tl.float32)
+    else:
+        word = byte.to(tl.int32)
+        weight_e = (16.0 * p_e[None, :] * scale_e)[:, None, :]
+        weight_o = (16.0 * p_o[None, :] * scale_o)[:, None, :]
+        offset = tl.sum(
+            p_e[None, :] * (min_e - 16.0 * scale_e) + p_o[None, :] * (min_o - 16.0 * scale_o),
+            axis=1,
+        )
+        terms = weight_e * _units(word, 0) + weight_o * _units(word, 4)
     return offset[:, None] + tl.sum(terms, axis=2)
 
 
@@ -258,6 +285,8 @@ def packed_decode_split_kernel(
     STORE_LOGITS: tl.constexpr,
     ROWS: tl.constexpr,
     SELECTED: tl.constexpr,
+    HALF: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """One (row, query head, split) over groups of GROUP rows, ROWS rows per step (fewer
     rows per step: smaller tiles, fewer registers per thread): groups below the row's
@@ -293,7 +322,7 @@ def packed_decode_split_kernel(
         pos_e = group * GROUP + row0 + 2 * tl.arange(0, ROWS // 2)
         page = tl.load(tables + group).to(tl.int64)
         fold_e, fold_o, offset = _folded_query(
-            q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM
+            q_e, q_o, kmin_ptr, kscale_ptr, page, kv_head, skm_p, skm_h, HEAD_DIM, HALF
         )
         s_e = _dense_logits(
             fold_e,
@@ -309,6 +338,8 @@ def packed_decode_split_kernel(
             skc_h,
             HEAD_DIM,
             ROWS,
+            HALF,
+            ASM,
         )
         s_o = _dense_logits(
             fold_e,
@@ -324,6 +355,8 @@ def packed_decode_split_kernel(
             skc_h,
             HEAD_DIM,
             ROWS,
+            HALF,
+            ASM,
         )
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
@@ -331,7 +364,7 @@ def packed_decode_split_kernel(
             if kind == 0:
                 lpage = tl.load(table + group).to(tl.int64)
                 fold_e, fold_o, offset = _folded_query(
-                    q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM
+                    q_e, q_o, kmin_ptr, kscale_ptr, lpage, kv_head, skm_p, skm_h, HEAD_DIM, HALF
                 )
                 s_e += _dense_logits(
                     fold_e,
@@ -347,6 +380,8 @@ def packed_decode_split_kernel(
                     skc_h,
                     HEAD_DIM,
                     ROWS,
+                    HALF,
+                    ASM,
                 )
                 s_o += _dense_logits(
                     fold_e,
@@ -362,6 +397,8 @@ def packed_decode_split_kernel(
                     skc_h,
                     HEAD_DIM,
                     ROWS,
+                    HALF,
+                    ASM,
                 )
             elif kind == COMPACT:
                 cpage, within, present = _compact_rows(
@@ -440,6 +477,8 @@ def packed_decode_split_kernel(
             HEAD_DIM,
             GROUP,
             ROWS,
+            HALF,
+            ASM,
         )
         for level in tl.static_range(1, LEVELS):
             kind = tl.load(kinds + level)
@@ -464,6 +503,8 @@ def packed_decode_split_kernel(
                     HEAD_DIM,
                     GROUP,
                     ROWS,
+                    HALF,
+                    ASM,
                 )
             elif kind == COMPACT:
                 cpage, within, present = _compact_rows(
