@@ -18,8 +18,8 @@ from flashloop_backend.kv.store import PackedKVStore
 @dataclass(frozen=True)
 class PackedTuning:
     """Launch shape of the packed reader (chosen with ``flashloop-backend bench packed``).
-    Launches that read one or two levels take ``num_warps`` / ``rows_per_step``; three or
-    more (two residual levels and up) take the ``deep_`` pair."""
+    Launches that read fewer than ``deep_from_levels`` levels take ``num_warps`` /
+    ``rows_per_step``, the others the ``deep_`` pair."""
 
     num_warps: int = 1  # one warp: every reduction is a warp shuffle, no shared memory
     programs_per_sm: int = 32
@@ -34,6 +34,7 @@ class PackedTuning:
     # features at 32K")
     deep_num_warps: int = 1
     deep_rows_per_step: int | None = 32
+    deep_from_levels: int = 3
     # plain reads (no selection statistics, no selected marks): codes become exact FP16
     # values in registers (lop3, no convert) and meet FP16 folded weights in packed-half
     # products, summed in FP32 (``PLAIN_READ_TOLERANCE``)
@@ -51,12 +52,12 @@ PLAIN_READ_TOLERANCE = 2e-3
 
 def warps_for(tuning: PackedTuning, levels: int) -> int:
     """Warps of a launch that reads ``levels`` levels (base + residuals)."""
-    return tuning.num_warps if levels <= 2 else tuning.deep_num_warps
+    return tuning.num_warps if levels < tuning.deep_from_levels else tuning.deep_num_warps
 
 
 def rows_for(tuning: PackedTuning, levels: int) -> int | None:
     """The configured rows per step of a launch that reads ``levels`` levels."""
-    return tuning.rows_per_step if levels <= 2 else tuning.deep_rows_per_step
+    return tuning.rows_per_step if levels < tuning.deep_from_levels else tuning.deep_rows_per_step
 
 
 def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int:
@@ -66,7 +67,7 @@ def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int
     if rows is None:
         return group_size
     if rows < 16 or rows & (rows - 1):
-        name = "rows_per_step" if levels <= 2 else "deep_rows_per_step"
+        name = "rows_per_step" if levels < tuning.deep_from_levels else "deep_rows_per_step"
         raise ValueError(f"{name}={rows} must be a power of two >= 16 (or None: the whole group)")
     return min(rows, group_size)
 

@@ -92,12 +92,22 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
 
 def _tunings(levels: int, sweep: bool) -> list:
     """The registered launch, then the reader without half products (FP32 1 + c/16
-    units) and (``sweep``) the registered reader at 16 / 64 programs per SM, each once."""
+    units) and (``sweep``) at 64 programs per SM and, from two levels, 16 / 32 rows per
+    step at 1 / 2 warps, each once."""
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
 
     out = [DEFAULT_TUNING, replace(DEFAULT_TUNING, half_products=False)]
-    if sweep:
-        out += [replace(DEFAULT_TUNING, programs_per_sm=p) for p in (16, 64)]
+    if not sweep:
+        return out
+    out.append(replace(DEFAULT_TUNING, programs_per_sm=64))
+    if levels >= 2:
+        grid = [
+            replace(DEFAULT_TUNING, deep_from_levels=2, deep_rows_per_step=r, deep_num_warps=w)
+            for r in (16, 32)
+            for w in (1, 2)
+        ]
+        seen = {tuning_label(t, levels) for t in out}
+        out += [t for t in grid if tuning_label(t, levels) not in seen]
     return out
 
 
