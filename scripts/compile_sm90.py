@@ -105,6 +105,8 @@ def main() -> int:
                 STORE_LOGITS=logits,
                 ROWS=rows,
                 SELECTED=selected,
+                HALF=DEFAULT_TUNING.half_products and not (logits or selected),
+                ASM=True,
             )
             ok &= _compile(
                 f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} "

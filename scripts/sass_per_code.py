@@ -56,7 +56,7 @@ def packed_reader(levels: int, context: int = 8192, half_products: bool = True) 
     text = sass(fn, args, kwargs)
     # one step: ROWS rows of K and V codes (128 channels each) at every level
     name = f"packed_decode{'' if half_products else ' fp32'} LEVELS={levels}"
-    return _record(name, text, warps, rows * 128 * 2 * levels, 0.5)
+    return _record(name, text, warps, rows * 128 * 2 * levels, 0.5, packed=True)
 
 
 def bf16_reader(context: int = 8192) -> dict:
@@ -73,11 +73,17 @@ def bf16_reader(context: int = 8192) -> dict:
     return _record("paged_attention BF16", text, kwargs["num_warps"], keys * 256, 2)
 
 
-def _record(label: str, text: str, warps: int, elements: int, element_bytes: float) -> dict:
+def _record(
+    label: str, text: str, warps: int, elements: int, element_bytes: float, packed: bool = False
+) -> dict:
+    """The main loop's record: the largest innermost loop, or for a packed reader the one
+    that converts codes (the most integer logic: the BF16 tail loop has little)."""
     loops = innermost_loops(text)
     if not loops:
         raise RuntimeError(f"{label}: no loop found in the SASS")
     main = loops[0]
+    if packed:
+        main = max(loops, key=lambda loop: loop["mix"].get("integer logic", 0))
     per = main["instructions"] * warps / elements
     return {
         "kernel": label,
