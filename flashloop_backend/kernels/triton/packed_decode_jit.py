@@ -1,12 +1,15 @@
 """Triton code for decode attention over packed INT4 KV (wrapper in ``packed_decode.py``).
 
-A decode row is one query vector, so QK and PV are FP32 multiply-adds with reductions, and
-the page layout (``kv.store``) pairs codes along the reduced axis: a K byte holds two
-channels of a row, a V byte two rows of a channel. Each thread therefore sums its own
-bytes before any shuffle. A 4-bit code c becomes the float 1 + c/16 by writing it into the
-mantissa of 1.0 (integer ops only; `cvt` runs at a quarter of the FMA rate on Hopper), and
-the affine map is folded around it: min + scale * c = (min - 16 scale) + 16 scale (1 + c/16).
-K's per-channel scale is folded into the query once per page, V's per-row scale into p.
+A decode row is one query vector, so QK and PV are multiply-adds with reductions, and the
+page layout (``kv.store``) pairs codes along the reduced axis: a K byte holds two channels
+of a row, a V byte two rows of a channel. Each thread therefore sums its own bytes before
+any shuffle. K's per-channel scale is folded into the query once per page, V's per-row
+scale into p, and no code goes through an int-to-float convert (a quarter of the FMA rate
+on Hopper). Plain reads (HALF) take exact FP16 codes c and 16 c from ``exact_nibbles`` and
+multiply them by FP16 folded weights in packed-half products, each converted to FP32
+before the sum. Reads feeding the exact top-K (selection statistics, selected marks) stay
+in FP32: a code c becomes 1 + c/16 by writing it into the mantissa of 1.0, and the affine
+map is folded around it: min + scale * c = (min - 16 scale) + 16 scale (1 + c/16).
 
 Tiles: K of a page as its even and odd rows [G/2, D/2] (p comes out split the same way,
 which is what V's row pairs need); V as [D/G, G, G/2] (channel group, channel, row pair);
