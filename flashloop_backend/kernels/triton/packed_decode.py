@@ -34,7 +34,7 @@ class PackedTuning:
     # features at 32K")
     deep_num_warps: int = 1
     deep_rows_per_step: int | None = 32
-    deep_from_levels: int = 3
+    deep_from_levels: int = 3  # the level count from which the deep_ pair applies
     # plain reads (no selection statistics, no selected marks): codes become exact FP16
     # values in registers (lop3, no convert) and meet FP16 folded weights in packed-half
     # products, summed in FP32 (``PLAIN_READ_TOLERANCE``)
@@ -50,14 +50,19 @@ DEFAULT_TUNING = PackedTuning()
 PLAIN_READ_TOLERANCE = 2e-3
 
 
+def _deep(tuning: PackedTuning, levels: int) -> bool:
+    """Whether a launch that reads ``levels`` levels takes the ``deep_`` pair."""
+    return levels >= tuning.deep_from_levels
+
+
 def warps_for(tuning: PackedTuning, levels: int) -> int:
     """Warps of a launch that reads ``levels`` levels (base + residuals)."""
-    return tuning.num_warps if levels < tuning.deep_from_levels else tuning.deep_num_warps
+    return tuning.deep_num_warps if _deep(tuning, levels) else tuning.num_warps
 
 
 def rows_for(tuning: PackedTuning, levels: int) -> int | None:
     """The configured rows per step of a launch that reads ``levels`` levels."""
-    return tuning.rows_per_step if levels < tuning.deep_from_levels else tuning.deep_rows_per_step
+    return tuning.deep_rows_per_step if _deep(tuning, levels) else tuning.rows_per_step
 
 
 def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int:
@@ -67,7 +72,7 @@ def rows_per_step(tuning: PackedTuning, group_size: int, levels: int = 1) -> int
     if rows is None:
         return group_size
     if rows < 16 or rows & (rows - 1):
-        name = "rows_per_step" if levels < tuning.deep_from_levels else "deep_rows_per_step"
+        name = "deep_rows_per_step" if _deep(tuning, levels) else "rows_per_step"
         raise ValueError(f"{name}={rows} must be a power of two >= 16 (or None: the whole group)")
     return min(rows, group_size)
 
@@ -202,12 +207,16 @@ def packed_decode_triton(
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     pools = layer_pools(store, layer)
     block_tables = block_tables.contiguous()
-    common = (*pools, tables, maps, kinds, packed, key_cache, value_cache, block_tables)
-    strides = packed_strides(pools, meta, key_cache, value_cache, block_tables)
-    grid = (rows, num_q_heads, splits)
     args = (
         q,
-        *common,
+        *pools,
+        tables,
+        maps,
+        kinds,
+        packed,
+        key_cache,
+        value_cache,
+        block_tables,
         context_lengths,
         part_out,
         part_max,
@@ -217,7 +226,7 @@ def packed_decode_triton(
         scale,
         q.stride(0),
         q.stride(1),
-        *strides,
+        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -242,5 +251,5 @@ def packed_decode_triton(
         ROWS=rows_per_step(tuning, g, tables.shape[1]),
         num_warps=warps_for(tuning, tables.shape[1]),
     )
-    packed_decode_split_kernel[grid](*args, **shape)
+    packed_decode_split_kernel[(rows, num_q_heads, splits)](*args, **shape)
     return merge_splits(part_out, part_max, part_sum, out, lse, correction)
