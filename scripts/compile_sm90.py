@@ -183,6 +183,7 @@ def main() -> int:
             8,
         )
     ok &= _split_selection()
+    ok &= _threshold_selection()
     ok &= _dense_kernels()
     ok &= _layer_kernels()
     return 0 if ok else 1
@@ -246,6 +247,44 @@ def _layer_kernels() -> bool:
             linear,
             4,
         )
+    return ok
+
+
+def _threshold_selection() -> bool:
+    """The registered selection's five kernels at the registered launch
+    (``threshold_select.py``), the compaction with and without the contribution."""
+    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+    from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT as tuning
+
+    fp32 = ("logits_ptr", "lse_ptr", "output_ptr", "mass_ptr", "contrib_ptr")
+    pointers = {name: "*fp32" for name in (*fp32, "part_mass_ptr", "part_contrib_ptr")}
+    for name in ("lengths_ptr", "bracket_ptr", "counter_ptr", "above_ptr", "cand_key_ptr"):
+        pointers[name] = "*i32"
+    for name in ("cand_pos_ptr", "plan_ptr", "offsets_ptr", "tables_ptr", "idx_ptr"):
+        pointers[name] = "*i32"
+    pointers |= {"v_ptr": "*bf16", "out_ptr": "*bf16"}
+    blocks = dict(BLOCK=tuning.block, CANDIDATES=tuning.candidates)
+    variants = [
+        ("bracket", jit.select_bracket_kernel, dict(SAMPLE=tuning.sample), 4),
+        ("candidates", jit.select_candidates_kernel, blocks, tuning.num_warps),
+        (
+            "threshold",
+            jit.select_threshold_kernel,
+            dict(blocks, RADIX_BITS=tuning.radix_bits, SPLITS_PAD=64),
+            8,
+        ),
+        ("finish", jit.select_finish_kernel, dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIBUTE=True), 4),
+    ]
+    for contribute in (True, False):
+        shape = dict(
+            GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=tuning.compact_block, CONTRIBUTE=contribute
+        )
+        variants.append(
+            (f"compact CONTRIBUTE={contribute}", jit.select_compact_kernel, shape, tuning.num_warps)
+        )
+    ok = True
+    for label, fn, shape, warps in variants:
+        ok &= _compile(f"select {label}", fn, pointers, set(), shape, warps)
     return ok
 
 

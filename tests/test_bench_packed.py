@@ -19,13 +19,14 @@ def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
         calls.append(fn())
         return 0.5
 
-    small = SelectTuning(sample=16, candidates=16, block=16)
+    small = SelectTuning(sample=16, candidates=16, block=16, compact_block=16, chunk_min=16)
     record = bench_packed.sparse_ops_case(64, 2, torch.Generator().manual_seed(0), lambda m: None,
-                                          1.0, timer=timer, select=small, launches=[(32, 4), (16, 1)])  # fmt: skip
+                                          1.0, timer=timer, select=small, launches=[(32, 4, 2), (16, 1, 8)])  # fmt: skip
     names = [f"{levels}_{op}_{launch}" for levels in ("dense_levels", "token_sparse")
-             for launch in ("block32_w4", "block16_w1")
+             for launch in ("block32_w4_p2", "block16_w1_p8")
              for op in ("source_depth2", "correction_depth3", "correction_depth4")]  # fmt: skip
     names += [f"{levels}_correction_depth{d}_streamed" for levels in ("dense_levels", "token_sparse") for d in (3, 4)]  # fmt: skip
+    names += [f"{levels}_plain_read_depth2" for levels in ("dense_levels", "token_sparse")]
     assert sorted(record["ops"]) == sorted(names)
     streamed = {
         k: e.pop("max_abs_vs_gather") for k, e in record["ops"].items() if k.endswith("streamed")
@@ -33,7 +34,7 @@ def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
     assert len(streamed) == 4 and max(streamed.values()) < 1e-2  # bf16 outputs of the two designs
     assert all(entry == {"ms": 0.5, "vs_dense_decode": 0.5} for entry in record["ops"].values())
     assert record["key_bucket"] == 16 and len(calls) == len(names)
-    correction = calls[0]  # the streamed correction: [R, Hq, D] in q's dtype, finite
+    correction = calls[1]  # the streamed correction: [R, Hq, D] in q's dtype, finite
     assert correction.shape == (2, 2, 32) and torch.isfinite(correction.float()).all()
 
 

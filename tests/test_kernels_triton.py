@@ -116,10 +116,12 @@ def test_sparse_correction_rejects_mismatched_state(rng):
 def _dense_source_impls():
     from flashloop_backend.kernels.triton import dense_source as module
 
-    # tiny sample/scratch sizes make the interpreter run both selection paths: a bracket
-    # that fits the scratch, and one that overflows it (exact radix-select fallback)
-    bracket = module.SelectTuning(sample=16, candidates=64, block=16)
-    fallback = module.SelectTuning(sample=16, candidates=16, block=16)
+    # tiny sample/candidate sizes make the interpreter run both selection paths: a bracket
+    # that fits the candidate list, and one that overflows it (exact radix-select
+    # fallback); 16-position splits spread every row over several programs
+    small = {"block": 16, "compact_block": 16, "chunk_min": 16, "programs_per_sm": 64}
+    bracket = module.SelectTuning(sample=16, candidates=64, **small)
+    fallback = module.SelectTuning(sample=16, candidates=16, **small)
     return {
         "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
         "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
@@ -210,3 +212,26 @@ def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
     got = _dense_source_impls()[impl](q, kc, vc, tables, lengths, 0.3, 32)
     assert torch.equal(got[1].sort(-1).values, expected[1].sort(-1).values)
     torch.testing.assert_close(got[2], expected[2])
+
+
+def test_a_row_without_selected_keys_gives_output_minus_contribution_everywhere(rng):
+    """The one definition for an empty S (``SparseCorrection``): O_ref - C_ref, from the
+    torch reference and the Triton correction alike, whatever the row's pages hold."""
+    from flashloop_backend.kernels.torch_ref.sparse_decode import sparse_correction
+    from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
+
+    rows, heads, dim, block = 3, 2, 16, 16
+    kc, vc = (torch.randn(4, block, heads, dim, generator=rng).to(DEVICE) for _ in range(2))
+    q = torch.randn(rows, heads, dim, generator=rng).to(DEVICE)
+    tables = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32, device=DEVICE)
+    indices = torch.randint(0, 2 * block, (rows, heads, 8), generator=rng).int().to(DEVICE)
+    indices[1] = -1
+    mass = torch.rand(rows, heads, generator=rng).to(DEVICE)
+    output, contribution = (
+        torch.randn(rows, heads, dim, generator=rng).to(DEVICE) for _ in range(2)
+    )
+    state = (indices, mass, output, contribution)
+    reference = sparse_correction(q, kc, vc, tables, *state)
+    triton_out = sparse_correction_triton(q, kc, vc, tables, *state)
+    torch.testing.assert_close(reference[1], output[1] - contribution[1])
+    torch.testing.assert_close(triton_out, reference, atol=1e-5, rtol=1e-5)

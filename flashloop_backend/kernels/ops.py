@@ -106,7 +106,9 @@ class SparseCorrection(Protocol):
     """``sparse_correction``: O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S, with k_S,
     v_S read from this depth's pages at ``indices`` [R, Hq, Kb] int32 (-1 unused); mass
     [R, Hq], output and contribution [R, Hq, D], FP32 (``dense_source``'s statistics);
-    paged inputs as :class:`PagedAttention`. Returns [R, Hq, D] in q's dtype."""
+    paged inputs as :class:`PagedAttention`. A (row, head) with no selected key (all -1)
+    returns O_ref - C_ref: the softmax term of an empty S is zero, as m is. Returns
+    [R, Hq, D] in q's dtype."""
 
     def __call__(
         self,

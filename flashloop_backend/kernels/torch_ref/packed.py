@@ -238,7 +238,10 @@ def packed_sparse_correction(
         )
 
     needed = (indices >= 0).flatten(1).any(1)
-    return _only_rows(needed, run, q, meta, block_tables, indices, mass, output, contribution)
+    result = _only_rows(needed, run, q, meta, block_tables, indices, mass, output, contribution)
+    # a row with no selected key keeps the formula's value with an empty S: O_ref - C_ref
+    empty = (output.float() - contribution.float()).to(q.dtype)
+    return torch.where(needed[:, None, None], result, empty)
 
 
 def _correction_rows(

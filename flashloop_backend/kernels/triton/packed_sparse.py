@@ -15,12 +15,7 @@ import math
 
 import torch
 
-from flashloop_backend.kernels.triton.dense_source import (
-    DEFAULT_SELECT,
-    SelectTuning,
-    check_bucket,
-    launch_selection,
-)
+from flashloop_backend.kernels.triton.dense_source import check_bucket
 from flashloop_backend.kernels.triton.packed_decode import (
     DEFAULT_TUNING,
     PackedTuning,
@@ -31,6 +26,11 @@ from flashloop_backend.kernels.triton.packed_decode import (
 )
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
 from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
+from flashloop_backend.kernels.triton.threshold_select import (
+    DEFAULT_SELECT,
+    SelectTuning,
+    select_top_keys,
+)
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -40,6 +40,7 @@ GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, unti
 # dense levels and token-sparse alike (results/bench_packed_kv_sparse_ops.json).
 BLOCK_N = 16
 SELECTED_WARPS = 2
+SELECTED_PROGRAMS_PER_SM = 2
 
 
 def packed_gather(
@@ -118,9 +119,11 @@ def packed_selected_parts(
     lse: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
+    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
 ):
     """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
-    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps:
+    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps,
+    about ``programs_per_sm`` programs per SM:
     (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of q k^T * scale, or with
     ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split
     (the loop-2 contribution)."""
@@ -143,7 +146,9 @@ def packed_selected_parts(
             f"{tuple(store.shape[1:])} / cache's {num_kv_heads} heads"
         )
     bucket = indices.shape[-1]
-    splits, keys_per_split = selected_key_splits(rows, num_q_heads, max(1, bucket), q.device)
+    splits, keys_per_split = selected_key_splits(
+        rows, num_q_heads, max(1, bucket), q.device, programs_per_sm
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -215,6 +220,7 @@ def packed_sparse_correction_triton(
     scale=None,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
+    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
@@ -231,6 +237,7 @@ def packed_sparse_correction_triton(
         scale,
         block_n=block_n,
         num_warps=num_warps,
+        programs_per_sm=programs_per_sm,
     )
     return merge_splits(
         *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
@@ -296,6 +303,7 @@ def packed_dense_source_triton(
     tuning: SelectTuning = DEFAULT_SELECT,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
+    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
 ) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
@@ -323,27 +331,22 @@ def packed_dense_source_triton(
     out = torch.empty_like(q)
     indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
     mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
-    unused = torch.empty_like(output)  # the kernel's contribution: not summed here (CONTRIBUTE)
+    unused = torch.empty_like(output)  # the contribution: summed below from packed values
     if rows == 0:
         return out, indices, mass, output, unused
-    scratch = torch.empty(
-        (rows, num_q_heads, tuning.candidates), dtype=torch.int32, device=q.device
-    )
-    launch_selection(
+    select_top_keys(
         logits,
         lse,
         context_lengths,
-        value_cache,
+        None,
         block_tables.contiguous(),
         output,
         out,
         indices,
         mass,
         unused,
-        scratch,
         key_retention,
         tuning,
-        contribute=False,
     )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     part_out, _, _ = packed_selected_parts(
@@ -360,5 +363,6 @@ def packed_dense_source_triton(
         lse,
         block_n,
         num_warps,
+        programs_per_sm,
     )
     return out, indices, mass, output, part_out.sum(2)

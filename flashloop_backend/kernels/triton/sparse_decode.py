@@ -10,14 +10,16 @@ import torch
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
 
 KEYS_PER_SPLIT_MIN = 64
+PROGRAMS_PER_SM = 2
 
 
 def selected_key_splits(
-    rows: int, heads: int, bucket: int, device: torch.device
+    rows: int, heads: int, bucket: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM
 ) -> tuple[int, int]:
     """(splits, keys per split) of a kernel over each (row, head)'s ``bucket`` selected
-    keys: about two programs per SM, at least ``KEYS_PER_SPLIT_MIN`` keys per split."""
-    want = max(1, math.ceil(2 * sm_count(device) / max(1, rows * heads)))
+    keys: about ``programs_per_sm`` programs per SM, at least ``KEYS_PER_SPLIT_MIN`` keys
+    per split."""
+    want = max(1, math.ceil(programs_per_sm * sm_count(device) / max(1, rows * heads)))
     splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
     return splits, math.ceil(bucket / splits)
 

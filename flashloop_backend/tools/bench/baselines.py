@@ -11,7 +11,13 @@ how it compares):
   keys above the K-th and its ties per split, and one compacts in position order at
   per-split offsets.
 
-Both keep the ``DenseSource`` contract (exact top-K, K from ``key_retention_fraction``,
+- ``sorted_bracket``, :func:`dense_source_sorted_bracket`: the design registered before
+  the split threshold selection: one program per (row, head) sorts a 4096-key strided
+  sample to bracket the K-th key, copies the keys inside the bracket, sorts them for the
+  exact threshold (the radix select when the bracket misses) and compacts in position
+  order with the contribution from the pages.
+
+All keep the ``DenseSource`` contract (exact top-K, K from ``key_retention_fraction``,
 ties to the earlier positions), so the benchmark compares like with like.
 """
 
@@ -451,5 +457,93 @@ def dense_source_split(
         contribution,
         key_retention,
         tuning,
+    )
+    return out, indices, mass, output, contribution
+
+
+# ------------------------------------------------------------------ sorted bracket
+
+
+@dataclass(frozen=True)
+class SortedTuning:
+    """``select_statistics_kernel``'s shape: sample, candidate scratch, scan block, radix
+    digit bits and warps, one program per (row, head)."""
+
+    sample: int = 4096
+    candidates: int = 4096
+    block: int = 1024
+    radix_bits: int = 8
+    num_warps: int = 8
+
+
+def dense_source_sorted_bracket(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+    tuning: SortedTuning = SortedTuning(),
+) -> tuple[torch.Tensor, ...]:
+    """``dense_source_triton``'s outputs with the selection by one sorting program per
+    (row, head) (``select_jit.select_statistics_kernel``)."""
+    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
+
+    span = block_tables.shape[1] * key_cache.shape[1]
+    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
+    logits, lse, output = logits_and_output(
+        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+    )
+    rows, heads, _ = q.shape
+    _, block_size, num_kv_heads, head_dim = value_cache.shape
+    block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
+    contribution = torch.empty_like(output)
+    scratch = torch.empty((rows, heads, tuning.candidates), dtype=torch.int32, device=q.device)
+    if rows == 0:
+        return out, indices, mass, output, contribution
+    select_statistics_kernel[(rows, heads)](
+        logits,
+        lse,
+        context_lengths,
+        value_cache,
+        block_tables,
+        output,
+        out,
+        indices,
+        mass,
+        contribution,
+        scratch,
+        *key_retention_fraction(key_retention),
+        logits.stride(0),
+        logits.stride(1),
+        lse.stride(0),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        output.stride(0),
+        output.stride(1),
+        out.stride(0),
+        out.stride(1),
+        indices.stride(0),
+        indices.stride(1),
+        mass.stride(0),
+        contribution.stride(0),
+        contribution.stride(1),
+        k_bucket,
+        GROUP=heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK=tuning.block,
+        RADIX_BITS=tuning.radix_bits,
+        SAMPLE=tuning.sample,
+        CANDIDATES=tuning.candidates,
+        CONTRIBUTE=True,
+        num_warps=tuning.num_warps,
     )
     return out, indices, mass, output, contribution

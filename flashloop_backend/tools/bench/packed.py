@@ -18,11 +18,11 @@ from flashloop_backend.tools.bench.timing import (
 )
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
-# (positions per step, warps) of the selected-key kernel: the registered 16 x 2
-# (kernels/triton/packed_sparse.py) beside 32 x 4 and 16 x 4. ptxas
-# (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4 levels:
-# they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
-SELECTED_LAUNCHES = [(32, 4), (16, 4), (16, 2)]
+# (positions per step, warps, programs per SM) of the selected-key kernel: the registered
+# launch (kernels/triton/packed_sparse.py) beside more programs in flight and 32 x 4.
+# ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
+# levels: they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
+SELECTED_LAUNCHES = [(16, 2, 2), (16, 2, 8), (16, 2, 16), (16, 4, 8), (32, 4, 8)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
@@ -219,14 +219,17 @@ def sparse_ops_case(
     launches=SELECTED_LAUNCHES,
 ) -> dict:
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
-    (two-level read, selection, contribution) and the loop 3-4 correction over the
+    (two-level read, selection, contribution) beside the plain two-level read, the loop 3-4
+    correction over the
     selected keys at three and four levels, dense and compact levels, each selected-key
-    launch of ``launches`` (positions per step, warps), and the streamed correction
+    launch of ``launches`` (positions per step, warps, programs per SM), and the streamed
+    correction
     design (the packed reader, unselected positions masked); ``dense_ms``: FlashInfer BF16
     decode of the same rows (same run; None: timed here on a GPU);
     ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
     from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.kernels.triton.dense_source import DEFAULT_SELECT
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
     from flashloop_backend.kernels.triton.packed_sparse import (
         packed_dense_source_triton,
         packed_sparse_correction_triton,
@@ -269,6 +272,7 @@ def sparse_ops_case(
             depth: (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
             for depth in (2, 3)
         }
+        record(f"{name}_plain_read_depth2", timer(lambda r=reads: packed_decode_triton(*r)))
         # the streamed design: the packed reader with unselected positions masked
         for depth, args in corrections.items():
             key = f"{name}_correction_depth{depth + 1}_streamed"
@@ -277,9 +281,9 @@ def sparse_ops_case(
             gathered = packed_sparse_correction_triton(*args).float()
             gap = (streamed - gathered).abs().max().item()
             results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
-        for block_n, warps in launches:
-            launch = {"block_n": block_n, "num_warps": warps}
-            suffix = f"_block{block_n}_w{warps}"
+        for block_n, warps, per_sm in launches:
+            launch = {"block_n": block_n, "num_warps": warps, "programs_per_sm": per_sm}
+            suffix = f"_block{block_n}_w{warps}_p{per_sm}"
             record(
                 f"{name}_source_depth2{suffix}",
                 timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),

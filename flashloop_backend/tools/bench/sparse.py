@@ -27,7 +27,10 @@ def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> 
 
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
-        "radix_select": lambda: dense_source_triton(
+        "threshold_split": lambda: dense_source_triton(
+            q, kc, vc, tables, lengths, key_retention, bucket
+        ),
+        "sorted_bracket": lambda: baselines.dense_source_sorted_bracket(
             q, kc, vc, tables, lengths, key_retention, bucket
         ),
         "split_select": lambda: baselines.dense_source_split(

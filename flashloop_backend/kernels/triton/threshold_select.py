@@ -1,0 +1,191 @@
+"""The loop-2 top-K selection split over programs (kernels in ``threshold_select_jit.py``).
+
+Each (row, head)'s exact top-K (K = max(1, ceil(key_retention * T)), ties to the earlier
+position) over the scaled logits one attention pass wrote: a sampled bracket, a split
+count that collects the bracket's candidates, an exact threshold from the candidates (the
+radix select over the row when the bracket misses), a split compaction in position order
+with mass and contribution partials, and their sum. Split counts come from shapes only,
+so no launch waits on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashloop_backend.algorithms import key_retention_fraction
+from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
+
+
+@dataclass(frozen=True)
+class SelectTuning:
+    """Selection launch shape: ``sample`` logits bracket the K-th key; up to
+    ``candidates`` keys inside the bracket are kept (more, or a miss, takes the exact radix
+    select over the row, ``radix_bits`` per pass); split programs of at least
+    ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
+    scan ``block`` positions per step when counting and ``compact_block`` when compacting,
+    with ``num_warps`` warps."""
+
+    sample: int = 4096
+    candidates: int = 4096
+    block: int = 1024
+    compact_block: int = 64
+    radix_bits: int = 8
+    chunk_min: int = 1024
+    programs_per_sm: int = 8
+    num_warps: int = 4
+
+
+DEFAULT_SELECT = SelectTuning()
+
+
+def selection_splits(rows: int, heads: int, span: int, device, tuning: SelectTuning):
+    """(splits, positions per split) of the count and compaction launches."""
+    want = math.ceil(tuning.programs_per_sm * sm_count(device) / max(1, rows * heads))
+    splits = max(1, min(want, math.ceil(span / tuning.chunk_min)))
+    return splits, max(1, math.ceil(span / splits))
+
+
+def select_top_keys(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    context_lengths: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    output: torch.Tensor,
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    mass: torch.Tensor,
+    contribution: torch.Tensor,
+    key_retention: float,
+    tuning: SelectTuning = DEFAULT_SELECT,
+) -> None:
+    """Top-K selection over ``logits`` [R, Hq, T] FP32 (each row valid below its
+    ``context_lengths`` [R]) with ``lse`` [R, Hq]: writes ``indices`` [R, Hq, Kb] int32 in
+    position order (-1 past K), ``mass`` [R, Hq], ``out`` [R, Hq, D] (``output`` [R, Hq, D]
+    FP32 in out's dtype) and, when ``value_cache`` [NB, BS, Hkv, D] is given,
+    ``contribution`` [R, Hq, D] = sum over the selected keys of p * v from the pages of
+    ``block_tables`` [R, MB] (packed KV sums it itself and passes None)."""
+    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+
+    rows, heads, bucket = indices.shape
+    head_dim = output.shape[-1]
+    if logits.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError("logits and lse must have unit stride on their last axis")
+    if tuning.sample & (tuning.sample - 1) or tuning.candidates & (tuning.candidates - 1):
+        raise ValueError(
+            f"sample={tuning.sample} and candidates={tuning.candidates} must be powers of two"
+        )
+    if rows == 0:
+        return
+    device = logits.device
+    span = logits.shape[-1]
+    splits, chunk = selection_splits(rows, heads, span, device, tuning)
+    splits_pad = max(2, next_pow2(splits))
+    ratio = key_retention_fraction(key_retention)
+    pairs = (rows, heads)
+    int32 = {"dtype": torch.int32, "device": device}
+    bracket = torch.empty((*pairs, 2), **int32)
+    counter = torch.empty(pairs, **int32)
+    above = torch.empty((*pairs, splits), **int32)
+    cand_key = torch.empty((*pairs, tuning.candidates), **int32)
+    cand_pos = torch.empty((*pairs, tuning.candidates), **int32)
+    plan = torch.empty((*pairs, 2), **int32)
+    offsets = torch.empty((*pairs, splits, 2), **int32)
+    part_mass = torch.empty((*pairs, splits), dtype=torch.float32, device=device)
+    contribute = value_cache is not None
+    part_contrib = torch.empty(
+        (*pairs, splits, head_dim if contribute else 1), dtype=torch.float32, device=device
+    )
+    logit_strides = (logits.stride(0), logits.stride(1))
+    warps = tuning.num_warps
+    jit.select_bracket_kernel[pairs](
+        logits, context_lengths, bracket, counter, *ratio, *logit_strides, SAMPLE=tuning.sample
+    )
+    jit.select_candidates_kernel[(*pairs, splits)](
+        logits,
+        context_lengths,
+        bracket,
+        counter,
+        above,
+        cand_key,
+        cand_pos,
+        *logit_strides,
+        chunk,
+        splits,
+        BLOCK=tuning.block,
+        CANDIDATES=tuning.candidates,
+        num_warps=warps,
+    )
+    jit.select_threshold_kernel[pairs](
+        logits,
+        context_lengths,
+        counter,
+        above,
+        cand_key,
+        cand_pos,
+        plan,
+        offsets,
+        *ratio,
+        *logit_strides,
+        chunk,
+        splits,
+        BLOCK=tuning.block,
+        RADIX_BITS=tuning.radix_bits,
+        CANDIDATES=tuning.candidates,
+        SPLITS_PAD=splits_pad,
+        num_warps=8,
+    )
+    values = value_cache if contribute else output  # never read without CONTRIBUTE
+    value_strides = value_cache.stride()[:3] if contribute else (0, 0, 0)
+    num_kv_heads = value_cache.shape[2] if contribute else heads
+    block_size = value_cache.shape[1] if contribute else 1
+    jit.select_compact_kernel[(*pairs, splits)](
+        logits,
+        lse,
+        context_lengths,
+        plan,
+        offsets,
+        values,
+        block_tables,
+        indices,
+        part_mass,
+        part_contrib,
+        *ratio,
+        *logit_strides,
+        lse.stride(0),
+        *value_strides,
+        block_tables.stride(0),
+        indices.stride(0),
+        indices.stride(1),
+        chunk,
+        splits,
+        bucket,
+        GROUP=heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK=tuning.compact_block,
+        CONTRIBUTE=contribute,
+        num_warps=warps,
+    )
+    jit.select_finish_kernel[pairs](
+        part_mass,
+        part_contrib,
+        output,
+        out,
+        mass,
+        contribution,
+        output.stride(0),
+        output.stride(1),
+        out.stride(0),
+        out.stride(1),
+        mass.stride(0),
+        contribution.stride(0),
+        contribution.stride(1),
+        splits,
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=splits_pad,
+        CONTRIBUTE=contribute,
+    )

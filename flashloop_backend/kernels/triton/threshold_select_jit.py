@@ -1,0 +1,345 @@
+"""Triton code of the split top-K selection (wrapper in ``threshold_select.py``).
+
+Five launches over each (row, head)'s logits: a strided sample brackets the K-th key by
+rank; split programs count the keys above the bracket and copy those inside it to a
+candidate list; one program per (row, head) finds the exact K-th key among the candidates
+(bit by bit, no sort) and every split's output offset; split programs compact in position
+order (ties to the earlier positions) with mass and contribution partials; a last launch
+sums the partials.
+"""
+
+import triton
+import triton.language as tl
+
+from flashloop_backend.kernels.triton.select_jit import _order_key, _radix_threshold
+
+
+@triton.jit
+def _selected_count(length, ratio_num, ratio_den):
+    """K = min(ceil(length * num / den), length) in integer arithmetic."""
+    return tl.minimum((length * ratio_num + ratio_den - 1) // ratio_den, length)
+
+
+@triton.jit
+def _kth_largest(keys, valid, rank):
+    """The rank-th largest (0-based) of the ``valid`` keys: the largest k with more than
+    ``rank`` valid keys >= k, built from the top bit down (32 counts, exact)."""
+    answer = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        trial = answer | tl.full([], 1 << (31 - bit), tl.uint32)
+        count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
+        answer = tl.where(count > rank, trial, answer)
+    return answer
+
+
+@triton.jit
+def select_bracket_kernel(
+    logits_ptr,
+    lengths_ptr,
+    bracket_ptr,
+    counter_ptr,
+    ratio_num,
+    ratio_den,
+    stride_lr,
+    stride_lh,
+    SAMPLE: tl.constexpr,
+):
+    """One (row, head): bracket [lowest, highest] of the K-th largest key from a strided
+    sample of SAMPLE logits (its rank +- 3 sigma + 16 sample ranks), written to
+    ``bracket`` [R, H, 2]; zeroes the candidate counter [R, H]."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pair = row * tl.num_programs(1) + head
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    count = _selected_count(length, ratio_num, ratio_den)
+    stride = (length + SAMPLE - 1) // SAMPLE
+    sample_pos = tl.arange(0, SAMPLE) * stride
+    in_sample = sample_pos < length
+    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+    keys = tl.where(
+        in_sample, _order_key(tl.load(logits_row + sample_pos, mask=in_sample, other=0.0)), 0
+    )
+    taken = tl.sum(in_sample.to(tl.int32), 0)
+    fraction = count.to(tl.float32) / tl.maximum(length, 1).to(tl.float32)
+    margin = (3.0 * tl.sqrt(taken * fraction * (1.0 - fraction)) + 16.0).to(tl.int32)
+    rank = (count * taken // tl.maximum(length, 1)).to(tl.int32)
+    lowest = tl.where(rank + margin < taken, _kth_largest(keys, in_sample, rank + margin), 0)
+    highest = tl.where(rank >= margin, _kth_largest(keys, in_sample, rank - margin), 0xFFFFFFFF).to(
+        tl.uint32
+    )
+    tl.store(bracket_ptr + pair * 2, lowest.to(tl.int32, bitcast=True))
+    tl.store(bracket_ptr + pair * 2 + 1, highest.to(tl.int32, bitcast=True))
+    tl.store(counter_ptr + pair, 0)
+
+
+@triton.jit
+def select_candidates_kernel(
+    logits_ptr,
+    lengths_ptr,
+    bracket_ptr,
+    counter_ptr,
+    above_ptr,
+    cand_key_ptr,
+    cand_pos_ptr,
+    stride_lr,
+    stride_lh,
+    chunk,
+    num_splits,
+    BLOCK: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):
+    """One (row, head, split) over positions [split * chunk, +chunk): counts the keys above
+    the bracket (``above`` [R, H, S]) and appends those inside it, key and position, to the
+    (row, head)'s candidate list [R, H, CANDIDATES] at slots taken from ``counter``."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    pair = row * tl.num_programs(1) + head
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    lowest = tl.load(bracket_ptr + pair * 2).to(tl.uint32, bitcast=True)
+    highest = tl.load(bracket_ptr + pair * 2 + 1).to(tl.uint32, bitcast=True)
+    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+    first = split * chunk
+    last = tl.minimum(first + chunk, length)
+    offs = tl.arange(0, BLOCK)
+    above = tl.zeros([], tl.int32)
+    for start in range(first, last, BLOCK):
+        pos = start + offs
+        visible = pos < last
+        key = _order_key(tl.load(logits_row + pos, mask=visible, other=0.0))
+        above += tl.sum((visible & (key > highest)).to(tl.int32), 0)
+        inside = visible & (key >= lowest) & (key <= highest)
+        base = tl.atomic_add(counter_ptr + pair, tl.sum(inside.to(tl.int32), 0))
+        slot = base + tl.cumsum(inside.to(tl.int32), 0) - 1
+        keep = inside & (slot < CANDIDATES)
+        tl.store(cand_key_ptr + pair * CANDIDATES + slot, key.to(tl.int32, bitcast=True), keep)
+        tl.store(cand_pos_ptr + pair * CANDIDATES + slot, pos.to(tl.int32), keep)
+    tl.store(above_ptr + pair * num_splits + split, above)
+
+
+@triton.jit
+def _split_counts(logits_row, length, chunk, num_splits, threshold, SPLITS_PAD, BLOCK):
+    """Keys above ``threshold`` and ties at it, per split [SPLITS_PAD], by a full pass."""
+    s = tl.arange(0, SPLITS_PAD)
+    offs = tl.arange(0, BLOCK)
+    greater = tl.zeros([SPLITS_PAD], tl.int32)
+    ties = tl.zeros([SPLITS_PAD], tl.int32)
+    for split in range(0, num_splits):
+        first = split * chunk
+        last = tl.minimum(first + chunk, length)
+        above = tl.zeros([], tl.int32)
+        equal = tl.zeros([], tl.int32)
+        for start in range(first, last, BLOCK):
+            pos = start + offs
+            visible = pos < last
+            key = _order_key(tl.load(logits_row + pos, mask=visible, other=0.0))
+            above += tl.sum((visible & (key > threshold)).to(tl.int32), 0)
+            equal += tl.sum((visible & (key == threshold)).to(tl.int32), 0)
+        greater = tl.where(s == split, above, greater)
+        ties = tl.where(s == split, equal, ties)
+    return greater, ties
+
+
+@triton.jit
+def select_threshold_kernel(
+    logits_ptr,
+    lengths_ptr,
+    counter_ptr,
+    above_ptr,
+    cand_key_ptr,
+    cand_pos_ptr,
+    plan_ptr,
+    offsets_ptr,
+    ratio_num,
+    ratio_den,
+    stride_lr,
+    stride_lh,
+    chunk,
+    num_splits,
+    BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One (row, head): the exact K-th largest key (from the candidates; by radix select
+    over the row when the bracket missed it or overflowed the list), the ties at it to
+    take, and per split the output offset and the ties in earlier splits. Writes ``plan``
+    [R, H, 2] (threshold key, ties to take) and ``offsets`` [R, H, S, 2]."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pair = row * tl.num_programs(1) + head
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    count = _selected_count(length, ratio_num, ratio_den).to(tl.int32)
+    s = tl.arange(0, SPLITS_PAD)
+    above_s = tl.load(above_ptr + pair * num_splits + s, mask=s < num_splits, other=0)
+    above = tl.sum(above_s, 0)
+    inside = tl.load(counter_ptr + pair)
+    ok = (above < count) & (count <= above + inside) & (inside <= CANDIDATES)
+    c = tl.arange(0, CANDIDATES)
+    valid = ok & (c < inside)
+    keys = tl.load(cand_key_ptr + pair * CANDIDATES + c, mask=valid, other=0).to(
+        tl.uint32, bitcast=True
+    )
+    split_of = tl.load(cand_pos_ptr + pair * CANDIDATES + c, mask=valid, other=0) // chunk
+    need = count - above
+    threshold = _kth_largest(keys, valid, need - 1)
+    remaining = need - tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
+    greater = above_s + tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys > threshold))
+    ties = tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys == threshold))
+    if (not ok) & (count > 0):
+        logits_row = logits_ptr + row * stride_lr + head * stride_lh
+        threshold, remaining = _radix_threshold(logits_row, length, count, BLOCK, RADIX_BITS)
+        greater, ties = _split_counts(
+            logits_row, length, chunk, num_splits, threshold, SPLITS_PAD, BLOCK
+        )
+    empty = count == 0
+    threshold = tl.where(empty, 0xFFFFFFFF, threshold).to(tl.uint32)
+    remaining = tl.where(empty, 0, remaining).to(tl.int32)
+    greater = tl.where(empty, 0, greater)
+    ties = tl.where(empty, 0, ties)
+    ties_before = tl.cumsum(ties, 0) - ties
+    taken = greater + tl.minimum(tl.maximum(remaining - ties_before, 0), ties)
+    offsets = tl.cumsum(taken, 0) - taken
+    tl.store(plan_ptr + pair * 2, threshold.to(tl.int32, bitcast=True))
+    tl.store(plan_ptr + pair * 2 + 1, remaining)
+    in_range = s < num_splits
+    tl.store(offsets_ptr + (pair * num_splits + s) * 2, offsets, mask=in_range)
+    tl.store(offsets_ptr + (pair * num_splits + s) * 2 + 1, ties_before, mask=in_range)
+
+
+@triton.jit
+def select_compact_kernel(
+    logits_ptr,
+    lse_ptr,
+    lengths_ptr,
+    plan_ptr,
+    offsets_ptr,
+    v_ptr,
+    tables_ptr,
+    idx_ptr,
+    part_mass_ptr,
+    part_contrib_ptr,
+    ratio_num,
+    ratio_den,
+    stride_lr,
+    stride_lh,
+    stride_er,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    stride_ir,
+    stride_ih,
+    chunk,
+    num_splits,
+    bucket,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CONTRIBUTE: tl.constexpr,
+):
+    """One (row, head, split): writes its selected positions in order at its offset in
+    ``idx`` [R, H, Kb] (ties taken while the earlier ties number fewer than the plan's),
+    -1 over its share of [K, Kb), and partials [R, H, S] of the mass sum exp(logit - lse)
+    and, with CONTRIBUTE, [R, H, S, D] of sum p * v from the paged values."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    pair = row * tl.num_programs(1) + head
+    kv_head = head // GROUP
+    length = tl.load(lengths_ptr + row).to(tl.int64)
+    threshold = tl.load(plan_ptr + pair * 2).to(tl.uint32, bitcast=True)
+    remaining = tl.load(plan_ptr + pair * 2 + 1)
+    written = tl.load(offsets_ptr + (pair * num_splits + split) * 2)
+    ties_seen = tl.load(offsets_ptr + (pair * num_splits + split) * 2 + 1)
+    lse = tl.load(lse_ptr + row * stride_er + head)
+    logits_row = logits_ptr + row * stride_lr + head * stride_lh
+    idx_row = idx_ptr + row * stride_ir + head * stride_ih
+    tables_row = tables_ptr + row * stride_tr
+    v_head = v_ptr + kv_head * stride_vh
+    offs = tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    first = split * chunk
+    last = tl.minimum(first + chunk, length)
+    mass = tl.zeros([BLOCK], tl.float32)
+    contribution = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for start in range(first, last, BLOCK):
+        pos = start + offs
+        visible = pos < last
+        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
+        key = _order_key(logit)
+        tie = visible & (key == threshold)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
+        p = tl.where(take, tl.exp(logit - lse), 0.0)
+        mass += p
+        if CONTRIBUTE:
+            page = tl.load(tables_row + pos // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
+            v = tl.load(
+                v_head
+                + page[:, None] * stride_vb
+                + (pos % BLOCK_SIZE)[:, None] * stride_vt
+                + d[None, :],
+                mask=take[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            contribution += p[:, None] * v
+        written += tl.sum(take.to(tl.int32), 0)
+        ties_seen += tl.sum(tie.to(tl.int32), 0)
+    tl.store(part_mass_ptr + pair * num_splits + split, tl.sum(mass, 0))
+    if CONTRIBUTE:
+        part = part_contrib_ptr + (pair * num_splits + split) * HEAD_DIM
+        tl.store(part + d, tl.sum(contribution, 0))
+    # -1 past K: each split fills its share of [K, Kb)
+    count = _selected_count(length, ratio_num, ratio_den)
+    share = (bucket + num_splits - 1) // num_splits
+    fill_first = count + split * share
+    fill_last = tl.minimum(fill_first + share, bucket)
+    for start in range(fill_first, fill_last, BLOCK):
+        pos = start + offs
+        tl.store(idx_row + pos, -1, mask=pos < fill_last)
+
+
+@triton.jit
+def select_finish_kernel(
+    part_mass_ptr,
+    part_contrib_ptr,
+    output_ptr,
+    out_ptr,
+    mass_ptr,
+    contrib_ptr,
+    stride_or,
+    stride_oh,
+    stride_qr,
+    stride_qh,
+    stride_mr,
+    stride_cr,
+    stride_ch,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CONTRIBUTE: tl.constexpr,
+):
+    """One (row, head): mass [R, H] and, with CONTRIBUTE, contribution [R, H, D] summed over
+    the splits' partials in split order; the dense output [R, H, D] FP32 also in ``out``'s
+    dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pair = row * tl.num_programs(1) + head
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    in_range = s < num_splits
+    mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=in_range, other=0.0)
+    tl.store(mass_ptr + row * stride_mr + head, tl.sum(mass, 0))
+    if CONTRIBUTE:
+        parts = tl.load(
+            part_contrib_ptr + (pair * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+            mask=in_range[:, None],
+            other=0.0,
+        )
+        tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(parts, 0))
+    dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)
+    tl.store(out_ptr + row * stride_qr + head * stride_qh + d, dense.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# H200 calls for issue 22 (sparse decode at memory speed), one stage per call:
+#   ops   the sparse-decode GPU tests; bench sparse (BF16 source designs and correction
+#         beside FlashInfer) at 8K / 32K x 1 / 16, key retention 0.25 and 0.10; bench packed
+#         sparse_ops (packed source beside the plain two-level read, corrections per
+#         selected-key launch) at 32K x 16 and 8K x 1
+#   e2e   all three features and sparse decode alone vs dense Triton from CUDA graphs at
+#         8K x 1 (24 layers) and 32K x 16 (4 layers); a profile of all-on decode steps at
+#         8K x 1 (4 layers)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-540}" "$@"; }
+case "${1:?stage: ops or e2e}" in
+  ops)
+    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
+      tests/test_packed_kv.py -k "dense_source or correction or selected or source" 2>&1 \
+      | tee "$OUT/gpu_tests_issue22.log" | tail -4
+    for r in 0.25 0.10; do
+      run flashloop-backend bench sparse --contexts 8192,32768 --concurrency 1,16 --key-retention "$r" \
+        --out "$OUT/bench_sparse_$r.json" 2>&1 | grep -v "^\s*$" | tail -6
+    done
+    run flashloop-backend bench packed --parts sparse_ops --contexts 32768 --concurrency 16 \
+      --out "$OUT/bench_packed_sparse_32k.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_sparse.log" | cut -c1-150 | tail -40
+    run flashloop-backend bench packed --parts sparse_ops --contexts 8192 --concurrency 1 \
+      --out "$OUT/bench_packed_sparse_8k.json" 2>&1 | grep -v "^\s*$" | tee -a "$OUT/bench_packed_sparse.log" | cut -c1-150 | tail -40 ;;
+  e2e)
+    for config in all_on sparse_decode_0.25; do
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config "configs/$config.json" --contexts 8192 --concurrency 1 \
+        --warmup-context 512 --out "$OUT/bench_e2e_${config}_8k.json" 2>&1 | grep -E "TTFT|replay"
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config "configs/$config.json" --contexts 32768 --concurrency 16 --layers 4 \
+        --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_${config}_32k.json" 2>&1 | grep -E "TTFT|replay"
+    done
+    run python3 scripts/profile_step.py --config configs/all_on.json --context 8192 --concurrency 1 \
+      --layers 4 --phase decode --json "$OUT/profile_all_on_8k.json" > "$OUT/profile_all_on_8k.log" 2>&1
+    grep -E "Self CUDA time total|_kernel" "$OUT/profile_all_on_8k.log" | cut -c1-60,100-140 | head -24 ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
