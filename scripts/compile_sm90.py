@@ -251,8 +251,8 @@ def _layer_kernels() -> bool:
 
 
 def _threshold_selection() -> bool:
-    """The registered selection's five kernels at the registered launch
-    (``threshold_select.py``), the compaction with and without the contribution."""
+    """The registered selection's six kernels at the registered launch
+    (``threshold_select.py``)."""
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
     from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT as tuning
 
@@ -273,15 +273,20 @@ def _threshold_selection() -> bool:
             dict(blocks, RADIX_BITS=tuning.radix_bits, SPLITS_PAD=64),
             8,
         ),
-        ("finish", jit.select_finish_kernel, dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIBUTE=True), 4),
+        (
+            "finish",
+            jit.select_finish_kernel,
+            dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIB_PAD=64, CONTRIBUTE=True),
+            4,
+        ),
+        ("compact", jit.select_compact_kernel, dict(BLOCK=tuning.compact_block), tuning.num_warps),
+        (
+            "contribution",
+            jit.selected_contribution_kernel,
+            dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=tuning.contribution_block),
+            tuning.num_warps,
+        ),
     ]
-    for contribute in (True, False):
-        shape = dict(
-            GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=tuning.compact_block, CONTRIBUTE=contribute
-        )
-        variants.append(
-            (f"compact CONTRIBUTE={contribute}", jit.select_compact_kernel, shape, tuning.num_warps)
-        )
     ok = True
     for label, fn, shape, warps in variants:
         ok &= _compile(f"select {label}", fn, pointers, set(), shape, warps)

@@ -3,7 +3,8 @@
 #   ops   the sparse-decode GPU tests; bench sparse (BF16 source designs and correction
 #         beside FlashInfer) at 8K / 32K x 1 / 16, key retention 0.25 and 0.10; bench packed
 #         sparse_ops (packed source beside the plain two-level read, corrections per
-#         selected-key launch) at 32K x 16 and 8K x 1
+#         selected-key launch) at 32K x 16 and 8K x 1; each kernel's time per op call
+#         (scripts/profile_sparse_ops.py) at 32K x 16 and 8K x 1
 #   e2e   all three features and sparse decode alone vs dense Triton from CUDA graphs at
 #         8K x 1 (24 layers) and 32K x 16 (4 layers); a profile of all-on decode steps at
 #         8K x 1 (4 layers)
@@ -19,6 +20,11 @@ case "${1:?stage: ops or e2e}" in
     for r in 0.25 0.10; do
       run flashloop-backend bench sparse --contexts 8192,32768 --concurrency 1,16 --key-retention "$r" \
         --out "$OUT/bench_sparse_$r.json" 2>&1 | grep -v "^\s*$" | tail -6
+    done
+    for shape in "32768 16" "8192 1"; do
+      set -- $shape
+      run python3 scripts/profile_sparse_ops.py --context "$1" --concurrency "$2" \
+        --json "$OUT/profile_sparse_ops_$1_$2.json" 2>&1 | grep -v -i warn | tee "$OUT/profile_sparse_ops_$1_$2.log"
     done
     run flashloop-backend bench packed --parts sparse_ops --contexts 32768 --concurrency 16 \
       --out "$OUT/bench_packed_sparse_32k.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_sparse.log" | cut -c1-150 | tail -40

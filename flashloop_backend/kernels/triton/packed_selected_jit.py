@@ -1,11 +1,15 @@
 """Triton code that attends over the selected keys of packed KV without materialising them
 (wrappers in ``packed_sparse.py``): each block of selected positions is reconstructed in
-registers (:func:`reconstruct_rows`) and consumed at once."""
+registers (K by :func:`reconstruct_rows`, V by channel with the positions along the fast
+axis, :func:`selected_values_by_channel`) and consumed at once."""
 
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.packed_gather_jit import reconstruct_rows
+from flashloop_backend.kernels.triton.packed_gather_jit import (
+    reconstruct_rows,
+    selected_values_by_channel,
+)
 
 
 @triton.jit
@@ -97,7 +101,7 @@ def packed_selected_split_kernel(
         q = tl.load(q_ptr + row * stride_qr + head * stride_qh + d).to(tl.float32) * scale
     m_i = float("-inf")
     l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
     first = split * keys_per_split
     for start in range(first, first + keys_per_split, BLOCK_N):
         # ---- this block's selected positions, reconstructed in registers
@@ -106,7 +110,40 @@ def packed_selected_split_kernel(
             idx_ptr + row * stride_ir + head * stride_ih + start + j, mask=in_split, other=-1
         )
         valid = pos >= 0
-        k, v = reconstruct_rows(
+        v = selected_values_by_channel(
+            pos,
+            row,
+            kv_head,
+            d,
+            vc_ptr,
+            vmin_ptr,
+            vscale_ptr,
+            tables,
+            maps,
+            level_kinds_ptr,
+            packed_ptr,
+            v_ptr,
+            tables_ptr,
+            svc_p,
+            svc_h,
+            svc_d,
+            svm_p,
+            svm_t,
+            svm_h,
+            stride_ll,
+            stride_ml,
+            stride_kr,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            stride_tr,
+            BLOCK_N,
+            HEAD_DIM,
+            GROUP,
+            BLOCK_SIZE,
+            LEVELS,
+        )
+        k, _ = reconstruct_rows(
             pos,
             row,
             kv_head,
@@ -151,6 +188,7 @@ def packed_selected_split_kernel(
             BLOCK_SIZE,
             LEVELS,
             not FROM_LOGITS,
+            False,
         )
         if FROM_LOGITS:
             # ---- loop 2: the selected keys' share of the dense softmax, times their values
@@ -160,7 +198,7 @@ def packed_selected_split_kernel(
                 other=float("-inf"),
             )
             p = tl.where(valid, tl.exp(logit - lse), 0.0)
-            acc += tl.sum(p[:, None] * v, axis=0)
+            acc += v * p[None, :]
         else:
             # ---- loops 3-4: online softmax over the selected keys
             s = tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))
@@ -169,9 +207,11 @@ def packed_selected_split_kernel(
             p = tl.exp(s - m_safe)
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            acc = acc * alpha + v * p[None, :]
             m_i = m_new
-    tl.store(part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + d, acc)
+    tl.store(
+        part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + d, tl.sum(acc, 1)
+    )
     if not FROM_LOGITS:
         tl.store(part_max_ptr + row * stride_mr_ + head * stride_mh + split, m_i)
         tl.store(part_sum_ptr + row * stride_mr_ + head * stride_mh + split, l_i)

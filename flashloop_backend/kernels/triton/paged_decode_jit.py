@@ -105,14 +105,18 @@ def paged_attention_split_kernel(
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         s = tl.where(visible[None, :], s, float("-inf"))
         if STORE_LOGITS:  # selection statistics: every visible key's scaled logit, once
-            tl.store(
-                logits_ptr
-                + row.to(tl.int64) * stride_lr
-                + q_heads[:, None] * stride_lh
-                + pos[None, :],
-                s,
-                mask=q_mask[:, None] & visible[None, :],
-            )
+            logits_row = logits_ptr + row.to(tl.int64) * stride_lr
+            if GROUP == 1:
+                # one query row: store it as a vector, not from the padded 2-D tile whose
+                # other rows are masked (scattered 4-byte stores from the dot layout)
+                s_row = tl.sum(tl.where(q_mask[:, None], s, 0.0), axis=0)
+                tl.store(logits_row + kv_head * stride_lh + pos, s_row, mask=visible)
+            else:
+                tl.store(
+                    logits_row + q_heads[:, None] * stride_lh + pos[None, :],
+                    s,
+                    mask=q_mask[:, None] & visible[None, :],
+                )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])

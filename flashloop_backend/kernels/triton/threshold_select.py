@@ -17,6 +17,7 @@ import torch
 
 from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
+from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,16 @@ class SelectTuning:
     select over the row, ``radix_bits`` per pass); split programs of at least
     ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
     scan ``block`` positions per step when counting and ``compact_block`` when compacting,
-    with ``num_warps`` warps."""
+    with ``num_warps`` warps; the contribution gather takes ``contribution_block``
+    selected positions per step."""
 
     sample: int = 4096
     candidates: int = 4096
     block: int = 1024
-    compact_block: int = 64
+    compact_block: int = 256
+    contribution_block: int = 32
     radix_bits: int = 8
-    chunk_min: int = 1024
+    chunk_min: int = 256
     programs_per_sm: int = 8
     num_warps: int = 4
 
@@ -96,9 +99,6 @@ def select_top_keys(
     offsets = torch.empty((*pairs, splits, 2), **int32)
     part_mass = torch.empty((*pairs, splits), dtype=torch.float32, device=device)
     contribute = value_cache is not None
-    part_contrib = torch.empty(
-        (*pairs, splits, head_dim if contribute else 1), dtype=torch.float32, device=device
-    )
     logit_strides = (logits.stride(0), logits.stride(1))
     warps = tuning.num_warps
     jit.select_bracket_kernel[pairs](
@@ -138,41 +138,56 @@ def select_top_keys(
         SPLITS_PAD=splits_pad,
         num_warps=8,
     )
-    values = value_cache if contribute else output  # never read without CONTRIBUTE
-    value_strides = value_cache.stride()[:3] if contribute else (0, 0, 0)
-    num_kv_heads = value_cache.shape[2] if contribute else heads
-    block_size = value_cache.shape[1] if contribute else 1
     jit.select_compact_kernel[(*pairs, splits)](
         logits,
         lse,
         context_lengths,
         plan,
         offsets,
-        values,
-        block_tables,
         indices,
         part_mass,
-        part_contrib,
         *ratio,
         *logit_strides,
         lse.stride(0),
-        *value_strides,
-        block_tables.stride(0),
         indices.stride(0),
         indices.stride(1),
         chunk,
         splits,
         bucket,
-        GROUP=heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
         BLOCK=tuning.compact_block,
-        CONTRIBUTE=contribute,
         num_warps=warps,
     )
+    contrib_splits = 1
+    if contribute:
+        contrib_splits, keys_per_split = selected_key_splits(rows, heads, max(1, bucket), device)
+        part_contrib = torch.empty(
+            (*pairs, contrib_splits, head_dim), dtype=torch.float32, device=device
+        )
+        _, block_size, num_kv_heads, _ = value_cache.shape
+        jit.selected_contribution_kernel[(*pairs, contrib_splits)](
+            logits,
+            lse,
+            value_cache,
+            block_tables,
+            indices,
+            part_contrib,
+            *logit_strides,
+            lse.stride(0),
+            *value_cache.stride()[:3],
+            block_tables.stride(0),
+            indices.stride(0),
+            indices.stride(1),
+            keys_per_split,
+            bucket,
+            GROUP=heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_K=tuning.contribution_block,
+            num_warps=warps,
+        )
     jit.select_finish_kernel[pairs](
         part_mass,
-        part_contrib,
+        part_mass if not contribute else part_contrib,
         output,
         out,
         mass,
@@ -185,7 +200,9 @@ def select_top_keys(
         contribution.stride(0),
         contribution.stride(1),
         splits,
+        contrib_splits,
         HEAD_DIM=head_dim,
         SPLITS_PAD=splits_pad,
+        CONTRIB_PAD=max(2, next_pow2(contrib_splits)),
         CONTRIBUTE=contribute,
     )

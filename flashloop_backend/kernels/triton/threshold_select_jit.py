@@ -1,11 +1,12 @@
 """Triton code of the split top-K selection (wrapper in ``threshold_select.py``).
 
-Five launches over each (row, head)'s logits: a strided sample brackets the K-th key by
-rank; split programs count the keys above the bracket and copy those inside it to a
-candidate list; one program per (row, head) finds the exact K-th key among the candidates
-(bit by bit, no sort) and every split's output offset; split programs compact in position
-order (ties to the earlier positions) with mass and contribution partials; a last launch
-sums the partials.
+Launches over each (row, head)'s logits: a strided sample brackets the K-th key by rank;
+split programs count the keys above the bracket and copy those inside it to a candidate
+list; one program per (row, head) finds the exact K-th key among the candidates (two bits
+a step, no sort) and every split's output offset; split programs compact in position
+order (ties to the earlier positions) with mass partials; split programs over the
+selected positions gather the contribution from BF16 pages (packed KV sums its own); a
+last launch sums the partials.
 """
 
 import triton
@@ -21,15 +22,24 @@ def _selected_count(length, ratio_num, ratio_den):
 
 
 @triton.jit
-def _kth_largest(keys, valid, rank):
-    """The rank-th largest (0-based) of the ``valid`` keys: the largest k with more than
-    ``rank`` valid keys >= k, built from the top bit down (32 counts, exact)."""
-    answer = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(32):
-        trial = answer | tl.full([], 1 << (31 - bit), tl.uint32)
-        count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
-        answer = tl.where(count > rank, trial, answer)
-    return answer
+def _kth_largest(keys, valid, rank_a, rank_b):
+    """The rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys: for each, the
+    largest k with more than that rank valid keys >= k, built two bits a step from the top
+    (16 steps; each counts the three trial digits of both ranks in one reduction)."""
+    trial = tl.arange(0, 8)
+    digit = (trial % 4).to(tl.uint32)
+    for_a = trial < 4
+    rank = tl.where(for_a, rank_a, rank_b)
+    answer_a = tl.zeros([], tl.uint32)
+    answer_b = tl.zeros([], tl.uint32)
+    for step in tl.static_range(16):
+        shift = 30 - 2 * step
+        bound = tl.where(for_a, answer_a, answer_b) | (digit << shift)
+        above = (keys[None, :] >= bound[:, None]) & valid[None, :]
+        passed = ((tl.sum(above.to(tl.int32), 1) > rank) & (digit > 0)).to(tl.uint32)
+        answer_a |= tl.sum(tl.where(for_a, passed, 0), 0).to(tl.uint32) << shift
+        answer_b |= tl.sum(tl.where(for_a, 0, passed), 0).to(tl.uint32) << shift
+    return answer_a, answer_b
 
 
 @triton.jit
@@ -63,10 +73,9 @@ def select_bracket_kernel(
     fraction = count.to(tl.float32) / tl.maximum(length, 1).to(tl.float32)
     margin = (3.0 * tl.sqrt(taken * fraction * (1.0 - fraction)) + 16.0).to(tl.int32)
     rank = (count * taken // tl.maximum(length, 1)).to(tl.int32)
-    lowest = tl.where(rank + margin < taken, _kth_largest(keys, in_sample, rank + margin), 0)
-    highest = tl.where(rank >= margin, _kth_largest(keys, in_sample, rank - margin), 0xFFFFFFFF).to(
-        tl.uint32
-    )
+    low_key, high_key = _kth_largest(keys, in_sample, rank + margin, rank - margin)
+    lowest = tl.where(rank + margin < taken, low_key, 0)
+    highest = tl.where(rank >= margin, high_key, 0xFFFFFFFF).to(tl.uint32)
     tl.store(bracket_ptr + pair * 2, lowest.to(tl.int32, bitcast=True))
     tl.store(bracket_ptr + pair * 2 + 1, highest.to(tl.int32, bitcast=True))
     tl.store(counter_ptr + pair, 0)
@@ -182,7 +191,7 @@ def select_threshold_kernel(
     )
     split_of = tl.load(cand_pos_ptr + pair * CANDIDATES + c, mask=valid, other=0) // chunk
     need = count - above
-    threshold = _kth_largest(keys, valid, need - 1)
+    threshold, _ = _kth_largest(keys, valid, need - 1, need - 1)
     remaining = need - tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
     greater = above_s + tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys > threshold))
     ties = tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys == threshold))
@@ -214,40 +223,28 @@ def select_compact_kernel(
     lengths_ptr,
     plan_ptr,
     offsets_ptr,
-    v_ptr,
-    tables_ptr,
     idx_ptr,
     part_mass_ptr,
-    part_contrib_ptr,
     ratio_num,
     ratio_den,
     stride_lr,
     stride_lh,
     stride_er,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_tr,
     stride_ir,
     stride_ih,
     chunk,
     num_splits,
     bucket,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
-    CONTRIBUTE: tl.constexpr,
 ):
     """One (row, head, split): writes its selected positions in order at its offset in
     ``idx`` [R, H, Kb] (ties taken while the earlier ties number fewer than the plan's),
-    -1 over its share of [K, Kb), and partials [R, H, S] of the mass sum exp(logit - lse)
-    and, with CONTRIBUTE, [R, H, S, D] of sum p * v from the paged values."""
+    -1 over its share of [K, Kb), and its partial [R, H, S] of the mass sum
+    exp(logit - lse)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
     pair = row * tl.num_programs(1) + head
-    kv_head = head // GROUP
     length = tl.load(lengths_ptr + row).to(tl.int64)
     threshold = tl.load(plan_ptr + pair * 2).to(tl.uint32, bitcast=True)
     remaining = tl.load(plan_ptr + pair * 2 + 1)
@@ -256,14 +253,10 @@ def select_compact_kernel(
     lse = tl.load(lse_ptr + row * stride_er + head)
     logits_row = logits_ptr + row * stride_lr + head * stride_lh
     idx_row = idx_ptr + row * stride_ir + head * stride_ih
-    tables_row = tables_ptr + row * stride_tr
-    v_head = v_ptr + kv_head * stride_vh
     offs = tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
     first = split * chunk
     last = tl.minimum(first + chunk, length)
     mass = tl.zeros([BLOCK], tl.float32)
-    contribution = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     for start in range(first, last, BLOCK):
         pos = start + offs
         visible = pos < last
@@ -274,25 +267,10 @@ def select_compact_kernel(
         take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
         slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
-        p = tl.where(take, tl.exp(logit - lse), 0.0)
-        mass += p
-        if CONTRIBUTE:
-            page = tl.load(tables_row + pos // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
-            v = tl.load(
-                v_head
-                + page[:, None] * stride_vb
-                + (pos % BLOCK_SIZE)[:, None] * stride_vt
-                + d[None, :],
-                mask=take[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            contribution += p[:, None] * v
+        mass += tl.where(take, tl.exp(logit - lse), 0.0)
         written += tl.sum(take.to(tl.int32), 0)
         ties_seen += tl.sum(tie.to(tl.int32), 0)
     tl.store(part_mass_ptr + pair * num_splits + split, tl.sum(mass, 0))
-    if CONTRIBUTE:
-        part = part_contrib_ptr + (pair * num_splits + split) * HEAD_DIM
-        tl.store(part + d, tl.sum(contribution, 0))
     # -1 past K: each split fills its share of [K, Kb)
     count = _selected_count(length, ratio_num, ratio_den)
     share = (bucket + num_splits - 1) // num_splits
@@ -301,6 +279,64 @@ def select_compact_kernel(
     for start in range(fill_first, fill_last, BLOCK):
         pos = start + offs
         tl.store(idx_row + pos, -1, mask=pos < fill_last)
+
+
+@triton.jit
+def selected_contribution_kernel(
+    logits_ptr,
+    lse_ptr,
+    v_ptr,
+    tables_ptr,
+    idx_ptr,
+    part_contrib_ptr,
+    stride_lr,
+    stride_lh,
+    stride_er,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    stride_ir,
+    stride_ih,
+    keys_per_split,
+    num_keys,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (row, head, split) of the selected positions ``idx`` [R, H, Kb] (-1: none):
+    partial [R, H, S, D] of the contribution sum exp(logit - lse) * v, each value row
+    gathered from its page whole."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    pair = row * tl.num_programs(1) + head
+    d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, BLOCK_K)
+    lse = tl.load(lse_ptr + row * stride_er + head)
+    v_head = v_ptr + (head // GROUP) * stride_vh
+    acc = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+    first = split * keys_per_split
+    for start in range(first, first + keys_per_split, BLOCK_K):
+        n = start + j
+        in_split = (n < first + keys_per_split) & (n < num_keys)
+        pos = tl.load(idx_ptr + row * stride_ir + head * stride_ih + n, mask=in_split, other=-1)
+        valid = pos >= 0
+        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=valid, other=0)
+        v = tl.load(
+            v_head
+            + page.to(tl.int64)[:, None] * stride_vb
+            + (pos % BLOCK_SIZE)[:, None] * stride_vt
+            + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        logit = tl.load(
+            logits_ptr + row * stride_lr + head * stride_lh + pos, mask=valid, other=float("-inf")
+        )
+        acc += tl.where(valid, tl.exp(logit - lse), 0.0)[:, None] * v
+    tl.store(part_contrib_ptr + (pair * tl.num_programs(2) + split) * HEAD_DIM + d, tl.sum(acc, 0))
 
 
 @triton.jit
@@ -319,25 +355,27 @@ def select_finish_kernel(
     stride_cr,
     stride_ch,
     num_splits,
+    contrib_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    CONTRIB_PAD: tl.constexpr,
     CONTRIBUTE: tl.constexpr,
 ):
-    """One (row, head): mass [R, H] and, with CONTRIBUTE, contribution [R, H, D] summed over
-    the splits' partials in split order; the dense output [R, H, D] FP32 also in ``out``'s
-    dtype."""
+    """One (row, head): mass [R, H] summed over the compaction's [R, H, S] partials and,
+    with CONTRIBUTE, contribution [R, H, D] over the gather's [R, H, S2, D], in split
+    order; the dense output [R, H, D] FP32 also in ``out``'s dtype."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = row * tl.num_programs(1) + head
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    in_range = s < num_splits
-    mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=in_range, other=0.0)
+    mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=s < num_splits, other=0.0)
     tl.store(mass_ptr + row * stride_mr + head, tl.sum(mass, 0))
     if CONTRIBUTE:
+        c = tl.arange(0, CONTRIB_PAD)
         parts = tl.load(
-            part_contrib_ptr + (pair * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-            mask=in_range[:, None],
+            part_contrib_ptr + (pair * contrib_splits + c)[:, None] * HEAD_DIM + d[None, :],
+            mask=(c < contrib_splits)[:, None],
             other=0.0,
         )
         tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(parts, 0))

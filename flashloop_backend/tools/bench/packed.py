@@ -22,7 +22,7 @@ HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
 # launch (kernels/triton/packed_sparse.py) beside more programs in flight and 32 x 4.
 # ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
 # levels: they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
-SELECTED_LAUNCHES = [(16, 2, 2), (16, 2, 8), (16, 2, 16), (16, 4, 8), (32, 4, 8)]
+SELECTED_LAUNCHES = [(16, 2, 2), (16, 2, 8), (32, 2, 8), (32, 4, 8), (64, 4, 8)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
