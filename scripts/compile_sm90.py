@@ -123,11 +123,16 @@ def main() -> int:
             f"packed_gather LEVELS={levels}", packed_gather_kernel, STORE, set(), shape, 4
         )
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
-    from flashloop_backend.kernels.triton.packed_sparse import BLOCK_N, SELECTED_WARPS
+    from flashloop_backend.kernels.triton.packed_sparse import (
+        BLOCK_N,
+        SELECTED_WARPS,
+        V_BY_CHANNEL_BELOW,
+    )
 
-    # the registered launch at one and four levels, and the 32 x 4 one bench packed times
+    # the registered launch at two levels (V by channel) and four (V as rows), and the
+    # 32 x 4 one bench packed times
     for levels, block_n, warps in (
-        (1, BLOCK_N, SELECTED_WARPS),
+        (2, BLOCK_N, SELECTED_WARPS),
         (4, BLOCK_N, SELECTED_WARPS),
         (4, 32, 4),
     ):
@@ -140,6 +145,7 @@ def main() -> int:
                 LEVELS=levels,
                 BLOCK_N=block_n,
                 FROM_LOGITS=from_logits,
+                V_BY_CHANNEL=levels < V_BY_CHANNEL_BELOW,
             )
             ok &= _compile(
                 f"packed_selected LEVELS={levels} BLOCK_N={block_n} warps={warps} "
@@ -265,13 +271,13 @@ def _threshold_selection() -> bool:
     pointers |= {"v_ptr": "*bf16", "out_ptr": "*bf16"}
     blocks = dict(BLOCK=tuning.block, CANDIDATES=tuning.candidates)
     variants = [
-        ("bracket", jit.select_bracket_kernel, dict(SAMPLE=tuning.sample), 4),
+        ("bracket", jit.select_bracket_kernel, dict(SAMPLE=tuning.sample), tuning.search_warps),
         ("candidates", jit.select_candidates_kernel, blocks, tuning.num_warps),
         (
             "threshold",
             jit.select_threshold_kernel,
             dict(blocks, RADIX_BITS=tuning.radix_bits, SPLITS_PAD=64),
-            8,
+            tuning.search_warps,
         ),
         (
             "finish",

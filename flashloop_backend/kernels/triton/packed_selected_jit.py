@@ -79,6 +79,7 @@ def packed_selected_split_kernel(
     LEVELS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    V_BY_CHANNEL: tl.constexpr,
 ):
     """One (row, query head, split) over its share of the selected positions ``idx``
     [R, Hq, Kb] (-1: none), FP32 throughout.
@@ -86,7 +87,9 @@ def packed_selected_split_kernel(
     FROM_LOGITS False (loop 3-4 correction): online softmax of q k^T * scale over the
     selected keys -> partial (acc [D], max, sum), merged like split-K decode.
     FROM_LOGITS True (loop-2 contribution): acc = sum exp(logit - lse) v over the selected
-    keys, logits [R, Hq, T] and lse [R, Hq] from the packed reader; max/sum unused."""
+    keys, logits [R, Hq, T] and lse [R, Hq] from the packed reader; max/sum unused.
+    V_BY_CHANNEL reads V with the positions along the fast axis
+    (:func:`selected_values_by_channel`), else as rows with K (:func:`reconstruct_rows`)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,7 +104,10 @@ def packed_selected_split_kernel(
         q = tl.load(q_ptr + row * stride_qr + head * stride_qh + d).to(tl.float32) * scale
     m_i = float("-inf")
     l_i = 0.0
-    acc = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
+    if V_BY_CHANNEL:  # p * v accumulated per element, reduced over positions once at the end
+        acc = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([HEAD_DIM], tl.float32)
     first = split * keys_per_split
     for start in range(first, first + keys_per_split, BLOCK_N):
         # ---- this block's selected positions, reconstructed in registers
@@ -110,40 +116,41 @@ def packed_selected_split_kernel(
             idx_ptr + row * stride_ir + head * stride_ih + start + j, mask=in_split, other=-1
         )
         valid = pos >= 0
-        v = selected_values_by_channel(
-            pos,
-            row,
-            kv_head,
-            d,
-            vc_ptr,
-            vmin_ptr,
-            vscale_ptr,
-            tables,
-            maps,
-            level_kinds_ptr,
-            packed_ptr,
-            v_ptr,
-            tables_ptr,
-            svc_p,
-            svc_h,
-            svc_d,
-            svm_p,
-            svm_t,
-            svm_h,
-            stride_ll,
-            stride_ml,
-            stride_kr,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            stride_tr,
-            BLOCK_N,
-            HEAD_DIM,
-            GROUP,
-            BLOCK_SIZE,
-            LEVELS,
-        )
-        k, _ = reconstruct_rows(
+        if V_BY_CHANNEL:
+            v_by_channel = selected_values_by_channel(
+                pos,
+                row,
+                kv_head,
+                d,
+                vc_ptr,
+                vmin_ptr,
+                vscale_ptr,
+                tables,
+                maps,
+                level_kinds_ptr,
+                packed_ptr,
+                v_ptr,
+                tables_ptr,
+                svc_p,
+                svc_h,
+                svc_d,
+                svm_p,
+                svm_t,
+                svm_h,
+                stride_ll,
+                stride_ml,
+                stride_kr,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                stride_tr,
+                BLOCK_N,
+                HEAD_DIM,
+                GROUP,
+                BLOCK_SIZE,
+                LEVELS,
+            )
+        k, v = reconstruct_rows(
             pos,
             row,
             kv_head,
@@ -188,7 +195,7 @@ def packed_selected_split_kernel(
             BLOCK_SIZE,
             LEVELS,
             not FROM_LOGITS,
-            False,
+            not V_BY_CHANNEL,
         )
         if FROM_LOGITS:
             # ---- loop 2: the selected keys' share of the dense softmax, times their values
@@ -198,7 +205,10 @@ def packed_selected_split_kernel(
                 other=float("-inf"),
             )
             p = tl.where(valid, tl.exp(logit - lse), 0.0)
-            acc += v * p[None, :]
+            if V_BY_CHANNEL:
+                acc += v_by_channel * p[None, :]
+            else:
+                acc += tl.sum(p[:, None] * v, axis=0)
         else:
             # ---- loops 3-4: online softmax over the selected keys
             s = tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))
@@ -207,11 +217,16 @@ def packed_selected_split_kernel(
             p = tl.exp(s - m_safe)
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + v * p[None, :]
+            if V_BY_CHANNEL:
+                acc = acc * alpha + v_by_channel * p[None, :]
+            else:
+                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
-    tl.store(
-        part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + d, tl.sum(acc, 1)
-    )
+    if V_BY_CHANNEL:
+        out = tl.sum(acc, 1)
+    else:
+        out = acc
+    tl.store(part_out_ptr + row * stride_pr + head * stride_ph + split * stride_ps + d, out)
     if not FROM_LOGITS:
         tl.store(part_max_ptr + row * stride_mr_ + head * stride_mh + split, m_i)
         tl.store(part_sum_ptr + row * stride_mr_ + head * stride_mh + split, l_i)

@@ -25,7 +25,7 @@ from flashloop_backend.kernels.triton.packed_decode import (
     packed_strides,
 )
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
-from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
+from flashloop_backend.kernels.triton.sparse_decode import KEYS_PER_SPLIT_MIN
 from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,
@@ -40,7 +40,21 @@ GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, unti
 # dense levels and token-sparse alike (results/bench_packed_kv_sparse_ops.json).
 BLOCK_N = 16
 SELECTED_WARPS = 2
-SELECTED_PROGRAMS_PER_SM = 2
+# About 512 programs over all (row, head) pairs: the fastest the launch sweep timed at both
+# 32K x 16 (2 splits) and 8K x 1 (32 splits) (results/README.md, issue 22).
+SELECTED_PROGRAMS = 512
+# Level counts below this read V by channel (positions along the fast axis): faster at two
+# and three levels, slower at four than V read as rows with K (results/README.md, issue 22).
+V_BY_CHANNEL_BELOW = 4
+
+
+def packed_key_splits(rows: int, heads: int, bucket: int, programs: int) -> tuple[int, int]:
+    """(splits, keys per split) over each (row, head)'s ``bucket`` selected keys: about
+    ``programs`` programs in all (never fewer than one split per pair), at least
+    ``KEYS_PER_SPLIT_MIN`` keys per split."""
+    want = max(1, programs // max(1, rows * heads))
+    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    return splits, math.ceil(bucket / splits)
 
 
 def packed_gather(
@@ -119,11 +133,11 @@ def packed_selected_parts(
     lse: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
-    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
+    programs: int = SELECTED_PROGRAMS,
 ):
     """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
     reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps,
-    about ``programs_per_sm`` programs per SM:
+    about ``programs`` programs in all:
     (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of q k^T * scale, or with
     ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split
     (the loop-2 contribution)."""
@@ -146,9 +160,7 @@ def packed_selected_parts(
             f"{tuple(store.shape[1:])} / cache's {num_kv_heads} heads"
         )
     bucket = indices.shape[-1]
-    splits, keys_per_split = selected_key_splits(
-        rows, num_q_heads, max(1, bucket), q.device, programs_per_sm
-    )
+    splits, keys_per_split = packed_key_splits(rows, num_q_heads, max(1, bucket), programs)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -195,6 +207,7 @@ def packed_selected_parts(
         LEVELS=tables.shape[1],
         BLOCK_N=block_n,
         FROM_LOGITS=from_logits,
+        V_BY_CHANNEL=tables.shape[1] < V_BY_CHANNEL_BELOW,
         num_warps=num_warps,
     )
     return part_out, part_max, part_sum
@@ -220,7 +233,7 @@ def packed_sparse_correction_triton(
     scale=None,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
-    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
+    programs: int = SELECTED_PROGRAMS,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
@@ -237,7 +250,7 @@ def packed_sparse_correction_triton(
         scale,
         block_n=block_n,
         num_warps=num_warps,
-        programs_per_sm=programs_per_sm,
+        programs=programs,
     )
     return merge_splits(
         *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
@@ -303,7 +316,7 @@ def packed_dense_source_triton(
     tuning: SelectTuning = DEFAULT_SELECT,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
-    programs_per_sm: int = SELECTED_PROGRAMS_PER_SM,
+    programs: int = SELECTED_PROGRAMS,
 ) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
@@ -363,6 +376,6 @@ def packed_dense_source_triton(
         lse,
         block_n,
         num_warps,
-        programs_per_sm,
+        programs,
     )
     return out, indices, mass, output, part_out.sum(2)

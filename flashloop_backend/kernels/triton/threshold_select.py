@@ -28,9 +28,10 @@ class SelectTuning:
     ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
     scan ``block`` positions per step when counting and ``compact_block`` when compacting,
     with ``num_warps`` warps; the contribution gather takes ``contribution_block``
-    selected positions per step."""
+    selected positions per step; the bracket and threshold searches run on
+    ``search_warps`` warps (fewer keys per thread per count)."""
 
-    sample: int = 4096
+    sample: int = 2048
     candidates: int = 4096
     block: int = 1024
     compact_block: int = 256
@@ -39,6 +40,7 @@ class SelectTuning:
     chunk_min: int = 256
     programs_per_sm: int = 8
     num_warps: int = 4
+    search_warps: int = 8
 
 
 DEFAULT_SELECT = SelectTuning()
@@ -102,7 +104,14 @@ def select_top_keys(
     logit_strides = (logits.stride(0), logits.stride(1))
     warps = tuning.num_warps
     jit.select_bracket_kernel[pairs](
-        logits, context_lengths, bracket, counter, *ratio, *logit_strides, SAMPLE=tuning.sample
+        logits,
+        context_lengths,
+        bracket,
+        counter,
+        *ratio,
+        *logit_strides,
+        SAMPLE=tuning.sample,
+        num_warps=tuning.search_warps,
     )
     jit.select_candidates_kernel[(*pairs, splits)](
         logits,
@@ -136,7 +145,7 @@ def select_top_keys(
         RADIX_BITS=tuning.radix_bits,
         CANDIDATES=tuning.candidates,
         SPLITS_PAD=splits_pad,
-        num_warps=8,
+        num_warps=tuning.search_warps,
     )
     jit.select_compact_kernel[(*pairs, splits)](
         logits,

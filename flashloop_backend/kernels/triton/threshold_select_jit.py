@@ -24,22 +24,30 @@ def _selected_count(length, ratio_num, ratio_den):
 @triton.jit
 def _kth_largest(keys, valid, rank_a, rank_b):
     """The rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys: for each, the
-    largest k with more than that rank valid keys >= k, built two bits a step from the top
-    (16 steps; each counts the three trial digits of both ranks in one reduction)."""
-    trial = tl.arange(0, 8)
-    digit = (trial % 4).to(tl.uint32)
-    for_a = trial < 4
-    rank = tl.where(for_a, rank_a, rank_b)
+    largest k with more than that rank valid keys >= k, built from the top bit down (32
+    steps; the two ranks' counts are independent, so their reductions overlap)."""
     answer_a = tl.zeros([], tl.uint32)
     answer_b = tl.zeros([], tl.uint32)
-    for step in tl.static_range(16):
-        shift = 30 - 2 * step
-        bound = tl.where(for_a, answer_a, answer_b) | (digit << shift)
-        above = (keys[None, :] >= bound[:, None]) & valid[None, :]
-        passed = ((tl.sum(above.to(tl.int32), 1) > rank) & (digit > 0)).to(tl.uint32)
-        answer_a |= tl.sum(tl.where(for_a, passed, 0), 0).to(tl.uint32) << shift
-        answer_b |= tl.sum(tl.where(for_a, 0, passed), 0).to(tl.uint32) << shift
+    for bit in tl.static_range(32):
+        step = tl.full([], 1 << (31 - bit), tl.uint32)
+        trial_a = answer_a | step
+        trial_b = answer_b | step
+        count_a = tl.sum((valid & (keys >= trial_a)).to(tl.int32), 0)
+        count_b = tl.sum((valid & (keys >= trial_b)).to(tl.int32), 0)
+        answer_a = tl.where(count_a > rank_a, trial_a, answer_a)
+        answer_b = tl.where(count_b > rank_b, trial_b, answer_b)
     return answer_a, answer_b
+
+
+@triton.jit
+def _kth_largest_one(keys, valid, rank):
+    """The rank-th largest (0-based) of the ``valid`` keys, as :func:`_kth_largest`."""
+    answer = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        trial = answer | tl.full([], 1 << (31 - bit), tl.uint32)
+        count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
+        answer = tl.where(count > rank, trial, answer)
+    return answer
 
 
 @triton.jit
@@ -191,7 +199,7 @@ def select_threshold_kernel(
     )
     split_of = tl.load(cand_pos_ptr + pair * CANDIDATES + c, mask=valid, other=0) // chunk
     need = count - above
-    threshold, _ = _kth_largest(keys, valid, need - 1, need - 1)
+    threshold = _kth_largest_one(keys, valid, need - 1)
     remaining = need - tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
     greater = above_s + tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys > threshold))
     ties = tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys == threshold))

@@ -18,11 +18,11 @@ from flashloop_backend.tools.bench.timing import (
 )
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
-# (positions per step, warps, programs per SM) of the selected-key kernel: the registered
-# launch (kernels/triton/packed_sparse.py) beside more programs in flight and 32 x 4.
+# (positions per step, warps, programs in all) of the selected-key kernel: the registered
+# launch (kernels/triton/packed_sparse.py) beside fewer and more programs and 32 x 4.
 # ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
 # levels: they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
-SELECTED_LAUNCHES = [(16, 2, 2), (16, 2, 8), (32, 2, 8), (32, 4, 8), (64, 4, 8)]
+SELECTED_LAUNCHES = [(16, 2, 512), (16, 2, 128), (16, 2, 2048), (32, 4, 512)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
@@ -222,7 +222,7 @@ def sparse_ops_case(
     (two-level read, selection, contribution) beside the plain two-level read, the loop 3-4
     correction over the
     selected keys at three and four levels, dense and compact levels, each selected-key
-    launch of ``launches`` (positions per step, warps, programs per SM), and the streamed
+    launch of ``launches`` (positions per step, warps, programs in all), and the streamed
     correction
     design (the packed reader, unselected positions masked); ``dense_ms``: FlashInfer BF16
     decode of the same rows (same run; None: timed here on a GPU);
@@ -281,9 +281,9 @@ def sparse_ops_case(
             gathered = packed_sparse_correction_triton(*args).float()
             gap = (streamed - gathered).abs().max().item()
             results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
-        for block_n, warps, per_sm in launches:
-            launch = {"block_n": block_n, "num_warps": warps, "programs_per_sm": per_sm}
-            suffix = f"_block{block_n}_w{warps}_p{per_sm}"
+        for block_n, warps, programs in launches:
+            launch = {"block_n": block_n, "num_warps": warps, "programs": programs}
+            suffix = f"_block{block_n}_w{warps}_p{programs}"
             record(
                 f"{name}_source_depth2{suffix}",
                 timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
