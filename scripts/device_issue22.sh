@@ -8,11 +8,13 @@
 #   e2e   all three features and sparse decode alone vs dense Triton from CUDA graphs at
 #         8K x 1 (24 layers) and 32K x 16 (4 layers); a profile of all-on decode steps at
 #         8K x 1 (4 layers)
+#   tests graph replay and the host on the GPU for every feature combination (the
+#         combination GPU tests)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-540}" "$@"; }
-case "${1:?stage: ops or e2e}" in
+case "${1:?stage: ops, e2e or tests}" in
   ops)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
       tests/test_packed_kv.py -k "dense_source or correction or selected or source" 2>&1 \
@@ -42,5 +44,9 @@ case "${1:?stage: ops or e2e}" in
     run python3 scripts/profile_step.py --config configs/all_on.json --context 8192 --concurrency 1 \
       --layers 4 --phase decode --json "$OUT/profile_all_on_8k.json" > "$OUT/profile_all_on_8k.log" 2>&1
     grep -E "Self CUDA time total|_kernel" "$OUT/profile_all_on_8k.log" | cut -c1-60,100-140 | head -24 ;;
+  tests)
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
+      tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_sparse_decode.py 2>&1 \
+      | tee "$OUT/gpu_tests_combinations_issue22.log" | tail -6 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """What the flashloop backend derives from a batch view once per batch; every layer of the
-traversal reuses it (only the loop-2 readiness changes from layer to layer)."""
+traversal reuses it: the gather order and rows (:class:`BatchPlan`) and, per layer, which
+rows each op serves (:class:`PlanRouting`, loop-2 readiness included)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
+from flashloop_backend.backends.sparse_state import ReferenceStates
 from flashloop_backend.config import FlashLoopConfig
-from flashloop_backend.dispatch import NOT_ROUTED, BatchView, base_routes, partition_rows
+from flashloop_backend.dispatch import (
+    NOT_ROUTED,
+    ROUTE_CODES,
+    BatchView,
+    base_routes,
+    partition_rows,
+    with_references,
+)
 
 
 @dataclass(frozen=True)
@@ -81,3 +90,52 @@ class BatchPlan:
             return gathered
         restored = gathered[self.source]
         return torch.where(self.kept[:, None, None], restored, torch.zeros_like(restored))
+
+
+class PlanRouting:
+    """Which rows each op serves, for every layer of a planned batch, computed once.
+
+    Under sparse decode a loop 3-4 row corrects at a layer when its slot holds its own
+    loop-2 reference for that layer. A step never writes the slot of a row that reads its
+    reference (a row runs one depth per step, a token owns its slot), so the readiness of
+    every layer is known when the batch is planned: one gather gives routes [L, R], and a
+    layer's rows are row ``layer`` of each op's masks, with no launch per layer. The rows
+    that would correct but find no reference are counted in ``missing_reference`` once, for
+    every layer of the state."""
+
+    def __init__(
+        self, plan: BatchPlan, states: ReferenceStates | None, config: FlashLoopConfig
+    ) -> None:
+        self.lengths = plan.lengths
+        self.target = states.target(plan.slots) if states is not None else None
+        self.base_routes = plan.routes  # [R]
+        self.routes = plan.routes  # [R], or [L, R] when routes follow references
+        if states is not None and plan.correctable is not None:
+            ready = states.ready_layers(self.target, plan.incarnations)  # [R, L]
+            correctable = plan.correctable[:, None]
+            routes = with_references(plan.routes[:, None], correctable, config, ready)
+            self.routes = routes.T.contiguous()
+            states.missing_reference += (correctable & ~ready).sum()
+        # op -> (rows it serves [n] or [L, n] bool, their masked lengths or None)
+        self._masks: dict = {}
+
+    def rows(
+        self, op, n: int, layer: int, reads_lengths: bool, decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows ``op`` serves [n] bool, and if it ``reads_lengths`` their lengths with
+        other rows masked to 0 [n] int32, else None) at ``layer``, among the first ``n``
+        planned rows. Only a ``decode`` op's rows can change with the layer; the others
+        get the same tensors at every layer (a kernel that plans on the host recognises
+        them)."""
+        routes = self.routes if decode else self.base_routes
+        if (op, n) not in self._masks:
+            mine = routes[..., :n] == ROUTE_CODES[op]
+            masked = None
+            if reads_lengths:
+                lengths = self.lengths[:n]
+                masked = torch.where(mine, lengths, torch.zeros_like(lengths))
+            self._masks[(op, n)] = (mine, masked)
+        mine, masked = self._masks[(op, n)]
+        if routes.dim() == 1:
+            return mine, masked
+        return mine[layer], None if masked is None else masked[layer]

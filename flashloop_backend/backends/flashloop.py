@@ -14,20 +14,18 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, GraphStep, RequestKV
-from flashloop_backend.backends.batch_plan import BatchPlan
+from flashloop_backend.backends.batch_plan import BatchPlan, PlanRouting
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
 from flashloop_backend.config import ConfigError, FlashLoopConfig, UnservableError
 from flashloop_backend.dispatch import (
-    ROUTE_CODES,
     BatchView,
     config_capabilities,
     decode_route_ops,
     prefill_route_ops,
     required_ops,
     routable_ops,
-    with_references,
 )
 from flashloop_backend.kernels.ops import (
     CorrectionInputs,
@@ -183,8 +181,7 @@ class FlashLoopBackend(AttentionBackend):
         self.packed: PackedState | None = None
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
         self._plan: BatchPlan | None = None
-        # (plan, op -> (rows it serves [n] bool, their masked lengths [n] int32 or None))
-        self._masks: tuple[BatchPlan, dict] | None = None
+        self._routing: PlanRouting | None = None
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
@@ -352,10 +349,9 @@ class FlashLoopBackend(AttentionBackend):
             )
         if self._plan is None or self._plan.view is not view:  # once per batch, not per layer
             self._plan = BatchPlan.of(view, self.config)
-        plan = self._plan
-        tables, lengths = plan.tables, plan.lengths
-        ready = states.ready(layer, plan.slots, plan.incarnations) if states is not None else None
-        gathered_routes = with_references(plan.routes, plan.correctable, self.config, ready)
+            self._routing = PlanRouting(self._plan, states, self.config)
+        plan, routing = self._plan, self._routing
+        tables = plan.tables
         gathered_q = plan.gather(q)
         meta = self.packed.meta_for(view, plan.order) if self.packed is not None else None
         prefill_ops = prefill_route_ops(self.config)
@@ -364,33 +360,26 @@ class FlashLoopBackend(AttentionBackend):
         if plan.order is None:  # the view's own order: padding may sit anywhere
             bound = view.num_rows
         key_retention = self.config.sparse_decode_attention.key_retention
-        if self._masks is None or self._masks[0] is not plan:
-            self._masks = (plan, {})
-        masks = self._masks[1]
         runs = [
             (op, choice, view.num_rows if op in prefill_ops else bound)
             for op, choice in self.kernels.items()
         ]
         runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
+        # an op over every row whose other rows read nothing goes first: its output is the
+        # base the other ops' rows are written into (its unserved rows are zeros already)
+        runs.sort(key=lambda run: not (run[0] in PLAIN_OUTPUT_OPS and run[2] == view.num_rows))
         out = None
         for op, choice, n in runs:
-            if op in masks:
-                mine, masked = masks[op]
-            else:
-                mine = gathered_routes[:n] == ROUTE_CODES[op]
-                masked = None
-                if op not in CORRECTION_OPS:
-                    masked = torch.where(mine, lengths[:n], torch.zeros_like(lengths[:n]))
-                # kept for the next layers unless the route follows this layer's reference
-                # readiness (decode ops under sparse decode); prefill routes never do
-                if states is None or op in prefill_ops:
-                    masks[op] = (mine, masked)
+            # the correction reads the reference's positions, not lengths
+            mine, masked = routing.rows(
+                op, n, layer, reads_lengths=op not in CORRECTION_OPS, decode=op not in prefill_ops
+            )
             # the plan's own tensors where every row runs: a kernel that plans on the host
             # (FlashInfer) recognises them at every layer and plans once
             q_n = gathered_q if n == view.num_rows else gathered_q[:n]
             tables_n = tables if n == view.num_rows else tables[:n]
             if op in CORRECTION_OPS:
-                indices, mass, ref_out, contribution = states.read(layer, plan.slots[:n])
+                indices, mass, ref_out, contribution = states.read_at(layer, routing.target[:n])
                 # rows routed elsewhere may hold another token's state: they select nothing
                 indices = torch.where(mine[:, None, None], indices, -1)
                 inputs = CorrectionInputs(
@@ -425,9 +414,9 @@ class FlashLoopBackend(AttentionBackend):
                 inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
-                states.write(
+                states.write_at(
                     layer,
-                    plan.slots[:n],
+                    routing.target[:n],
                     plan.incarnations[:n],
                     mine,
                     result.indices,
@@ -436,16 +425,14 @@ class FlashLoopBackend(AttentionBackend):
                     result.contribution,
                 )
                 result = result.out
-            if len(runs) == 1 and n == view.num_rows and op in PLAIN_OUTPUT_OPS:
-                # the only op over every row: rows it does not serve had length 0, which
-                # the op contract answers with zeros
+            if out is None and n == view.num_rows and op in PLAIN_OUTPUT_OPS:
+                # rows this op does not serve had length 0, which the op contract answers
+                # with zeros: its output is the base
                 out = result
                 continue
             if out is None:
                 out = torch.zeros_like(gathered_q)
             out[:n] = torch.where(mine[:, None, None], result, out[:n])
-        if states is not None:
-            states.missing_reference += (plan.correctable & ~ready).sum()
         if out is None:
             out = torch.zeros_like(gathered_q)
         return plan.restore(out)

@@ -49,14 +49,16 @@ class ReferenceStates:
         self.missing_reference = torch.zeros((), dtype=torch.int64, device=device)
         self.sources_written = torch.zeros((), dtype=torch.int64, device=device)
 
-    def _slots(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        usable = keep & (slots >= 0) & (slots < self.num_slots)
+    def target(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N] int64: each row's slot, or the scratch slot S for rows without a usable one.
+        A batch computes it once; every layer's read, write and readiness check reuse it."""
+        usable = (slots >= 0) & (slots < self.num_slots)
         return torch.where(usable, slots, self.num_slots)
 
-    def write(
+    def write_at(
         self,
         layer: int,
-        slots: torch.Tensor,
+        target: torch.Tensor,
         incarnations: torch.Tensor,
         keep: torch.Tensor,
         indices: torch.Tensor,
@@ -64,37 +66,52 @@ class ReferenceStates:
         output: torch.Tensor,
         contribution: torch.Tensor,
     ) -> None:
-        """Store the rows where ``keep`` ([N] bool) holds; other rows land in scratch."""
-        target = self._slots(slots, keep)
+        """Store the rows where ``keep`` ([N] bool) holds at their :meth:`target` slots;
+        other rows land in scratch."""
         width = indices.shape[-1]
         if width > self.k_bucket:
             raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
-        # one tensor write (a Python scalar would be copied from the host: not capturable)
-        padded = torch.nn.functional.pad(
-            indices.to(torch.int32), (0, self.k_bucket - width), value=-1
-        )
-        self.indices[target, layer] = padded
+        target = torch.where(keep, target, self.num_slots)
+        indices = indices.to(torch.int32)
+        if width < self.k_bucket:  # one tensor write (a Python scalar would be copied from
+            # the host: not capturable)
+            indices = torch.nn.functional.pad(indices, (0, self.k_bucket - width), value=-1)
+        self.indices[target, layer] = indices
         self.mass[target, layer] = mass
         self.output[target, layer] = output
         self.contribution[target, layer] = contribution
         self.incarnation[target, layer] = torch.where(keep, incarnations, EMPTY)
         self.sources_written += keep.sum()
 
+    def write(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor, *args) -> None:
+        """:meth:`write_at` from the rows' slots [N]."""
+        self.write_at(layer, self.target(slots), incarnations, *args)
+
+    def ready_layers(self, target: torch.Tensor, incarnations: torch.Tensor) -> torch.Tensor:
+        """[N, L] bool: the row's :meth:`target` slot holds this very token's reference for
+        each layer (one gather for every layer of a step: a step never writes the slot of
+        a row that reads its reference)."""
+        stored = self.incarnation[target]  # [N, L]
+        usable = (target < self.num_slots) & (incarnations != EMPTY)
+        return usable[:, None] & (stored == incarnations[:, None])
+
     def ready(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor) -> torch.Tensor:
         """[N] bool: the slot holds this very token's reference for ``layer``."""
-        target = self._slots(slots, torch.ones_like(slots, dtype=torch.bool))
-        stored = self.incarnation[target, layer]
-        return (target < self.num_slots) & (stored == incarnations) & (incarnations != EMPTY)
+        return self.ready_layers(self.target(slots), incarnations)[:, layer]
 
-    def read(self, layer: int, slots: torch.Tensor):
-        """(indices, mass, output, contribution) of each row's slot for ``layer``."""
-        target = self._slots(slots, torch.ones_like(slots, dtype=torch.bool))
+    def read_at(self, layer: int, target: torch.Tensor):
+        """(indices, mass, output, contribution) of each row's :meth:`target` slot for
+        ``layer``."""
         return (
             self.indices[target, layer],
             self.mass[target, layer],
             self.output[target, layer],
             self.contribution[target, layer],
         )
+
+    def read(self, layer: int, slots: torch.Tensor):
+        """(indices, mass, output, contribution) of each row's slot for ``layer``."""
+        return self.read_at(layer, self.target(slots))
 
     def retire(self, slot: int) -> None:
         """The token in ``slot`` is gone: its state can never be read again."""
