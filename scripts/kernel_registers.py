@@ -31,10 +31,13 @@ from triton.compiler import ASTSource
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[str, int]:
+def usage(
+    levels: int, rows: int, warps: int, kernel: str = "decode", by_channel: bool | None = None
+) -> dict[str, int]:
     """ptxas -v figures of one variant (Ouro-1.4B shapes): the packed reader
     (``decode``, ``rows`` per step) or the selected-key kernel of the loop 3-4 correction
-    (``selected``, ``rows`` positions per step)."""
+    (``selected``, ``rows`` positions per step; V read by channel as registered for the
+    level count, or as ``by_channel`` says)."""
     if kernel == "decode":  # the wrapper's own launch, specialized as at run time
         fn, args, kwargs = packed_launch(levels)
         compiled = compile_launch(fn, args, {**kwargs, "ROWS": rows, "num_warps": warps})
@@ -42,9 +45,13 @@ def usage(levels: int, rows: int, warps: int, kernel: str = "decode") -> dict[st
         from flashloop_backend.kernels.triton.packed_selected_jit import (
             packed_selected_split_kernel as fn,
         )
+        from flashloop_backend.kernels.triton.packed_sparse import V_BY_CHANNEL_BELOW
+
+        if by_channel is None:
+            by_channel = levels < V_BY_CHANNEL_BELOW
 
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                     BLOCK_N=rows, FROM_LOGITS=False)  # fmt: skip
+                     BLOCK_N=rows, FROM_LOGITS=False, V_BY_CHANNEL=by_channel)  # fmt: skip
         compiled = triton.compile(ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape),
                                   target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:

@@ -23,7 +23,7 @@ def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
     record = bench_packed.sparse_ops_case(64, 2, torch.Generator().manual_seed(0), lambda m: None,
                                           1.0, timer=timer, select=small, launches=[(32, 4, 512), (16, 1, 64)])  # fmt: skip
     names = [f"{levels}_{op}_{launch}" for levels in ("dense_levels", "token_sparse")
-             for launch in ("block32_w4_p512", "block16_w1_p64")
+             for launch in ("block32_w4_p512", "block16_w1_p64", "v_by_channel", "v_rows")
              for op in ("source_depth2", "correction_depth3", "correction_depth4")]  # fmt: skip
     names += [f"{levels}_correction_depth{d}_streamed" for levels in ("dense_levels", "token_sparse") for d in (3, 4)]  # fmt: skip
     names += [f"{levels}_plain_read_depth2" for levels in ("dense_levels", "token_sparse")]

@@ -82,7 +82,7 @@ def reconstruct_rows(
     in_packed = wanted & (pos < tl.load(packed_ptr + row))
     k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for level in tl.static_range(LEVELS):
+    for level in range(LEVELS):
         page, within, present = _level_rows(
             pos,
             row,
@@ -187,7 +187,7 @@ def selected_values_by_channel(
     in_packed = wanted & (pos < tl.load(packed_ptr + row))
     v = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
     channel_group = (d // GROUP)[:, None]
-    for level in tl.static_range(LEVELS):
+    for level in range(LEVELS):
         page, within, present = _level_rows(
             pos,
             row,

@@ -44,7 +44,8 @@ SELECTED_WARPS = 2
 # 32K x 16 (2 splits) and 8K x 1 (32 splits) (results/README.md, issue 22).
 SELECTED_PROGRAMS = 512
 # Level counts below this read V by channel (positions along the fast axis): faster at two
-# and three levels, slower at four than V read as rows with K (results/README.md, issue 22).
+# and three levels, slower at four than V read as rows with K, both timed with the levels
+# unrolled (results/README.md, issue 22).
 V_BY_CHANNEL_BELOW = 4
 
 
@@ -134,10 +135,12 @@ def packed_selected_parts(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
+    v_by_channel: bool | None = None,
 ):
     """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
     reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps,
-    about ``programs`` programs in all:
+    about ``programs`` programs in all, V read by channel or as rows (``v_by_channel``;
+    None: by channel below ``V_BY_CHANNEL_BELOW`` levels):
     (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of q k^T * scale, or with
     ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split
     (the loop-2 contribution)."""
@@ -207,7 +210,7 @@ def packed_selected_parts(
         LEVELS=tables.shape[1],
         BLOCK_N=block_n,
         FROM_LOGITS=from_logits,
-        V_BY_CHANNEL=tables.shape[1] < V_BY_CHANNEL_BELOW,
+        V_BY_CHANNEL=tables.shape[1] < V_BY_CHANNEL_BELOW if v_by_channel is None else v_by_channel,
         num_warps=num_warps,
     )
     return part_out, part_max, part_sum
@@ -234,6 +237,7 @@ def packed_sparse_correction_triton(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
+    v_by_channel: bool | None = None,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
@@ -251,6 +255,7 @@ def packed_sparse_correction_triton(
         block_n=block_n,
         num_warps=num_warps,
         programs=programs,
+        v_by_channel=v_by_channel,
     )
     return merge_splits(
         *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
@@ -317,6 +322,7 @@ def packed_dense_source_triton(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
+    v_by_channel: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
@@ -377,5 +383,6 @@ def packed_dense_source_triton(
         block_n,
         num_warps,
         programs,
+        v_by_channel,
     )
     return out, indices, mass, output, part_out.sum(2)

@@ -22,7 +22,7 @@ HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
 # launch (kernels/triton/packed_sparse.py) beside fewer and more programs and 32 x 4.
 # ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
 # levels: they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
-SELECTED_LAUNCHES = [(16, 2, 512), (16, 2, 128), (16, 2, 2048), (32, 4, 512)]
+SELECTED_LAUNCHES = [(16, 2, 512), (16, 2, 128), (16, 2, 2048), (16, 4, 512), (32, 4, 512)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
 
 
@@ -284,6 +284,19 @@ def sparse_ops_case(
         for block_n, warps, programs in launches:
             launch = {"block_n": block_n, "num_warps": warps, "programs": programs}
             suffix = f"_block{block_n}_w{warps}_p{programs}"
+            record(
+                f"{name}_source_depth2{suffix}",
+                timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
+            )
+            for depth, args in corrections.items():
+                record(
+                    f"{name}_correction_depth{depth + 1}{suffix}",
+                    timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)),
+                )
+        # the registered launch with V read the other way at every depth
+        for by_channel in (True, False):
+            launch = {"v_by_channel": by_channel}
+            suffix = "_v_by_channel" if by_channel else "_v_rows"
             record(
                 f"{name}_source_depth2{suffix}",
                 timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
