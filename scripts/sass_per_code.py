@@ -20,6 +20,7 @@ per second, whatever the memory does (2 bytes per BF16 value, half a byte per co
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -73,6 +74,53 @@ def bf16_reader(context: int = 8192) -> dict:
     return _record("paged_attention BF16", text, kwargs["num_warps"], keys * 256, 2)
 
 
+def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int = 2) -> dict:
+    """The packed selected-key kernel of the loop 3-4 correction (``packed_sparse.py``),
+    compiled for Ouro-1.4B shapes: its innermost loops are the run-time loops over the
+    levels (one, or with V read by channel one for V and one for K), each converting
+    ``block_n`` keys' K and V codes of one level."""
+    from compile_sm90 import SELECTED, TARGET, _signature
+    from triton.compiler import ASTSource
+
+    from flashloop_backend.kernels.triton.packed_selected_jit import (
+        packed_selected_split_kernel as fn,
+    )
+
+    shape = dict(
+        GROUP_Q=1,
+        HEAD_DIM=128,
+        GROUP=64,
+        BLOCK_SIZE=16,
+        LEVELS=levels,
+        BLOCK_N=block_n,
+        FROM_LOGITS=False,
+        V_BY_CHANNEL=by_channel,
+    )
+    source = ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run(
+            [str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+    loops = innermost_loops(text)[: 2 if by_channel else 1]
+    instructions = sum(loop["instructions"] for loop in loops)
+    codes = block_n * 256  # K and V codes of block_n keys at one level
+    return {
+        "kernel": f"packed_selected LEVELS={levels} V {'by channel' if by_channel else 'rows'}",
+        "warps": warps,
+        "elements_per_iteration": codes,
+        "main_loop_instructions": instructions,
+        "warp_instructions_per_element": instructions * warps / codes,
+        "issue_ceiling_tb_s": ISSUE_PER_S / (instructions * warps / codes) * 0.5 / 1e12,
+        "main_loop_mix": dict(
+            sum((collections.Counter(loop["mix"]) for loop in loops), collections.Counter())
+        ),
+        "innermost_loops": [loop["instructions"] for loop in innermost_loops(text)],
+    }
+
+
 def _record(
     label: str, text: str, warps: int, elements: int, element_bytes: float, packed: bool = False
 ) -> dict:
@@ -103,12 +151,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,2,4")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--selected", action="store_true", help="also the selected-key kernel, V both ways"
+    )
     args = parser.parse_args()
     records = [bf16_reader()] + [
         packed_reader(int(n), half_products=half)
         for half in (True, False)
         for n in args.levels.split(",")
     ]
+    if args.selected:
+        records += [selected_keys(3, by_channel) for by_channel in (False, True)]
     for r in records:
         print(
             f"{r['kernel']:24s} warps={r['warps']} loop={r['main_loop_instructions']} instr, "
