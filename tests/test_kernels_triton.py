@@ -235,3 +235,12 @@ def test_a_row_without_selected_keys_gives_output_minus_contribution_everywhere(
     triton_out = sparse_correction_triton(q, kc, vc, tables, *state)
     torch.testing.assert_close(reference[1], output[1] - contribution[1])
     torch.testing.assert_close(triton_out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_selection_tuning_names_the_tile_that_is_not_a_power_of_two(rng):
+    from flashloop_backend.kernels.triton.dense_source import SelectTuning, dense_source_triton
+
+    q, kc, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
+    tuning = SelectTuning(compact_block=48, sample=16)
+    with pytest.raises(ValueError, match=r"\{'compact_block': 48\} must be powers of two"):
+        dense_source_triton(q, kc, vc, tables, lengths, 0.3, 32, tuning=tuning)

@@ -4,7 +4,8 @@ Each (row, head)'s exact top-K (K = max(1, ceil(key_retention * T)), ties to the
 position) over the scaled logits one attention pass wrote: a sampled bracket, a split
 count that collects the bracket's candidates, an exact threshold from the candidates (the
 radix select over the row when the bracket misses), a split compaction in position order
-with mass and contribution partials, and their sum. Split counts come from shapes only,
+with mass partials, a split gather of the contribution over the selected positions (BF16
+pages; packed KV sums its own), and the partials' sum. Split counts come from shapes only,
 so no launch waits on the host.
 """
 
@@ -79,10 +80,14 @@ def select_top_keys(
     head_dim = output.shape[-1]
     if logits.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("logits and lse must have unit stride on their last axis")
-    if tuning.sample & (tuning.sample - 1) or tuning.candidates & (tuning.candidates - 1):
-        raise ValueError(
-            f"sample={tuning.sample} and candidates={tuning.candidates} must be powers of two"
-        )
+    tiles = ("sample", "candidates", "block", "compact_block", "contribution_block")
+    odd = {
+        name: getattr(tuning, name)
+        for name in tiles
+        if getattr(tuning, name) & (getattr(tuning, name) - 1)
+    }
+    if odd:
+        raise ValueError(f"SelectTuning {odd} must be powers of two (Triton tile extents)")
     if rows == 0:
         return
     device = logits.device
