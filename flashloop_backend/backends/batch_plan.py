@@ -101,12 +101,12 @@ class PlanRouting:
     every layer is known when the batch is planned: one gather gives routes [L, R], and a
     layer's rows are row ``layer`` of each op's masks, with no launch per layer. The rows
     that would correct but find no reference are counted in ``missing_reference`` once, for
-    every layer of the state."""
+    every layer of the state; so are the source's writes (:meth:`source_rows`)."""
 
     def __init__(
         self, plan: BatchPlan, states: ReferenceStates | None, config: FlashLoopConfig
     ) -> None:
-        self.lengths = plan.lengths
+        self.lengths, self.incarnations = plan.lengths, plan.incarnations
         self.target = states.target(plan.slots) if states is not None else None
         self.base_routes = plan.routes  # [R]
         self.routes = plan.routes  # [R], or [L, R] when routes follow references
@@ -118,6 +118,7 @@ class PlanRouting:
             states.missing_reference += (correctable & ~ready).sum()
         # op -> (rows it serves [n] or [L, n] bool, their masked lengths or None)
         self._masks: dict = {}
+        self._writes: dict = {}
 
     def rows(
         self, op, n: int, layer: int, reads_lengths: bool, decode: bool
@@ -139,3 +140,15 @@ class PlanRouting:
         if routes.dim() == 1:
             return mine, masked
         return mine[layer], None if masked is None else masked[layer]
+
+    def source_rows(
+        self, states: ReferenceStates, n: int, mine: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the loop-2 source writes for the first ``n`` rows (``mine`` [n]: the rows it
+        serves, the same at every layer: a source row never corrects), planned once per
+        batch: :meth:`ReferenceStates.write_rows`, and the batch's writes counted in
+        ``sources_written`` for every layer of the state."""
+        if n not in self._writes:
+            self._writes[n] = states.write_rows(self.target[:n], self.incarnations[:n], mine)
+            states.sources_written += mine.sum() * states.num_layers
+        return self._writes[n]

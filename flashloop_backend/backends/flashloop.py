@@ -414,11 +414,9 @@ class FlashLoopBackend(AttentionBackend):
                 inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
-                states.write_at(
+                states.store(
                     layer,
-                    routing.target[:n],
-                    plan.incarnations[:n],
-                    mine,
+                    routing.source_rows(states, n, mine),
                     result.indices,
                     result.mass,
                     result.output,

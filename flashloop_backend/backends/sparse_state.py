@@ -40,7 +40,7 @@ class ReferenceStates:
         device: torch.device | str,
     ) -> None:
         shape = (num_slots + 1, num_layers, num_heads)
-        self.num_slots, self.k_bucket = num_slots, k_bucket
+        self.num_slots, self.num_layers, self.k_bucket = num_slots, num_layers, k_bucket
         self.indices = torch.full((*shape, k_bucket), -1, dtype=torch.int32, device=device)
         self.mass = torch.zeros(shape, dtype=torch.float32, device=device)
         self.output = torch.zeros((*shape, head_dim), dtype=torch.float32, device=device)
@@ -55,6 +55,39 @@ class ReferenceStates:
         usable = (slots >= 0) & (slots < self.num_slots)
         return torch.where(usable, slots, self.num_slots)
 
+    def write_rows(
+        self, target: torch.Tensor, incarnations: torch.Tensor, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot [N], incarnation [N]) each row's :meth:`store` writes: its :meth:`target`
+        and incarnation where ``keep`` ([N] bool) holds, else the scratch slot and EMPTY.
+        A batch computes them once for all its layers."""
+        slot = torch.where(keep, target, self.num_slots)
+        return slot, torch.where(keep, incarnations, EMPTY)
+
+    def store(
+        self,
+        layer: int,
+        rows: tuple[torch.Tensor, torch.Tensor],
+        indices: torch.Tensor,
+        mass: torch.Tensor,
+        output: torch.Tensor,
+        contribution: torch.Tensor,
+    ) -> None:
+        """Write ``layer``'s state of the rows planned by :meth:`write_rows`."""
+        slot, incarnation = rows
+        width = indices.shape[-1]
+        if width > self.k_bucket:
+            raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
+        indices = indices.to(torch.int32)
+        if width < self.k_bucket:  # one tensor write (a Python scalar would be copied from
+            # the host: not capturable)
+            indices = torch.nn.functional.pad(indices, (0, self.k_bucket - width), value=-1)
+        self.indices[slot, layer] = indices
+        self.mass[slot, layer] = mass
+        self.output[slot, layer] = output
+        self.contribution[slot, layer] = contribution
+        self.incarnation[slot, layer] = incarnation
+
     def write_at(
         self,
         layer: int,
@@ -67,20 +100,9 @@ class ReferenceStates:
         contribution: torch.Tensor,
     ) -> None:
         """Store the rows where ``keep`` ([N] bool) holds at their :meth:`target` slots;
-        other rows land in scratch."""
-        width = indices.shape[-1]
-        if width > self.k_bucket:
-            raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
-        target = torch.where(keep, target, self.num_slots)
-        indices = indices.to(torch.int32)
-        if width < self.k_bucket:  # one tensor write (a Python scalar would be copied from
-            # the host: not capturable)
-            indices = torch.nn.functional.pad(indices, (0, self.k_bucket - width), value=-1)
-        self.indices[target, layer] = indices
-        self.mass[target, layer] = mass
-        self.output[target, layer] = output
-        self.contribution[target, layer] = contribution
-        self.incarnation[target, layer] = torch.where(keep, incarnations, EMPTY)
+        other rows land in scratch. Counted in ``sources_written``."""
+        rows = self.write_rows(target, incarnations, keep)
+        self.store(layer, rows, indices, mass, output, contribution)
         self.sources_written += keep.sum()
 
     def write(self, layer: int, slots: torch.Tensor, incarnations: torch.Tensor, *args) -> None:
