@@ -76,9 +76,8 @@ def bf16_reader(context: int = 8192) -> dict:
 
 def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int = 2) -> dict:
     """The packed selected-key kernel of the loop 3-4 correction (``packed_sparse.py``),
-    compiled for Ouro-1.4B shapes: its innermost loops are the run-time loops over the
-    levels (one, or with V read by channel one for V and one for K), each converting
-    ``block_n`` keys' K and V codes of one level."""
+    compiled for Ouro-1.4B shapes: its main loop is the run-time loop over the levels, each
+    step converting ``block_n`` keys' K and V codes of one level."""
     from compile_sm90 import SELECTED, TARGET, _signature
     from triton.compiler import ASTSource
 
@@ -104,8 +103,8 @@ def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int =
         text = subprocess.run(
             [str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True, check=True
         ).stdout
-    loops = innermost_loops(text)[: 2 if by_channel else 1]
-    instructions = sum(loop["instructions"] for loop in loops)
+    loops = innermost_loops(text)[:1]
+    instructions = loops[0]["instructions"]
     codes = block_n * 256  # K and V codes of block_n keys at one level
     return {
         "kernel": f"packed_selected LEVELS={levels} V {'by channel' if by_channel else 'rows'}",

@@ -71,17 +71,24 @@ def reconstruct_rows(
     BLOCK_SIZE: tl.constexpr,
     LEVELS: tl.constexpr,
     WANT_K: tl.constexpr,
-    WANT_V: tl.constexpr = True,
+    V_BY_CHANNEL: tl.constexpr = False,
 ):
     """FP32 K and V [BLOCK_N, D] of one row's positions ``pos`` [BLOCK_N] (-1: zeros) for
     KV head ``kv_head``: below the row's packed length the sum of its levels (base +
     residuals present at its depth), above it the BF16 paged cache. ``tables`` / ``maps``
-    point at the row's level metadata. K stays zero unless ``WANT_K``, V unless
-    ``WANT_V``."""
+    point at the row's level metadata. K stays zero unless ``WANT_K``.
+
+    V_BY_CHANNEL returns V transposed, [D, BLOCK_N], positions along the fast axis: a
+    channel's codes of one group are one 32-byte row, so the positions of a group read the
+    same sectors in one load instead of one sector per channel each, and each position's
+    channel-group parameters are loaded once and broadcast over its channels."""
     wanted = pos >= 0
     in_packed = wanted & (pos < tl.load(packed_ptr + row))
     k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    if V_BY_CHANNEL:
+        v = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
+    else:
+        v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for level in range(LEVELS):
         page, within, present = _level_rows(
             pos,
@@ -111,7 +118,21 @@ def reconstruct_rows(
                 tl.load(kmin_ptr + k_param, mask=mask, other=0.0).to(tl.float32)
                 + tl.load(kscale_ptr + k_param, mask=mask, other=0.0).to(tl.float32) * k_code
             )
-        if WANT_V:
+        if V_BY_CHANNEL:
+            byte = tl.load(
+                vc_ptr
+                + (page * svc_p + kv_head * svc_h + within // 2)[None, :]
+                + d[:, None] * svc_d,
+                mask=present[None, :],
+                other=0,
+            ).to(tl.int32)
+            code = ((byte >> ((within % 2) * 4)[None, :]) & 15).to(tl.float32)
+            param = page * svm_p + within * svm_t + kv_head * svm_h
+            for g in tl.static_range((HEAD_DIM + GROUP - 1) // GROUP):
+                low = tl.load(vmin_ptr + param + g, mask=present, other=0.0).to(tl.float32)
+                step = tl.load(vscale_ptr + param + g, mask=present, other=0.0).to(tl.float32)
+                v += tl.where((d // GROUP)[:, None] == g, low[None, :] + step[None, :] * code, 0.0)
+        else:
             v_byte = tl.load(
                 vc_ptr
                 + (page * svc_p + kv_head * svc_h + within // 2)[:, None]
@@ -136,89 +157,16 @@ def reconstruct_rows(
         k += tl.load(k_ptr + slot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(
             tl.float32
         )
-    if WANT_V:
-        vslot = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+    vslot = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+    if V_BY_CHANNEL:
+        v += tl.load(v_ptr + vslot[None, :] + d[:, None], mask=paged[None, :], other=0.0).to(
+            tl.float32
+        )
+    else:
         v += tl.load(v_ptr + vslot[:, None] + d[None, :], mask=paged[:, None], other=0.0).to(
             tl.float32
         )
     return k, v
-
-
-@triton.jit
-def selected_values_by_channel(
-    pos,
-    row,
-    kv_head,
-    d,
-    vc_ptr,
-    vmin_ptr,
-    vscale_ptr,
-    tables,
-    maps,
-    level_kinds_ptr,
-    packed_ptr,
-    v_ptr,
-    tables_ptr,
-    svc_p,
-    svc_h,
-    svc_d,
-    svm_p,
-    svm_t,
-    svm_h,
-    stride_ll,
-    stride_ml,
-    stride_kr,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_tr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    LEVELS: tl.constexpr,
-):
-    """FP32 V transposed, [D, BLOCK_N], of the positions ``pos`` [BLOCK_N] (-1: zeros), as
-    :func:`reconstruct_rows` builds V. Positions run along the fast axis: a channel's codes
-    of one group are one 32-byte row, so the selected positions of a group read the same
-    sectors in one load instead of one sector per channel each; each position's channel
-    group parameters are loaded once and broadcast over its channels."""
-    wanted = pos >= 0
-    in_packed = wanted & (pos < tl.load(packed_ptr + row))
-    v = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
-    channel_group = (d // GROUP)[:, None]
-    for level in range(LEVELS):
-        page, within, present = _level_rows(
-            pos,
-            row,
-            level,
-            tables,
-            maps,
-            level_kinds_ptr,
-            stride_ll,
-            stride_ml,
-            stride_kr,
-            in_packed,
-            GROUP,
-        )
-        byte = tl.load(
-            vc_ptr + (page * svc_p + kv_head * svc_h + within // 2)[None, :] + d[:, None] * svc_d,
-            mask=present[None, :],
-            other=0,
-        ).to(tl.int32)
-        code = ((byte >> ((within % 2) * 4)[None, :]) & 15).to(tl.float32)
-        param = page * svm_p + within * svm_t + kv_head * svm_h
-        for g in tl.static_range((HEAD_DIM + GROUP - 1) // GROUP):
-            low = tl.load(vmin_ptr + param + g, mask=present, other=0.0).to(tl.float32)
-            step = tl.load(vscale_ptr + param + g, mask=present, other=0.0).to(tl.float32)
-            v += tl.where(channel_group == g, low[None, :] + step[None, :] * code, 0.0)
-    paged = wanted & ~in_packed
-    block = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=paged, other=0).to(
-        tl.int64
-    )
-    vslot = block * stride_vb + (pos % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-    v += tl.load(v_ptr + vslot[None, :] + d[:, None], mask=paged[None, :], other=0.0).to(tl.float32)
-    return v
 
 
 @triton.jit

@@ -1,15 +1,11 @@
 """Triton code that attends over the selected keys of packed KV without materialising them
 (wrappers in ``packed_sparse.py``): each block of selected positions is reconstructed in
-registers (K by :func:`reconstruct_rows`, V by channel with the positions along the fast
-axis, :func:`selected_values_by_channel`) and consumed at once."""
+registers (:func:`reconstruct_rows`, V as rows or by channel) and consumed at once."""
 
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.packed_gather_jit import (
-    reconstruct_rows,
-    selected_values_by_channel,
-)
+from flashloop_backend.kernels.triton.packed_gather_jit import reconstruct_rows
 
 
 @triton.jit
@@ -88,8 +84,8 @@ def packed_selected_split_kernel(
     selected keys -> partial (acc [D], max, sum), merged like split-K decode.
     FROM_LOGITS True (loop-2 contribution): acc = sum exp(logit - lse) v over the selected
     keys, logits [R, Hq, T] and lse [R, Hq] from the packed reader; max/sum unused.
-    V_BY_CHANNEL reads V with the positions along the fast axis
-    (:func:`selected_values_by_channel`), else as rows with K (:func:`reconstruct_rows`)."""
+    V_BY_CHANNEL reads V with the positions along the fast axis, else as rows like K
+    (:func:`reconstruct_rows`)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,40 +112,6 @@ def packed_selected_split_kernel(
             idx_ptr + row * stride_ir + head * stride_ih + start + j, mask=in_split, other=-1
         )
         valid = pos >= 0
-        if V_BY_CHANNEL:
-            v_by_channel = selected_values_by_channel(
-                pos,
-                row,
-                kv_head,
-                d,
-                vc_ptr,
-                vmin_ptr,
-                vscale_ptr,
-                tables,
-                maps,
-                level_kinds_ptr,
-                packed_ptr,
-                v_ptr,
-                tables_ptr,
-                svc_p,
-                svc_h,
-                svc_d,
-                svm_p,
-                svm_t,
-                svm_h,
-                stride_ll,
-                stride_ml,
-                stride_kr,
-                stride_vb,
-                stride_vt,
-                stride_vh,
-                stride_tr,
-                BLOCK_N,
-                HEAD_DIM,
-                GROUP,
-                BLOCK_SIZE,
-                LEVELS,
-            )
         k, v = reconstruct_rows(
             pos,
             row,
@@ -195,7 +157,7 @@ def packed_selected_split_kernel(
             BLOCK_SIZE,
             LEVELS,
             not FROM_LOGITS,
-            not V_BY_CHANNEL,
+            V_BY_CHANNEL,
         )
         if FROM_LOGITS:
             # ---- loop 2: the selected keys' share of the dense softmax, times their values
@@ -206,7 +168,7 @@ def packed_selected_split_kernel(
             )
             p = tl.where(valid, tl.exp(logit - lse), 0.0)
             if V_BY_CHANNEL:
-                acc += v_by_channel * p[None, :]
+                acc += v * p[None, :]
             else:
                 acc += tl.sum(p[:, None] * v, axis=0)
         else:
@@ -218,7 +180,7 @@ def packed_selected_split_kernel(
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             if V_BY_CHANNEL:
-                acc = acc * alpha + v_by_channel * p[None, :]
+                acc = acc * alpha + v * p[None, :]
             else:
                 acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
