@@ -12,7 +12,11 @@ last launch sums the partials.
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.select_jit import _order_key, _radix_threshold
+from flashloop_backend.kernels.triton.select_jit import (
+    _order_key,
+    _radix_threshold,
+    compact_selected,
+)
 
 
 @triton.jit
@@ -264,21 +268,27 @@ def select_compact_kernel(
     offs = tl.arange(0, BLOCK)
     first = split * chunk
     last = tl.minimum(first + chunk, length)
-    mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(first, last, BLOCK):
-        pos = start + offs
-        visible = pos < last
-        logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
-        key = _order_key(logit)
-        tie = visible & (key == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
-        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
-        mass += tl.where(take, tl.exp(logit - lse), 0.0)
-        written += tl.sum(take.to(tl.int32), 0)
-        ties_seen += tl.sum(tie.to(tl.int32), 0)
-    tl.store(part_mass_ptr + pair * num_splits + split, tl.sum(mass, 0))
+    # no values read here (CONTRIBUTE off): the pointer and strides are never used
+    mass, _ = compact_selected(
+        logits_row,
+        idx_row,
+        first,
+        last,
+        threshold,
+        remaining,
+        written,
+        ties_seen,
+        lse,
+        logits_row,
+        logits_row,
+        0,
+        0,
+        16,
+        BLOCK,
+        1,
+        False,
+    )
+    tl.store(part_mass_ptr + pair * num_splits + split, mass)
     # -1 past K: each split fills its share of [K, Kb)
     count = _selected_count(length, ratio_num, ratio_den)
     share = (bucket + num_splits - 1) // num_splits
