@@ -40,8 +40,8 @@ GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, unti
 # dense levels and token-sparse alike (results/bench_packed_kv_sparse_ops.json).
 BLOCK_N = 16
 SELECTED_WARPS = 2
-# About 512 programs over all (row, head) pairs: the fastest the launch sweep timed at both
-# 32K x 16 (2 splits) and 8K x 1 (32 splits) (results/README.md, issue 22).
+# Programs in all over the (row, head) pairs: the optimum of the launch sweep at batch 1 and
+# 16 alike (results/README.md, "Sparse decode, issue 22").
 SELECTED_PROGRAMS = 512
 # Level counts below this read V by channel (positions along the fast axis): faster at two
 # and three levels, slower at four than V read as rows with K, both timed with the levels
