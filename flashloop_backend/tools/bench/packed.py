@@ -281,22 +281,16 @@ def sparse_ops_case(
             gathered = packed_sparse_correction_triton(*args).float()
             gap = (streamed - gathered).abs().max().item()
             results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
-        for block_n, warps, programs in launches:
-            launch = {"block_n": block_n, "num_warps": warps, "programs": programs}
-            suffix = f"_block{block_n}_w{warps}_p{programs}"
-            record(
-                f"{name}_source_depth2{suffix}",
-                timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
-            )
-            for depth, args in corrections.items():
-                record(
-                    f"{name}_correction_depth{depth + 1}{suffix}",
-                    timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)),
-                )
-        # the registered launch with V read the other way at every depth
-        for by_channel in (True, False):
-            launch = {"v_by_channel": by_channel}
-            suffix = "_v_by_channel" if by_channel else "_v_rows"
+        # each launch of the sweep, then the registered one with V read either way
+        variants = [
+            (f"_block{n}_w{w}_p{p}", {"block_n": n, "num_warps": w, "programs": p})
+            for n, w, p in launches
+        ]
+        variants += [
+            ("_v_by_channel", {"v_by_channel": True}),
+            ("_v_rows", {"v_by_channel": False}),
+        ]
+        for suffix, launch in variants:
             record(
                 f"{name}_source_depth2{suffix}",
                 timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
