@@ -139,23 +139,30 @@ def select_candidates_kernel(
 
 
 @triton.jit
+def count_around(logits_row, first, last, threshold, BLOCK: tl.constexpr):
+    """(keys above ``threshold``, ties at it) among positions [first, last)."""
+    offs = tl.arange(0, BLOCK)
+    above = tl.zeros([], tl.int32)
+    equal = tl.zeros([], tl.int32)
+    for start in range(first, last, BLOCK):
+        pos = start + offs
+        visible = pos < last
+        key = _order_key(tl.load(logits_row + pos, mask=visible, other=0.0))
+        above += tl.sum((visible & (key > threshold)).to(tl.int32), 0)
+        equal += tl.sum((visible & (key == threshold)).to(tl.int32), 0)
+    return above, equal
+
+
+@triton.jit
 def _split_counts(logits_row, length, chunk, num_splits, threshold, SPLITS_PAD, BLOCK):
     """Keys above ``threshold`` and ties at it, per split [SPLITS_PAD], by a full pass."""
     s = tl.arange(0, SPLITS_PAD)
-    offs = tl.arange(0, BLOCK)
     greater = tl.zeros([SPLITS_PAD], tl.int32)
     ties = tl.zeros([SPLITS_PAD], tl.int32)
     for split in range(0, num_splits):
         first = split * chunk
         last = tl.minimum(first + chunk, length)
-        above = tl.zeros([], tl.int32)
-        equal = tl.zeros([], tl.int32)
-        for start in range(first, last, BLOCK):
-            pos = start + offs
-            visible = pos < last
-            key = _order_key(tl.load(logits_row + pos, mask=visible, other=0.0))
-            above += tl.sum((visible & (key > threshold)).to(tl.int32), 0)
-            equal += tl.sum((visible & (key == threshold)).to(tl.int32), 0)
+        above, equal = count_around(logits_row, first, last, threshold, BLOCK)
         greater = tl.where(s == split, above, greater)
         ties = tl.where(s == split, equal, ties)
     return greater, ties

@@ -35,6 +35,7 @@ from flashloop_backend.kernels.torch_ref.sparse_decode import selected_counts
 from flashloop_backend.kernels.triton.dense_source import check_bucket, logits_and_output
 from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
 from flashloop_backend.kernels.triton.select_jit import _order_key, compact_selected
+from flashloop_backend.kernels.triton.threshold_select_jit import count_around
 
 LOW32 = 0xFFFFFFFF
 DIGIT_COUNT = 4  # 8-bit digits of a 32-bit key
@@ -208,15 +209,7 @@ def select_count_kernel(
         logits_ptr, lengths_ptr, hist_ptr, ratio_num, ratio_den, stride_lr, stride_lh, per_split
     )
     threshold, _, _ = _selected(hist_row, count, DIGITS)
-    offs = tl.arange(0, BLOCK)
-    greater = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for start in range(first, last, BLOCK):
-        pos = start + offs
-        visible = pos < last
-        key = _order_key(tl.load(logits_row + pos, mask=visible, other=0.0))
-        greater += tl.sum((visible & (key > threshold)).to(tl.int32), 0)
-        ties += tl.sum((visible & (key == threshold)).to(tl.int32), 0)
+    greater, ties = count_around(logits_row, first, last, threshold, BLOCK)
     at = counts_ptr + ((row * tl.num_programs(1) + head) * tl.num_programs(2) + split) * 2
     tl.store(at, greater)
     tl.store(at + 1, ties)
@@ -417,6 +410,24 @@ def launch_split_selection(
         torch.sum(contrib_parts, dim=2, out=contribution)
 
 
+def _source_buffers(
+    q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
+):
+    """What a baseline source selects from and writes to: (logits [R, Hq, T], lse [R, Hq],
+    contiguous block tables, (out, indices [R, Hq, Kb], mass, output, contribution)) with
+    the logits, LSE and dense output from one Triton attention pass."""
+    span = block_tables.shape[1] * key_cache.shape[1]
+    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
+    logits, lse, output = logits_and_output(
+        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+    )
+    rows, heads, _ = q.shape
+    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
+    outputs = (torch.empty_like(q), indices, mass, output, torch.empty_like(output))
+    return logits, lse, block_tables.contiguous(), outputs
+
+
 def dense_source_split(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -430,20 +441,12 @@ def dense_source_split(
 ) -> tuple[torch.Tensor, ...]:
     """``dense_source_triton``'s outputs with the selection by :func:`launch_split_selection`
     (indices in position order, -1 past K)."""
-    block_size = key_cache.shape[1]
-    span = block_tables.shape[1] * block_size
-    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
-    logits, lse, output = logits_and_output(
-        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+    logits, lse, block_tables, outputs = _source_buffers(
+        q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
     )
-    rows, num_q_heads, _ = q.shape
-    block_tables = block_tables.contiguous()
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
-    contribution = torch.empty_like(output)
-    if rows == 0:
-        return out, indices, mass, output, contribution
+    out, indices, mass, output, contribution = outputs
+    if q.shape[0] == 0:
+        return outputs
     launch_split_selection(
         logits,
         lse,
@@ -491,21 +494,15 @@ def dense_source_sorted_bracket(
     (row, head) (``select_jit.select_statistics_kernel``)."""
     from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
-    span = block_tables.shape[1] * key_cache.shape[1]
-    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
-    logits, lse, output = logits_and_output(
-        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+    logits, lse, block_tables, outputs = _source_buffers(
+        q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
     )
+    out, indices, mass, output, contribution = outputs
     rows, heads, _ = q.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
-    block_tables = block_tables.contiguous()
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
-    contribution = torch.empty_like(output)
     scratch = torch.empty((rows, heads, tuning.candidates), dtype=torch.int32, device=q.device)
     if rows == 0:
-        return out, indices, mass, output, contribution
+        return outputs
     select_statistics_kernel[(rows, heads)](
         logits,
         lse,
