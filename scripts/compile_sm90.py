@@ -257,13 +257,14 @@ def _layer_kernels() -> bool:
 
 
 def _threshold_selection() -> bool:
-    """The registered selection's six kernels at the registered launch
+    """The registered selection's seven kernels at the registered launch
     (``threshold_select.py``)."""
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
     from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT as tuning
 
     fp32 = ("logits_ptr", "lse_ptr", "output_ptr", "mass_ptr", "contrib_ptr")
-    pointers = {name: "*fp32" for name in (*fp32, "part_mass_ptr", "part_contrib_ptr")}
+    partials = ("part_mass_ptr", "part_contrib_ptr", "part_out_ptr")
+    pointers = {name: "*fp32" for name in (*fp32, *partials)}
     for name in ("lengths_ptr", "bracket_ptr", "counter_ptr", "above_ptr", "cand_key_ptr"):
         pointers[name] = "*i32"
     for name in ("cand_pos_ptr", "plan_ptr", "offsets_ptr", "tables_ptr", "idx_ptr"):
@@ -282,7 +283,21 @@ def _threshold_selection() -> bool:
         (
             "finish",
             jit.select_finish_kernel,
-            dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIB_PAD=64, CONTRIBUTE=True),
+            dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIB_PAD=64, CONTRIBUTE=True, SUM_OUTPUT=True),
+            4,
+        ),
+        (
+            "values",
+            jit.source_values_kernel,
+            dict(
+                GROUP=1,
+                GROUP_PAD=16,
+                HEAD_DIM=128,
+                BLOCK_SIZE=16,
+                BLOCK_N=tuning.value_block,
+                USE_DOT=True,
+                DOT_PRECISION="tf32",
+            ),
             4,
         ),
         ("compact", jit.select_compact_kernel, dict(BLOCK=tuning.compact_block), tuning.num_warps),
@@ -365,7 +380,7 @@ def _dense_kernels() -> bool:
         "num_tiles_ptr": "*i32",
     }
     ok = True
-    for logits in (False, True):
+    for logits, values in ((False, True), (True, True), (True, False)):
         shape = dict(
             GROUP=1,
             GROUP_PAD=16,
@@ -375,9 +390,10 @@ def _dense_kernels() -> bool:
             USE_DOT=True,
             DOT_PRECISION="tf32",
             STORE_LOGITS=logits,
+            READ_VALUES=values,
         )
         ok &= _compile(
-            f"paged_attention STORE_LOGITS={logits}",
+            f"paged_attention STORE_LOGITS={logits} READ_VALUES={values}",
             paged_attention_split_kernel,
             paged,
             {"scale"},

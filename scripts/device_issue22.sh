@@ -10,6 +10,8 @@
 #         8K x 1 (4 layers)
 #   tests graph replay and the host on the GPU for every feature combination (the
 #         combination GPU tests)
+#   source the BF16 loop-2 source designs: its GPU kernel tests, bench sparse at 0.25 and
+#         0.10, sparse decode alone vs dense Triton end to end at 32K x 16 and 8K x 1
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -48,5 +50,18 @@ case "${1:?stage: ops, e2e or tests}" in
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
       tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_sparse_decode.py 2>&1 \
       | tee "$OUT/gpu_tests_combinations_issue22.log" | tail -6 ;;
+  source)
+    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
+      -k "dense_source or selection or correction" 2>&1 | tee "$OUT/gpu_tests_source.log" | tail -3
+    for r in 0.25 0.10; do
+      run flashloop-backend bench sparse --contexts 8192,32768 --concurrency 1,16 --key-retention "$r" \
+        --out "$OUT/bench_sparse_$r.json" 2>&1 | grep -v "^\s*$" | tail -4
+    done
+    run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+      --config configs/sparse_decode_0.25.json --contexts 32768 --concurrency 16 --layers 4 \
+      --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_sparse_32k.json" 2>&1 | grep -E "TPOT"
+    run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+      --config configs/sparse_decode_0.25.json --contexts 8192 --concurrency 1 \
+      --warmup-context 512 --out "$OUT/bench_e2e_sparse_8k.json" 2>&1 | grep -E "TPOT" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -118,19 +118,25 @@ def _dense_source_impls():
 
     # tiny sample/candidate sizes make the interpreter run both selection paths: a bracket
     # that fits the candidate list, and one that overflows it (exact radix-select
-    # fallback); 16-position splits spread every row over several programs
+    # fallback); 16-position splits spread every row over several programs; the value
+    # pass (registered) and the gather of the selected values both sum the contribution
     small = {"block": 16, "compact_block": 16, "chunk_min": 16, "programs_per_sm": 64}
-    bracket = module.SelectTuning(sample=16, candidates=64, **small)
-    fallback = module.SelectTuning(sample=16, candidates=16, **small)
+    bracket = module.SelectTuning(sample=16, candidates=64, value_block=16, **small)
+    fallback = module.SelectTuning(sample=16, candidates=16, value_block=16, **small)
+    gather = module.SelectTuning(sample=16, candidates=64, value_pass=False, **small)
     return {
         "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
         "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
+        "gather": lambda *a: module.dense_source_triton(*a, tuning=gather),
     }
+
+
+SOURCE_IMPLS = ["bracket", "radix", "gather"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
-@pytest.mark.parametrize("impl", ["bracket", "radix"])
+@pytest.mark.parametrize("impl", SOURCE_IMPLS)
 def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
 
@@ -145,7 +151,7 @@ def test_dense_source_matches_reference(dtype, hq, hkv, impl, rng):
         torch.testing.assert_close(mine, ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
 
 
-@pytest.mark.parametrize("impl", ["bracket", "radix"])
+@pytest.mark.parametrize("impl", SOURCE_IMPLS)
 def test_dense_source_ties_go_to_the_earlier_positions(impl, rng):
     q, _, vc, tables, lengths = _case(rng, 2, 2, torch.float32)
     # integer queries against all-one keys: every logit is the same small integer times a
@@ -199,7 +205,7 @@ def test_quantize_int4_rounding_constant_groups_and_errors():
         quantize_int4_triton(halves, 24)
 
 
-@pytest.mark.parametrize("impl", ["bracket", "radix"])
+@pytest.mark.parametrize("impl", SOURCE_IMPLS)
 def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
     """Two logit values: every larger key is taken, then the earliest ties up to K."""
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
@@ -211,7 +217,9 @@ def test_dense_source_ties_mixed_with_larger_keys(impl, rng):
     expected = dense_source(q, kc, vc, tables, lengths, 0.3, 32)
     got = _dense_source_impls()[impl](q, kc, vc, tables, lengths, 0.3, 32)
     assert torch.equal(got[1].sort(-1).values, expected[1].sort(-1).values)
-    torch.testing.assert_close(got[2], expected[2])
+    # mass, output and contribution: the value pass takes exactly the compaction's ties
+    for mine, ref in zip(got[2:], expected[2:], strict=True):
+        torch.testing.assert_close(mine, ref)
 
 
 def test_a_row_without_selected_keys_gives_output_minus_contribution_everywhere(rng):

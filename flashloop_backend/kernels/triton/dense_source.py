@@ -3,8 +3,10 @@
 The Triton paged attention writes every visible key's scaled logit once plus the
 natural-log LSE; ``select_top_keys`` (``threshold_select.py``) then finds each (row,
 head)'s exact top-K over order-preserving keys (ties to the earlier position) in split
-programs and writes the indices in position order with their mass and contribution. No
-sort, no host sync.
+programs and writes the indices in position order with their mass and contribution. With
+the registered ``value_pass`` the attention reads only the keys and one pass over the
+values after the selection sums the dense output and the contribution together (no
+gather of the selected values). No sort, no host sync.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ def check_bucket(span: int, rows: int, key_retention: float, k_bucket: int) -> N
         raise ValueError(f"k_bucket={k_bucket} cannot hold the {need} keys selected from {span}")
 
 
-def logits_and_output(q, key_cache, value_cache, block_tables, context_lengths, scale, span):
+def logits_and_output(
+    q, key_cache, value_cache, block_tables, context_lengths, scale, span, read_values=True
+):
     """(logits [R, Hq, span] FP32 with every visible key's scaled logit, LSE [R, Hq] FP32,
-    dense output [R, Hq, D] FP32) from one ``paged_attention_triton`` pass."""
+    dense output [R, Hq, D] FP32) from one ``paged_attention_triton`` pass (without
+    ``read_values`` the keys only: the output is zeros)."""
     rows, num_q_heads, _ = q.shape
     logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
     lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
@@ -46,6 +51,7 @@ def logits_and_output(q, key_cache, value_cache, block_tables, context_lengths, 
         logits=logits,
         lse=lse,
         out_dtype=torch.float32,
+        read_values=read_values,
     )
     return logits, lse, output
 
@@ -65,13 +71,20 @@ def dense_source_triton(
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
     K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket``.
 
-    Paged inputs as ``paged_attention_triton``; the value cache is read again only at the
-    selected positions."""
+    Paged inputs as ``paged_attention_triton``; each key and value is read once
+    (``tuning.value_pass``), or the values once more at the selected positions."""
     block_size = key_cache.shape[1]
     span = block_tables.shape[1] * block_size
     check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
     logits, lse, output = logits_and_output(
-        q, key_cache, value_cache, block_tables, context_lengths, scale, span
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale,
+        span,
+        read_values=not tuning.value_pass,
     )
     rows, num_q_heads, _ = q.shape
     block_tables = block_tables.contiguous()

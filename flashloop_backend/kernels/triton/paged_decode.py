@@ -120,6 +120,7 @@ def paged_attention_triton(
     logits: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    read_values: bool = True,
 ) -> torch.Tensor:
     """Per-row causal paged attention, the ``PagedAttention`` contract (see ``ops.py``).
 
@@ -128,7 +129,8 @@ def paged_attention_triton(
     Returns [R, Hq, D] in q's dtype (or ``out_dtype``). D and BS must be powers of two.
     Selection statistics (``dense_source``): ``logits`` [R, Hq, T >= MB * BS] FP32 receives
     every visible key's scaled logit (other entries untouched) and ``lse`` [R, Hq] FP32 the
-    natural-log log-sum-exp.
+    natural-log log-sum-exp. ``read_values`` False reads the keys only: ``logits`` and
+    ``lse`` as above, the returned output zeros.
     """
     from flashloop_backend.kernels.triton.paged_decode_jit import paged_attention_split_kernel
 
@@ -193,6 +195,7 @@ def paged_attention_triton(
         # multiply exactly on tensor cores either way.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STORE_LOGITS=logits is not None,
+        READ_VALUES=read_values,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )

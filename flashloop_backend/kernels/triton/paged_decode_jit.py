@@ -42,11 +42,14 @@ def paged_attention_split_kernel(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
+    READ_VALUES: tl.constexpr,
 ):
     """One (row, kv head, split): online softmax over this split's pages, FP32 state.
 
     USE_DOT computes QK and PV with tensor-core dots (query heads padded to GROUP_PAD >= 16,
-    P rounded to the KV dtype, FP32 accumulation); otherwise with FP32 broadcast-reduce."""
+    P rounded to the KV dtype, FP32 accumulation); otherwise with FP32 broadcast-reduce.
+    Without READ_VALUES only the keys are read: the partial max and sum (the LSE) and the
+    logits, acc stays zero (a later pass over the values uses the LSE)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,15 +93,6 @@ def paged_attention_split_kernel(
             mask=visible[:, None],
             other=0.0,
         )
-        v = tl.load(
-            v_ptr
-            + base[:, None] * stride_vb
-            + slot_of_t[:, None] * stride_vt
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=visible[:, None],
-            other=0.0,
-        )
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, N]
         else:
@@ -122,12 +116,22 @@ def paged_attention_split_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(
-                p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1
+        if READ_VALUES:
+            v = tl.load(
+                v_ptr
+                + base[:, None] * stride_vb
+                + slot_of_t[:, None] * stride_vt
+                + kv_head * stride_vh
+                + d[None, :],
+                mask=visible[:, None],
+                other=0.0,
             )
+            if USE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(
+                    p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1
+                )
         m_i = m_new
 
     # ---- store this split's unnormalised partial state

@@ -2,11 +2,13 @@
 
 Launches over each (row, head)'s logits: a strided sample brackets the K-th key by rank;
 split programs count the keys above the bracket and copy those inside it to a candidate
-list; one program per (row, head) finds the exact K-th key among the candidates (two bits
-a step, no sort) and every split's output offset; split programs compact in position
-order (ties to the earlier positions) with mass partials; split programs over the
-selected positions gather the contribution from BF16 pages (packed KV sums its own); a
-last launch sums the partials.
+list; one program per (row, head) finds the exact K-th key among the candidates (one bit
+a step for both bracket ranks, no sort) and every split's output offset; split programs
+compact in position order (ties to the earlier positions) with mass partials; the
+contribution comes either from a split pass over every value of the split's positions
+that also sums the dense output (the attention read the keys only), or from split
+programs that gather the selected positions' BF16 values (packed KV sums its own); a last
+launch sums the partials.
 """
 
 import triton
@@ -365,9 +367,130 @@ def selected_contribution_kernel(
 
 
 @triton.jit
+def source_values_kernel(
+    logits_ptr,
+    lse_ptr,
+    lengths_ptr,
+    plan_ptr,
+    offsets_ptr,
+    v_ptr,
+    tables_ptr,
+    part_out_ptr,
+    part_contrib_ptr,
+    stride_lr,
+    stride_lh,
+    stride_er,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_tr,
+    chunk,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (row, KV head, split) of the compaction's positions: every value row of the
+    split read once for the GROUP query heads that share it, p = exp(logit - lse) from
+    ``logits`` [R, H, T] and ``lse`` [R, H]; partials [R, H, S, D] of the dense output
+    sum p v (``part_out``) and of the contribution, the same sum over the selected keys
+    (``part_contrib``: the compaction's rule, keys above the plan's threshold and the ties
+    at it whose rank is below its count). USE_DOT multiplies on tensor cores with p in the
+    values' dtype, the same rounding in both sums, so their difference is the unselected
+    keys' share exactly as computed."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    in_group = g < GROUP
+    heads = kv_head * GROUP + g
+    pair = row * (tl.num_programs(1) * GROUP) + heads
+    threshold = tl.load(plan_ptr + pair * 2, mask=in_group, other=0).to(tl.uint32, bitcast=True)
+    remaining = tl.load(plan_ptr + pair * 2 + 1, mask=in_group, other=0)
+    ties_seen = tl.load(offsets_ptr + (pair * num_splits + split) * 2 + 1, mask=in_group, other=0)
+    lse = tl.load(lse_ptr + row * stride_er + heads, mask=in_group, other=0.0)
+    length = tl.load(lengths_ptr + row)
+    first = split * chunk
+    last = tl.minimum(first + chunk, length)
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    logits_rows = logits_ptr + row * stride_lr + heads[:, None] * stride_lh
+    acc_out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc_sel = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if GROUP == 1 and USE_DOT:  # one head: its plan as scalars (the padded entries are 0)
+        threshold = tl.sum(threshold, 0)
+        remaining = tl.sum(remaining, 0)
+        ties_seen = tl.sum(ties_seen, 0)
+        lse = tl.sum(lse, 0)
+    for start in range(first, last, BLOCK_N):
+        pos = start + n
+        visible = pos < last
+        block = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=visible, other=0)
+        v = tl.load(
+            v_ptr
+            + block.to(tl.int64)[:, None] * stride_vb
+            + (pos % BLOCK_SIZE)[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=visible[:, None],
+            other=0.0,
+        )
+        if GROUP == 1 and USE_DOT:
+            # one query head: its selection as vectors, and p and the selected p as rows 0
+            # and 1 of the padded tile, so one dot sums the output and the contribution
+            logit = tl.load(
+                logits_ptr + row * stride_lr + kv_head * stride_lh + pos,
+                mask=visible,
+                other=float("-inf"),
+            )
+            key = _order_key(logit)
+            tie = visible & (key == threshold)
+            tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+            take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+            p = tl.where(visible, tl.exp(logit - lse), 0.0)
+            both = tl.where(
+                g[:, None] == 0,
+                p[None, :],
+                tl.where((g[:, None] == 1) & take[None, :], p[None, :], 0.0),
+            )
+            acc_out += tl.dot(both.to(v.dtype), v, input_precision=DOT_PRECISION)
+            ties_seen += tl.sum(tie.to(tl.int32), 0)
+        else:
+            live = in_group[:, None] & visible[None, :]
+            logit = tl.load(logits_rows + pos[None, :], mask=live, other=float("-inf"))
+            key = _order_key(logit)
+            tie = live & (key == threshold[:, None])
+            tie_rank = ties_seen[:, None] + tl.cumsum(tie.to(tl.int32), 1) - 1
+            take = live & ((key > threshold[:, None]) | (tie & (tie_rank < remaining[:, None])))
+            p = tl.where(live, tl.exp(logit - lse[:, None]), 0.0)
+            p_sel = tl.where(take, p, 0.0)
+            if USE_DOT:
+                acc_out += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                acc_sel += tl.dot(p_sel.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                values = v.to(tl.float32)[None, :, :]
+                acc_out += tl.sum(p[:, :, None] * values, axis=1)
+                acc_sel += tl.sum(p_sel[:, :, None] * values, axis=1)
+            ties_seen += tl.sum(tie.to(tl.int32), 1)
+    if GROUP == 1 and USE_DOT:  # rows 0 and 1 of the one tile
+        acc_sel = tl.sum(tl.where(g[:, None] == 1, acc_out, 0.0), 0)[None, :] + acc_sel
+        acc_out = tl.sum(tl.where(g[:, None] == 0, acc_out, 0.0), 0)[None, :] + tl.zeros_like(
+            acc_out
+        )
+    part = ((pair * num_splits + split) * HEAD_DIM)[:, None] + d[None, :]
+    tl.store(part_out_ptr + part, acc_out, mask=in_group[:, None])
+    tl.store(part_contrib_ptr + part, acc_sel, mask=in_group[:, None])
+
+
+@triton.jit
 def select_finish_kernel(
     part_mass_ptr,
     part_contrib_ptr,
+    part_out_ptr,
     output_ptr,
     out_ptr,
     mass_ptr,
@@ -385,10 +508,12 @@ def select_finish_kernel(
     SPLITS_PAD: tl.constexpr,
     CONTRIB_PAD: tl.constexpr,
     CONTRIBUTE: tl.constexpr,
+    SUM_OUTPUT: tl.constexpr,
 ):
     """One (row, head): mass [R, H] summed over the compaction's [R, H, S] partials and,
-    with CONTRIBUTE, contribution [R, H, D] over the gather's [R, H, S2, D], in split
-    order; the dense output [R, H, D] FP32 also in ``out``'s dtype."""
+    with CONTRIBUTE, contribution [R, H, D] over [R, H, S2, D] partials, in split order;
+    the dense output [R, H, D] FP32 (with SUM_OUTPUT first summed into ``output`` from
+    the value pass's [R, H, S2, D] partials) also in ``out``'s dtype."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = row * tl.num_programs(1) + head
@@ -396,13 +521,16 @@ def select_finish_kernel(
     d = tl.arange(0, HEAD_DIM)
     mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=s < num_splits, other=0.0)
     tl.store(mass_ptr + row * stride_mr + head, tl.sum(mass, 0))
+    c = tl.arange(0, CONTRIB_PAD)
+    parts = (pair * contrib_splits + c)[:, None] * HEAD_DIM + d[None, :]
     if CONTRIBUTE:
-        c = tl.arange(0, CONTRIB_PAD)
-        parts = tl.load(
-            part_contrib_ptr + (pair * contrib_splits + c)[:, None] * HEAD_DIM + d[None, :],
-            mask=(c < contrib_splits)[:, None],
-            other=0.0,
+        contrib = tl.load(part_contrib_ptr + parts, mask=(c < contrib_splits)[:, None], other=0.0)
+        tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(contrib, 0))
+    if SUM_OUTPUT:
+        dense = tl.sum(
+            tl.load(part_out_ptr + parts, mask=(c < contrib_splits)[:, None], other=0.0), 0
         )
-        tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(parts, 0))
-    dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)
+        tl.store(output_ptr + row * stride_or + head * stride_oh + d, dense)
+    else:
+        dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)
     tl.store(out_ptr + row * stride_qr + head * stride_qh + d, dense.to(out_ptr.dtype.element_ty))

@@ -3,6 +3,7 @@ correction) against a dense decode of the same rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,16 +20,36 @@ from flashloop_backend.tools.bench.timing import (
 
 
 def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> dict:
-    """Side-by-side timings of the registered dense source, its baselines
-    (``tools/bench/baselines.py``) and plain Triton decode."""
-    from flashloop_backend.kernels.triton.dense_source import dense_source_triton
+    """Side-by-side timings of the registered dense source (the value pass), the same
+    selection with a gather of the selected values after a full attention pass, its
+    baselines (``tools/bench/baselines.py``), plain Triton decode and each design's
+    attention pass alone."""
+    from flashloop_backend.kernels.triton.dense_source import (
+        DEFAULT_SELECT,
+        dense_source_triton,
+        logits_and_output,
+    )
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
     from flashloop_backend.tools.bench import baselines
 
+    span = tables.shape[1] * kc.shape[1]
+    gather = dataclasses.replace(DEFAULT_SELECT, value_pass=False)
+    narrow = dataclasses.replace(DEFAULT_SELECT, value_block=64)
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
+        # the attention passes of the two source designs alone
+        "attention_with_logits": lambda: logits_and_output(q, kc, vc, tables, lengths, None, span),
+        "keys_only_with_logits": lambda: logits_and_output(
+            q, kc, vc, tables, lengths, None, span, read_values=False
+        ),
         "threshold_split": lambda: dense_source_triton(
             q, kc, vc, tables, lengths, key_retention, bucket
+        ),
+        "threshold_split_gather": lambda: dense_source_triton(
+            q, kc, vc, tables, lengths, key_retention, bucket, tuning=gather
+        ),
+        "threshold_split_value_block64": lambda: dense_source_triton(
+            q, kc, vc, tables, lengths, key_retention, bucket, tuning=narrow
         ),
         "sorted_bracket": lambda: baselines.dense_source_sorted_bracket(
             q, kc, vc, tables, lengths, key_retention, bucket
