@@ -419,6 +419,13 @@ def _dense_kernels() -> bool:
     ok &= _compile("sparse_prefill", sparse_prefill_kernel, paged, {"scale"}, shape, 8)
     quant = {"x_ptr": "*bf16", "codes_ptr": "*u8", "min_ptr": "*fp16", "scale_ptr": "*fp16"}
     ok &= _compile("quantize_int4", quantize_int4_kernel, quant, set(), {"GROUP": 64}, 4)
+    from flashloop_backend.kernels.triton.encode import ENCODE_WARPS
+    from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
+
+    encode = dict(STORE, k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i32", slots_ptr="*i32")
+    encode["pages_ptr"] = "*i32"
+    shape = dict(HEAD_DIM=128, GROUP=64, EXACT=True)
+    ok &= _compile("encode_level", encode_level_kernel, encode, set(), shape, ENCODE_WARPS)
     return ok
 
 

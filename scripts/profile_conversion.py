@@ -6,12 +6,15 @@ one conversion under torch.profiler (top ops and the number of device launches).
         --layers-per-pass 1,6
 
 Ouro-1.4B attention shapes by default (16 KV heads, head_dim 128, group 64). Chunk 0
-converts the whole prompt at once; layers per pass: how many layers the store encodes
-together (fewer launches, more FP32 scratch; the pages are the same). On a GPU the
-quantizer is the Triton kernel the backend registers; on CPU the torch reference (tiny
-shapes: a smoke run)."""
+converts the whole prompt at once; layers per pass: how many layers the chain encodes
+together (fewer launches, more FP32 scratch; the pages are the same). Writers
+(``--writers``): ``fused``, the registered Triton level writer (one kernel per level,
+``kernels/triton/encode.py``), and ``chain``, the store's torch chain with the Triton
+quantizer (the design before it); on CPU only the chain with the torch quantizer runs
+(tiny shapes: a smoke run)."""
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -22,12 +25,25 @@ from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.host.features import HostRequestKV
 from flashloop_backend.host.kvcache import PagedKVCache
 from flashloop_backend.host.requests import Request, SamplingParams
-from flashloop_backend.kv.store import PackedKVStore
+from flashloop_backend.kv.store import PackedKVStore, encode_levels_chain
 
 DEPTHS, BLOCK = 4, 16
 
 
-def _setup(args, device, layers_per_pass: int = 1):
+def _writer(name: str, device):
+    """The level writer ``name`` on ``device`` (``kv.store.LevelWriter``)."""
+    if name == "fused":
+        from flashloop_backend.kernels.triton.encode import encode_levels_triton
+
+        return encode_levels_triton
+    if device.type == "cuda":
+        from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
+    else:
+        from flashloop_backend.algorithms import quantize_int4 as quantize
+    return functools.partial(encode_levels_chain, quantize=quantize)
+
+
+def _setup(args, device, layers_per_pass: int = 1, writer: str = "chain"):
     blocks = -(-args.context // BLOCK) * DEPTHS + 4
     kv = PagedKVCache(
         blocks,
@@ -51,16 +67,12 @@ def _setup(args, device, layers_per_pass: int = 1):
         device=device,
         layers_per_pass=layers_per_pass,
     )
-    if device.type == "cuda":
-        from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
-    else:
-        from flashloop_backend.algorithms import quantize_int4 as quantize
-    return kv, PackedState(store, quantize, "fixed_prompt", args.group)
+    return kv, PackedState(store, _writer(writer, device), "fixed_prompt", args.group)
 
 
-def _convert(args, device, chunk: int, layers_per_pass: int = 1) -> float:
+def _convert(args, device, chunk: int, layers_per_pass: int = 1, writer: str = "chain") -> float:
     """Seconds of one conversion of a fresh request (the KV pool already holds its rows)."""
-    kv, packed = _setup(args, device, layers_per_pass)
+    kv, packed = _setup(args, device, layers_per_pass, writer)
     request = Request(0, [0] * args.context, SamplingParams(max_new_tokens=1), None)
     kv.reserve(request.id, args.context)
     chunk = chunk or -(-args.context // args.group) * args.group
@@ -81,6 +93,7 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--chunks", default="4096,0", help="rows per chunk; 0: the whole prompt")
     parser.add_argument("--layers-per-pass", default="1", help="layers encoded together, swept")
+    parser.add_argument("--writers", default="fused,chain", help="level writers, compared")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="ops listed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +106,14 @@ def main() -> int:
             f"--chunks {bad} and --context {args.context} must be multiples of --group {args.group}"
         )
     device = torch.device(args.device)
-    _convert(args, device, chunks[0])  # compiles the quantizer
+    writers = args.writers.split(",")
+    unknown = sorted(set(writers) - {"fused", "chain"})
+    if unknown:
+        parser.error(f"--writers {unknown} are not among ['chain', 'fused']")
+    if device.type != "cuda":
+        writers = ["chain"]
+    for writer in writers:  # compiles each writer's kernels
+        _convert(args, device, chunks[0], 1, writer)
     record = {
         "context": args.context,
         "layers": args.layers,
@@ -103,10 +123,12 @@ def main() -> int:
         "device": str(device),
         "seconds": {},
     }
-    for passes in passes_list:
+    runs = [("fused", 1)] if "fused" in writers else []
+    runs += [("chain", passes) for passes in passes_list if "chain" in writers]
+    for writer, passes in runs:  # layers per pass only shape the chain
         for chunk in chunks:
-            times = [_convert(args, device, chunk, passes) for _ in range(args.repeats)]
-            key = f"chunk_{chunk or 'whole'}_layers_{passes}"
+            times = [_convert(args, device, chunk, passes, writer) for _ in range(args.repeats)]
+            key = f"{writer}_chunk_{chunk or 'whole'}" + (f"_layers_{passes}" * (writer == "chain"))
             record["seconds"][key] = sorted(times)[len(times) // 2]
             print(
                 f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
@@ -117,15 +139,16 @@ def main() -> int:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     record["aten_calls"], record["device_launches"] = {}, {}
-    for passes in passes_list:  # one profiled conversion each: calls and launches
+    for writer, passes in runs:  # one profiled conversion each: calls and launches
         with torch.profiler.profile(activities=activities) as prof:
-            _convert(args, device, chunks[0], passes)
+            _convert(args, device, chunks[0], passes, writer)
         events = prof.key_averages()
-        record["aten_calls"][passes] = sum(e.count for e in events if e.key.startswith("aten::"))
+        label = f"{writer}_layers_{passes}"
+        record["aten_calls"][label] = sum(e.count for e in events if e.key.startswith("aten::"))
         cuda = torch.autograd.DeviceType.CUDA
         on_device = [e for e in events if getattr(e, "device_type", None) == cuda]
-        record["device_launches"][passes] = sum(e.count for e in on_device)
-        print(f"layers per pass {passes}, chunk {chunks[0] or 'whole'}:")
+        record["device_launches"][label] = sum(e.count for e in on_device)
+        print(f"{writer}, layers per pass {passes}, chunk {chunks[0] or 'whole'}:")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(events.table(sort_by=sort, row_limit=args.rows))
     print(json.dumps(record))

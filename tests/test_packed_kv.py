@@ -275,6 +275,49 @@ def test_encoding_several_layers_per_pass_writes_the_same_pages(rng, layers_per_
         PackedKVStore(4, L, H, D, G, layers_per_pass=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype):
+    """``encode_levels_triton`` (one kernel per level, reconstruction re-read from the
+    pages already written) against the torch chain: dense levels, compact ones with a
+    padded last page, a compact level of one row, a compact level of none, two appends."""
+    from flashloop_backend.kernels.triton.encode import encode_levels_triton
+
+    rows = 32
+    dense = [torch.ones(rows, dtype=torch.bool)] * 4
+    one_row = torch.zeros(rows, dtype=torch.bool)
+    one_row[5] = True
+    sparse = [*dense[:2], torch.arange(rows) % 3 == 0, one_row]
+    nothing = [*dense[:3], torch.zeros(rows, dtype=torch.bool)]
+    stores = [PackedKVStore(48, L, H, D, G, device=DEVICE) for _ in range(2)]
+    for active in (dense, sparse, nothing):
+        keys, values = ([x.to(DEVICE, dtype) for x in _versions(rng, rows)] for _ in range(2))
+        marks = [a.to(DEVICE) for a in active]
+        stores[0].append(0, keys, values, marks)
+        stores[1].append(0, keys, values, marks, write=encode_levels_triton)
+    for chain, fused in zip(stores[0].pools, stores[1].pools, strict=True):
+        assert torch.equal(chain, fused)
+    assert stores[0].sequences[0].pages == stores[1].sequences[0].pages
+
+
+def test_each_provider_registers_a_level_writer_that_writes_the_chains_pages(rng):
+    """``packed_kv_write`` of the torch and the Triton provider, as the backend takes it
+    (``PackedState`` hands it to the store's append): the chain's pages, bit for bit."""
+    from flashloop_backend.kernels import torch_ref, triton
+    from flashloop_backend.kernels.ops import OpName
+
+    active = [torch.ones(32, dtype=torch.bool)] * 2 + [torch.arange(32) % 2 == 0] * 2
+    keys, values = ([x.to(DEVICE) for x in _versions(rng, 32)] for _ in range(2))
+    marks = [a.to(DEVICE) for a in active]
+    chain = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    chain.append(0, keys, values, marks)
+    for provider in (torch_ref.provider(), triton.provider()):
+        store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+        write = provider.impls[OpName.PACKED_KV_WRITE].fn
+        store.append(0, keys, values, marks, write=write)
+        for expected, got in zip(chain.pools, store.pools, strict=True):
+            assert torch.equal(expected, got), provider.name
+
+
 def test_append_extends_levels_and_a_dense_level_turns_compact(rng):
     rows = 32
     first_k, first_v = _versions(rng, rows), _versions(rng, rows)

@@ -16,10 +16,18 @@ def test_a_cpu_smoke_run_times_every_chunk_size_and_layers_per_pass():
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.strip().splitlines()[-1])
-    keys = {f"chunk_{c}_layers_{n}" for c in ("64", "whole") for n in (1, 2)}
+    # on CPU only the torch chain runs (the fused writer is a GPU kernel)
+    keys = {f"chain_chunk_{c}_layers_{n}" for c in ("64", "whole") for n in (1, 2)}
     assert set(record["seconds"]) == keys and all(s > 0 for s in record["seconds"].values())
-    calls = record["aten_calls"]  # JSON keys: layers per pass
-    assert calls["2"] < calls["1"] and set(record["device_launches"].values()) == {0}
+    calls = record["aten_calls"]  # JSON keys: writer and layers per pass
+    assert calls["chain_layers_2"] < calls["chain_layers_1"]
+    assert set(record["device_launches"].values()) == {0}
+
+
+def test_an_unknown_writer_is_refused_by_name():
+    result = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--writers", "fused,fast"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "--writers ['fast']" in result.stderr
 
 
 def test_chunks_off_the_group_are_refused_by_name():

@@ -40,10 +40,8 @@ PACK_CHUNK_ROWS = 4096
 
 
 class PackedState:
-    def __init__(
-        self, store: PackedKVStore, quantize: Callable, policy: str, tail_size: int
-    ) -> None:
-        self.store, self.quantize = store, quantize
+    def __init__(self, store: PackedKVStore, write: Callable, policy: str, tail_size: int) -> None:
+        self.store, self.write = store, write
         self.policy, self.tail_size = policy, tail_size
         self._planned: tuple[BatchView, LevelMetadata] | None = None
         self._ordered: LevelMetadata | None = None
@@ -119,7 +117,7 @@ class PackedState:
         if end <= start:
             return
         keys, values = kv.planes(start, end)
-        self.store.append(sequence, keys, values, kv.active(start, end), quantize=self.quantize)
+        self.store.append(sequence, keys, values, kv.active(start, end), write=self.write)
         kv.drop(end)
 
     def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int = PACK_CHUNK_ROWS) -> None:

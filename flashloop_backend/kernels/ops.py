@@ -34,7 +34,7 @@ class OpName(str, Enum):
     SPARSE_PREFILL = "sparse_prefill"  # active prefill rows at nonconsecutive positions
     DENSE_SOURCE = "dense_source"  # reference-loop decode attention + selection statistics
     SPARSE_CORRECTION = "sparse_correction"  # later-loop decode over selected keys + correction
-    PACKED_KV_WRITE = "packed_kv_write"  # INT4 quantize-and-pack of K/V into the store
+    PACKED_KV_WRITE = "packed_kv_write"  # every level of a packed append into its pages
     PACKED_DECODE = "packed_decode"  # decode over packed INT4 KV plus a BF16 paged tail
     PACKED_SOURCE = "packed_dense_source"  # dense_source over packed KV
     PACKED_CORRECTION = "packed_sparse_correction"  # sparse_correction over packed KV
@@ -125,11 +125,13 @@ class SparseCorrection(Protocol):
 
 
 class PackedKVWrite(Protocol):
-    """``packed_kv_write``: ``algorithms.quantize_int4``'s contract (x [..., L along ``dim``,
-    ...], group_size, dim) -> ``QuantizedInt4``; the store lays its codes out in pages. Called
-    directly with these arguments (it has no inputs class)."""
+    """``packed_kv_write``: ``kv.store.LevelWriter``'s contract (store, keys, values,
+    presents, pages): every level of one append quantized against the reconstruction of
+    the levels before and written into its pages, bit for bit what
+    ``kv.store.encode_levels_chain`` writes. Called directly by the store's append (it
+    has no inputs class)."""
 
-    def __call__(self, x: torch.Tensor, group_size: int = 64, dim: int = -1): ...
+    def __call__(self, store, keys, values, presents, pages) -> None: ...
 
 
 class PackedDecode(Protocol):

@@ -19,6 +19,7 @@ absent residual is never code 0).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -162,12 +163,12 @@ class PackedKVStore:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         active: list[torch.Tensor] | None = None,
-        quantize=quantize_int4,
+        write: LevelWriter | None = None,
     ) -> None:
         """Encode a new sequence's first rows at every depth (see :meth:`append`)."""
         if sequence in self.sequences:
             raise ValueError(f"sequence {sequence} is already encoded; release it first")
-        self.append(sequence, keys, values, active, quantize)
+        self.append(sequence, keys, values, active, write)
 
     def append(
         self,
@@ -175,9 +176,10 @@ class PackedKVStore:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         active: list[torch.Tensor] | None = None,
-        quantize=quantize_int4,
+        write: LevelWriter | None = None,
     ) -> None:
-        """Encode the sequence's next rows (a new sequence starts at row 0) at every depth.
+        """Encode the sequence's next rows (a new sequence starts at row 0) at every depth,
+        through ``write`` (None: :func:`encode_levels_chain`, the torch oracle).
 
         keys/values: per depth [T, L, Hkv, D] (T a multiple of the group size; depth d's
         logical history, so inactive rows repeat their exit depth's value). ``active``: per
@@ -214,23 +216,7 @@ class PackedKVStore:
                 0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
             )
         pages = [[self._free.pop() for _ in range(-(-c // g))] for c in counts]
-        # layers_per_pass layers at a time: the FP32 conversion scratch is theirs, not all
-        # layers' (one layer by default)
-        for first in range(0, keys[0].shape[1], self.layers_per_pass):
-            layers = slice(first, min(first + self.layers_per_pass, keys[0].shape[1]))
-            recon_k = recon_v = None
-            for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
-                if pages[depth]:
-                    recon_k, recon_v = self._encode_level(
-                        k[:, layers],
-                        v[:, layers],
-                        recon_k,
-                        recon_v,
-                        present=presents[depth],
-                        pages=pages[depth],
-                        layers=layers,
-                        quantize=quantize,
-                    )
+        (write or encode_levels_chain)(self, keys, values, presents, pages)
         for depth, k in enumerate(keys):
             self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
         levels.rows += rows
@@ -238,7 +224,7 @@ class PackedKVStore:
         levels.version = self._appends
         self.sequences[sequence] = levels
 
-    def _encode_level(
+    def encode_level(
         self, k, v, recon_k, recon_v, present, pages: list[int], layers: slice, quantize
     ):
         """Quantize one level of ``layers`` (k, v [T, Lb, Hkv, D], residuals against the
@@ -381,6 +367,50 @@ class PackedKVStore:
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
         }
+
+
+class LevelWriter(Protocol):
+    """Writes every level of one append into its pages (the ``packed_kv_write`` op):
+    keys / values per depth [T, L, Hkv, D]; ``presents`` per depth the rows of a compact
+    level (None: dense); ``pages`` per depth its new page ids. Residuals are taken against
+    the reconstruction of the levels before, as :func:`encode_levels_chain` does."""
+
+    def __call__(
+        self,
+        store: PackedKVStore,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        presents: list[torch.Tensor | None],
+        pages: list[list[int]],
+    ) -> None: ...
+
+
+def encode_levels_chain(
+    store: PackedKVStore,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    presents: list[torch.Tensor | None],
+    pages: list[list[int]],
+    quantize=quantize_int4,
+) -> None:
+    """The oracle :class:`LevelWriter`: ``store.layers_per_pass`` layers at a time (the FP32
+    reconstruction is theirs, not all layers'), each level quantized by ``quantize`` against
+    the running reconstruction of its rows."""
+    for first in range(0, keys[0].shape[1], store.layers_per_pass):
+        layers = slice(first, min(first + store.layers_per_pass, keys[0].shape[1]))
+        recon_k = recon_v = None
+        for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if pages[depth]:
+                recon_k, recon_v = store.encode_level(
+                    k[:, layers],
+                    v[:, layers],
+                    recon_k,
+                    recon_v,
+                    present=presents[depth],
+                    pages=pages[depth],
+                    layers=layers,
+                    quantize=quantize,
+                )
 
 
 def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_depths: int) -> dict:

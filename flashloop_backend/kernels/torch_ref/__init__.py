@@ -51,13 +51,13 @@ PACKED_SPARSE_SUPPORT = Support(
 
 
 def provider() -> KernelProvider:
-    from flashloop_backend.algorithms import quantize_int4
     from flashloop_backend.kernels.torch_ref.packed import (
         packed_decode_reference,
         packed_dense_source,
         packed_sparse_correction,
     )
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
+    from flashloop_backend.kv.store import encode_levels_chain
 
     return KernelProvider(
         name="torch_reference",
@@ -78,7 +78,7 @@ def provider() -> KernelProvider:
                 OpName.PACKED_DECODE, packed_decode_reference, PACKED_SUPPORT
             ),
             OpName.PACKED_KV_WRITE: KernelImpl(
-                OpName.PACKED_KV_WRITE, quantize_int4, PACKED_SUPPORT
+                OpName.PACKED_KV_WRITE, encode_levels_chain, PACKED_SUPPORT
             ),
             OpName.PACKED_SOURCE: KernelImpl(
                 OpName.PACKED_SOURCE, packed_dense_source, PACKED_SPARSE_SUPPORT

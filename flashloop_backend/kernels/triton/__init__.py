@@ -70,10 +70,10 @@ def _packed_decode(*args, **kwargs) -> torch.Tensor:
     return packed_decode_triton(*args, **kwargs)
 
 
-def _packed_kv_write(*args, **kwargs):
-    from flashloop_backend.kernels.triton.quantize import quantize_int4_triton
+def _packed_kv_write(*args, **kwargs) -> None:
+    from flashloop_backend.kernels.triton.encode import encode_levels_triton
 
-    return quantize_int4_triton(*args, **kwargs)
+    encode_levels_triton(*args, **kwargs)
 
 
 def _packed_source(

@@ -1,0 +1,110 @@
+"""The packed append in one kernel per level (``packed_kv_write``, the ``LevelWriter``
+contract of ``kv.store``): every (page, layer, KV head) of a level reconstructs its rows
+from the levels already written, quantizes the residual and writes the page, bit for bit
+what ``encode_levels_chain`` writes, without its FP32 copies and re-layouts."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashloop_backend.kv.store import PackedKVStore
+
+# Warps per (page, layer, head) program: of 4, 8 and 16, ptxas spills least at 16 for a
+# page of Ouro's shapes (results/README.md, "Packed conversion in one kernel per level").
+ENCODE_WARPS = 16
+
+
+def _level_rows(
+    present: torch.Tensor | None, rows: int, pages: int, group: int, device
+) -> torch.Tensor:
+    """int32 [pages * group]: the append's row in each slot of a level's pages; a compact
+    level's last page repeats its last row, as the chain pads it."""
+    if present is None:
+        return torch.arange(rows, dtype=torch.int32, device=device)
+    fill = torch.arange(pages * group, device=device).clamp(max=present.numel() - 1)
+    return present[fill].to(torch.int32)
+
+
+def encode_levels_triton(
+    store: PackedKVStore,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    presents: list[torch.Tensor | None],
+    pages: list[list[int]],
+) -> None:
+    """keys / values per depth [T, L, Hkv, D] (unit stride on D; K and V of a depth share
+    strides); presents per depth the compact level's rows [Nd] (None: dense); pages per
+    depth its new page ids. Levels are written in order: each reads the ones before."""
+    from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
+
+    g = store.group_size
+    num_layers, kv_heads, head_dim = store.shape
+    if g < 16 or g & (g - 1) or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"group_size={g} and head_dim={head_dim} must be powers of two, the group >= 16 "
+            "(Triton tiles)"
+        )
+    rows = keys[0].shape[0]
+    device = store.k_codes.device
+    for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if k.device != device or v.device != device:
+            raise ValueError(f"depth {depth}: K/V on {k.device}/{v.device}, the store on {device}")
+        if k.shape != (rows, num_layers, kv_heads, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"depth {depth}: K/V must be [{rows}, {num_layers}, {kv_heads}, {head_dim}]; "
+                f"got {tuple(k.shape)} / {tuple(v.shape)}"
+            )
+    depths = len(keys)
+    slots = torch.full((depths, rows), -1, dtype=torch.int32, device=device)
+    table = torch.full((depths, max(1, *map(len, pages))), -1, dtype=torch.int32, device=device)
+    for depth, present in enumerate(presents):
+        count = rows if present is None else present.numel()
+        where = slice(None) if present is None else present
+        slots[depth, where] = torch.arange(count, dtype=torch.int32, device=device)
+        if pages[depth]:
+            table[depth, : len(pages[depth])] = torch.tensor(pages[depth], dtype=torch.int32)
+    pools = store.pools
+    exact = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    for depth, present in enumerate(presents):
+        if not pages[depth]:
+            continue
+        k, v = keys[depth], values[depth]
+        if k.stride(-1) != 1 or v.stride() != k.stride():
+            k, v = k.contiguous(), v.contiguous()
+        level_rows = _level_rows(present, rows, len(pages[depth]), g, device)
+        kc, kmin, _, vc, vmin, _ = pools
+        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads)](
+            k,
+            v,
+            level_rows,
+            slots,
+            table,
+            *pools,
+            depth,
+            slots.stride(0),
+            table.stride(0),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            kc.stride(3),
+            kmin.stride(0),
+            kmin.stride(1),
+            kmin.stride(2),
+            vc.stride(0),
+            vc.stride(1),
+            vc.stride(2),
+            vc.stride(3),
+            vmin.stride(0),
+            vmin.stride(1),
+            vmin.stride(2),
+            vmin.stride(3),
+            HEAD_DIM=head_dim,
+            GROUP=g,
+            EXACT=exact,
+            num_warps=ENCODE_WARPS,
+        )

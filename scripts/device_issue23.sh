@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# H200 calls for issue 23 (time to first token), one stage per call:
+#   conversion  the packed conversion of one prompt, the fused level writer beside the torch
+#               chain with the Triton quantizer (scripts/profile_conversion.py, 8K rows, 24
+#               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
+#   ttft        TTFT and TPOT from CUDA graphs beside dense Triton: KV quantization alone
+#               and all on at 8K x 1 (24 layers) and 32K x 16 (4 layers)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
+case "${1:?stage: conversion or ttft}" in
+  conversion)
+    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
+      -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
+    run python3 scripts/profile_conversion.py --context 8192 --layers 24 --chunks 4096,0 \
+      --layers-per-pass 1 --repeats 3 > "$OUT/profile_conversion_fused.log" 2>&1
+    grep -E "median|Self CUDA" "$OUT/profile_conversion_fused.log" ;;
+  ttft)
+    for config in kv_quant_fixed_prompt all_on; do
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config "configs/$config.json" --contexts 8192 --concurrency 1 \
+        --warmup-context 512 --out "$OUT/bench_e2e_${config}_8k.json" 2>&1 | grep -E "TTFT"
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config "configs/$config.json" --contexts 32768 --concurrency 16 --layers 4 \
+        --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_${config}_32k.json" 2>&1 \
+        | grep -E "TTFT"
+    done ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
