@@ -54,11 +54,17 @@ def _active(rows: int, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Generator):
+    """A store holding ``sequences`` encoded prompts of ``rows`` rows, written as the
+    backend writes them (the Triton level writer on a GPU, the torch chain elsewhere), and
+    the largest allocation one encoding added on top of its inputs and the pools."""
     from flashloop_backend.kv.store import PackedKVStore
 
     pages = sequences * 4 * math.ceil(rows / GROUP) + 8
     store = PackedKVStore(pages, layers, HEADS, HEAD_DIM, GROUP, device=gen.device)
     cuda = gen.device.type == "cuda"
+    write = None
+    if cuda:
+        from flashloop_backend.kernels.triton.encode import encode_levels_triton as write
     transient = 0
     for s in range(sequences):
         keys, values = _versions(rows, layers, gen), _versions(rows, layers, gen)
@@ -67,7 +73,7 @@ def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Gene
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()  # inputs and pools exist: conversion only
             torch.cuda.reset_peak_memory_stats()
-        store.encode(s, keys, values, active)
+        store.encode(s, keys, values, active, write)
         if cuda:
             torch.cuda.synchronize()
             transient = max(transient, torch.cuda.max_memory_allocated() - before)
