@@ -173,6 +173,7 @@ def bench_end_to_end(
         tpot = [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
         baseline = next(iter(results.values()), None)
         speedup = baseline["prefill_latency_s"] / max(ttft) if baseline else 1.0
+        effective_config = resolve(effective, base, wanted, registry)
         results[name] = {
             "prefill_latency_s": max(ttft),
             "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
@@ -186,7 +187,9 @@ def bench_end_to_end(
             "failed_requests": concurrency - len(done),
             # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
             "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
-            "config_digest": resolve(effective, base, wanted, registry).digest(),
+            "config_digest": effective_config.digest(),
+            # the kernel provider of every op, the dense prefill's included (TTFT baselines)
+            "kernels": dict(effective_config.kernels),
             "graphs": engine.graphs.stats() if engine.graphs else None,
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": speedup,
