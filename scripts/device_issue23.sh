@@ -5,11 +5,14 @@
 #               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
 #   ttft        TTFT and TPOT from CUDA graphs beside dense Triton: KV quantization alone
 #               and all on at 8K x 1 (24 layers) and 32K x 16 (4 layers)
+#   prefill     the sparse-prefill attention per layer call at 8K and 32K, retention 0.75,
+#               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
+#               rows, FlashInfer's dense causal prefill
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: conversion or ttft}" in
+case "${1:?stage: conversion, ttft or prefill}" in
   conversion)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
@@ -26,5 +29,8 @@ case "${1:?stage: conversion or ttft}" in
         --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_${config}_32k.json" 2>&1 \
         | grep -E "TTFT"
     done ;;
+  prefill)
+    run flashloop-backend bench prefill --contexts 8192,32768 --retention 0.75,0.5,0.25 \
+      --out "$OUT/bench_prefill_attention.json" 2>&1 | grep -E "prefill|retention" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -63,6 +63,9 @@ def test_prompt_blocks_are_freed_and_pages_come_back():
             free_before = engine.kv.free_blocks
         engine.step()
     store = engine.backend.packed.store
+    # the first token is out before the prompt is packed: the next step packs it first
+    assert engine.has_first_token(rid) and store.accounting()["pages_used"] == 0
+    engine.step()
     assert store.accounting()["pages_used"] == 4 * 3  # 48 of 53 rows: 3 groups x 4 levels
     for depth in range(4):
         table = engine.kv.block_table(rid, depth)
@@ -71,6 +74,17 @@ def test_prompt_blocks_are_freed_and_pages_come_back():
     while engine.has_unfinished():
         engine.step()
     assert store.accounting()["pages_used"] == 0 and engine.kv.free_blocks == 200
+
+
+def test_a_request_that_ends_on_its_first_token_is_never_packed():
+    """Its prompt would be handed over when the next step starts, but it has left by then:
+    its reserved pages come back without an encoding."""
+    model = tiny_model(seed=2)
+    engine = _engine(model, FlashLoopConfig(kv_residual_quantization=QUANT))
+    engine.generate([PROMPT], SamplingParams(max_new_tokens=1))
+    store = engine.backend.packed.store
+    assert store.sequences == {} and store.accounting()["pages_used"] == 0
+    assert store.unreserved_pages() == store.num_pages and engine.kv.free_blocks == 200
 
 
 def test_short_prompts_and_mixed_batches_run():
@@ -134,9 +148,10 @@ def test_rolling_keeps_a_bounded_bf16_tail_and_flushes_whole_groups():
         tails.append(final_rows - rows)
         blocks = engine.kv.block_table(rid, 3)
         assert blocks[: rows // 4] == [-1] * (rows // 4) and min(blocks[rows // 4 :]) >= 0
-    # the completed prompt packs 16 of 40 rows (24 stay); afterwards the tail is 16..31
-    # rows: 31 final rows + one more token -> 32 -> one group flushed -> 16
-    assert tails[0] == 24 and all(16 <= t <= 31 for t in tails)
+    # the first token is out before the prompt is packed (40 rows in BF16); the next step
+    # packs 16 of them (24 stay); afterwards the tail is 16..31 rows: 31 final rows + one
+    # more token -> 32 -> one group flushed -> 16
+    assert tails[:2] == [40, 24] and all(16 <= t <= 31 for t in tails[1:])
     assert 31 in tails and flushes == 2
     assert packed.store.accounting()["pages_used"] == 0  # finished: every page came back
 

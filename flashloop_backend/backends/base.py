@@ -144,7 +144,9 @@ class AttentionBackend(ABC):
         return None
 
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
-        """The request's prompt ran every loop: its rows are final."""
+        """The request's prompt ran every loop and its first token is out: its rows are
+        final. The host calls it when the next step starts, before any of the request's
+        decode rows run (never for a request that finished on its first token)."""
         return None
 
     def token_done(self, request_id: int, kv: RequestKV) -> None:

@@ -109,6 +109,9 @@ class Engine:
         self.sparsity = token_sparsity(backend, prefill_chunk)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
+        # Prompts whose first token is out, handed to the backend (KV quantization packs
+        # them) when the next step starts: the packing is not on the first token's path.
+        self._prompts_to_hand_over: list[Request] = []
         backend.reserve(
             EngineCapacity(
                 max_slots=max_slots,
@@ -209,7 +212,9 @@ class Engine:
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[GenerationResult]:
-        """Admit what fits, run one traversal over the scheduled rows, return finished ones."""
+        """Hand the last step's completed prompts to the backend, admit what fits, run one
+        traversal over the scheduled rows, return finished ones."""
+        self._hand_over_prompts()
         self._admit()
         groups = self._schedule()
         if not groups:
@@ -249,6 +254,14 @@ class Engine:
         """One loop over every layer for the batch's rows: [R, hidden] -> [R, hidden]."""
         ctx = _LayerAttention(self.kv, self.backend, batch, self.model.layer_kernels)
         return self.model.recurrent(hidden, batch.view.positions, ctx)
+
+    def _hand_over_prompts(self) -> None:
+        """``backend.prompt_done`` for every prompt completed in the last step whose request
+        still runs (one that finished on its first token left with its KV)."""
+        for r in self._prompts_to_hand_over:
+            if r.id in self._requests:
+                self.backend.prompt_done(r.id, self._request_kv(r))
+        self._prompts_to_hand_over.clear()
 
     def _admit(self) -> None:
         for request in self._requests.values():
@@ -320,7 +333,7 @@ class Engine:
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         if self.on_prompt_done is not None:
                             self.on_prompt_done(self, r)
-                        self.backend.prompt_done(r.id, self._request_kv(r))
+                        self._prompts_to_hand_over.append(r)
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         emits.append((r, last))
                 continue

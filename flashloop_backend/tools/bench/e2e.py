@@ -35,8 +35,10 @@ def ouro_1p4b_shapes(layers: int | None = None):
 
 def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
     """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
-    ``kv_probe`` receives (tokens, KV bytes held) once, at the step where every request has
-    its first token (``Engine.kv_held``: one host call inside the timed window)."""
+    ``kv_probe`` receives (tokens, KV bytes held) once, after the step that follows every
+    request's first token (the host hands completed prompts to the backend, which packs
+    them, when that step starts; ``Engine.kv_held``: one host call inside the timed
+    window)."""
     from flashloop_backend.host.engine import SamplingParams
 
     ids = [
@@ -46,6 +48,7 @@ def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     start = time.perf_counter()
+    all_first = False  # every request had its first token before this step
     while engine.has_unfinished():
         finished = engine.step()
         torch.cuda.synchronize()
@@ -55,8 +58,9 @@ def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
                 first[rid] = now
         for f in finished:
             done[f.request_id] = now
-        if kv_probe is not None and not kv_probe and len(first) == len(ids):
+        if kv_probe is not None and not kv_probe and all_first:
             kv_probe.append(engine.kv_held())
+        all_first = len(first) == len(ids)
     return ids, first, done, time.perf_counter() - start
 
 
