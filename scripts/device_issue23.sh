@@ -5,6 +5,8 @@
 #               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
 #   ttft        TTFT and TPOT from CUDA graphs beside dense Triton: KV quantization alone
 #               and all on at 8K x 1 (24 layers) and 32K x 16 (4 layers)
+#   profile     where one all-on prefill's GPU time goes (8K x 1, 24 layers; 32K x 16, 4
+#               layers), the conversion included (scripts/profile_step.py --phase prefill)
 #   prefill     the sparse-prefill attention per layer call at 8K and 32K, retention 0.75,
 #               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
 #               rows, FlashInfer's dense causal prefill
@@ -12,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: conversion, ttft or prefill}" in
+case "${1:?stage: conversion, ttft, profile or prefill}" in
   conversion)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
@@ -28,6 +30,14 @@ case "${1:?stage: conversion, ttft or prefill}" in
         --config "configs/$config.json" --contexts 32768 --concurrency 16 --layers 4 \
         --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_${config}_32k.json" 2>&1 \
         | grep -E "TTFT"
+    done ;;
+  profile)
+    for shape in "8192 1 24" "32768 16 4"; do
+      set -- $shape
+      run python3 scripts/profile_step.py --config configs/all_on.json --context "$1" \
+        --concurrency "$2" --layers "$3" --phase prefill --rows 25 \
+        --json "$OUT/profile_prefill_all_on_$1_$2.json" > "$OUT/profile_prefill_all_on_$1_$2.log" 2>&1
+      grep -E "Self CUDA time total" "$OUT/profile_prefill_all_on_$1_$2.log"
     done ;;
   prefill)
     run flashloop-backend bench prefill --contexts 8192,32768 --retention 0.75,0.5,0.25 \

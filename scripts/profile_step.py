@@ -7,7 +7,8 @@ through the host (Ouro-1.4B shapes, random weights), as a torch.profiler table a
 
 ``--phase decode`` profiles ``--steps`` decode steps once every request decodes (one step
 per loop depth, so --steps 8 covers each depth twice); ``--phase prefill`` profiles every
-prompt step (each chunk at each loop). A warm-up pass on short prompts compiles the
+prompt step (each chunk at each loop) and the completed prompts' hand-over to the backend
+(KV quantization packs them there). A warm-up pass on short prompts compiles the
 kernels first. Decode records also time --steps eager steps without the profiler (wall ms
 per step, beside the profiled GPU kernel ms per step)."""
 
@@ -96,6 +97,7 @@ def main() -> int:
             while engine.counters()["prompts_running"]:
                 engine.step()
                 steps += 1
+            engine.hand_over_prompts()  # the packing the next step would start with
         torch.cuda.synchronize()
     title = (
         f"{args.backend} {args.config or 'dense'} {args.layer_ops} layer ops "

@@ -214,7 +214,7 @@ class Engine:
     def step(self) -> list[GenerationResult]:
         """Hand the last step's completed prompts to the backend, admit what fits, run one
         traversal over the scheduled rows, return finished ones."""
-        self._hand_over_prompts()
+        self.hand_over_prompts()
         self._admit()
         groups = self._schedule()
         if not groups:
@@ -255,9 +255,10 @@ class Engine:
         ctx = _LayerAttention(self.kv, self.backend, batch, self.model.layer_kernels)
         return self.model.recurrent(hidden, batch.view.positions, ctx)
 
-    def _hand_over_prompts(self) -> None:
+    def hand_over_prompts(self) -> None:
         """``backend.prompt_done`` for every prompt completed in the last step whose request
-        still runs (one that finished on its first token left with its KV)."""
+        still runs (one that finished on its first token left with its KV). Each step
+        starts with it; a profile of the prompt phase calls it to include the packing."""
         for r in self._prompts_to_hand_over:
             if r.id in self._requests:
                 self.backend.prompt_done(r.id, self._request_kv(r))
