@@ -50,7 +50,9 @@ def quantize_int4(x: torch.Tensor, group_size: int = 64, dim: int = -1) -> Quant
     low = torch.where(valid, values, float("inf")).amin(-1)
     high = torch.where(valid, values, float("-inf")).amax(-1)
     minimum = low.to(torch.float16)
-    scale = ((high - low) / 15).to(torch.float16)
+    # a tensor divisor: CUDA turns division by a Python scalar into a product with its
+    # reciprocal, one bit off the division the Triton kernels round to
+    scale = ((high - low) / torch.full_like(high, 15.0)).to(torch.float16)
     m32, s32 = minimum.float()[..., None], scale.float()[..., None]
     ratio = torch.where(s32 > 0, (values - m32) / torch.where(s32 > 0, s32, 1.0), 0.0)
     codes = torch.where(valid, torch.round(ratio).clamp(0, 15), 0.0).to(

@@ -386,6 +386,8 @@ class Engine:
 
     def _collect(self) -> list[GenerationResult]:
         done = [r for r in self._requests.values() if r.phase == "done"]
+        # a request that ended on its first token is not handed over: it leaves now
+        self._prompts_to_hand_over = [r for r in self._prompts_to_hand_over if r.phase != "done"]
         for r in done:
             self.kv.release(r.id)
             self.backend.release(r.id, r.slot)
