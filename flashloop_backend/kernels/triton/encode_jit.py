@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from flashloop_backend.kernels.triton.quantize_jit import int4_codes
+
 
 @triton.jit
 def _affine(low, scale, code, EXACT: tl.constexpr):
@@ -20,19 +22,6 @@ def _affine(low, scale, code, EXACT: tl.constexpr):
     if EXACT:
         return libdevice.add_rn(low, libdevice.mul_rn(scale, code))
     return low + scale * code
-
-
-@triton.jit
-def _codes(x, m32, s32):
-    """Round-half-to-even INT4 codes of x from FP32 copies of the stored minimum and scale
-    (broadcast to x's shape), 0 where the scale is 0 (a constant group)."""
-    ratio = tl.math.div_rn(x - m32, tl.where(s32 > 0, s32, 1.0))
-    up = tl.floor(ratio + 0.5)
-    halfway = (up - ratio) == 0.5
-    odd = (up - 2.0 * tl.floor(up * 0.5)) == 1.0
-    code = tl.where(halfway & odd, up - 1.0, up)
-    code = tl.minimum(tl.maximum(code, 0.0), 15.0)
-    return tl.where(s32 > 0, code, 0.0)
 
 
 @triton.jit
@@ -133,7 +122,7 @@ def encode_level_kernel(
     target = tl.load(pages_ptr + level * stride_pl + index).to(tl.int64)
     k_min16 = tl.min(k, axis=0).to(tl.float16)
     k_scale16 = tl.math.div_rn(tl.max(k, axis=0) - tl.min(k, axis=0), 15.0).to(tl.float16)
-    k_code = _codes(k, k_min16.to(tl.float32)[None, :], k_scale16.to(tl.float32)[None, :])
+    k_code = int4_codes(k, k_min16.to(tl.float32)[None, :], k_scale16.to(tl.float32)[None, :])
     even, odd = tl.split(tl.reshape(k_code.to(tl.uint8), (GROUP, HEAD_DIM // 2, 2)))
     pair = tl.arange(0, HEAD_DIM // 2)
     k_row = target * skc_p + layer * skc_l + head * skc_h
@@ -169,7 +158,7 @@ def encode_level_kernel(
     v_scale16 = tl.math.div_rn(tl.max(grouped, axis=2) - tl.min(grouped, axis=2), 15.0).to(
         tl.float16
     )
-    v_code = _codes(
+    v_code = int4_codes(
         grouped, v_min16.to(tl.float32)[:, :, None], v_scale16.to(tl.float32)[:, :, None]
     )
     by_channel = tl.trans(tl.reshape(v_code, (GROUP, HEAD_DIM)))  # [D, G]: rows pair per byte
