@@ -31,8 +31,9 @@ def _attend_block(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key block [first, first + BLOCK_N) folded into the online softmax state. Unmasked
-    blocks lie below every row's length, so they skip the visibility and bounds masks."""
+    """One key block [first, first + BLOCK_N) folded into the online softmax state (m_i:
+    the running max of the unscaled scores q . k). Unmasked blocks lie below every row's
+    length, so they skip the visibility and bounds masks."""
     keys = first + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -50,13 +51,14 @@ def _attend_block(
         k = tl.load(k_ptr + k_off + d[None, :], mask=in_range[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + k_off + d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    # raw scores and a raw running max: the scale enters once, in one multiply-add per score
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(keys[None, :] < lengths[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
+    alpha = tl.exp2((m_i - m_safe) * qk_scale)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptr + v_off + d[None, :], mask=in_range[:, None], other=0.0)
@@ -113,7 +115,7 @@ def sparse_prefill_kernel(
     splits = tl.num_programs(2)
     kv_head = head // GROUP
     num_tiles = tl.load(num_tiles_ptr)
-    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    qk_scale = scale * 1.4426950408889634  # exp2 of scaled scores: e^(scale x)
     d = tl.arange(0, HEAD_DIM)
     taken = tl.program_id(0)
     while taken < num_tiles:
@@ -201,6 +203,6 @@ def sparse_prefill_kernel(
             mask=row_mask[:, None],
         )
         stat = rows * stride_mr + head * stride_mh + split
-        tl.store(part_max_ptr + stat, m_i * 0.6931471805599453, mask=row_mask)
+        tl.store(part_max_ptr + stat, m_i * scale, mask=row_mask)
         tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
         taken += tl.num_programs(0)
