@@ -9,7 +9,8 @@
 #               layers), the conversion included (scripts/profile_step.py --phase prefill)
 #   prefill     the sparse-prefill attention per layer call at 8K and 32K, retention 0.75,
 #               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
-#               rows, FlashInfer's dense causal prefill
+#               rows, FlashInfer's dense causal prefill; the kernel's launch sweep at 32K
+#               (register caps included)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -41,6 +42,8 @@ case "${1:?stage: conversion, ttft, profile or prefill}" in
     done ;;
   prefill)
     run flashloop-backend bench prefill --contexts 8192,32768 --retention 0.75,0.5,0.25 \
-      --out "$OUT/bench_prefill_attention.json" 2>&1 | grep -E "prefill|retention" ;;
+      --out "$OUT/bench_prefill_attention.json" 2>&1 | grep -E "prefill|retention"
+    run python3 scripts/sweep_sparse_prefill.py 32768 > "$OUT/sweep_sparse_prefill.jsonl" 2>&1
+    cat "$OUT/sweep_sparse_prefill.jsonl" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

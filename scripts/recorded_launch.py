@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 def compile_launch(fn, args: tuple, kwargs: dict):
     """``fn`` compiled for sm_90a as the JIT specializes it for ``args`` / ``kwargs``."""
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     signature, constexprs, attrs = {}, dict(kwargs), {}
     for index, (name, value) in enumerate(zip(fn.arg_names, args, strict=False)):
         kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)

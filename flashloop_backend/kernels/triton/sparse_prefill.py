@@ -16,13 +16,15 @@ from flashloop_backend.kernels.validate import check_triton_paged
 @dataclass(frozen=True)
 class PrefillTuning:
     """Launch shape: the best of the 32K sweep (results/sweep_sparse_prefill.jsonl,
-    ``scripts/sweep_sparse_prefill.py``)."""
+    ``scripts/sweep_sparse_prefill.py``); ``max_registers`` caps registers per thread
+    (ptxas spills past it; None: no cap), so that two CTAs can share an SM."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
     min_keys_per_split: int = 256
+    max_registers: int | None = None
 
 
 DEFAULT_PREFILL = PrefillTuning()
@@ -117,5 +119,6 @@ def sparse_prefill_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
+        **({} if tuning.max_registers is None else {"maxnreg": tuning.max_registers}),
     )
     return merge_splits(part_out, part_max, part_sum, out)
