@@ -21,7 +21,13 @@ from flashloop_backend.kernels.triton.threshold_select import (
     select_top_keys,
 )
 
-__all__ = ["DEFAULT_SELECT", "SelectTuning", "check_bucket", "dense_source_triton"]
+__all__ = [
+    "DEFAULT_SELECT",
+    "SelectTuning",
+    "check_bucket",
+    "dense_source_triton",
+    "source_buffers",
+]
 
 
 def check_bucket(span: int, rows: int, key_retention: float, k_bucket: int) -> None:
@@ -56,6 +62,40 @@ def logits_and_output(
     return logits, lse, output
 
 
+def source_buffers(
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lengths,
+    key_retention,
+    k_bucket,
+    scale=None,
+    read_values=True,
+):
+    """What a source's selection reads and writes: (logits [R, Hq, T], lse [R, Hq],
+    contiguous block tables, (out, indices [R, Hq, Kb], mass, output, contribution)), the
+    logits, LSE and dense output (zeros without ``read_values``) from one Triton attention
+    pass; the bucket checked against the span."""
+    span = block_tables.shape[1] * key_cache.shape[1]
+    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
+    logits, lse, output = logits_and_output(
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale,
+        span,
+        read_values=read_values,
+    )
+    rows, heads, _ = q.shape
+    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
+    outputs = (torch.empty_like(q), indices, mass, output, torch.empty_like(output))
+    return logits, lse, block_tables.contiguous(), outputs
+
+
 def dense_source_triton(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -73,25 +113,18 @@ def dense_source_triton(
 
     Paged inputs as ``paged_attention_triton``; each key and value is read once
     (``tuning.value_pass``), or the values once more at the selected positions."""
-    block_size = key_cache.shape[1]
-    span = block_tables.shape[1] * block_size
-    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
-    logits, lse, output = logits_and_output(
+    logits, lse, block_tables, outputs = source_buffers(
         q,
         key_cache,
         value_cache,
         block_tables,
         context_lengths,
+        key_retention,
+        k_bucket,
         scale,
-        span,
         read_values=not tuning.value_pass,
     )
-    rows, num_q_heads, _ = q.shape
-    block_tables = block_tables.contiguous()
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
-    contribution = torch.empty_like(output)
+    out, indices, mass, output, contribution = outputs
     select_top_keys(
         logits,
         lse,
@@ -106,4 +139,4 @@ def dense_source_triton(
         key_retention,
         tuning,
     )
-    return out, indices, mass, output, contribution
+    return outputs

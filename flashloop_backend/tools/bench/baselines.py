@@ -32,7 +32,11 @@ import triton.language as tl
 
 from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.torch_ref.sparse_decode import selected_counts
-from flashloop_backend.kernels.triton.dense_source import check_bucket, logits_and_output
+from flashloop_backend.kernels.triton.dense_source import (
+    check_bucket,
+    logits_and_output,
+    source_buffers,
+)
 from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
 from flashloop_backend.kernels.triton.select_jit import _order_key, compact_selected
 from flashloop_backend.kernels.triton.threshold_select_jit import count_around
@@ -410,24 +414,6 @@ def launch_split_selection(
         torch.sum(contrib_parts, dim=2, out=contribution)
 
 
-def _source_buffers(
-    q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
-):
-    """What a baseline source selects from and writes to: (logits [R, Hq, T], lse [R, Hq],
-    contiguous block tables, (out, indices [R, Hq, Kb], mass, output, contribution)) with
-    the logits, LSE and dense output from one Triton attention pass."""
-    span = block_tables.shape[1] * key_cache.shape[1]
-    check_bucket(span, block_tables.shape[0], key_retention, k_bucket)
-    logits, lse, output = logits_and_output(
-        q, key_cache, value_cache, block_tables, context_lengths, scale, span
-    )
-    rows, heads, _ = q.shape
-    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
-    outputs = (torch.empty_like(q), indices, mass, output, torch.empty_like(output))
-    return logits, lse, block_tables.contiguous(), outputs
-
-
 def dense_source_split(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -441,7 +427,7 @@ def dense_source_split(
 ) -> tuple[torch.Tensor, ...]:
     """``dense_source_triton``'s outputs with the selection by :func:`launch_split_selection`
     (indices in position order, -1 past K)."""
-    logits, lse, block_tables, outputs = _source_buffers(
+    logits, lse, block_tables, outputs = source_buffers(
         q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
     )
     out, indices, mass, output, contribution = outputs
@@ -494,7 +480,7 @@ def dense_source_sorted_bracket(
     (row, head) (``select_jit.select_statistics_kernel``)."""
     from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
-    logits, lse, block_tables, outputs = _source_buffers(
+    logits, lse, block_tables, outputs = source_buffers(
         q, key_cache, value_cache, block_tables, context_lengths, key_retention, k_bucket, scale
     )
     out, indices, mass, output, contribution = outputs
