@@ -41,7 +41,11 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 def sass(fn, args: tuple, kwargs: dict) -> str:
     """SASS of ``fn`` compiled for this launch (:func:`compile_launch`)."""
-    compiled = compile_launch(fn, args, kwargs)
+    return disassemble(compile_launch(fn, args, kwargs))
+
+
+def disassemble(compiled) -> str:
+    """The SASS listing of a compiled Triton kernel (cuobjdump of its cubin)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -96,13 +100,7 @@ def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int =
         V_BY_CHANNEL=by_channel,
     )
     source = ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run(
-            [str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True, check=True
-        ).stdout
+    text = disassemble(triton.compile(source, target=TARGET, options={"num_warps": warps}))
     loops = innermost_loops(text)[:1]
     instructions = loops[0]["instructions"]
     codes = block_n * 256  # K and V codes of block_n keys at one level
