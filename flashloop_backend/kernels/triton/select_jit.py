@@ -13,6 +13,18 @@ def _order_key(logit):
 
 
 @triton.jit
+def take_selected(key, visible, threshold, remaining, ties_seen, AXIS: tl.constexpr):
+    """The selection's rule over order keys laid out in position order along AXIS: every
+    visible key above ``threshold`` and the ties at it whose rank (after ``ties_seen``
+    earlier ones) is below ``remaining`` (threshold, remaining and ties_seen broadcast
+    against ``key``). Returns (taken mask, ties counted along AXIS)."""
+    tie = visible & (key == threshold)
+    tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), AXIS) - 1
+    take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+    return take, tl.sum(tie.to(tl.int32), AXIS)
+
+
+@triton.jit
 def compact_selected(
     logits_row,
     idx_row,
@@ -44,10 +56,7 @@ def compact_selected(
         pos = start + offs
         visible = pos < last
         logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
-        key = _order_key(logit)
-        tie = visible & (key == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+        take, ties = take_selected(_order_key(logit), visible, threshold, remaining, ties_seen, 0)
         slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
         p = tl.where(take, tl.exp(logit - lse), 0.0)
@@ -64,7 +73,7 @@ def compact_selected(
             contribution += tl.sum(p[:, None] * v, 0)
         mass += tl.sum(p, 0)
         written += tl.sum(take.to(tl.int32), 0)
-        ties_seen += tl.sum(tie.to(tl.int32), 0)
+        ties_seen += ties
     return mass, contribution
 
 

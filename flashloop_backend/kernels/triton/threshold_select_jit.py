@@ -18,6 +18,7 @@ from flashloop_backend.kernels.triton.select_jit import (
     _order_key,
     _radix_threshold,
     compact_selected,
+    take_selected,
 )
 
 
@@ -447,10 +448,9 @@ def source_values_kernel(
                 mask=visible,
                 other=float("-inf"),
             )
-            key = _order_key(logit)
-            tie = visible & (key == threshold)
-            tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-            take = visible & ((key > threshold) | (tie & (tie_rank < remaining)))
+            take, ties = take_selected(
+                _order_key(logit), visible, threshold, remaining, ties_seen, 0
+            )
             p = tl.where(visible, tl.exp(logit - lse), 0.0)
             both = tl.where(
                 g[:, None] == 0,
@@ -458,14 +458,18 @@ def source_values_kernel(
                 tl.where((g[:, None] == 1) & take[None, :], p[None, :], 0.0),
             )
             acc_out += tl.dot(both.to(v.dtype), v, input_precision=DOT_PRECISION)
-            ties_seen += tl.sum(tie.to(tl.int32), 0)
+            ties_seen += ties
         else:
             live = in_group[:, None] & visible[None, :]
             logit = tl.load(logits_rows + pos[None, :], mask=live, other=float("-inf"))
-            key = _order_key(logit)
-            tie = live & (key == threshold[:, None])
-            tie_rank = ties_seen[:, None] + tl.cumsum(tie.to(tl.int32), 1) - 1
-            take = live & ((key > threshold[:, None]) | (tie & (tie_rank < remaining[:, None])))
+            take, ties = take_selected(
+                _order_key(logit),
+                live,
+                threshold[:, None],
+                remaining[:, None],
+                ties_seen[:, None],
+                1,
+            )
             p = tl.where(live, tl.exp(logit - lse[:, None]), 0.0)
             p_sel = tl.where(take, p, 0.0)
             if USE_DOT:
@@ -475,7 +479,7 @@ def source_values_kernel(
                 values = v.to(tl.float32)[None, :, :]
                 acc_out += tl.sum(p[:, :, None] * values, axis=1)
                 acc_sel += tl.sum(p_sel[:, :, None] * values, axis=1)
-            ties_seen += tl.sum(tie.to(tl.int32), 1)
+            ties_seen += ties
     if GROUP == 1 and USE_DOT:  # rows 0 and 1 of the one tile
         acc_sel = tl.sum(tl.where(g[:, None] == 1, acc_out, 0.0), 0)[None, :] + acc_sel
         acc_out = tl.sum(tl.where(g[:, None] == 0, acc_out, 0.0), 0)[None, :] + tl.zeros_like(
