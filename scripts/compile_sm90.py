@@ -257,7 +257,7 @@ def _layer_kernels() -> bool:
 
 
 def _threshold_selection() -> bool:
-    """The registered selection's seven kernels at the registered launch
+    """The registered selection's six kernels at the registered launch
     (``threshold_select.py``)."""
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
     from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT as tuning
@@ -283,7 +283,7 @@ def _threshold_selection() -> bool:
         (
             "finish",
             jit.select_finish_kernel,
-            dict(HEAD_DIM=128, SPLITS_PAD=64, CONTRIB_PAD=64, CONTRIBUTE=True, SUM_OUTPUT=True),
+            dict(HEAD_DIM=128, SPLITS_PAD=64, VALUES=True),
             4,
         ),
         (
@@ -301,12 +301,6 @@ def _threshold_selection() -> bool:
             4,
         ),
         ("compact", jit.select_compact_kernel, dict(BLOCK=tuning.compact_block), tuning.num_warps),
-        (
-            "contribution",
-            jit.selected_contribution_kernel,
-            dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=tuning.contribution_block),
-            tuning.num_warps,
-        ),
     ]
     ok = True
     for label, fn, shape, warps in variants:

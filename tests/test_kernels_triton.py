@@ -118,20 +118,17 @@ def _dense_source_impls():
 
     # tiny sample/candidate sizes make the interpreter run both selection paths: a bracket
     # that fits the candidate list, and one that overflows it (exact radix-select
-    # fallback); 16-position splits spread every row over several programs; the value
-    # pass (registered) and the gather of the selected values both sum the contribution
+    # fallback); 16-position splits spread every row over several programs
     small = {"block": 16, "compact_block": 16, "chunk_min": 16, "programs_per_sm": 64}
     bracket = module.SelectTuning(sample=16, candidates=64, value_block=16, **small)
     fallback = module.SelectTuning(sample=16, candidates=16, value_block=16, **small)
-    gather = module.SelectTuning(sample=16, candidates=64, value_pass=False, **small)
     return {
         "bracket": lambda *a: module.dense_source_triton(*a, tuning=bracket),
         "radix": lambda *a: module.dense_source_triton(*a, tuning=fallback),
-        "gather": lambda *a: module.dense_source_triton(*a, tuning=gather),
     }
 
 
-SOURCE_IMPLS = ["bracket", "radix", "gather"]
+SOURCE_IMPLS = ["bracket", "radix"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

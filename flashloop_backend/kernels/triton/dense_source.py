@@ -1,12 +1,11 @@
 """Loop-2 dense source with selection statistics (the ``DenseSource`` contract, ``ops.py``).
 
-The Triton paged attention writes every visible key's scaled logit once plus the
-natural-log LSE; ``select_top_keys`` (``threshold_select.py``) then finds each (row,
-head)'s exact top-K over order-preserving keys (ties to the earlier position) in split
-programs and writes the indices in position order with their mass and contribution. With
-the registered ``value_pass`` the attention reads only the keys and one pass over the
-values after the selection sums the dense output and the contribution together (no
-gather of the selected values). No sort, no host sync.
+The Triton paged attention reads the keys only and writes every visible key's scaled
+logit once plus the natural-log LSE; ``select_top_keys`` (``threshold_select.py``) then
+finds each (row, head)'s exact top-K over order-preserving keys (ties to the earlier
+position) in split programs, writes the indices in position order with their mass, and
+one pass over the values sums the dense output and the contribution together. No sort,
+no host sync.
 """
 
 from __future__ import annotations
@@ -111,8 +110,8 @@ def dense_source_triton(
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
     K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket``.
 
-    Paged inputs as ``paged_attention_triton``; each key and value is read once
-    (``tuning.value_pass``), or the values once more at the selected positions."""
+    Paged inputs as ``paged_attention_triton``; each key and value is read once: the keys
+    by the attention pass, the values by the selection's value pass."""
     logits, lse, block_tables, outputs = source_buffers(
         q,
         key_cache,
@@ -122,7 +121,7 @@ def dense_source_triton(
         key_retention,
         k_bucket,
         scale,
-        read_values=not tuning.value_pass,
+        read_values=False,
     )
     out, indices, mass, output, contribution = outputs
     select_top_keys(

@@ -4,10 +4,9 @@ Each (row, head)'s exact top-K (K = max(1, ceil(key_retention * T)), ties to the
 position) over the scaled logits one attention pass wrote: a sampled bracket, a split
 count that collects the bracket's candidates, an exact threshold from the candidates (the
 radix select over the row when the bracket misses), a split compaction in position order
-with mass partials, the contribution (BF16 pages; packed KV sums its own) either from a
-split pass over all values that also sums the dense output (``value_pass``: the attention
-then reads the keys only) or from a split gather of the selected positions, and the
-partials' sum. Split counts come from shapes only, so no launch waits on the host.
+with mass partials, a split pass over every value (BF16 pages; packed KV sums its own
+contribution) that sums the dense output and the contribution together after an attention
+pass over the keys only, and the partials' sum. Split counts come from shapes only, so no launch waits on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.triton.paged_decode import DEFAULT_TUNING as DECODE_TUNING
 from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
-from flashloop_backend.kernels.triton.sparse_decode import selected_key_splits
 
 
 @dataclass(frozen=True)
@@ -31,23 +29,18 @@ class SelectTuning:
     ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
     scan ``block`` positions per step when counting and ``compact_block`` when compacting,
     with ``num_warps`` warps; the bracket and threshold searches run on ``search_warps``
-    warps (fewer keys per thread per count). ``value_pass``: the contribution and the dense
-    output come from one pass over every value of the compaction's splits,
-    ``value_block`` positions per step, after an attention pass that reads the keys only;
-    otherwise the attention reads keys and values and the contribution is gathered at the
-    selected positions, ``contribution_block`` per step."""
+    warps (fewer keys per thread per count); the value pass over the compaction's splits
+    takes ``value_block`` positions per step."""
 
     sample: int = 2048
     candidates: int = 4096
     block: int = 1024
     compact_block: int = 256
-    contribution_block: int = 32
     radix_bits: int = 8
     chunk_min: int = 256
     programs_per_sm: int = 8
     num_warps: int = 4
     search_warps: int = 8
-    value_pass: bool = True
     value_block: int = 128
 
 
@@ -80,17 +73,16 @@ def select_top_keys(
     position order (-1 past K), ``mass`` [R, Hq], ``out`` [R, Hq, D] (``output`` [R, Hq, D]
     FP32 in out's dtype) and, when ``value_cache`` [NB, BS, Hkv, D] is given,
     ``contribution`` [R, Hq, D] = sum over the selected keys of p * v from the pages of
-    ``block_tables`` [R, MB] (packed KV sums it itself and passes None). With
-    ``tuning.value_pass`` and a value cache, ``output`` is written (the dense output
-    summed in the same pass over the values), not read."""
+    ``block_tables`` [R, MB] (packed KV sums it itself and passes None). With a value
+    cache ``output`` is written (the dense output, summed in the same pass over the
+    values), without one it is read."""
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
 
     rows, heads, bucket = indices.shape
     head_dim = output.shape[-1]
     if logits.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("logits and lse must have unit stride on their last axis")
-    tiles = ("sample", "candidates", "block", "compact_block", "contribution_block")
-    tiles += ("value_block",)
+    tiles = ("sample", "candidates", "block", "compact_block", "value_block")
     odd = {
         name: getattr(tuning, name)
         for name in tiles
@@ -181,12 +173,8 @@ def select_top_keys(
         BLOCK=tuning.compact_block,
         num_warps=warps,
     )
-    contrib_splits = 1
-    value_pass = contribute and tuning.value_pass
     if contribute:
         _, block_size, num_kv_heads, _ = value_cache.shape
-    if value_pass:
-        contrib_splits = splits
         part_contrib = torch.empty((*pairs, splits, head_dim), dtype=torch.float32, device=device)
         part_out = torch.empty_like(part_contrib)
         group = heads // num_kv_heads
@@ -218,36 +206,10 @@ def select_top_keys(
             num_warps=DECODE_TUNING.num_warps,
             num_stages=DECODE_TUNING.num_stages,
         )
-    elif contribute:
-        contrib_splits, keys_per_split = selected_key_splits(rows, heads, max(1, bucket), device)
-        part_contrib = torch.empty(
-            (*pairs, contrib_splits, head_dim), dtype=torch.float32, device=device
-        )
-        jit.selected_contribution_kernel[(*pairs, contrib_splits)](
-            logits,
-            lse,
-            value_cache,
-            block_tables,
-            indices,
-            part_contrib,
-            *logit_strides,
-            lse.stride(0),
-            *value_cache.stride()[:3],
-            block_tables.stride(0),
-            indices.stride(0),
-            indices.stride(1),
-            keys_per_split,
-            bucket,
-            GROUP=heads // num_kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            BLOCK_K=tuning.contribution_block,
-            num_warps=warps,
-        )
     jit.select_finish_kernel[pairs](
         part_mass,
         part_mass if not contribute else part_contrib,
-        part_mass if not value_pass else part_out,
+        part_mass if not contribute else part_out,
         output,
         out,
         mass,
@@ -260,10 +222,7 @@ def select_top_keys(
         contribution.stride(0),
         contribution.stride(1),
         splits,
-        contrib_splits,
         HEAD_DIM=head_dim,
         SPLITS_PAD=splits_pad,
-        CONTRIB_PAD=max(2, next_pow2(contrib_splits)),
-        CONTRIBUTE=contribute,
-        SUM_OUTPUT=value_pass,
+        VALUES=contribute,
     )

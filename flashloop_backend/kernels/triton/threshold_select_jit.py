@@ -5,10 +5,9 @@ split programs count the keys above the bracket and copy those inside it to a ca
 list; one program per (row, head) finds the exact K-th key among the candidates (one bit
 a step for both bracket ranks, no sort) and every split's output offset; split programs
 compact in position order (ties to the earlier positions) with mass partials; the
-contribution comes either from a split pass over every value of the split's positions
-that also sums the dense output (the attention read the keys only), or from split
-programs that gather the selected positions' BF16 values (packed KV sums its own); a last
-launch sums the partials.
+contribution comes from a split pass over every value of the split's positions that also
+sums the dense output (the attention read the keys only; packed KV sums its own
+contribution); a last launch sums the partials.
 """
 
 import triton
@@ -310,64 +309,6 @@ def select_compact_kernel(
 
 
 @triton.jit
-def selected_contribution_kernel(
-    logits_ptr,
-    lse_ptr,
-    v_ptr,
-    tables_ptr,
-    idx_ptr,
-    part_contrib_ptr,
-    stride_lr,
-    stride_lh,
-    stride_er,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_tr,
-    stride_ir,
-    stride_ih,
-    keys_per_split,
-    num_keys,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One (row, head, split) of the selected positions ``idx`` [R, H, Kb] (-1: none):
-    partial [R, H, S, D] of the contribution sum exp(logit - lse) * v, each value row
-    gathered from its page whole."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    pair = row * tl.num_programs(1) + head
-    d = tl.arange(0, HEAD_DIM)
-    j = tl.arange(0, BLOCK_K)
-    lse = tl.load(lse_ptr + row * stride_er + head)
-    v_head = v_ptr + (head // GROUP) * stride_vh
-    acc = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
-    first = split * keys_per_split
-    for start in range(first, first + keys_per_split, BLOCK_K):
-        n = start + j
-        in_split = (n < first + keys_per_split) & (n < num_keys)
-        pos = tl.load(idx_ptr + row * stride_ir + head * stride_ih + n, mask=in_split, other=-1)
-        valid = pos >= 0
-        page = tl.load(tables_ptr + row * stride_tr + pos // BLOCK_SIZE, mask=valid, other=0)
-        v = tl.load(
-            v_head
-            + page.to(tl.int64)[:, None] * stride_vb
-            + (pos % BLOCK_SIZE)[:, None] * stride_vt
-            + d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        logit = tl.load(
-            logits_ptr + row * stride_lr + head * stride_lh + pos, mask=valid, other=float("-inf")
-        )
-        acc += tl.where(valid, tl.exp(logit - lse), 0.0)[:, None] * v
-    tl.store(part_contrib_ptr + (pair * tl.num_programs(2) + split) * HEAD_DIM + d, tl.sum(acc, 0))
-
-
-@triton.jit
 def source_values_kernel(
     logits_ptr,
     lse_ptr,
@@ -507,33 +448,27 @@ def select_finish_kernel(
     stride_cr,
     stride_ch,
     num_splits,
-    contrib_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    CONTRIB_PAD: tl.constexpr,
-    CONTRIBUTE: tl.constexpr,
-    SUM_OUTPUT: tl.constexpr,
+    VALUES: tl.constexpr,
 ):
-    """One (row, head): mass [R, H] summed over the compaction's [R, H, S] partials and,
-    with CONTRIBUTE, contribution [R, H, D] over [R, H, S2, D] partials, in split order;
-    the dense output [R, H, D] FP32 (with SUM_OUTPUT first summed into ``output`` from
-    the value pass's [R, H, S2, D] partials) also in ``out``'s dtype."""
+    """One (row, head): mass [R, H] summed over the compaction's [R, H, S] partials in
+    split order; with VALUES, the value pass's [R, H, S, D] partials summed into the
+    contribution [R, H, D] and the dense output [R, H, D] FP32 (``output``, otherwise
+    read); the dense output also in ``out``'s dtype."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = row * tl.num_programs(1) + head
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=s < num_splits, other=0.0)
+    in_split = s < num_splits
+    mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=in_split, other=0.0)
     tl.store(mass_ptr + row * stride_mr + head, tl.sum(mass, 0))
-    c = tl.arange(0, CONTRIB_PAD)
-    parts = (pair * contrib_splits + c)[:, None] * HEAD_DIM + d[None, :]
-    if CONTRIBUTE:
-        contrib = tl.load(part_contrib_ptr + parts, mask=(c < contrib_splits)[:, None], other=0.0)
+    if VALUES:
+        parts = (pair * num_splits + s)[:, None] * HEAD_DIM + d[None, :]
+        contrib = tl.load(part_contrib_ptr + parts, mask=in_split[:, None], other=0.0)
         tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(contrib, 0))
-    if SUM_OUTPUT:
-        dense = tl.sum(
-            tl.load(part_out_ptr + parts, mask=(c < contrib_splits)[:, None], other=0.0), 0
-        )
+        dense = tl.sum(tl.load(part_out_ptr + parts, mask=in_split[:, None], other=0.0), 0)
         tl.store(output_ptr + row * stride_or + head * stride_oh + d, dense)
     else:
         dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)

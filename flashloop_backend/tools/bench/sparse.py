@@ -20,10 +20,10 @@ from flashloop_backend.tools.bench.timing import (
 
 
 def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> dict:
-    """Side-by-side timings of the registered dense source (the value pass), the same
-    selection with a gather of the selected values after a full attention pass, its
-    baselines (``tools/bench/baselines.py``), plain Triton decode and each design's
-    attention pass alone."""
+    """Side-by-side timings of the registered dense source (keys-only attention, selection,
+    value pass) at two value-pass steps, its baselines (``tools/bench/baselines.py``),
+    plain Triton decode, and the attention pass with logits alone, over keys and values
+    (as the baselines run it) and over keys only (as the registered source does)."""
     from flashloop_backend.kernels.triton.dense_source import (
         DEFAULT_SELECT,
         dense_source_triton,
@@ -33,7 +33,6 @@ def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> 
     from flashloop_backend.tools.bench import baselines
 
     span = tables.shape[1] * kc.shape[1]
-    gather = dataclasses.replace(DEFAULT_SELECT, value_pass=False)
     narrow = dataclasses.replace(DEFAULT_SELECT, value_block=64)
     timed = {
         "triton_dense_no_statistics": lambda: paged_attention_triton(q, kc, vc, tables, lengths),
@@ -44,9 +43,6 @@ def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> 
         ),
         "threshold_split": lambda: dense_source_triton(
             q, kc, vc, tables, lengths, key_retention, bucket
-        ),
-        "threshold_split_gather": lambda: dense_source_triton(
-            q, kc, vc, tables, lengths, key_retention, bucket, tuning=gather
         ),
         "threshold_split_value_block64": lambda: dense_source_triton(
             q, kc, vc, tables, lengths, key_retention, bucket, tuning=narrow
