@@ -299,6 +299,27 @@ def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype)
     assert stores[0].sequences[0].pages == stores[1].sequences[0].pages
 
 
+def test_a_refused_append_takes_no_page_nor_reservation(rng):
+    """Rows that do not fit the pools are refused by name before any page is taken; a
+    writer that refuses its input (here the Triton writer, whose tiles need power-of-two
+    groups) gives back the pages and the reservation it was handed."""
+    from flashloop_backend.kernels.triton.encode import encode_levels_triton
+
+    keys, values = ([x.to(DEVICE) for x in _versions(rng, 32)] for _ in range(2))
+    store = PackedKVStore(24, L, H, D, G, device=DEVICE)
+    with pytest.raises(ValueError, match=r"must be \[L, Hkv, D\] = \[2, 2, 32\].*got \[1, 2, 32\]"):
+        store.append(0, [k[:, :1] for k in keys], [v[:, :1] for v in values])
+    odd = PackedKVStore(24, L, H, 24, 12, device=DEVICE)  # group 12, head_dim 24
+    odd.reserve(0, 8)
+    free = list(odd._free)
+    with pytest.raises(ValueError, match="group_size=12 and head_dim=24 must be powers of two"):
+        odd.append(0, [k[:24, ..., :24] for k in keys], [v[:24, ..., :24] for v in values],
+                   write=encode_levels_triton)  # fmt: skip
+    assert odd._free == free and odd.unreserved_pages() == 24 - 8
+    for bad in (store, odd):
+        assert bad.accounting()["pages_used"] == 0 and bad.sequences == {}
+
+
 def test_each_provider_registers_a_level_writer_that_writes_the_chains_pages(rng):
     """``packed_kv_write`` of the torch and the Triton provider, as the backend takes it
     (``PackedState`` hands it to the store's append): the chain's pages, bit for bit."""

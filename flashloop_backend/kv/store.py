@@ -194,6 +194,11 @@ class PackedKVStore:
                 f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; "
                 f"got {[tuple(k.shape) for k in keys]}"
             )
+        if tuple(keys[0].shape[1:]) != self.shape:
+            raise ValueError(
+                f"K/V rows must be [L, Hkv, D] = {list(self.shape)} like the store's pools; "
+                f"got {list(keys[0].shape[1:])}"
+            )
         levels = self.sequences.get(sequence)
         if levels is not None and len(levels.pages) != len(keys):
             raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {len(keys)}")
@@ -216,7 +221,14 @@ class PackedKVStore:
                 0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
             )
         pages = [[self._free.pop() for _ in range(-(-c // g))] for c in counts]
-        (write or encode_levels_chain)(self, keys, values, presents, pages)
+        try:
+            (write or encode_levels_chain)(self, keys, values, presents, pages)
+        except BaseException:  # a refused write takes nothing: pages and reservation back
+            for taken in reversed(pages):
+                self._free.extend(reversed(taken))
+            if own:
+                self._reserved[sequence] = own
+            raise
         for depth, k in enumerate(keys):
             self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
         levels.rows += rows
