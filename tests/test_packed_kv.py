@@ -316,6 +316,9 @@ def test_a_refused_append_takes_no_page_nor_reservation(rng):
         odd.append(0, [k[:24, ..., :24] for k in keys], [v[:24, ..., :24] for v in values],
                    write=encode_levels_triton)  # fmt: skip
     assert odd._free == free and odd.unreserved_pages() == 24 - 8
+    elsewhere = [k.to("meta") for k in keys]  # rows on another device than the pools
+    with pytest.raises(ValueError, match=f"depth 0: K/V on meta/meta, the store on {DEVICE}"):
+        store.append(0, elsewhere, elsewhere, write=encode_levels_triton)
     for bad in (store, odd):
         assert bad.accounting()["pages_used"] == 0 and bad.sequences == {}
 
