@@ -5,17 +5,19 @@
 #               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
 #   ttft        TTFT and TPOT from CUDA graphs beside dense Triton: KV quantization alone
 #               and all on at 8K x 1 (24 layers) and 32K x 16 (4 layers)
-#   profile     where one all-on prefill's GPU time goes (8K x 1, 24 layers; 32K x 16, 4
-#               layers), the conversion included (scripts/profile_step.py --phase prefill)
+#   profile     where one prefill's GPU time goes: dense Triton, KV quantization alone and all
+#               on at 8K x 1 (24 layers), all on at 32K x 16 (4 layers), the conversion
+#               included (scripts/profile_step.py --phase prefill)
 #   prefill     the sparse-prefill attention per layer call at 8K and 32K, retention 0.75,
 #               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
 #               rows, FlashInfer's dense causal prefill; the kernel's launch sweep at 32K
 #               (register caps included)
+#   warm        TTFT at 8K x 1 and 32K x 1 (24 layers) after a warm-up at the timed length
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: conversion, ttft, profile or prefill}" in
+case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
   conversion)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
@@ -33,17 +35,30 @@ case "${1:?stage: conversion, ttft, profile or prefill}" in
         | grep -E "TTFT"
     done ;;
   profile)
-    for shape in "8192 1 24" "32768 16 4"; do
-      set -- $shape
-      run python3 scripts/profile_step.py --config configs/all_on.json --context "$1" \
-        --concurrency "$2" --layers "$3" --phase prefill --rows 25 \
-        --json "$OUT/profile_prefill_all_on_$1_$2.json" > "$OUT/profile_prefill_all_on_$1_$2.log" 2>&1
-      grep -E "Self CUDA time total" "$OUT/profile_prefill_all_on_$1_$2.log"
+    for case in "triton none 8192 1 24" "flashloop kv_quant_fixed_prompt 8192 1 24" \
+        "flashloop all_on 8192 1 24" "flashloop all_on 32768 16 4"; do
+      set -- $case
+      config=(); [ "$2" = none ] || config=(--config "configs/$2.json")
+      name="profile_prefill_$1_$2_$3_$4"
+      run python3 scripts/profile_step.py --backend "$1" "${config[@]}" --context "$3" \
+        --concurrency "$4" --layers "$5" --phase prefill --rows 25 \
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "$name"; grep -E "Self CUDA time total" "$OUT/$name.log"
     done ;;
   prefill)
     run flashloop-backend bench prefill --contexts 8192,32768 --retention 0.75,0.5,0.25 \
       --out "$OUT/bench_prefill_attention.json" 2>&1 | grep -E "prefill|retention"
     run python3 scripts/sweep_sparse_prefill.py 32768 > "$OUT/sweep_sparse_prefill.jsonl" 2>&1
     cat "$OUT/sweep_sparse_prefill.jsonl" ;;
+  warm)
+    # the timed pass after a warm-up pass at the timed prompt length (every kernel compiled
+    # and planned for the timed shapes) beside the default short warm-up
+    for case in "kv_quant_fixed_prompt 8192 512" "kv_quant_fixed_prompt 8192 8192" \
+        "all_on 8192 8192" "token_sparse_prefill 32768 32768" "all_on 32768 32768"; do
+      set -- $case
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config "configs/$1.json" --contexts "$2" --concurrency 1 --new-tokens 8 \
+        --warmup-context "$3" --out "$OUT/bench_e2e_$1_$2_warm$3.json" 2>&1 | grep -E "TTFT"
+    done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -24,7 +24,7 @@ class PrefillTuning:
     num_warps: int = 8
     num_stages: int = 2
     min_keys_per_split: int = 256
-    max_registers: int | None = None
+    max_registers: int | None = 128
 
 
 DEFAULT_PREFILL = PrefillTuning()
