@@ -99,7 +99,9 @@ def test_schedule_drops_tokens_like_early_exits():
     h1[:, 0] = torch.tensor([1.0, 9, 1, 9, 1, 9, 1, 9])  # odd positions change, even do not
     schedule.finish_depth(1, h1, kv, 0)  # selection before loop 3
     assert schedule.positions == [1, 3, 5, 7]
-    assert schedule.runs(0, 4) == [(1, 1), (3, 1), (5, 1), (7, 1)]
+    assert schedule.chunk(0, 4) == (1, (1, 3, 5, 7))
+    assert schedule.chunk(1, 1) == (3, ())
+    assert schedule.rows(1, 2).tolist() == [3, 5]
     block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
     assert kv.key_pool[block, 0, offset].tolist() == [[1.0, 1.0]]  # depth-1 K inherited by plane 3
 
@@ -200,3 +202,19 @@ def test_incompatible_geometry_names_both_settings():
             token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 0.5]},
         )
         _engine(tiny_model(), config)
+
+
+def test_a_sparse_chunk_is_one_row_group_with_its_positions():
+    from flashloop_backend.dispatch import RowMode
+    from flashloop_backend.host.batch import RowGroup, build_batch
+
+    kv = PagedKVCache(32, 1, 4, 1, 2, 4, torch.float32, "cpu")
+    kv.reserve(0, 16)
+    group = RowGroup(0, RowMode.PREFILL, 2, 1, 3, span=(1, 6, 7))
+    view = build_batch([group], kv, "cpu").view
+    assert view.positions.tolist() == [1, 6, 7]
+    assert view.context_lengths.tolist() == [2, 7, 8]
+    assert RowGroup(0, RowMode.PREFILL, 0, 4, 2).positions() == [4, 5]
+    for start, count in ((2, 3), (1, 2)):
+        with pytest.raises(ValueError, match=f"span of 3 positions from 1 .*start={start}"):
+            RowGroup(0, RowMode.PREFILL, 2, start, count, span=(1, 6, 7))

@@ -1,7 +1,7 @@
 """Build the dispatcher's batch view from scheduled row groups.
 
-A row group is a run of consecutive positions of one request at one depth: a prefill
-chunk, or one decode token. Padding rows (mode PAD, slot -1, context length 0) fill a
+A row group is a set of positions of one request at one depth: a prefill chunk (under
+token-sparse prefill its scheduled positions, which may skip), or one decode token. Padding rows (mode PAD, slot -1, context length 0) fill a
 batch up to a bucket size; the backend returns zeros for them and the KV write of a
 padding row lands in the cache's scratch block.
 """
@@ -22,12 +22,20 @@ class RowGroup:
     mode: RowMode  # DECODE, VERIFY or PREFILL
     depth: int
     start: int  # first absolute position
-    count: int  # consecutive positions
+    count: int  # positions
     slot: int = -1  # token-state slot of a decode token (-1: none)
     incarnation: int = -1  # which token occupies that slot
+    span: tuple[int, ...] = ()  # the positions when they are not start, start+1, ...
+
+    def __post_init__(self) -> None:
+        if self.span and (len(self.span) != self.count or self.span[0] != self.start):
+            raise ValueError(
+                f"row group span of {len(self.span)} positions from {self.span[0]} disagrees "
+                f"with start={self.start}, count={self.count}"
+            )
 
     def positions(self) -> list[int]:
-        return list(range(self.start, self.start + self.count))
+        return list(self.span) if self.span else list(range(self.start, self.start + self.count))
 
 
 @dataclass(frozen=True)

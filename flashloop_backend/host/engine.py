@@ -298,8 +298,8 @@ class Engine:
                 budget -= 1
             elif r.phase == "prefill":
                 count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
-                for start, run in r.schedule.runs(r.chunk_start, count):
-                    groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, start, run))
+                first, span = r.schedule.chunk(r.chunk_start, count)
+                groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, first, count, span=span))
                 budget -= count
                 self.prefill_rows_run += count
         return groups
@@ -311,7 +311,7 @@ class Engine:
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
         r = self._requests[group.request_id]
         if group.mode == RowMode.PREFILL:
-            return r.prompt_hidden[group.start : group.start + group.count]
+            return r.prompt_hidden[r.schedule.rows(r.chunk_start, group.count)]
         return r.hidden[None]
 
     def _advance(self, groups: list[RowGroup], out: torch.Tensor) -> None:
@@ -326,7 +326,7 @@ class Engine:
             r = self._requests[group.request_id]
             h = out[starts[index] : starts[index] + group.count]
             if group.mode == RowMode.PREFILL:
-                r.prompt_hidden[group.start : group.start + group.count] = h
+                r.prompt_hidden[r.schedule.rows(r.chunk_start, group.count)] = h
                 r.chunk_start += group.count
                 if r.chunk_start == len(r.schedule.positions):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)

@@ -23,6 +23,9 @@ class PromptSchedule:
         self.num_loops = num_loops
         self.active = torch.ones(length, dtype=torch.bool, device=device)
         self.positions = list(range(length))
+        # the active positions on the device (None while every position is active): a
+        # chunk's rows are gathered and scattered with one index, not a copy per run
+        self.index: torch.Tensor | None = None
         self.prev_hidden: torch.Tensor | None = None  # hidden after the previous loop
         self.active_counts = [length]
         self.active_history = [self.active]  # rows that ran each depth so far
@@ -50,20 +53,28 @@ class PromptSchedule:
             dropped = (self.active & ~chosen).nonzero().flatten().tolist()
             kv.finalize_exits(request_id, dropped, depth)
             self.active = chosen
-            self.positions = chosen.nonzero().flatten().tolist()
+            self.index = chosen.nonzero().flatten()
+            self.positions = self.index.tolist()
         self.active_counts.append(len(self.positions))
         if nxt < self.num_loops:
             self.active_history.append(self.active)
         if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
 
-    def runs(self, start: int, count: int) -> list[tuple[int, int]]:
-        """Maximal runs of consecutive positions among scheduled rows [start, start+count)."""
+    def chunk(self, start: int, count: int) -> tuple[int, tuple[int, ...]]:
+        """(first position, positions) of scheduled rows [start, start+count); positions is
+        empty when they are consecutive (the row group's start and count say it all)."""
         chunk = self.positions[start : start + count]
-        runs: list[tuple[int, int]] = []
-        for position in chunk:
-            if runs and runs[-1][0] + runs[-1][1] == position:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((position, 1))
-        return runs
+        if chunk[-1] - chunk[0] == count - 1:  # strictly increasing: consecutive
+            return chunk[0], ()
+        return chunk[0], tuple(chunk)
+
+    def rows(self, start: int, count: int) -> slice | torch.Tensor:
+        """Where scheduled rows [start, start+count) sit in the prompt's hidden states
+        [T, hidden]: a slice when they are consecutive, else an index [count] int64 on the
+        device (one gather in, one scatter out)."""
+        first, span = self.chunk(start, count)
+        if not span:
+            return slice(first, first + count)
+        assert self.index is not None  # positions skip rows only after a selection
+        return self.index[start : start + count]
