@@ -200,6 +200,9 @@ def test_batch_shapes_are_checked():
         BatchView(**fields, decode_bound=3)
     with pytest.raises(ValueError, match=r"decode_depths=\[-1\] must be depths >= 0"):
         BatchView(**fields, decode_depths=frozenset({-1}))
+    with pytest.raises(ValueError, match=r"prefill_depths=\[-2, 1\] must be depths >= 0"):
+        BatchView(**fields, prefill_depths=frozenset({1, -2}))
+    assert view.prefill_depths == frozenset()  # a decode batch has no prefill rows
 
 
 def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):

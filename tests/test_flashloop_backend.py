@@ -157,6 +157,48 @@ def test_decode_only_view_skips_prefill_ops(rng):
         object.__setattr__(choice.impl, "fn", original)
 
 
+def test_prefill_steps_launch_only_the_prefill_op_of_their_depths(rng):
+    """With ``prefill_depths`` a dense-loop prefill step launches dense_prefill alone and a
+    sparse-loop step sparse_prefill alone, with the output of the view that does not say
+    (every prefill op launched); padding rows stay zero."""
+    from dataclasses import replace
+
+    from flashloop_backend.dispatch import prefill_route_ops
+    from flashloop_backend.kernels.ops import OpName
+
+    config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
+    assert prefill_route_ops(config, {0, 1}) == {OpName.DENSE_PREFILL}
+    assert prefill_route_ops(config, {2, 3}) == {OpName.SPARSE_PREFILL}
+    assert prefill_route_ops(FlashLoopConfig(), {3}) == {OpName.DENSE_PREFILL}
+    assert prefill_route_ops(config, set()) == frozenset()
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    calls = []
+    originals = {}
+    for op in (OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL):
+        impl = backend.kernels[op].impl
+        originals[op] = impl.fn
+        wrapped = lambda *a, _op=op, **k: calls.append(_op) or originals[_op](*a, **k)  # noqa: E731
+        object.__setattr__(impl, "fn", wrapped)
+    try:
+        kc = torch.randn(12, 4, 2, 16, generator=rng)
+        planes = torch.randint(0, 12, (4, 3, 3), generator=rng, dtype=torch.int32)
+        q = torch.randn(3, 4, 16, generator=rng)
+        for depth, op in ((1, OpName.DENSE_PREFILL), (3, OpName.SPARSE_PREFILL)):
+            modes = [RowMode.PREFILL, RowMode.PREFILL, RowMode.PAD]
+            view = _view(modes, [depth] * 3, [4, 9, 0], planes)
+            expected = backend.forward(q, kc, kc, view)
+            assert set(calls) == {OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL}
+            calls.clear()
+            narrowed = replace(view, prefill_depths=frozenset({depth}))
+            torch.testing.assert_close(backend.forward(q, kc, kc, narrowed), expected)
+            assert calls == [op]
+            assert expected[2].abs().max() == 0
+            calls.clear()
+    finally:
+        for op, fn in originals.items():
+            object.__setattr__(backend.kernels[op].impl, "fn", fn)
+
+
 def test_prefill_rows_route_to_dense_prefill_and_decode_rows_to_dense_attention():
     """Prefill rows of dense loops take the tiled prefill op (one K/V tile serves the
     consecutive rows of a sequence), decode rows the decode op; with token-sparse prefill

@@ -67,7 +67,9 @@ SOURCE_OPS = frozenset({OpName.DENSE_SOURCE, OpName.PACKED_SOURCE})
 CORRECTION_OPS = frozenset({OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION})
 PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
 # Ops whose output rows for context length 0 are zeros (the PagedInputs contract).
-PLAIN_OUTPUT_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.PACKED_DECODE})
+PLAIN_OUTPUT_OPS = frozenset(
+    {OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL, OpName.PACKED_DECODE}
+)
 WIRED_OPS = PAGED_OPS | SOURCE_OPS | CORRECTION_OPS | PACKED_READ_OPS | {OpName.PACKED_KV_WRITE}
 
 
@@ -355,7 +357,9 @@ class FlashLoopBackend(AttentionBackend):
         gathered_q = plan.gather(q)
         meta = self.packed.meta_for(view, plan.order) if self.packed is not None else None
         prefill_ops = prefill_route_ops(self.config)
-        launched = routable_ops(self.config, view.decode_only, view.decode_depths)
+        launched = routable_ops(
+            self.config, view.decode_only, view.decode_depths, view.prefill_depths
+        )
         bound = view.num_rows if view.decode_bound is None else view.decode_bound
         if plan.order is None:  # the view's own order: padding may sit anywhere
             bound = view.num_rows

@@ -38,6 +38,8 @@ class BatchView:
     rows route to run on that many rows of the decode-first order (None: on every row).
     decode_depths (host-known): the loop depths of the DECODE/VERIFY rows, so ops no row at
     those depths can route to are not launched (None: any depth).
+    prefill_depths (host-known): the loop depths of the PREFILL rows, likewise for the
+    prefill ops (None: any depth).
 
     A backend plans a view once and reuses the plan for every layer (keyed by identity):
     build a new view for every submission, and for every CUDA-graph capture.
@@ -55,6 +57,7 @@ class BatchView:
     decode_only: bool = False
     decode_bound: int | None = None
     decode_depths: frozenset[int] | None = None
+    prefill_depths: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
@@ -78,12 +81,11 @@ class BatchView:
             )
         if self.decode_bound is not None and not 0 <= self.decode_bound <= rows:
             raise ValueError(f"decode_bound={self.decode_bound} must lie in [0, rows={rows}]")
-        if self.decode_depths is not None and any(
-            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.decode_depths
-        ):
-            raise ValueError(
-                f"decode_depths={sorted(self.decode_depths, key=str)} must be depths >= 0"
-            )
+        for name, depths in (("decode", self.decode_depths), ("prefill", self.prefill_depths)):
+            if depths is not None and any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in depths
+            ):
+                raise ValueError(f"{name}_depths={sorted(depths, key=str)} must be depths >= 0")
         devices = {t.device for t in (*per_row.values(), self.block_tables)}
         if len(devices) != 1:
             raise ValueError(f"batch view tensors span devices {sorted(map(str, devices))}")

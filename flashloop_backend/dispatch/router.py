@@ -94,22 +94,32 @@ def decode_route_ops(
     return frozenset(ops)
 
 
-def prefill_route_ops(config: FlashLoopConfig) -> frozenset[OpName]:
-    """Ops :func:`route_rows` can give an active prefill row."""
-    if config.token_sparse_prefill.enabled:
-        return frozenset({OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL})
-    return frozenset({OpName.DENSE_PREFILL})
+def prefill_route_ops(
+    config: FlashLoopConfig, depths: Iterable[int] | None = None
+) -> frozenset[OpName]:
+    """Ops :func:`route_rows` can give an active prefill row at one of ``depths`` (None: at
+    any depth)."""
+    sparse = config.token_sparse_prefill.enabled
+    if depths is None:
+        depths = range(SPARSE_START_DEPTH + 1)
+    return frozenset(
+        OpName.SPARSE_PREFILL if sparse and depth >= SPARSE_START_DEPTH else OpName.DENSE_PREFILL
+        for depth in depths
+    )
 
 
 def routable_ops(
-    config: FlashLoopConfig, decode_only: bool, decode_depths: Iterable[int] | None = None
+    config: FlashLoopConfig,
+    decode_only: bool,
+    decode_depths: Iterable[int] | None = None,
+    prefill_depths: Iterable[int] | None = None,
 ) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give some row of a batch: with ``decode_only`` only those
-    of decode rows (prefill ops would run on no rows); with ``decode_depths`` only those
-    decode rows at these depths can take."""
+    of decode rows (prefill ops would run on no rows); with ``decode_depths`` (or
+    ``prefill_depths``) only those decode (or prefill) rows at these depths can take."""
     if decode_only:
         return decode_route_ops(config, decode_depths)
-    return decode_route_ops(config, decode_depths) | prefill_route_ops(config)
+    return decode_route_ops(config, decode_depths) | prefill_route_ops(config, prefill_depths)
 
 
 def config_capabilities(config: FlashLoopConfig) -> frozenset[Capability]:

@@ -126,5 +126,6 @@ def build_batch(
         decode_depths=frozenset(
             g.depth for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)
         ),
+        prefill_depths=frozenset(g.depth for g in groups if g.mode == RowMode.PREFILL),
     )
     return Batch(view, slot_t, tuple(groups), real)
