@@ -58,6 +58,7 @@ def test_graph_variant_names():
     [
         ({"max_batch_tokens": 0}, "max_batch_tokens=0 must be >= 1"),
         ({"warmup_context": -1}, "warmup_context=-1 must be >= 1"),
+        ({"passes": 0}, "passes=0 must be >= 1"),
         ({"layer_ops": ("fused", "fast")}, "each must be 'fused' or 'reference'"),
         ({"layer_ops": ()}, "each must be 'fused' or 'reference'"),
     ],

@@ -272,6 +272,7 @@ def _bench(args: argparse.Namespace) -> int:
                     max_batch_tokens=args.max_batch_tokens,
                     warmup_context=args.warmup_context,
                     layer_ops=tuple(v for v in args.layer_ops.split(",") if v),
+                    passes=args.passes,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -372,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="e2e: prompt length of the untimed warm-up pass (default: the timed context)",
+    )
+    bench.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="e2e: timed passes per backend (TTFT and TPOT are medians over them)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true")
