@@ -3,8 +3,9 @@
 #   conversion  the packed conversion of one prompt, the fused level writer beside the torch
 #               chain with the Triton quantizer (scripts/profile_conversion.py, 8K rows, 24
 #               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
-#   ttft        TTFT and TPOT from CUDA graphs beside dense Triton: KV quantization alone
-#               and all on at 8K x 1 (24 layers) and 32K x 16 (4 layers)
+#   ttft        TTFT and TPOT from CUDA graphs beside dense Triton, 3 timed passes: all on at
+#               8K x 1, 32K x 1 (24 layers) and 32K x 16 (4 layers), token-sparse prefill
+#               alone at 32K x 1, KV quantization alone at 8K x 1 and 32K x 16
 #   profile     where one prefill's GPU time goes: dense Triton, KV quantization alone and all
 #               on at 8K x 1 (24 layers), all on at 32K x 16 (4 layers), the conversion
 #               included (scripts/profile_step.py --phase prefill)
@@ -25,14 +26,14 @@ case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
       --layers-per-pass 1 --repeats 3 > "$OUT/profile_conversion_fused.log" 2>&1
     grep -E "median|Self CUDA" "$OUT/profile_conversion_fused.log" ;;
   ttft)
-    for config in kv_quant_fixed_prompt all_on; do
+    # the target shapes, 3 timed passes each beside dense Triton (FlashInfer prefill)
+    for case in "all_on 8192 1 24" "all_on 32768 1 24" "token_sparse_prefill 32768 1 24" \
+        "kv_quant_fixed_prompt 8192 1 24" "all_on 32768 16 4" "kv_quant_fixed_prompt 32768 16 4"; do
+      set -- $case
       run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
-        --config "configs/$config.json" --contexts 8192 --concurrency 1 \
-        --warmup-context 512 --out "$OUT/bench_e2e_${config}_8k.json" 2>&1 | grep -E "TTFT"
-      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
-        --config "configs/$config.json" --contexts 32768 --concurrency 16 --layers 4 \
-        --new-tokens 8 --warmup-context 2048 --out "$OUT/bench_e2e_${config}_32k.json" 2>&1 \
-        | grep -E "TTFT"
+        --config "configs/$1.json" --contexts "$2" --concurrency "$3" --layers "$4" \
+        --new-tokens 8 --passes 3 --warmup-context 2048 \
+        --out "$OUT/bench_e2e_$1_$2x$3.json" 2>&1 | grep -E "TTFT"
     done ;;
   profile)
     for case in "triton none 8192 1 24" "flashloop kv_quant_fixed_prompt 8192 1 24" \
