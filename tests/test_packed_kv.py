@@ -406,6 +406,27 @@ def test_packed_reader_rejects_bad_metadata(rng):
         packed_decode_triton(*args, short, *tail)
 
 
+def test_gather_planes_reads_each_position_of_each_plane(rng):
+    """Rows [start, end) of every plane, in position order, across blocks and a partial
+    last block: what a slot-by-slot read of the pools gives."""
+    from flashloop_backend.host.kvcache import PagedKVCache
+
+    kv = PagedKVCache(40, 3, 4, 2, 8, 2, torch.float32, "cpu")
+    kv.reserve(7, 4)
+    kv.reserve(0, 22)  # interleaved with another request: its blocks are not consecutive
+    kv.reserve(7, 16)
+    kv.key_pool.copy_(torch.randn(kv.key_pool.shape, generator=rng))
+    kv.value_pool.copy_(torch.randn(kv.value_pool.shape, generator=rng))
+    keys, values = kv.gather_planes(0, 4, 22)
+    for depth in range(2):
+        where = [divmod(slot, 4) for slot in kv.slots(0, depth, list(range(4, 22)))]
+        expected_k = torch.stack([kv.key_pool[b, :, o] for b, o in where])
+        expected_v = torch.stack([kv.value_pool[b, :, o] for b, o in where])
+        torch.testing.assert_close(keys[depth], expected_k, rtol=0, atol=0)
+        torch.testing.assert_close(values[depth], expected_v, rtol=0, atol=0)
+        assert keys[depth].shape == (18, 3, 2, 8)
+
+
 def test_cache_and_store_refuse_bad_packing_requests(rng):
     from flashloop_backend.host.kvcache import PagedKVCache
 

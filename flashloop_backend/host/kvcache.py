@@ -114,13 +114,16 @@ class PagedKVCache:
             raise ValueError(f"start={start} is not a multiple of block_size={self.block_size}")
         keys, values = [], []
         first, last = start // self.block_size, -(-end // self.block_size)
+        device = self.key_pool.device
+        # one gather per pool and plane: each row's block and offset index the pool directly
+        offsets = torch.arange(end - start, device=device)
+        within, of_row = offsets % self.block_size, offsets // self.block_size
         for plane in self._tables[request_id].planes:
             if any(block < 0 for block in plane[first:last]):  # checked on the host list
                 raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
-            index = torch.tensor(plane[first:last], dtype=torch.long, device=self.key_pool.device)
-            for pool, out in ((self.key_pool, keys), (self.value_pool, values)):
-                rows = pool[index].transpose(1, 2).reshape(-1, *pool.shape[1:2], *pool.shape[3:])
-                out.append(rows[: end - start])
+            blocks = torch.tensor(plane[first:last], dtype=torch.long, device=device)[of_row]
+            keys.append(self.key_pool[blocks, :, within])
+            values.append(self.value_pool[blocks, :, within])
         return keys, values
 
     def has(self, request_id: int) -> bool:
