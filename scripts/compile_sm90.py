@@ -417,6 +417,7 @@ def _dense_kernels() -> bool:
     from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
 
     encode = dict(STORE, k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i32", slots_ptr="*i32")
+    encode["blocks_ptr"] = "*i64"
     encode["pages_ptr"] = "*i32"
     shape = dict(HEAD_DIM=128, GROUP=64, EXACT=True)
     ok &= _compile("encode_level", encode_level_kernel, encode, set(), shape, ENCODE_WARPS)

@@ -182,7 +182,7 @@ def test_rolling_mixed_batches_equal_one_by_one():
 
 
 def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
-    """Chunked conversion gathers at most ``chunk`` rows at a time; with dense levels the
+    """Chunked conversion appends at most ``chunk`` rows at a time; with dense levels the
     pages hold the same groups, so the log-probs are those of packing the prompt at once."""
     import functools
 
@@ -194,13 +194,13 @@ def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
     config = FlashLoopConfig(kv_residual_quantization=QUANT)
     whole = _logprobs(_engine(model, config), PROMPT, forced)
     gathered = []
-    gather = engine_module.PagedKVCache.gather_planes
+    gather = engine_module.PagedKVCache.plane_rows
 
     def spy(self, request_id, start, end):
         gathered.append(end - start)
         return gather(self, request_id, start, end)
 
-    monkeypatch.setattr(engine_module.PagedKVCache, "gather_planes", spy)
+    monkeypatch.setattr(engine_module.PagedKVCache, "plane_rows", spy)
     monkeypatch.setattr(
         packed_state.PackedState,
         "pack_prompt",

@@ -288,15 +288,39 @@ def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype)
     one_row[5] = True
     sparse = [*dense[:2], torch.arange(rows) % 3 == 0, one_row]
     nothing = [*dense[:3], torch.zeros(rows, dtype=torch.bool)]
-    stores = [PackedKVStore(48, L, H, D, G, device=DEVICE) for _ in range(2)]
+    stores = [PackedKVStore(48, L, H, D, G, device=DEVICE) for _ in range(4)]
     for active in (dense, sparse, nothing):
         keys, values = ([x.to(DEVICE, dtype) for x in _versions(rng, rows)] for _ in range(2))
         marks = [a.to(DEVICE) for a in active]
         stores[0].append(0, keys, values, marks)
         stores[1].append(0, keys, values, marks, write=encode_levels_triton)
-    for chain, fused in zip(stores[0].pools, stores[1].pools, strict=True):
-        assert torch.equal(chain, fused)
-    assert stores[0].sequences[0].pages == stores[1].sequences[0].pages
+        # the same rows in place in paged pools, their blocks scattered
+        paged = _paged(keys, values, rng, block_size=12)  # 32 rows: a partial last block
+        stores[2].append_rows(0, paged, marks, write=encode_levels_triton)
+        stores[3].append_rows(0, _paged(keys, values, rng), marks)
+    for chain, *others in zip(*(store.pools for store in stores), strict=True):
+        assert all(torch.equal(chain, other) for other in others)
+    assert all(store.sequences[0].pages == stores[0].sequences[0].pages for store in stores)
+
+
+def _paged(keys, values, rng, block_size=4):
+    """The rows of each depth in a paged pool [NB, L, BS, H, D] at shuffled blocks among
+    blocks of other values (a partial last block when BS does not divide T)."""
+    from flashloop_backend.kv.rows import KVRows
+
+    out = []
+    for k, v in zip(keys, values, strict=True):
+        count, layers, heads, dim = k.shape
+        used = -(-count // block_size)
+        shape = (2 * used + 1, layers, block_size, heads, dim)
+        pools = [torch.randn(shape, generator=rng).to(k.device, k.dtype) for _ in range(2)]
+        blocks = torch.randperm(shape[0], generator=rng)[:used].to(k.device)
+        for pool, rows in zip(pools, (k, v), strict=True):
+            for index in range(used):
+                part = rows[index * block_size : (index + 1) * block_size]
+                pool[blocks[index], :, : part.shape[0]] = part.transpose(0, 1)
+        out.append(KVRows.paged(pools[0], pools[1], blocks, count))
+    return out
 
 
 def test_a_refused_append_takes_no_page_nor_reservation(rng):
@@ -317,7 +341,7 @@ def test_a_refused_append_takes_no_page_nor_reservation(rng):
                    write=encode_levels_triton)  # fmt: skip
     assert odd._free == free and odd.unreserved_pages() == 24 - 8
     elsewhere = [k.to("meta") for k in keys]  # rows on another device than the pools
-    with pytest.raises(ValueError, match=f"depth 0: K/V on meta/meta, the store on {DEVICE}"):
+    with pytest.raises(ValueError, match=f"depth 0: K/V on meta, the store on {DEVICE}"):
         store.append(0, elsewhere, elsewhere, write=encode_levels_triton)
     for bad in (store, odd):
         assert bad.accounting()["pages_used"] == 0 and bad.sequences == {}
@@ -406,9 +430,9 @@ def test_packed_reader_rejects_bad_metadata(rng):
         packed_decode_triton(*args, short, *tail)
 
 
-def test_gather_planes_reads_each_position_of_each_plane(rng):
-    """Rows [start, end) of every plane, in position order, across blocks and a partial
-    last block: what a slot-by-slot read of the pools gives."""
+def test_plane_rows_read_each_position_of_each_plane(rng):
+    """Rows [start, end) of every plane in place, in position order, across blocks and a
+    partial last block: gathered, what a slot-by-slot read of the pools gives."""
     from flashloop_backend.host.kvcache import PagedKVCache
 
     kv = PagedKVCache(40, 3, 4, 2, 8, 2, torch.float32, "cpu")
@@ -417,14 +441,16 @@ def test_gather_planes_reads_each_position_of_each_plane(rng):
     kv.reserve(7, 16)
     kv.key_pool.copy_(torch.randn(kv.key_pool.shape, generator=rng))
     kv.value_pool.copy_(torch.randn(kv.value_pool.shape, generator=rng))
-    keys, values = kv.gather_planes(0, 4, 22)
+    planes = kv.plane_rows(0, 4, 22)
+    assert all(p.keys.data_ptr() == kv.key_pool.data_ptr() for p in planes)  # no copy
     for depth in range(2):
+        keys, values = planes[depth].gather()
         where = [divmod(slot, 4) for slot in kv.slots(0, depth, list(range(4, 22)))]
         expected_k = torch.stack([kv.key_pool[b, :, o] for b, o in where])
         expected_v = torch.stack([kv.value_pool[b, :, o] for b, o in where])
-        torch.testing.assert_close(keys[depth], expected_k, rtol=0, atol=0)
-        torch.testing.assert_close(values[depth], expected_v, rtol=0, atol=0)
-        assert keys[depth].shape == (18, 3, 2, 8)
+        torch.testing.assert_close(keys, expected_k, rtol=0, atol=0)
+        torch.testing.assert_close(values, expected_v, rtol=0, atol=0)
+        assert planes[depth].shape == keys.shape == (18, 3, 2, 8)
 
 
 def test_cache_and_store_refuse_bad_packing_requests(rng):
@@ -435,10 +461,10 @@ def test_cache_and_store_refuse_bad_packing_requests(rng):
     with pytest.raises(ValueError, match="num_tokens=6 is not a multiple of block_size=4"):
         kv.drop_prefix(0, 6)
     with pytest.raises(ValueError, match="start=2 is not a multiple of block_size=4"):
-        kv.gather_planes(0, 2, 8)
+        kv.plane_rows(0, 2, 8)
     assert kv.drop_prefix(0, 8) == 4
     with pytest.raises(ValueError, match=r"positions \[0, 12\) of request 0 were freed"):
-        kv.gather_planes(0, 0, 12)
+        kv.plane_rows(0, 0, 12)
     store = PackedKVStore(16, L, H, D, G)
     store.append(0, _versions(rng, 16), _versions(rng, 16))
     with pytest.raises(ValueError, match="sequence 0 has 4 depths; got 2"):
@@ -680,3 +706,27 @@ def test_torch_reference_reader_refuses_metadata_for_fewer_rows_than_queries(rng
     lengths = torch.tensor([G, G], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"tables \(1, 1, 1\).*for 2 rows"):
         packed_decode_reference(q, store, 0, meta, cache, cache, tables, lengths)
+
+
+def test_kv_rows_refuse_what_they_cannot_address_by_name():
+    from flashloop_backend.kv.rows import KVRows
+
+    pool = torch.zeros(6, 2, 4, 2, 8)
+    blocks = torch.tensor([3, 1])
+    rows = KVRows.paged(pool, pool.clone(), blocks, 7)
+    assert rows.shape == (7, 2, 2, 8) and rows.block_size == 4
+    with pytest.raises(ValueError, match=r"7 rows in blocks of 4 need blocks \[2\]; got \(3,\)"):
+        KVRows.paged(pool, pool, torch.tensor([0, 1, 2]), 7)
+    with pytest.raises(ValueError, match=r"\[blocks, L, block_size, Hkv, D\] pools of one shape"):
+        KVRows.paged(pool, pool[:, :1], blocks, 7)
+    with pytest.raises(ValueError, match="unit stride on D"):
+        KVRows.paged(pool.transpose(3, 4), pool.transpose(3, 4), blocks, 7)
+    with pytest.raises(ValueError, match=r"span devices \['cpu', 'meta'\]"):
+        KVRows.paged(pool, pool, blocks.to("meta"), 7)
+    with pytest.raises(ValueError, match=r"\[T, L, Hkv, D\] of one shape; got \(4, 2, 8\)"):
+        KVRows.contiguous(pool[0, 0], pool[0, 0])
+    empty = KVRows.contiguous(torch.zeros(0, 2, 2, 8), torch.zeros(0, 2, 2, 8))
+    assert empty.shape == (0, 2, 2, 8) and empty.gather()[0].shape == (0, 2, 2, 8)
+    strided = torch.randn(8, 2, 2, 16)[..., ::2]  # no unit stride: copied once
+    k, _ = KVRows.contiguous(strided, strided).gather()
+    assert torch.equal(k, strided)

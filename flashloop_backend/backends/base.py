@@ -22,6 +22,7 @@ from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kernels.ops import PagedAttention
+from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import OutOfPackedPagesError
 from flashloop_backend.registry.spec import SelectionInfo
 
@@ -68,8 +69,9 @@ class RequestKV(Protocol):
     @property
     def final_rows(self) -> int: ...
 
-    def planes(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per depth K and V of rows [start, end): each [end - start, L, Hkv, D]."""
+    def planes(self, start: int, end: int) -> list[KVRows]:
+        """Per depth K and V of rows [start, end), in place where the host keeps them
+        (``KVRows``: end - start rows of [L, Hkv, D]); valid until :meth:`drop`."""
         ...
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:

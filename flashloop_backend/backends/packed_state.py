@@ -33,9 +33,9 @@ from flashloop_backend.kv.levels import (
 )
 from flashloop_backend.kv.store import PackedKVStore
 
-# Rows packed per gather: the conversion copies the chunk's BF16 K/V of every layer and
-# depth first, so the chunk bounds that copy. A multiple of every group size (compact
-# levels start a fresh page per chunk).
+# Rows packed per append: the torch writer gathers a chunk's BF16 K/V (per layer pass), so
+# the chunk bounds that copy; the Triton writer reads the pools in place. A multiple of
+# every group size (compact levels start a fresh page per chunk).
 PACK_CHUNK_ROWS = 4096
 
 
@@ -116,8 +116,8 @@ class PackedState:
         start = self.packed_rows(sequence)
         if end <= start:
             return
-        keys, values = kv.planes(start, end)
-        self.store.append(sequence, keys, values, kv.active(start, end), write=self.write)
+        rows = kv.planes(start, end)  # read in place by the writer, freed after it
+        self.store.append_rows(sequence, rows, kv.active(start, end), write=self.write)
         kv.drop(end)
 
     def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int = PACK_CHUNK_ROWS) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flashloop_backend.backends.base import AttentionBackend
+from flashloop_backend.backends.base import AttentionBackend, KVRows
 from flashloop_backend.config import ConfigError, TokenSparsePrefillConfig
 from flashloop_backend.host.kvcache import PagedKVCache
 from flashloop_backend.host.requests import Request
@@ -41,8 +41,8 @@ class HostRequestKV:
     def final_rows(self) -> int:
         return self.prompt_length + len(self.request.exit_depths)
 
-    def planes(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return self.kv.gather_planes(self.request.id, start, end)
+    def planes(self, start: int, end: int) -> list[KVRows]:
+        return self.kv.plane_rows(self.request.id, start, end)
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:
         device = self.kv.key_pool.device

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashloop_backend.backends.base import KVRows
 from flashloop_backend.host.layer_ops import write_kv
 
 
@@ -105,26 +106,20 @@ class PagedKVCache:
         self._tables[request_id].cached = None
         return freed
 
-    def gather_planes(
-        self, request_id: int, start: int, end: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every plane's K and V for positions [start, end), ``start`` on a block boundary:
-        per depth [end - start, L, Hkv, D]."""
+    def plane_rows(self, request_id: int, start: int, end: int) -> list[KVRows]:
+        """Every plane's K and V for positions [start, end), ``start`` on a block boundary,
+        in place in the pools: per depth its rows (no copy)."""
         if start % self.block_size:
             raise ValueError(f"start={start} is not a multiple of block_size={self.block_size}")
-        keys, values = [], []
         first, last = start // self.block_size, -(-end // self.block_size)
         device = self.key_pool.device
-        # one gather per pool and plane: each row's block and offset index the pool directly
-        offsets = torch.arange(end - start, device=device)
-        within, of_row = offsets % self.block_size, offsets // self.block_size
+        out = []
         for plane in self._tables[request_id].planes:
             if any(block < 0 for block in plane[first:last]):  # checked on the host list
                 raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
-            blocks = torch.tensor(plane[first:last], dtype=torch.long, device=device)[of_row]
-            keys.append(self.key_pool[blocks, :, within])
-            values.append(self.value_pool[blocks, :, within])
-        return keys, values
+            blocks = torch.tensor(plane[first:last], dtype=torch.long, device=device)
+            out.append(KVRows.paged(self.key_pool, self.value_pool, blocks, end - start))
+        return out
 
     def has(self, request_id: int) -> bool:
         return request_id in self._tables

@@ -125,13 +125,13 @@ class SparseCorrection(Protocol):
 
 
 class PackedKVWrite(Protocol):
-    """``packed_kv_write``: ``kv.store.LevelWriter``'s contract (store, keys, values,
-    presents, pages): every level of one append quantized against the reconstruction of
-    the levels before and written into its pages, bit for bit what
-    ``kv.store.encode_levels_chain`` writes. Called directly by the store's append (it
-    has no inputs class)."""
+    """``packed_kv_write``: ``kv.store.LevelWriter``'s contract (store, rows, presents,
+    pages; ``rows`` per depth a ``kv.rows.KVRows``, in place in paged pools or as tensors):
+    every level of one append quantized against the reconstruction of the levels before
+    and written into its pages, bit for bit what ``kv.store.encode_levels_chain`` writes.
+    Called directly by the store's append (it has no inputs class)."""
 
-    def __call__(self, store, keys, values, presents, pages) -> None: ...
+    def __call__(self, store, rows, presents, pages) -> None: ...
 
 
 class PackedDecode(Protocol):

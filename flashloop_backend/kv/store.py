@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from flashloop_backend.algorithms import QuantizedInt4, dequantize_int4, quantize_int4
+from flashloop_backend.kv.rows import KVRows
 
 ENCODING_VERSION = 2  # 2: bytes pair channels of K rows and rows of V channels
 
@@ -178,32 +179,48 @@ class PackedKVStore:
         active: list[torch.Tensor] | None = None,
         write: LevelWriter | None = None,
     ) -> None:
+        """:meth:`append_rows` of rows given as tensors: keys / values per depth
+        [T, L, Hkv, D]."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} depths of K but {len(values)} of V")
+        rows = [KVRows.contiguous(k, v) for k, v in zip(keys, values, strict=True)]
+        self.append_rows(sequence, rows, active, write)
+
+    def append_rows(
+        self,
+        sequence: int,
+        rows_by_depth: list[KVRows],
+        active: list[torch.Tensor] | None = None,
+        write: LevelWriter | None = None,
+    ) -> None:
         """Encode the sequence's next rows (a new sequence starts at row 0) at every depth,
         through ``write`` (None: :func:`encode_levels_chain`, the torch oracle).
 
-        keys/values: per depth [T, L, Hkv, D] (T a multiple of the group size; depth d's
-        logical history, so inactive rows repeat their exit depth's value). ``active``: per
-        depth [T] bool rows that recomputed it (None: all). Residuals are taken against the
-        running reconstruction of these rows, only over active rows. A level stays dense
-        (no map) while every appended row has it; otherwise it becomes compact, and the
-        rows appended now start a fresh page of it."""
+        rows_by_depth: per depth its T rows of K and V (T a multiple of the group size;
+        depth d's logical history, so inactive rows repeat their exit depth's value), in
+        place in paged pools or as tensors. ``active``: per depth [T] bool rows that
+        recomputed it (None: all). Residuals are taken against the running reconstruction
+        of these rows, only over active rows. A level stays dense (no map) while every
+        appended row has it; otherwise it becomes compact, and the rows appended now start
+        a fresh page of it."""
         g = self.group_size
-        rows = keys[0].shape[0]
-        if rows % g or any(k.shape != keys[0].shape for k in (*keys, *values)):
+        shapes = [r.shape for r in rows_by_depth]
+        rows = shapes[0][0] if shapes else 0
+        if not shapes or rows % g or any(shape != shapes[0] for shape in shapes):
             raise ValueError(
-                f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; "
-                f"got {[tuple(k.shape) for k in keys]}"
+                f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; got {shapes}"
             )
-        if tuple(keys[0].shape[1:]) != self.shape:
+        if tuple(shapes[0][1:]) != self.shape:
             raise ValueError(
                 f"K/V rows must be [L, Hkv, D] = {list(self.shape)} like the store's pools; "
-                f"got {list(keys[0].shape[1:])}"
+                f"got {list(shapes[0][1:])}"
             )
         levels = self.sequences.get(sequence)
-        if levels is not None and len(levels.pages) != len(keys):
-            raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {len(keys)}")
+        depths = len(rows_by_depth)
+        if levels is not None and len(levels.pages) != depths:
+            raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {depths}")
         presents = []  # per depth: the rows that recomputed it, None when all did
-        for depth in range(len(keys)):
+        for depth in range(depths):
             present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
             presents.append(None if present is not None and present.numel() == rows else present)
         counts = [rows if p is None else p.numel() for p in presents]
@@ -218,19 +235,21 @@ class PackedKVStore:
             self._reserved[sequence] = own - min(own, needed)
         if levels is None:
             levels = SequenceLevels(
-                0, [[] for _ in keys], [None for _ in keys], [None for _ in keys]
+                0, [[] for _ in range(depths)], [None] * depths, [None] * depths
             )
         pages = [[self._free.pop() for _ in range(-(-c // g))] for c in counts]
         try:
-            (write or encode_levels_chain)(self, keys, values, presents, pages)
+            (write or encode_levels_chain)(self, rows_by_depth, presents, pages)
         except BaseException:  # a refused write takes nothing: pages and reservation back
             for taken in reversed(pages):
                 self._free.extend(reversed(taken))
             if own:
                 self._reserved[sequence] = own
             raise
-        for depth, k in enumerate(keys):
-            self._extend_level(levels, depth, pages[depth], presents[depth], rows, k.device)
+        for depth, depth_rows in enumerate(rows_by_depth):
+            self._extend_level(
+                levels, depth, pages[depth], presents[depth], rows, depth_rows.device
+            )
         levels.rows += rows
         self._appends += 1
         levels.version = self._appends
@@ -383,15 +402,15 @@ class PackedKVStore:
 
 class LevelWriter(Protocol):
     """Writes every level of one append into its pages (the ``packed_kv_write`` op):
-    keys / values per depth [T, L, Hkv, D]; ``presents`` per depth the rows of a compact
-    level (None: dense); ``pages`` per depth its new page ids. Residuals are taken against
-    the reconstruction of the levels before, as :func:`encode_levels_chain` does."""
+    ``rows`` per depth its K and V (:class:`~flashloop_backend.kv.rows.KVRows`, in place in
+    paged pools or as tensors); ``presents`` per depth the rows of a compact level (None:
+    dense); ``pages`` per depth its new page ids. Residuals are taken against the
+    reconstruction of the levels before, as :func:`encode_levels_chain` does."""
 
     def __call__(
         self,
         store: PackedKVStore,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        rows: list[KVRows],
         presents: list[torch.Tensor | None],
         pages: list[list[int]],
     ) -> None: ...
@@ -399,23 +418,24 @@ class LevelWriter(Protocol):
 
 def encode_levels_chain(
     store: PackedKVStore,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    rows: list[KVRows],
     presents: list[torch.Tensor | None],
     pages: list[list[int]],
     quantize=quantize_int4,
 ) -> None:
     """The oracle :class:`LevelWriter`: ``store.layers_per_pass`` layers at a time (the FP32
-    reconstruction is theirs, not all layers'), each level quantized by ``quantize`` against
-    the running reconstruction of its rows."""
-    for first in range(0, keys[0].shape[1], store.layers_per_pass):
-        layers = slice(first, min(first + store.layers_per_pass, keys[0].shape[1]))
+    reconstruction and the gathered copies are theirs, not all layers'), each level
+    quantized by ``quantize`` against the running reconstruction of its rows."""
+    num_layers = store.shape[0]
+    for first in range(0, num_layers, store.layers_per_pass):
+        layers = slice(first, min(first + store.layers_per_pass, num_layers))
         recon_k = recon_v = None
-        for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
+        for depth, depth_rows in enumerate(rows):
             if pages[depth]:
+                k, v = depth_rows.gather(layers)
                 recon_k, recon_v = store.encode_level(
-                    k[:, layers],
-                    v[:, layers],
+                    k,
+                    v,
                     recon_k,
                     recon_v,
                     present=presents[depth],

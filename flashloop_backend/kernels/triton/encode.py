@@ -1,7 +1,8 @@
 """The packed append in one kernel per level (``packed_kv_write``, the ``LevelWriter``
-contract of ``kv.store``): every (page, layer, KV head) of a level reconstructs its rows
-from the levels already written, quantizes the residual and writes the page, bit for bit
-what ``encode_levels_chain`` writes, without its FP32 copies and re-layouts."""
+contract of ``kv.store``): every (page, layer, KV head) of a level reads its rows where
+they are (the host's paged pools in place), reconstructs them from the levels already
+written, quantizes the residual and writes the page, bit for bit what
+``encode_levels_chain`` writes, without its gathered copies, FP32 history and re-layouts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 import torch
 
+from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import PackedKVStore
 
 # Warps per (page, layer, head) program: of 4, 8 and 16, ptxas spills least at 16 for a
@@ -29,14 +31,13 @@ def _level_rows(
 
 def encode_levels_triton(
     store: PackedKVStore,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    rows_by_depth: list[KVRows],
     presents: list[torch.Tensor | None],
     pages: list[list[int]],
 ) -> None:
-    """keys / values per depth [T, L, Hkv, D] (unit stride on D; K and V of a depth share
-    strides); presents per depth the compact level's rows [Nd] (None: dense); pages per
-    depth its new page ids. Levels are written in order: each reads the ones before."""
+    """rows_by_depth per depth its T rows of K and V (read in place); presents per depth
+    the compact level's rows [Nd] (None: dense); pages per depth its new page ids. Levels
+    are written in order: each reads the ones before."""
     from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
 
     g = store.group_size
@@ -46,17 +47,17 @@ def encode_levels_triton(
             f"group_size={g} and head_dim={head_dim} must be powers of two, the group >= 16 "
             "(Triton tiles)"
         )
-    rows = keys[0].shape[0]
+    rows = rows_by_depth[0].count
     device = store.k_codes.device
-    for depth, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if k.device != device or v.device != device:
-            raise ValueError(f"depth {depth}: K/V on {k.device}/{v.device}, the store on {device}")
-        if k.shape != (rows, num_layers, kv_heads, head_dim) or v.shape != k.shape:
+    for depth, depth_rows in enumerate(rows_by_depth):
+        if depth_rows.device != device:
+            raise ValueError(f"depth {depth}: K/V on {depth_rows.device}, the store on {device}")
+        if depth_rows.shape != (rows, num_layers, kv_heads, head_dim):
             raise ValueError(
                 f"depth {depth}: K/V must be [{rows}, {num_layers}, {kv_heads}, {head_dim}]; "
-                f"got {tuple(k.shape)} / {tuple(v.shape)}"
+                f"got {list(depth_rows.shape)}"
             )
-    depths = len(keys)
+    depths = len(rows_by_depth)
     slots = torch.full((depths, rows), -1, dtype=torch.int32, device=device)
     table = torch.full((depths, max(1, *map(len, pages))), -1, dtype=torch.int32, device=device)
     for depth, present in enumerate(presents):
@@ -70,24 +71,26 @@ def encode_levels_triton(
     for depth, present in enumerate(presents):
         if not pages[depth]:
             continue
-        k, v = keys[depth], values[depth]
-        if k.stride(-1) != 1 or v.stride() != k.stride():
-            k, v = k.contiguous(), v.contiguous()
+        source = rows_by_depth[depth]
+        k, v = source.keys, source.values
         level_rows = _level_rows(present, rows, len(pages[depth]), g, device)
         kc, kmin, _, vc, vmin, _ = pools
         encode_level_kernel[(len(pages[depth]), num_layers, kv_heads)](
             k,
             v,
+            source.blocks,
             level_rows,
             slots,
             table,
             *pools,
             depth,
+            source.block_size,
             slots.stride(0),
             table.stride(0),
             k.stride(0),
-            k.stride(1),
             k.stride(2),
+            k.stride(1),
+            k.stride(3),
             kc.stride(0),
             kc.stride(1),
             kc.stride(2),

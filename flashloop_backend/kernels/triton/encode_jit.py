@@ -49,6 +49,7 @@ def _accumulate(recon, level_value, mask, earlier, EXACT: tl.constexpr):
 def encode_level_kernel(
     k_ptr,
     v_ptr,
+    blocks_ptr,
     rows_ptr,
     slots_ptr,
     pages_ptr,
@@ -59,8 +60,10 @@ def encode_level_kernel(
     vmin_ptr,
     vscale_ptr,
     level,
+    block_rows,
     stride_st,
     stride_pl,
+    stride_xb,
     stride_xt,
     stride_xl,
     stride_xh,
@@ -85,7 +88,8 @@ def encode_level_kernel(
 ):
     """One (page of this level, layer, KV head): the page's G rows ``rows`` [Pd * G] (row
     of the append for each slot; a compact level's last page repeats its last row) of K
-    and V [T, L, Hkv, D] minus their reconstruction from levels 0 .. level - 1 (``slots``
+    and V [NB, L, BS, Hkv, D] (row r is row r % BS, BS = ``block_rows``, of block
+    ``blocks[r // BS]``: paged pools read in place) minus their reconstruction from levels 0 .. level - 1 (``slots``
     [Lv, T] int32: a row's slot in that level's pages, -1 where absent; ``pages`` [Lv, P]
     int32 page ids), quantized as the store's chain does: K per channel across the G rows,
     V per row across G channels; codes and FP16 parameters written to page
@@ -96,7 +100,9 @@ def encode_level_kernel(
     r = tl.arange(0, GROUP)
     c = tl.arange(0, HEAD_DIM)
     rows = tl.load(rows_ptr + index * GROUP + r).to(tl.int64)
-    source = (rows * stride_xt + layer * stride_xl + head * stride_xh)[:, None] + c[None, :]
+    block = tl.load(blocks_ptr + rows // block_rows)
+    source = block * stride_xb + (rows % block_rows) * stride_xt + layer * stride_xl
+    source = (source + head * stride_xh)[:, None] + c[None, :]
     # K first, then V: one reconstruction tile live at a time
     recon_k = tl.zeros([GROUP, HEAD_DIM], tl.float32)
     for earlier in range(level):
