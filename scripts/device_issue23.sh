@@ -11,8 +11,8 @@
 #               included (scripts/profile_step.py --phase prefill)
 #   prefill     the sparse-prefill attention per layer call at 8K and 32K, retention 0.75,
 #               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
-#               rows, FlashInfer's dense causal prefill; the kernel's launch sweep at 32K
-#               (register caps included)
+#               rows, FlashInfer's dense causal prefill; the kernel's launch sweep at 8K
+#               and 32K (register caps included)
 #   warm        TTFT at 8K x 1 and 32K x 1 (24 layers) after a warm-up at the timed length
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -49,8 +49,10 @@ case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
   prefill)
     run flashloop-backend bench prefill --contexts 8192,32768 --retention 0.75,0.5,0.25 \
       --out "$OUT/bench_prefill_attention.json" 2>&1 | grep -E "prefill|retention"
-    run python3 scripts/sweep_sparse_prefill.py 32768 > "$OUT/sweep_sparse_prefill.jsonl" 2>&1
-    cat "$OUT/sweep_sparse_prefill.jsonl" ;;
+    for context in 8192 32768; do
+      run python3 scripts/sweep_sparse_prefill.py "$context" > "$OUT/sweep_sparse_prefill_$context.jsonl" 2>&1
+      cat "$OUT/sweep_sparse_prefill_$context.jsonl"
+    done ;;
   warm)
     # the timed pass after a warm-up pass at the timed prompt length (every kernel compiled
     # and planned for the timed shapes) beside the default short warm-up

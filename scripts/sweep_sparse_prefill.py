@@ -1,5 +1,7 @@
-"""Sweep launch shapes of the tiled sparse-prefill kernel on the GPU (32K context, dense
-rows and a 0.25 windowed subset); prints one JSON line per shape."""
+"""Sweep launch shapes of the tiled sparse-prefill kernel on the GPU (context from the
+command line, 32K by default): dense rows, windowed subsets at 0.75 and 0.25, and the last
+2048-row chunk of the 0.75 subset (the heaviest call the host makes with its default
+prefill chunk); prints one JSON line per shape."""
 
 import json
 import math
@@ -20,8 +22,10 @@ table = torch.randperm(pages, device="cuda", generator=gen).int()
 q_all = torch.randn(context, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
 subsets = {
     "dense": torch.arange(context, device="cuda"),
+    "0.75": windowed_subset(context, 0.75, gen),
     "0.25": windowed_subset(context, 0.25, gen),
 }
+subsets["0.75_last_chunk"] = subsets["0.75"][-2048:]
 SHAPES = [  # (block_m, block_n, warps, stages, register cap or None)
     (64, 64, 4, 2, None),
     (64, 64, 4, 3, None),
@@ -34,6 +38,11 @@ SHAPES = [  # (block_m, block_n, warps, stages, register cap or None)
     # 128 x 64 tiles, kilobytes at 128 x 128: results/README.md)
     (128, 64, 8, 2, 128),
     (128, 64, 8, 3, 128),
+    # four warps under a cap: up to four CTAs per SM at 128 registers, three at 168
+    (64, 64, 4, 2, 128),
+    (64, 64, 4, 3, 128),
+    (64, 128, 4, 2, 168),
+    (128, 64, 4, 2, 168),
 ]
 for bm, bn, warps, stages, registers in SHAPES:
     tuning = PrefillTuning(bm, bn, warps, stages, max_registers=registers)
