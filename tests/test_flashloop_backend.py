@@ -55,6 +55,30 @@ def test_forward_dispatches_and_restores_rows(rng):
         torch.testing.assert_close(out[r : r + 1], ref)
 
 
+def test_a_view_without_decode_rows_keeps_its_order_and_gives_the_same_rows(rng):
+    """``decode_bound`` 0 (a prefill step): no gather or scatter, every prefill op over all
+    rows; inactive and padding rows anywhere still come back zero, and each row equals
+    what the partitioned path gives."""
+    from dataclasses import replace
+
+    from flashloop_backend.backends.batch_plan import BatchPlan
+
+    config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    kc, vc = (torch.randn(12, 4, 2, 16, generator=rng) for _ in range(2))
+    M = RowMode
+    modes = [M.PREFILL, M.INACTIVE, M.PREFILL, M.PAD, M.PREFILL, M.PREFILL]
+    depths = [3, 2, 1, 0, 3, 0]
+    planes = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    view = _view(modes, depths, [5, 9, 6, 0, 3, 10], planes)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    partitioned = backend.forward(q, kc, vc, view)
+    prefill_only = replace(view, decode_bound=0, decode_depths=frozenset())
+    assert BatchPlan.of(prefill_only, config).order is None
+    torch.testing.assert_close(backend.forward(q, kc, vc, prefill_only), partitioned)
+    assert partitioned[[1, 3]].abs().max() == 0
+
+
 def test_dense_call_surface_equals_reference(rng):
     backend = Registry.discover().create("flashloop", REQUEST, FlashLoopConfig())
     assert backend.info.selected_backend == "flashloop"

@@ -33,7 +33,8 @@ class BatchPlan:
     a CUDA graph's bucket, or all rows) keeps its own order (``order``, ``kept`` and
     ``source`` None): its rows are decode rows or padding, padding routes to no op and
     reads no key, so no gather or scatter is needed and every decode op runs over all its
-    rows."""
+    rows. So does a view without decode rows (``decode_bound`` 0, a prefill step): its
+    prefill ops run over every row."""
 
     view: BatchView
     order: torch.Tensor | None
@@ -49,9 +50,12 @@ class BatchPlan:
     @staticmethod
     def of(view: BatchView, config: FlashLoopConfig) -> BatchPlan:
         routes, correctable = base_routes(view, config)
-        # the view's own order when nothing is left out of the decode segment: the packed
-        # metadata the host plans covers the first decode_bound rows only
-        if view.decode_only and view.decode_bound in (None, view.num_rows):
+        # the view's own order when nothing is left out of the decode segment (the packed
+        # metadata the host plans covers the first decode_bound rows only), or when the
+        # host says no row decodes: every op then runs over all rows, and rows no op
+        # serves read length 0, so their output is zeros without a gather or a scatter
+        whole_decode = view.decode_only and view.decode_bound in (None, view.num_rows)
+        if whole_decode or view.decode_bound == 0:
             return BatchPlan(
                 view,
                 None,

@@ -361,7 +361,7 @@ class FlashLoopBackend(AttentionBackend):
             self.config, view.decode_only, view.decode_depths, view.prefill_depths
         )
         bound = view.num_rows if view.decode_bound is None else view.decode_bound
-        if plan.order is None:  # the view's own order: padding may sit anywhere
+        if plan.order is None and bound != 0:  # the view's own order: padding may sit anywhere
             bound = view.num_rows
         key_retention = self.config.sparse_decode_attention.key_retention
         runs = [
