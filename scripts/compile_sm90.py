@@ -410,7 +410,15 @@ def _dense_kernels() -> bool:
     shape = dict(
         GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32"
     )
-    ok &= _compile("sparse_prefill", sparse_prefill_kernel, paged, {"scale"}, shape, 8)
+    for direct in (False, True):
+        ok &= _compile(
+            f"sparse_prefill DIRECT={direct}",
+            sparse_prefill_kernel,
+            {**paged, "out_ptr": "*bf16"},
+            {"scale"},
+            {**shape, "DIRECT": direct},
+            8,
+        )
     quant = {"x_ptr": "*bf16", "codes_ptr": "*u8", "min_ptr": "*fp16", "scale_ptr": "*fp16"}
     ok &= _compile("quantize_int4", quantize_int4_kernel, quant, set(), {"GROUP": 64}, 4)
     from flashloop_backend.kernels.triton.encode import ENCODE_WARPS

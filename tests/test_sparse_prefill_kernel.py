@@ -62,9 +62,11 @@ def test_nonconsecutive_queries_match_a_position_indexed_mask(dtype, hq, hkv, rn
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_registers", [None, 128], ids=["free", "capped"])
+@pytest.mark.parametrize("keys_per_split", [16, 1 << 30], ids=["key_splits", "one_split"])
 def test_several_sequences_padding_and_split_tiles_match_the_paged_reference(
-    dtype, max_registers, rng
+    dtype, max_registers, keys_per_split, rng
 ):
+    """Key splits merged by merge_splits, or one split writing its output directly."""
     hq = hkv = 2
     dim, block = 16, 16
     kc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
@@ -82,7 +84,10 @@ def test_several_sequences_padding_and_split_tiles_match_the_paged_reference(
          first[None]]
     )  # fmt: skip
     q = torch.randn(len(lengths), hq, dim, generator=rng).to(DEVICE, dtype)
-    tuning = dataclasses.replace(SMALL, max_registers=max_registers)  # a cap spills, no more
+    # a cap spills, no more
+    tuning = dataclasses.replace(
+        SMALL, max_registers=max_registers, min_keys_per_split=keys_per_split
+    )
     got = sparse_prefill_triton(
         q, kc, vc, tables.to(DEVICE), lengths.int().to(DEVICE), tuning=tuning
     )

@@ -83,7 +83,11 @@ def sparse_prefill_triton(
     span = block_tables.shape[1] * block_size
     want = math.ceil(2 * sm_count(q.device) / (programs * num_q_heads))
     splits = max(1, min(want, math.ceil(span / tuning.min_keys_per_split)))
-    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    # one split writes its output itself; several leave partial states for merge_splits
+    direct = splits == 1
+    part_out, part_max, part_sum = split_buffers(
+        0 if direct else rows, num_q_heads, splits, head_dim, q.device
+    )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     sparse_prefill_kernel[(programs, num_q_heads, splits)](
         q,
@@ -96,6 +100,7 @@ def sparse_prefill_triton(
         part_out,
         part_max,
         part_sum,
+        out,
         scale,
         q.stride(0),
         q.stride(1),
@@ -111,14 +116,17 @@ def sparse_prefill_triton(
         part_out.stride(2),
         part_max.stride(0),
         part_max.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=tuning.block_m,
         BLOCK_N=tuning.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
         **({} if tuning.max_registers is None else {"maxnreg": tuning.max_registers}),
     )
-    return merge_splits(part_out, part_max, part_sum, out)
+    return out if direct else merge_splits(part_out, part_max, part_sum, out)

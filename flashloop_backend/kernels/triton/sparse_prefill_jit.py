@@ -80,6 +80,7 @@ def sparse_prefill_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    out_ptr,
     scale,
     stride_qr,
     stride_qh,
@@ -95,12 +96,15 @@ def sparse_prefill_kernel(
     stride_ps,
     stride_mr,
     stride_mh,
+    stride_or,
+    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """Tiles for one (query head, key split), taken pid, pid + programs, ... from the last
     (longest contexts first, so the tail of the launch is short). A tile is up to BLOCK_M
@@ -109,7 +113,9 @@ def sparse_prefill_kernel(
     positions. Split s of S covers the s-th of S equal key ranges of the tile (few tiles
     still fill the GPU). FP32 online softmax; QK and PV on tensor cores; blocks below the
     tile's shortest row run unmasked; blocks past its longest row are never read. Writes
-    the split's unnormalised partial state (acc, max, sum) per row."""
+    the split's unnormalised partial state (acc, max, sum) per row, or with DIRECT (one
+    split) the normalised output [R, Hq, D] itself, as merge_splits would (0 for a row
+    with no key)."""
     head = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
@@ -192,17 +198,25 @@ def sparse_prefill_kernel(
                 True,
                 DOT_PRECISION,
             )
-        # partial state in natural-log units (merge_splits' convention)
-        tl.store(
-            part_out_ptr
-            + rows[:, None] * stride_pr
-            + head * stride_ph
-            + split * stride_ps
-            + d[None, :],
-            acc,
-            mask=row_mask[:, None],
-        )
-        stat = rows * stride_mr + head * stride_mh + split
-        tl.store(part_max_ptr + stat, m_i * scale, mask=row_mask)
-        tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
+        if DIRECT:  # merge_splits of one split: acc / l, rows with no key 0
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            result = tl.where((l_i > 0)[:, None], acc / l_safe[:, None], 0.0)
+            tl.store(
+                out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
+                result.to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None],
+            )
+        else:  # partial state in natural-log units (merge_splits' convention)
+            tl.store(
+                part_out_ptr
+                + rows[:, None] * stride_pr
+                + head * stride_ph
+                + split * stride_ps
+                + d[None, :],
+                acc,
+                mask=row_mask[:, None],
+            )
+            stat = rows * stride_mr + head * stride_mh + split
+            tl.store(part_max_ptr + stat, m_i * scale, mask=row_mask)
+            tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
         taken += tl.num_programs(0)
