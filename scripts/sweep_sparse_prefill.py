@@ -26,7 +26,7 @@ subsets = {
     "0.25": windowed_subset(context, 0.25, gen),
 }
 subsets["0.75_last_chunk"] = subsets["0.75"][-2048:]
-SHAPES = [  # (block_m, block_n, warps, stages, register cap or None)
+SHAPES = [  # (block_m, block_n, warps, stages, register cap or None[, programs per SM])
     (64, 64, 4, 2, None),
     (64, 64, 4, 3, None),
     (128, 64, 8, 2, None),
@@ -43,10 +43,16 @@ SHAPES = [  # (block_m, block_n, warps, stages, register cap or None)
     (64, 64, 4, 3, 128),
     (64, 128, 4, 2, 168),
     (128, 64, 4, 2, 168),
+    # few tiles (a low-retention chunk at 8K): more key splits for more, shorter programs
+    (128, 64, 8, 2, 128, 4),
+    (128, 64, 8, 2, 128, 8),
+    (64, 64, 4, 2, 128, 8),
 ]
-for bm, bn, warps, stages, registers in SHAPES:
-    tuning = PrefillTuning(bm, bn, warps, stages, max_registers=registers)
+for bm, bn, warps, stages, registers, *per_sm in SHAPES:
+    per_sm = per_sm[0] if per_sm else PrefillTuning.programs_per_sm
+    tuning = PrefillTuning(bm, bn, warps, stages, max_registers=registers, programs_per_sm=per_sm)
     row = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "maxnreg": registers}
+    row["programs_per_sm"] = per_sm
     for name, subset in subsets.items():
         q, t, n = q_all[subset], table[None].expand(len(subset), -1), (subset + 1).int()
         try:

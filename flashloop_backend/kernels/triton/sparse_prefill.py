@@ -15,15 +15,18 @@ from flashloop_backend.kernels.validate import check_triton_paged
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """Launch shape: the best of the 32K sweep (results/sweep_sparse_prefill.jsonl,
-    ``scripts/sweep_sparse_prefill.py``); ``max_registers`` caps registers per thread
-    (ptxas spills past it; None: no cap), so that two CTAs can share an SM."""
+    """Launch shape: the best of the 32K sweep (``scripts/sweep_sparse_prefill.py``,
+    results/README.md); ``max_registers`` caps registers per thread (ptxas spills past
+    it; None: no cap), so that two CTAs can share an SM. A launch of few tiles splits each
+    tile's keys (at least ``min_keys_per_split`` a split) until it has about
+    ``programs_per_sm`` programs per SM."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
     min_keys_per_split: int = 256
+    programs_per_sm: int = 2
     max_registers: int | None = 128
 
 
@@ -81,7 +84,7 @@ def sparse_prefill_triton(
     # tiles (a chunk of sparse rows) split their keys so the launch still fills the GPU.
     programs = math.ceil(rows / tuning.block_m)
     span = block_tables.shape[1] * block_size
-    want = math.ceil(2 * sm_count(q.device) / (programs * num_q_heads))
+    want = math.ceil(tuning.programs_per_sm * sm_count(q.device) / (programs * num_q_heads))
     splits = max(1, min(want, math.ceil(span / tuning.min_keys_per_split)))
     # one split writes its output itself; several leave partial states for merge_splits
     direct = splits == 1
