@@ -421,14 +421,18 @@ def _dense_kernels() -> bool:
         )
     quant = {"x_ptr": "*bf16", "codes_ptr": "*u8", "min_ptr": "*fp16", "scale_ptr": "*fp16"}
     ok &= _compile("quantize_int4", quantize_int4_kernel, quant, set(), {"GROUP": 64}, 4)
-    from flashloop_backend.kernels.triton.encode import ENCODE_WARPS
+    from flashloop_backend.kernels.triton.encode import DEFAULT_ENCODE
     from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
 
     encode = dict(STORE, k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i32", slots_ptr="*i32")
     encode["blocks_ptr"] = "*i64"
     encode["pages_ptr"] = "*i32"
-    shape = dict(HEAD_DIM=128, GROUP=64, EXACT=True)
-    ok &= _compile("encode_level", encode_level_kernel, encode, set(), shape, ENCODE_WARPS)
+    for channels in (128, 64):  # the whole head (the default) and blocks of 64 channels
+        shape = dict(HEAD_DIM=128, CHANNELS=channels, GROUP=64, EXACT=True)
+        warps = DEFAULT_ENCODE.num_warps
+        ok &= _compile(
+            f"encode_level CHANNELS={channels}", encode_level_kernel, encode, set(), shape, warps
+        )
     return ok
 
 

@@ -2,7 +2,8 @@
 # H200 calls for issue 23 (time to first token), one stage per call:
 #   conversion  the packed conversion of one prompt, the fused level writer beside the torch
 #               chain with the Triton quantizer (scripts/profile_conversion.py, 8K rows, 24
-#               layers, 4 depths), and the level writer's GPU test (bit for bit the chain)
+#               layers, 4 depths; the writer at five launches: whole heads or 64-channel
+#               blocks, 16 or 8 warps, register caps), and the level writer's GPU test
 #   ttft        TTFT and TPOT from CUDA graphs beside dense Triton, 3 timed passes: all on at
 #               8K x 1, 32K x 1 (24 layers) and 32K x 16 (4 layers), token-sparse prefill
 #               alone at 32K x 1, KV quantization alone at 8K x 1 and 32K x 16
@@ -23,7 +24,8 @@ case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
     run python3 scripts/profile_conversion.py --context 8192 --layers 24 --chunks 4096,0 \
-      --layers-per-pass 1 --repeats 3 > "$OUT/profile_conversion_fused.log" 2>&1
+      --layers-per-pass 1 --repeats 3 --encode-launches 0:16:0,64:16:0,64:16:64,64:8:128,0:16:64 \
+      > "$OUT/profile_conversion_fused.log" 2>&1
     grep -E "median|Self CUDA" "$OUT/profile_conversion_fused.log" ;;
   ttft)
     # the issue's target shapes, 3 timed passes each beside dense Triton (FlashInfer prefill)

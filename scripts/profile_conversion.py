@@ -11,7 +11,9 @@ together (fewer launches, more FP32 scratch; the pages are the same). Writers
 (``--writers``): ``fused``, the registered Triton level writer (one kernel per level,
 ``kernels/triton/encode.py``), and ``chain``, the store's torch chain with the Triton
 quantizer (the design before it); on CPU only the chain with the torch quantizer runs
-(tiny shapes: a smoke run)."""
+(tiny shapes: a smoke run). ``--encode-launches`` times the fused writer at each launch
+``CHANNELS:WARPS:REGISTERS`` (0 channels: the whole head; 0 registers: no cap), e.g.
+``0:16:0,64:16:64,64:8:128``; the default is the registered launch."""
 
 import argparse
 import functools
@@ -30,12 +32,13 @@ from flashloop_backend.kv.store import PackedKVStore, encode_levels_chain
 DEPTHS, BLOCK = 4, 16
 
 
-def _writer(name: str, device):
-    """The level writer ``name`` on ``device`` (``kv.store.LevelWriter``)."""
+def _writer(name: str, device, launch=None):
+    """The level writer ``name`` on ``device`` (``kv.store.LevelWriter``); the fused one
+    at ``launch`` (an ``EncodeTuning``; None: the registered launch)."""
     if name == "fused":
-        from flashloop_backend.kernels.triton.encode import encode_levels_triton
+        from flashloop_backend.kernels.triton.encode import DEFAULT_ENCODE, encode_levels_triton
 
-        return encode_levels_triton
+        return functools.partial(encode_levels_triton, tuning=launch or DEFAULT_ENCODE)
     if device.type == "cuda":
         from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
     else:
@@ -43,7 +46,7 @@ def _writer(name: str, device):
     return functools.partial(encode_levels_chain, quantize=quantize)
 
 
-def _setup(args, device, layers_per_pass: int = 1, writer: str = "chain"):
+def _setup(args, device, layers_per_pass: int = 1, writer: str = "chain", launch=None):
     blocks = -(-args.context // BLOCK) * DEPTHS + 4
     kv = PagedKVCache(
         blocks,
@@ -67,12 +70,14 @@ def _setup(args, device, layers_per_pass: int = 1, writer: str = "chain"):
         device=device,
         layers_per_pass=layers_per_pass,
     )
-    return kv, PackedState(store, _writer(writer, device), "fixed_prompt", args.group)
+    return kv, PackedState(store, _writer(writer, device, launch), "fixed_prompt", args.group)
 
 
-def _convert(args, device, chunk: int, layers_per_pass: int = 1, writer: str = "chain") -> float:
+def _convert(
+    args, device, chunk: int, layers_per_pass: int = 1, writer: str = "chain", launch=None
+) -> float:
     """Seconds of one conversion of a fresh request (the KV pool already holds its rows)."""
-    kv, packed = _setup(args, device, layers_per_pass, writer)
+    kv, packed = _setup(args, device, layers_per_pass, writer, launch)
     request = Request(0, [0] * args.context, SamplingParams(max_new_tokens=1), None)
     kv.reserve(request.id, args.context)
     chunk = chunk or -(-args.context // args.group) * args.group
@@ -94,6 +99,9 @@ def main() -> int:
     parser.add_argument("--chunks", default="4096,0", help="rows per chunk; 0: the whole prompt")
     parser.add_argument("--layers-per-pass", default="1", help="layers encoded together, swept")
     parser.add_argument("--writers", default="fused,chain", help="level writers, compared")
+    parser.add_argument(
+        "--encode-launches", default="", help="fused writer launches CHANNELS:WARPS:REGISTERS"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="ops listed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -112,8 +120,21 @@ def main() -> int:
         parser.error(f"--writers {unknown} are not among ['chain', 'fused']")
     if device.type != "cuda":
         writers = ["chain"]
-    for writer in writers:  # compiles each writer's kernels
-        _convert(args, device, chunks[0], 1, writer)
+    launches = [None]
+    if args.encode_launches:
+        from flashloop_backend.kernels.triton.encode import EncodeTuning
+
+        try:
+            fields = [[int(x) for x in item.split(":")] for item in args.encode_launches.split(",")]
+            launches = [EncodeTuning(c or None, w, r or None) for c, w, r in fields]
+        except ValueError:
+            parser.error(
+                f"--encode-launches {args.encode_launches!r}: CHANNELS:WARPS:REGISTERS,..."
+            )
+    runs = [("fused", 1, launch) for launch in launches] if "fused" in writers else []
+    runs += [("chain", passes, None) for passes in passes_list if "chain" in writers]
+    for writer, passes, launch in runs:  # compiles each writer's kernels
+        _convert(args, device, chunks[0], passes, writer, launch)
     record = {
         "context": args.context,
         "layers": args.layers,
@@ -123,12 +144,16 @@ def main() -> int:
         "device": str(device),
         "seconds": {},
     }
-    runs = [("fused", 1)] if "fused" in writers else []
-    runs += [("chain", passes) for passes in passes_list if "chain" in writers]
-    for writer, passes in runs:  # layers per pass only shape the chain
+    for writer, passes, launch in runs:  # layers per pass only shape the chain
         for chunk in chunks:
-            times = [_convert(args, device, chunk, passes, writer) for _ in range(args.repeats)]
+            times = [
+                _convert(args, device, chunk, passes, writer, launch) for _ in range(args.repeats)
+            ]
             key = f"{writer}_chunk_{chunk or 'whole'}" + (f"_layers_{passes}" * (writer == "chain"))
+            if launch is not None:
+                key += (
+                    f"_launch_{launch.channels or 0}:{launch.num_warps}:{launch.max_registers or 0}"
+                )
             record["seconds"][key] = sorted(times)[len(times) // 2]
             print(
                 f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
@@ -139,9 +164,10 @@ def main() -> int:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     record["aten_calls"], record["device_launches"] = {}, {}
-    for writer, passes in runs:  # one profiled conversion each: calls and launches
-        with torch.profiler.profile(activities=activities) as prof:
-            _convert(args, device, chunks[0], passes, writer)
+    profiled = [r for r in runs if r[0] == "fused"][:1] + [r for r in runs if r[0] == "chain"]
+    for writer, passes, launch in profiled:
+        with torch.profiler.profile(activities=activities) as prof:  # calls and launches
+            _convert(args, device, chunks[0], passes, writer, launch)
         events = prof.key_averages()
         label = f"{writer}_layers_{passes}"
         record["aten_calls"][label] = sum(e.count for e in events if e.key.startswith("aten::"))

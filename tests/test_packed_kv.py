@@ -276,11 +276,18 @@ def test_encoding_several_layers_per_pass_writes_the_same_pages(rng, layers_per_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype):
+@pytest.mark.parametrize("channels", [None, 16], ids=["whole_heads", "channel_blocks"])
+def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype, channels):
     """``encode_levels_triton`` (one kernel per level, reconstruction re-read from the
     pages already written) against the torch chain: dense levels, compact ones with a
-    padded last page, a compact level of one row, a compact level of none, two appends."""
-    from flashloop_backend.kernels.triton.encode import encode_levels_triton
+    padded last page, a compact level of one row, a compact level of none, two appends;
+    each program over a whole head or over blocks of G channels."""
+    import functools
+
+    from flashloop_backend.kernels.triton import encode
+
+    tuning = encode.EncodeTuning(channels=channels, num_warps=4)
+    encode_levels_triton = functools.partial(encode.encode_levels_triton, tuning=tuning)
 
     rows = 32
     dense = [torch.ones(rows, dtype=torch.bool)] * 4
@@ -327,7 +334,9 @@ def test_a_refused_append_takes_no_page_nor_reservation(rng):
     """Rows that do not fit the pools are refused by name before any page is taken; a
     writer that refuses its input (here the Triton writer, whose tiles need power-of-two
     groups) gives back the pages and the reservation it was handed."""
-    from flashloop_backend.kernels.triton.encode import encode_levels_triton
+    import functools
+
+    from flashloop_backend.kernels.triton.encode import EncodeTuning, encode_levels_triton
 
     keys, values = ([x.to(DEVICE) for x in _versions(rng, 32)] for _ in range(2))
     store = PackedKVStore(24, L, H, D, G, device=DEVICE)
@@ -341,6 +350,11 @@ def test_a_refused_append_takes_no_page_nor_reservation(rng):
                    write=encode_levels_triton)  # fmt: skip
     assert odd._free == free and odd.unreserved_pages() == 24 - 8
     elsewhere = [k.to("meta") for k in keys]  # rows on another device than the pools
+    bad_launch = EncodeTuning(channels=8)  # below the group: a block would split V groups
+    with pytest.raises(ValueError, match=r"EncodeTuning\.channels=8 must be a power of two"):
+        store.append(
+            0, keys, values, write=functools.partial(encode_levels_triton, tuning=bad_launch)
+        )
     with pytest.raises(ValueError, match=f"depth 0: K/V on meta, the store on {DEVICE}"):
         store.append(0, elsewhere, elsewhere, write=encode_levels_triton)
     for bad in (store, odd):

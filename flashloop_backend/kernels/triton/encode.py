@@ -7,15 +7,28 @@ written, quantizes the residual and writes the page, bit for bit what
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import PackedKVStore
 
-# Warps per (page, layer, head) program: of 4, 8 and 16, ptxas spills least at 16 for a
-# page of Ouro's shapes (results/README.md, "Packed conversion in one kernel per level").
-ENCODE_WARPS = 16
+
+@dataclass(frozen=True)
+class EncodeTuning:
+    """Launch of the level writer: ``channels`` per program (None: the whole head; else a
+    multiple of the group size), ``num_warps``, and ``max_registers`` per thread (None: no
+    cap; ptxas spills past it). The default is the launch measured on the H200 (ptxas
+    figures of the others in results/README.md, "Packed conversion in one kernel per
+    level"; ``scripts/profile_conversion.py --encode-launches`` times them)."""
+
+    channels: int | None = None
+    num_warps: int = 16
+    max_registers: int | None = None
+
+
+DEFAULT_ENCODE = EncodeTuning()
 
 
 def _level_rows(
@@ -34,6 +47,7 @@ def encode_levels_triton(
     rows_by_depth: list[KVRows],
     presents: list[torch.Tensor | None],
     pages: list[list[int]],
+    tuning: EncodeTuning = DEFAULT_ENCODE,
 ) -> None:
     """rows_by_depth per depth its T rows of K and V (read in place); presents per depth
     the compact level's rows [Nd] (None: dense); pages per depth its new page ids. Levels
@@ -46,6 +60,12 @@ def encode_levels_triton(
         raise ValueError(
             f"group_size={g} and head_dim={head_dim} must be powers of two, the group >= 16 "
             "(Triton tiles)"
+        )
+    channels = tuning.channels or head_dim
+    if channels % g or head_dim % channels or channels & (channels - 1):
+        raise ValueError(
+            f"EncodeTuning.channels={channels} must be a power of two dividing head_dim="
+            f"{head_dim} and a multiple of group_size={g} (a block holds whole V groups)"
         )
     rows = rows_by_depth[0].count
     device = store.k_codes.device
@@ -75,7 +95,7 @@ def encode_levels_triton(
         k, v = source.keys, source.values
         level_rows = _level_rows(present, rows, len(pages[depth]), g, device)
         kc, kmin, _, vc, vmin, _ = pools
-        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads)](
+        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads * (head_dim // channels))](
             k,
             v,
             source.blocks,
@@ -107,7 +127,9 @@ def encode_levels_triton(
             vmin.stride(2),
             vmin.stride(3),
             HEAD_DIM=head_dim,
+            CHANNELS=channels,
             GROUP=g,
             EXACT=exact,
-            num_warps=ENCODE_WARPS,
+            num_warps=tuning.num_warps,
+            **({} if tuning.max_registers is None else {"maxnreg": tuning.max_registers}),
         )

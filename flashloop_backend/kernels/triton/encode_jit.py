@@ -83,28 +83,33 @@ def encode_level_kernel(
     svm_t,
     svm_h,
     HEAD_DIM: tl.constexpr,
+    CHANNELS: tl.constexpr,
     GROUP: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    """One (page of this level, layer, KV head): the page's G rows ``rows`` [Pd * G] (row
+    """One (page of this level, layer, KV head, CHANNELS of its channels): the page's G rows ``rows`` [Pd * G] (row
     of the append for each slot; a compact level's last page repeats its last row) of K
     and V [NB, L, BS, Hkv, D] (row r is row r % BS, BS = ``block_rows``, of block
-    ``blocks[r // BS]``: paged pools read in place) minus their reconstruction from levels 0 .. level - 1 (``slots``
+    ``blocks[r // BS]``: paged pools read in place) minus their reconstruction from
+    levels 0 .. level - 1 (``slots``
     [Lv, T] int32: a row's slot in that level's pages, -1 where absent; ``pages`` [Lv, P]
     int32 page ids), quantized as the store's chain does: K per channel across the G rows,
     V per row across G channels; codes and FP16 parameters written to page
-    ``pages[level, index]`` of the pools."""
+    ``pages[level, index]`` of the pools. K's groups (one per channel) and V's (G channels
+    of a row) never cross a block of CHANNELS channels (a multiple of G), so the blocks of
+    a head are independent programs."""
     index = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
+    head = tl.program_id(2) // (HEAD_DIM // CHANNELS)
+    first_channel = tl.program_id(2) % (HEAD_DIM // CHANNELS) * CHANNELS
     r = tl.arange(0, GROUP)
-    c = tl.arange(0, HEAD_DIM)
+    c = first_channel + tl.arange(0, CHANNELS)
     rows = tl.load(rows_ptr + index * GROUP + r).to(tl.int64)
     block = tl.load(blocks_ptr + rows // block_rows)
     source = block * stride_xb + (rows % block_rows) * stride_xt + layer * stride_xl
     source = (source + head * stride_xh)[:, None] + c[None, :]
     # K first, then V: one reconstruction tile live at a time
-    recon_k = tl.zeros([GROUP, HEAD_DIM], tl.float32)
+    recon_k = tl.zeros([GROUP, CHANNELS], tl.float32)
     for earlier in range(level):
         page, within, present = _level_slots(
             slots_ptr + earlier * stride_st, pages_ptr + earlier * stride_pl, rows, GROUP
@@ -129,8 +134,8 @@ def encode_level_kernel(
     k_min16 = tl.min(k, axis=0).to(tl.float16)
     k_scale16 = tl.math.div_rn(tl.max(k, axis=0) - tl.min(k, axis=0), 15.0).to(tl.float16)
     k_code = int4_codes(k, k_min16.to(tl.float32)[None, :], k_scale16.to(tl.float32)[None, :])
-    even, odd = tl.split(tl.reshape(k_code.to(tl.uint8), (GROUP, HEAD_DIM // 2, 2)))
-    pair = tl.arange(0, HEAD_DIM // 2)
+    even, odd = tl.split(tl.reshape(k_code.to(tl.uint8), (GROUP, CHANNELS // 2, 2)))
+    pair = first_channel // 2 + tl.arange(0, CHANNELS // 2)
     k_row = target * skc_p + layer * skc_l + head * skc_h
     tl.store(kc_ptr + k_row + r[:, None] * skc_t + pair[None, :], even | (odd << 4))
     k_param = target * skm_p + layer * skm_l + head * skm_h + c
@@ -138,7 +143,7 @@ def encode_level_kernel(
     tl.store(kscale_ptr + k_param, k_scale16)
 
     # ---- V: one group per row across each run of G channels
-    recon_v = tl.zeros([GROUP, HEAD_DIM], tl.float32)
+    recon_v = tl.zeros([GROUP, CHANNELS], tl.float32)
     for earlier in range(level):
         page, within, present = _level_slots(
             slots_ptr + earlier * stride_st, pages_ptr + earlier * stride_pl, rows, GROUP
@@ -159,7 +164,7 @@ def encode_level_kernel(
         step = tl.load(vscale_ptr + param, mask=mask, other=0.0).to(tl.float32)
         recon_v = _accumulate(recon_v, _affine(low, step, code, EXACT), mask, earlier, EXACT)
     v = tl.load(v_ptr + source).to(tl.float32) - recon_v
-    grouped = tl.reshape(v, (GROUP, HEAD_DIM // GROUP, GROUP))
+    grouped = tl.reshape(v, (GROUP, CHANNELS // GROUP, GROUP))
     v_min16 = tl.min(grouped, axis=2).to(tl.float16)
     v_scale16 = tl.math.div_rn(tl.max(grouped, axis=2) - tl.min(grouped, axis=2), 15.0).to(
         tl.float16
@@ -167,12 +172,12 @@ def encode_level_kernel(
     v_code = int4_codes(
         grouped, v_min16.to(tl.float32)[:, :, None], v_scale16.to(tl.float32)[:, :, None]
     )
-    by_channel = tl.trans(tl.reshape(v_code, (GROUP, HEAD_DIM)))  # [D, G]: rows pair per byte
-    even, odd = tl.split(tl.reshape(by_channel.to(tl.uint8), (HEAD_DIM, GROUP // 2, 2)))
+    by_channel = tl.trans(tl.reshape(v_code, (GROUP, CHANNELS)))  # [C, G]: rows pair per byte
+    even, odd = tl.split(tl.reshape(by_channel.to(tl.uint8), (CHANNELS, GROUP // 2, 2)))
     half = tl.arange(0, GROUP // 2)
     v_block = target * svc_p + layer * svc_l + head * svc_h
     tl.store(vc_ptr + v_block + c[:, None] * svc_d + half[None, :], even | (odd << 4))
-    groups = tl.arange(0, HEAD_DIM // GROUP)
+    groups = first_channel // GROUP + tl.arange(0, CHANNELS // GROUP)
     v_param = (target * svm_p + layer * svm_l + head * svm_h + r * svm_t)[:, None] + groups[None, :]
     tl.store(vmin_ptr + v_param, v_min16)
     tl.store(vscale_ptr + v_param, v_scale16)
