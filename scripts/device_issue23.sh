@@ -5,8 +5,9 @@
 #               layers, 4 depths; the writer at five launches: whole heads or 64-channel
 #               blocks, 16 or 8 warps, register caps), and the level writer's GPU test
 #   ttft        TTFT and TPOT from CUDA graphs beside dense Triton, 3 timed passes: all on at
-#               8K x 1, 32K x 1 (24 layers) and 32K x 16 (4 layers), token-sparse prefill
-#               alone at 32K x 1, KV quantization alone at 8K x 1 and 32K x 16
+#               8K x 1 and 32K x 1 (24 layers), token-sparse prefill alone at 32K x 1, KV
+#               quantization alone at 8K x 1
+#   ttft16      the same at 32K x 16 (4 layers): all on, KV quantization alone
 #   profile     where one prefill's GPU time goes: dense Triton, KV quantization alone and all
 #               on at 8K x 1 (24 layers), all on at 32K x 16 (4 layers), the conversion
 #               included (scripts/profile_step.py --phase prefill)
@@ -19,7 +20,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
+case "${1:?stage: conversion, ttft, ttft16, profile, prefill or warm}" in
   conversion)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
@@ -27,10 +28,16 @@ case "${1:?stage: conversion, ttft, profile, prefill or warm}" in
       --layers-per-pass 1 --repeats 3 --encode-launches 0:16:0,64:16:0,64:16:64,64:8:128,0:16:64 \
       > "$OUT/profile_conversion_fused.log" 2>&1
     grep -E "median|Self CUDA" "$OUT/profile_conversion_fused.log" ;;
-  ttft)
-    # the target shapes, 3 timed passes each beside dense Triton (FlashInfer prefill)
-    for case in "all_on 8192 1 24" "all_on 32768 1 24" "token_sparse_prefill 32768 1 24" \
-        "kv_quant_fixed_prompt 8192 1 24" "all_on 32768 16 4" "kv_quant_fixed_prompt 32768 16 4"; do
+  ttft|ttft16)
+    # the target shapes, 3 timed passes each beside dense Triton (FlashInfer prefill);
+    # ttft: one request at 24 layers, ttft16: 16 requests at 4 layers
+    if [ "$1" = ttft ]; then
+      cases=("all_on 8192 1 24" "all_on 32768 1 24" "token_sparse_prefill 32768 1 24"
+        "kv_quant_fixed_prompt 8192 1 24")
+    else
+      cases=("all_on 32768 16 4" "kv_quant_fixed_prompt 32768 16 4")
+    fi
+    for case in "${cases[@]}"; do
       set -- $case
       run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
         --config "configs/$1.json" --contexts "$2" --concurrency "$3" --layers "$4" \
