@@ -198,3 +198,9 @@ class AttentionBackend(ABC):
     def memory(self) -> dict[str, int]:
         """Bytes of every pool the backend allocated, by name."""
         return {}
+
+    def held(self) -> dict[str, int]:
+        """What live requests hold of the backend's own pools, by name (for accounting:
+        every count is 0 once every request has been released). Reads the device: not for
+        the step path."""
+        return {}

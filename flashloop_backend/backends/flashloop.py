@@ -318,6 +318,17 @@ class FlashLoopBackend(AttentionBackend):
     def kv_bytes_held(self) -> int:
         return 0 if self.packed is None else self.packed.store.accounting()["steady_bytes"]
 
+    def held(self) -> dict[str, int]:
+        counts = {}
+        if self.packed is not None:
+            store = self.packed.store
+            counts["packed_sequences"] = len(store.sequences)
+            counts["packed_pages_used"] = store.accounting()["pages_used"]
+            counts["packed_pages_reserved"] = store.accounting()["pages_reserved"]
+        if self.states is not None:
+            counts["reference_slots_live"] = self.states.live_slots()
+        return counts
+
     def memory(self) -> dict[str, int]:
         pools = {}
         if self.packed is not None:

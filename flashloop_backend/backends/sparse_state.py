@@ -139,6 +139,11 @@ class ReferenceStates:
         """The token in ``slot`` is gone: its state can never be read again."""
         self.incarnation[slot] = EMPTY
 
+    def live_slots(self) -> int:
+        """Slots (scratch excluded) whose state some token wrote and that was not retired
+        since (reads the device)."""
+        return int((self.incarnation[:-1] != EMPTY).any(dim=1).sum())
+
     def nbytes(self) -> int:
         tensors = (self.indices, self.mass, self.output, self.contribution, self.incarnation)
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -190,6 +190,20 @@ class Engine:
         """Whether the request has output a token (a finished request has)."""
         return self.output_count(request_id) != 0
 
+    def pools(self) -> dict[str, int]:
+        """What the engine's pools hold now (accounting; reads the device): free and total
+        BF16 blocks and token-state slots, live requests, prompts awaiting hand-over, and
+        what live requests hold of the backend's own pools (``AttentionBackend.held``)."""
+        return {
+            "free_blocks": self.kv.free_blocks,
+            "num_blocks": self.kv.num_blocks,
+            "free_slots": len(self._free_slots),
+            "max_slots": self.max_slots,
+            "live_requests": len(self._requests),
+            "pending_hand_over": len(self._prompts_to_hand_over),
+            **self.backend.held(),
+        }
+
     def counters(self) -> dict[str, int]:
         """Work so far, for progress displays: prompt rows computed (every loop counted),
         tokens generated, and requests whose prompt is still waiting or prefilling."""
@@ -385,26 +399,38 @@ class Engine:
             r.incarnation = self._incarnations
 
     def _collect(self) -> list[GenerationResult]:
-        done = [r for r in self._requests.values() if r.phase == "done"]
+        return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]
+
+    def _retire(self, r: Request) -> GenerationResult:
+        """A finished (or cancelled) request leaves: its KV blocks, packed pages and
+        reservations, token-state slot and any pending hand-over go back."""
         # a request that ended on its first token is not handed over: it leaves now
-        self._prompts_to_hand_over = [r for r in self._prompts_to_hand_over if r.phase != "done"]
-        for r in done:
-            self.kv.release(r.id)
-            self.backend.release(r.id, r.slot)
-            if r.slot >= 0:
-                self._free_slots.append(r.slot)
-            del self._requests[r.id]
-        return [
-            GenerationResult(
-                r.id,
-                r.prompt,
-                r.output,
-                r.finish_reason,
-                r.exit_depths,
-                torch.stack(r.logprobs) if r.logprobs else None,
+        self._prompts_to_hand_over = [p for p in self._prompts_to_hand_over if p is not r]
+        self.kv.release(r.id)
+        self.backend.release(r.id, r.slot)
+        if r.slot >= 0:
+            self._free_slots.append(r.slot)
+        del self._requests[r.id]
+        return GenerationResult(
+            r.id,
+            r.prompt,
+            r.output,
+            r.finish_reason,
+            r.exit_depths,
+            torch.stack(r.logprobs) if r.logprobs else None,
+        )
+
+    def cancel(self, request_id: int) -> GenerationResult:
+        """Stop a waiting or running request between steps: everything it holds goes back
+        at once (as when it finishes); returns what it produced, finish reason
+        ``cancelled``."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(
+                f"request {request_id} is not waiting or running (live: {sorted(self._requests)})"
             )
-            for r in done
-        ]
+        request.phase, request.finish_reason = "done", "cancelled"
+        return self._retire(request)
 
     # ------------------------------------------------------------ convenience
     def generate(

@@ -30,7 +30,7 @@ class GenerationResult:
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str  # "length", "eos", "stop" or "forced"
+    finish_reason: str  # "length", "eos", "stop", "forced" or "cancelled"
     exit_depths: list[int]  # zero-based exit depth of every generated token that ran loops
     logprobs: torch.Tensor | None = None  # [n, vocab] FP32 log-softmax before each output
 

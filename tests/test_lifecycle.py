@@ -1,0 +1,113 @@
+"""Request lifecycle in the host: cancelling a waiting or running request gives back every
+BF16 block, packed page, reservation and token-state slot it held, leaves the requests
+that keep running unchanged, and random admit / cancel / finish sequences keep the pools'
+accounting consistent after every step, for every feature combination."""
+
+import random
+
+import pytest
+
+from flashloop_backend import FlashLoopConfig
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.registry import Registry
+from flashloop_backend.tools.evaluation import feature_combinations
+
+from .host_helpers import tiny_model
+
+REQUEST = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+ALL_ON = FlashLoopConfig(
+    token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 0.5, 0.25]},
+    sparse_decode_attention={"enabled": True, "key_retention": 0.3},
+    kv_residual_quantization={"enabled": True, "group_size": 16, "tail_size": 16},
+)
+COMBINATIONS = feature_combinations(ALL_ON)
+NUM_BLOCKS = 160
+
+
+def _engine(model, config):
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    return Engine(
+        model, backend, num_blocks=NUM_BLOCKS, block_size=4, prefill_chunk=16, max_slots=8
+    )
+
+
+def _baseline(engine) -> dict[str, int]:
+    """The pools of an engine no request holds anything of."""
+    pools = engine.pools()
+    return {k: (pools[k] if k in ("num_blocks", "max_slots") else 0) for k in pools} | {
+        "free_blocks": pools["num_blocks"],
+        "free_slots": pools["max_slots"],
+    }
+
+
+def _check(engine) -> None:
+    """Invariants after any step or cancellation: blocks, slots and packed pages are held
+    by live requests only, and nothing waits for a hand-over that left."""
+    pools = engine.pools()
+    live = engine._requests.values()
+    assert pools["free_slots"] + sum(r.slot >= 0 for r in live) == pools["max_slots"]
+    slots = [r.slot for r in live if r.slot >= 0]
+    assert len(set(slots)) == len(slots)
+    held = sum(
+        sum(b >= 0 for plane in engine.kv._tables[r.id].planes for b in plane)
+        for r in live
+        if engine.kv.has(r.id)
+    )
+    assert pools["free_blocks"] + held == pools["num_blocks"]
+    assert all(not engine.kv.has(r.id) for r in live if r.phase == "waiting")
+    if "packed_sequences" in pools:
+        store = engine.backend.packed.store
+        assert set(store.sequences) <= {r.id for r in live}
+        assert set(store._reserved) <= {r.id for r in live}
+    assert all(r.id in engine._requests for r in engine._prompts_to_hand_over)
+
+
+def test_cancel_names_the_live_requests_and_reports_what_was_produced():
+    engine = _engine(tiny_model(seed=4), ALL_ON)
+    first = engine.add_request([1, 2, 3] * 12, SamplingParams(max_new_tokens=4))
+    with pytest.raises(
+        KeyError, match=rf"request 7 is not waiting or running \(live: \[{first}\]\)"
+    ):
+        engine.cancel(7)
+    while not engine.has_first_token(first):
+        engine.step()
+    result = engine.cancel(first)
+    assert result.finish_reason == "cancelled" and len(result.output_token_ids) == 1
+    assert engine.pools() == _baseline(engine)
+    with pytest.raises(KeyError, match="request 0 is not waiting or running"):
+        engine.cancel(first)  # it left: cancelling again names it
+
+
+@pytest.mark.parametrize(("features", "config"), COMBINATIONS, ids=lambda v: "+".join(v) or "dense" if isinstance(v, tuple) else None)  # fmt: skip
+def test_random_admit_cancel_finish_keeps_the_pools_consistent(features, config):
+    """Random arrivals and cancellations (waiting, mid-prefill, mid-decode, just handed
+    over), steps in between: the invariants hold after each; the survivors' tokens equal
+    those of running them alone; when all have left the pools are back at the baseline."""
+    model = tiny_model(seed=5)
+    rng = random.Random(sum(map(ord, "+".join(features))))
+    engine = _engine(model, config)
+    baseline = _baseline(engine)
+    prompts, survivors = {}, {}
+    for _ in range(40):
+        action = rng.random()
+        if action < 0.3 and len(prompts) < 10:
+            prompt = [rng.randrange(1, 61) for _ in range(rng.randrange(1, 45))]
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 6), ignore_eos=True)
+            prompts[engine.add_request(prompt, params)] = (prompt, params)
+        elif action < 0.38 and engine._requests:
+            engine.cancel(rng.choice(sorted(engine._requests)))
+        else:
+            for result in engine.step() if engine.has_unfinished() else []:
+                survivors[result.request_id] = result.output_token_ids
+        _check(engine)
+    while engine.has_unfinished():
+        for result in engine.step():
+            survivors[result.request_id] = result.output_token_ids
+        _check(engine)
+    assert engine.pools() == baseline
+    assert survivors and len(survivors) < len(prompts)  # some finished, some were cancelled
+    for rid, tokens in list(survivors.items())[:3]:
+        prompt, params = prompts[rid]
+        alone = _engine(model, config).generate([prompt], params)[0]
+        assert tokens == alone.output_token_ids, rid
