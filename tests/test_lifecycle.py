@@ -1,11 +1,13 @@
 """Request lifecycle in the host: cancelling a waiting or running request gives back every
-BF16 block, packed page, reservation and token-state slot it held, leaves the requests
-that keep running unchanged, and random admit / cancel / finish sequences keep the pools'
+BF16 block, packed page, reservation and token-state slot it held; a preempted request
+gives them back too and, readmitted, recomputes and produces the same tokens; the others
+run unchanged, and random admit / cancel / preempt / finish sequences keep the pools'
 accounting consistent after every step, for every feature combination."""
 
 import random
 
 import pytest
+import torch
 
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.capabilities import SupportRequest
@@ -63,6 +65,31 @@ def _check(engine) -> None:
     assert all(r.id in engine._requests for r in engine._prompts_to_hand_over)
 
 
+def test_a_preempted_request_recomputes_to_the_same_tokens_and_exit_depths():
+    """With Ouro's exit rule (tokens leave at different depths) and every feature on:
+    preempted mid-decode, twice, it ends with the tokens, exit depths and log-probs of an
+    uninterrupted run; preempting a waiting request is refused by name."""
+    model = tiny_model(seed=3, early_exit_threshold=0.5)
+    prompt, params = [4, 8, 15, 16, 23, 42] * 6, SamplingParams(max_new_tokens=8)
+    whole = _engine(model, ALL_ON).generate([prompt], params, keep_logprobs=True)[0]
+    engine = _engine(model, ALL_ON)
+    rid = engine.add_request(prompt, params, keep_logprobs=True)
+    with pytest.raises(ValueError, match=f"request {rid} is waiting: it holds nothing"):
+        engine.preempt(rid)
+    for stop_after in (3, 5):
+        while engine.output_count(rid) < stop_after:
+            engine.step()
+        engine.preempt(rid)
+        assert engine.output_count(rid) == 0 and engine.pools()["free_slots"] == 8
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    (done,) = finished
+    assert done.output_token_ids == whole.output_token_ids
+    assert done.exit_depths == whole.exit_depths and len(set(whole.exit_depths)) > 1
+    torch.testing.assert_close(done.logprobs, whole.logprobs, rtol=0, atol=0)
+
+
 def test_cancel_names_the_live_requests_and_reports_what_was_produced():
     engine = _engine(tiny_model(seed=4), ALL_ON)
     first = engine.add_request([1, 2, 3] * 12, SamplingParams(max_new_tokens=4))
@@ -80,23 +107,34 @@ def test_cancel_names_the_live_requests_and_reports_what_was_produced():
 
 
 @pytest.mark.parametrize(("features", "config"), COMBINATIONS, ids=lambda v: "+".join(v) or "dense" if isinstance(v, tuple) else None)  # fmt: skip
-def test_random_admit_cancel_finish_keeps_the_pools_consistent(features, config):
-    """Random arrivals and cancellations (waiting, mid-prefill, mid-decode, just handed
-    over), steps in between: the invariants hold after each; the survivors' tokens equal
-    those of running them alone; when all have left the pools are back at the baseline."""
+def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features, config):
+    """Random arrivals, cancellations and preemptions (waiting, mid-prefill, mid-decode,
+    just handed over, mid-recompute), steps in between: the invariants hold after each; the
+    survivors' tokens (greedy and seeded sampling) equal those of running them alone; when
+    all have left the pools are back at the baseline."""
     model = tiny_model(seed=5)
     rng = random.Random(sum(map(ord, "+".join(features))))
     engine = _engine(model, config)
     baseline = _baseline(engine)
-    prompts, survivors = {}, {}
-    for _ in range(40):
+    prompts, survivors, preempted = {}, {}, set()
+    for _ in range(60):
         action = rng.random()
-        if action < 0.3 and len(prompts) < 10:
+        running = sorted(r.id for r in engine._requests.values() if r.phase != "waiting")
+        if action < 0.25 and len(prompts) < 10:
             prompt = [rng.randrange(1, 61) for _ in range(rng.randrange(1, 45))]
-            params = SamplingParams(max_new_tokens=rng.randrange(1, 6), ignore_eos=True)
+            sampled = rng.random() < 0.5
+            params = SamplingParams(
+                max_new_tokens=rng.randrange(1, 7),
+                ignore_eos=True,
+                temperature=0.8 if sampled else 0.0,
+                seed=rng.randrange(1000) if sampled else None,
+            )
             prompts[engine.add_request(prompt, params)] = (prompt, params)
-        elif action < 0.38 and engine._requests:
+        elif action < 0.3 and engine._requests:
             engine.cancel(rng.choice(sorted(engine._requests)))
+        elif action < 0.42 and running:
+            preempted.add(rid := rng.choice(running))
+            engine.preempt(rid)
         else:
             for result in engine.step() if engine.has_unfinished() else []:
                 survivors[result.request_id] = result.output_token_ids
@@ -107,7 +145,10 @@ def test_random_admit_cancel_finish_keeps_the_pools_consistent(features, config)
         _check(engine)
     assert engine.pools() == baseline
     assert survivors and len(survivors) < len(prompts)  # some finished, some were cancelled
-    for rid, tokens in list(survivors.items())[:3]:
+    assert preempted  # (the recompute itself is checked against a lone run below when one
+    # of them finished, and always in the test above)
+    checked = sorted(preempted & set(survivors)) + sorted(set(survivors) - preempted)
+    for rid in checked[:4]:
         prompt, params = prompts[rid]
         alone = _engine(model, config).generate([prompt], params)[0]
-        assert tokens == alone.output_token_ids, rid
+        assert survivors[rid] == alone.output_token_ids, rid

@@ -404,12 +404,7 @@ class Engine:
     def _retire(self, r: Request) -> GenerationResult:
         """A finished (or cancelled) request leaves: its KV blocks, packed pages and
         reservations, token-state slot and any pending hand-over go back."""
-        # a request that ended on its first token is not handed over: it leaves now
-        self._prompts_to_hand_over = [p for p in self._prompts_to_hand_over if p is not r]
-        self.kv.release(r.id)
-        self.backend.release(r.id, r.slot)
-        if r.slot >= 0:
-            self._free_slots.append(r.slot)
+        self._release(r)
         del self._requests[r.id]
         return GenerationResult(
             r.id,
@@ -420,17 +415,49 @@ class Engine:
             torch.stack(r.logprobs) if r.logprobs else None,
         )
 
+    def preempt(self, request_id: int) -> None:
+        """Free a running request's KV, pages and slot now, between steps, and queue it
+        again ahead of every later arrival. Readmitted, it recomputes its prompt and feeds
+        the tokens it had produced back through the decode path (its output count drops
+        until they are back), then goes on: the same tokens as without the preemption
+        (greedy, teacher-forced or seeded: the replay draws no random numbers)."""
+        r = self._live(request_id)
+        if r.phase == "waiting":
+            raise ValueError(f"request {request_id} is waiting: it holds nothing to preempt")
+        self._release(r)
+        if r.replay is None or len(r.output) >= len(r.replay):
+            r.replay = list(r.output)
+        r.output, r.exit_depths = [], []
+        r.logprobs = [] if r.logprobs is not None else None
+        r.phase, r.depth, r.chunk_start, r.slot = "waiting", 0, 0, -1
+        r.prompt_hidden = r.schedule = r.hidden = None
+        r.remaining, r.finish_reason = 1.0, ""
+
+    def _release(self, r: Request) -> None:
+        """Give back everything ``r`` holds: KV blocks, the backend's pages, reservation and
+        reference slot, its token-state slot, a pending hand-over."""
+        # a request that ended on its first token is not handed over: it leaves now
+        self._prompts_to_hand_over = [p for p in self._prompts_to_hand_over if p is not r]
+        self.kv.release(r.id)
+        self.backend.release(r.id, r.slot)
+        if r.slot >= 0:
+            self._free_slots.append(r.slot)
+
     def cancel(self, request_id: int) -> GenerationResult:
         """Stop a waiting or running request between steps: everything it holds goes back
         at once (as when it finishes); returns what it produced, finish reason
         ``cancelled``."""
+        request = self._live(request_id)
+        request.phase, request.finish_reason = "done", "cancelled"
+        return self._retire(request)
+
+    def _live(self, request_id: int) -> Request:
         request = self._requests.get(request_id)
         if request is None:
             raise KeyError(
                 f"request {request_id} is not waiting or running (live: {sorted(self._requests)})"
             )
-        request.phase, request.finish_reason = "done", "cancelled"
-        return self._retire(request)
+        return request
 
     # ------------------------------------------------------------ convenience
     def generate(

@@ -55,6 +55,7 @@ class Request:
     logprobs: list[torch.Tensor] | None = None
     slot: int = -1  # token-state slot of its live decode token
     incarnation: int = -1  # bumped for every new decode token
+    replay: list[int] | None = None  # tokens produced before a preemption, fed back first
 
     @property
     def position(self) -> int:  # absolute position of the current decode token

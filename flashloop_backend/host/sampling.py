@@ -14,8 +14,9 @@ from flashloop_backend.host.requests import Request
 def choose_tokens(
     model: OuroModel, requests: list[Request], final_hidden: torch.Tensor
 ) -> list[int]:
-    """The next token of each request from its final hidden state [N, hidden]: the forced
-    token (teacher forcing), a seeded sample (temperature > 0) or the argmax. Requests that
+    """The next token of each request from its final hidden state [N, hidden]: the token it
+    produced before a preemption (while it recomputes), the forced token (teacher forcing),
+    a seeded sample (temperature > 0) or the argmax. Requests that
     keep log-probs get the FP32 log-softmax appended."""
     logits = model.coda(final_hidden)  # [N, vocab] FP32
     greedy = torch.argmax(logits, dim=-1).tolist()  # one host read for the whole step
@@ -23,7 +24,9 @@ def choose_tokens(
     for row, r in enumerate(requests):
         if r.logprobs is not None:
             r.logprobs.append(torch.log_softmax(logits[row], dim=-1).cpu())
-        if r.forced is not None:
+        if r.replay is not None and len(r.output) < len(r.replay):
+            tokens.append(r.replay[len(r.output)])  # recomputing after a preemption
+        elif r.forced is not None:
             tokens.append(r.forced[len(r.output)])
         elif r.params.temperature > 0:
             probs = torch.softmax(logits[row] / r.params.temperature, dim=-1)
