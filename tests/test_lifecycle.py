@@ -106,7 +106,10 @@ def test_cancel_names_the_live_requests_and_reports_what_was_produced():
         engine.cancel(first)  # it left: cancelling again names it
 
 
-@pytest.mark.parametrize(("features", "config"), COMBINATIONS, ids=lambda v: "+".join(v) or "dense" if isinstance(v, tuple) else None)  # fmt: skip
+IDS = ["+".join(features) or "dense" for features, _ in COMBINATIONS]
+
+
+@pytest.mark.parametrize(("features", "config"), COMBINATIONS, ids=IDS)
 def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features, config):
     """Random arrivals, cancellations and preemptions (waiting, mid-prefill, mid-decode,
     just handed over, mid-recompute), steps in between: the invariants hold after each; the
@@ -152,3 +155,49 @@ def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features,
         prompt, params = prompts[rid]
         alone = _engine(model, config).generate([prompt], params)[0]
         assert survivors[rid] == alone.output_token_ids, rid
+
+
+@pytest.mark.parametrize("features", [(), ("all",)], ids=["dense", "all_on"])
+def test_graph_replays_survive_cancel_and_preempt(features, monkeypatch):
+    """Decode steps replayed from recorded graphs (the CPU recorder: replays read only the
+    fixed buffers) while requests are cancelled, preempted and readmitted, and a newcomer
+    takes a freed slot: the survivors' tokens equal eager lone runs, and the pools come
+    back to the baseline."""
+    from flashloop_backend.host.graphs import GraphSettings
+    from flashloop_backend.kernels.torch_ref import packed as torch_packed
+
+    from .graph_recorder import RecordingCapture
+    from .test_decode_graphs import _every_row
+
+    monkeypatch.setattr(torch_packed, "_only_rows", _every_row)
+    model = tiny_model(seed=7)
+    config = ALL_ON if features else FlashLoopConfig()
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    engine = Engine(
+        model,
+        backend,
+        num_blocks=NUM_BLOCKS,
+        block_size=4,
+        prefill_chunk=16,
+        max_slots=8,
+        cuda_graphs=GraphSettings(buckets=(1, 2, 4), max_context=128),
+        graph_capture=RecordingCapture(),
+    )
+    baseline = _baseline(engine)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [[(7 * i + 3) % 61 for i in range(n)] for n in (9, 40, 33, 20)]
+    ids = [engine.add_request(p, params) for p in prompts[:3]]
+    finished = {}
+    while any(engine.output_count(i) < 2 for i in ids):
+        finished |= {r.request_id: r.output_token_ids for r in engine.step()}
+    engine.cancel(ids[0])
+    engine.preempt(ids[1])
+    ids.append(engine.add_request(prompts[3], params))
+    while engine.has_unfinished():
+        finished |= {r.request_id: r.output_token_ids for r in engine.step()}
+        _check(engine)
+    assert engine.graphs.stats()["replays"] > 0
+    assert engine.pools() == baseline
+    for rid, prompt in zip(ids[1:], prompts[1:], strict=True):
+        alone = _engine(model, config).generate([prompt], params)[0]
+        assert finished[rid] == alone.output_token_ids, rid
