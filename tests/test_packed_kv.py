@@ -744,3 +744,29 @@ def test_kv_rows_refuse_what_they_cannot_address_by_name():
     strided = torch.randn(8, 2, 2, 16)[..., ::2]  # no unit stride: copied once
     k, _ = KVRows.contiguous(strided, strided).gather()
     assert torch.equal(k, strided)
+
+
+def test_a_reused_sequence_id_gets_fresh_graph_metadata(rng):
+    """A runtime may reuse a request id once the request has left: the store gives the new
+    sequence a new entry version, so graph buffers holding the old one's page tables and
+    maps rewrite them (a dense prompt, then a compact one under the same id)."""
+    from flashloop_backend.backends.packed_state import PackedState
+    from flashloop_backend.kv.levels import level_metadata
+
+    store = PackedKVStore(24, L, H, D, G)
+    state = PackedState(store, None, "fixed_prompt", G)
+    state.reserve_graph_inputs(2, 64, 4)
+    keys, values = _versions(rng, 32), _versions(rng, 32)
+    store.append(5, keys, values)
+    state.plan_graph_step([5, None], [3, 0])
+    store.release(5)
+    sparse = [torch.ones(32, dtype=torch.bool)] * 2 + [torch.arange(32) % 2 == 0] * 2
+    store.append(5, keys, values, sparse)
+    state.plan_graph_step([5, None], [3, 0])
+    expected = level_metadata(store, [5], [3], "cpu")
+    graph = state._graph.meta
+    for depth in range(4):
+        pages = expected.tables[0, depth]
+        assert torch.equal(graph.tables[0, depth, : pages.numel()], pages)
+        rows = expected.maps[0, depth]
+        assert torch.equal(graph.maps[0, depth, : rows.numel()], rows)
