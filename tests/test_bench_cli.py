@@ -69,3 +69,40 @@ def test_end_to_end_rejects_bad_step_sizes_before_touching_the_gpu(kwargs, fragm
 
     with pytest.raises(ConfigError, match=fragment):
         bench_end_to_end(["triton"], 1024, 1, **kwargs)
+
+
+def test_the_timed_workload_probes_the_hand_over_step():
+    """The KV probe is taken after the step that follows every first token, when the
+    prompts have been packed: the packed store holds them, their BF16 blocks are free."""
+    from flashloop_backend import FlashLoopConfig
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.host import Engine
+    from flashloop_backend.registry import Registry
+    from flashloop_backend.tools.bench.e2e import _timed_workload
+
+    from .host_helpers import tiny_model
+
+    request = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+    config = FlashLoopConfig(kv_residual_quantization={"enabled": True, "group_size": 16})
+    backend = Registry.discover().create("flashloop", request, config)
+    # 32 rows a step: the two prompts' first tokens come steps apart
+    engine = Engine(
+        tiny_model(seed=1),
+        backend,
+        num_blocks=120,
+        block_size=4,
+        prefill_chunk=32,
+        max_batch_tokens=32,
+    )
+    probe: dict = {}
+    prompts = [[(5 * i + 1) % 61 for i in range(n)] for n in (32, 48)]
+    ids, first, done, _ = _timed_workload(engine, prompts, 8, probe)
+    assert set(first) == set(done) == set(ids)
+    assert probe["tokens"] >= 32 + 48 + 2  # the prompts and each first token
+    packed = engine.backend.packed.store.accounting()["steady_bytes"]
+    assert packed == 0  # all left: the pages came back
+    bf16_per_token = engine.kv.bytes_per_token()
+    # both prompts packed (a probe after the first prompt's first token would find the
+    # second still in BF16)
+    assert probe["kv_bytes"] < 0.5 * bf16_per_token * probe["tokens"]
+    assert probe["peak_before_bytes"] == probe["hand_over_step_peak_bytes"] == 0  # on CPU

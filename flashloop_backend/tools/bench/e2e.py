@@ -33,35 +33,58 @@ def ouro_1p4b_shapes(layers: int | None = None):
     )
 
 
-def _timed_workload(engine, prompts, new_tokens, kv_probe: list | None = None):
+def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None):
     """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
-    ``kv_probe`` receives (tokens, KV bytes held) once, after the step that follows every
-    request's first token (the host hands completed prompts to the backend, which packs
-    them, when that step starts; ``Engine.kv_held``: one host call inside the timed
-    window)."""
+    ``probe`` (an empty dict) receives, for the step that follows every request's first
+    token (the host hands completed prompts to the backend, which packs them, when that
+    step starts): ``tokens`` and ``kv_bytes`` held after it (``Engine.kv_held``: one host
+    call inside the timed window), the peak allocated bytes before it
+    (``peak_before_bytes``: prefill) and during it (``hand_over_step_peak_bytes``: the
+    conversion's transient use on top of what is held). The peak counter is reset before
+    that step: a caller's overall peak is the larger of ``peak_before_bytes`` and the
+    counter afterwards."""
     from flashloop_backend.host.engine import SamplingParams
 
     ids = [
         engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         for p in prompts
     ]
+    cuda = engine.device.type == "cuda"  # CPU runs (tests) time without device counters
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    peak = torch.cuda.max_memory_allocated if cuda else lambda: 0
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     start = time.perf_counter()
     all_first = False  # every request had its first token before this step
     while engine.has_unfinished():
+        hand_over_step = probe is not None and not probe and all_first
+        if hand_over_step:
+            sync()
+            peak_before = peak()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
         finished = engine.step()
-        torch.cuda.synchronize()
+        sync()
         now = time.perf_counter() - start
         for rid in ids:
             if rid not in first and engine.has_first_token(rid):
                 first[rid] = now
         for f in finished:
             done[f.request_id] = now
-        if kv_probe is not None and not kv_probe and all_first:
-            kv_probe.append(engine.kv_held())
+        if hand_over_step:
+            tokens, held = engine.kv_held()
+            probe.update(
+                tokens=tokens,
+                kv_bytes=held,
+                peak_before_bytes=peak_before,
+                hand_over_step_peak_bytes=peak(),
+            )
         all_first = len(first) == len(ids)
     return ids, first, done, time.perf_counter() - start
+
+
+def gib(value: int | None) -> float | None:
+    return None if value is None else value / 2**30
 
 
 def random_ouro(layers: int | None, block_size: int, fused: bool = True):
@@ -180,7 +203,7 @@ def bench_end_to_end(
         warm_steps = engine.steps
         if engine.graphs is not None:
             engine.graphs.time_replays()
-        probe: list[tuple[int, int]] = []
+        probe: dict = {}
         ttft, tpot, total, per_pass = [], [], 0.0, []
         for _ in range(passes):
             ids, first, done, seconds = _timed_workload(engine, prompts, new_tokens, probe)
@@ -190,6 +213,7 @@ def bench_end_to_end(
             total += seconds
             per_pass.append({"ttft_max_s": max(firsts), "total_s": seconds})
         latency = statistics.median(p["ttft_max_s"] for p in per_pass)
+        overall_peak = max(probe.get("peak_before_bytes", 0), torch.cuda.max_memory_allocated())
         baseline = next(iter(results.values()), None)
         speedup = baseline["prefill_latency_s"] / latency if baseline else 1.0
         effective_config = resolve(effective, base, wanted, registry)
@@ -201,12 +225,16 @@ def bench_end_to_end(
             "total_s": total / passes,
             "host_steps": (engine.steps - warm_steps) // passes,
             "passes": per_pass,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_allocated_gib": overall_peak / 2**30,
+            # prefill's peak, and the peak of the step that hands the prompts over (the
+            # conversion's transient use on top of the steady KV); None without that step
+            "prefill_peak_allocated_gib": gib(probe.get("peak_before_bytes")),
+            "hand_over_step_peak_allocated_gib": gib(probe.get("hand_over_step_peak_bytes")),
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "kv_bytes_per_token": engine.kv.bytes_per_token(),
             "failed_requests": concurrency - len(done),  # of the last pass
             # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
-            "kv_held_bytes_per_token": probe[0][1] / probe[0][0] if probe else None,
+            "kv_held_bytes_per_token": probe["kv_bytes"] / probe["tokens"] if probe else None,
             "config_digest": effective_config.digest(),
             # the kernel provider of every op, the dense prefill's included (TTFT baselines)
             "kernels": dict(effective_config.kernels),
