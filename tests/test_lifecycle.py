@@ -23,7 +23,16 @@ ALL_ON = FlashLoopConfig(
     sparse_decode_attention={"enabled": True, "key_retention": 0.3},
     kv_residual_quantization={"enabled": True, "group_size": 16, "tail_size": 16},
 )
-COMBINATIONS = feature_combinations(ALL_ON)
+ROLLING = ALL_ON.model_copy(
+    update={
+        "kv_residual_quantization": ALL_ON.kv_residual_quantization.model_copy(
+            update={"policy": "rolling"}
+        )
+    }
+)
+# every combination (KV quantization packing completed prompts), and all on with the
+# rolling policy (generated rows flushed group by group from the BF16 tail)
+COMBINATIONS = [*feature_combinations(ALL_ON), (("all", "rolling"), ROLLING)]
 NUM_BLOCKS = 160
 
 
@@ -113,9 +122,10 @@ IDS = ["+".join(features) or "dense" for features, _ in COMBINATIONS]
 def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features, config):
     """Random arrivals, cancellations and preemptions (waiting, mid-prefill, mid-decode,
     just handed over, mid-recompute), steps in between: the invariants hold after each; the
-    survivors' tokens (greedy and seeded sampling) equal those of running them alone; when
-    all have left the pools are back at the baseline."""
-    model = tiny_model(seed=5)
+    survivors' tokens (greedy and seeded sampling, some stopping at EOS, some long enough
+    for the rolling policy to flush generated groups) equal those of running them alone;
+    when all have left the pools are back at the baseline."""
+    model = tiny_model(seed=5, eos_token_id=7)  # requests that heed EOS stop anywhere
     rng = random.Random(sum(map(ord, "+".join(features))))
     engine = _engine(model, config)
     baseline = _baseline(engine)
@@ -127,8 +137,8 @@ def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features,
             prompt = [rng.randrange(1, 61) for _ in range(rng.randrange(1, 45))]
             sampled = rng.random() < 0.5
             params = SamplingParams(
-                max_new_tokens=rng.randrange(1, 7),
-                ignore_eos=True,
+                max_new_tokens=rng.randrange(1, 7) + 18 * (rng.random() < 0.2),
+                ignore_eos=rng.random() < 0.5,
                 temperature=0.8 if sampled else 0.0,
                 seed=rng.randrange(1000) if sampled else None,
             )
@@ -201,3 +211,28 @@ def test_graph_replays_survive_cancel_and_preempt(features, monkeypatch):
     for rid, prompt in zip(ids[1:], prompts[1:], strict=True):
         alone = _engine(model, config).generate([prompt], params)[0]
         assert finished[rid] == alone.output_token_ids, rid
+
+
+def test_a_preempted_request_whose_tail_was_flushed_recomputes_the_same_tokens():
+    """Rolling policy: generated rows already flushed from the BF16 tail into packed groups
+    when the request is preempted; recomputed, it flushes them again and ends with the
+    uninterrupted run's tokens; a request cancelled beside it leaves nothing behind."""
+    model = tiny_model(seed=6)
+    prompt, params = [(3 * i + 2) % 61 for i in range(37)], SamplingParams(max_new_tokens=30)
+    whole = _engine(model, ROLLING).generate([prompt], params)[0]
+    engine = _engine(model, ROLLING)
+    baseline = _baseline(engine)
+    rid = engine.add_request(prompt, params)
+    other = engine.add_request(prompt[:20], params)
+    store = engine.backend.packed.store
+    while engine.output_count(rid) < 24:
+        engine.step()
+    assert store.sequences[rid].rows > 37 - 16  # generated rows went to packed groups
+    engine.cancel(other)
+    engine.preempt(rid)
+    _check(engine)
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished[0].output_token_ids == whole.output_token_ids
+    assert engine.pools() == baseline
