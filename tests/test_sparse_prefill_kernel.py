@@ -103,3 +103,23 @@ def test_rejects_a_non_power_of_two_head_dim():
     one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
         sparse_prefill_triton(torch.zeros(1, 1, 24, device=DEVICE), kc, kc, one[:, None], one)
+
+
+def test_tile_starts_are_planned_once_per_tables_tensor(monkeypatch):
+    """Every layer passes the same tables: planned once; another tensor with the same
+    values, an in-place change or another tile height plans again."""
+    from flashloop_backend.kernels.triton import sparse_prefill
+
+    calls = []
+    real = sparse_prefill.tile_starts
+    monkeypatch.setattr(sparse_prefill, "tile_starts", lambda *a: calls.append(1) or real(*a))
+    tables = torch.tensor([[1, 2]] * 5 + [[3, 4]] * 3, dtype=torch.int32, device=DEVICE)
+    first = sparse_prefill.planned_tile_starts(tables, 2)
+    assert sparse_prefill.planned_tile_starts(tables, 2) is first and len(calls) == 1
+    sparse_prefill.planned_tile_starts(tables.clone(), 2)
+    sparse_prefill.planned_tile_starts(tables, 4)
+    assert len(calls) == 3
+    assert sparse_prefill.planned_tile_starts(tables, 4)[1].tolist() == [3]  # 0, 4 | 5
+    tables[5:] = tables[0]  # one segment now: the plan must follow the contents
+    assert sparse_prefill.planned_tile_starts(tables, 4)[1].tolist() == [2]  # 0, 4
+    assert len(calls) == 4

@@ -54,6 +54,26 @@ def tile_starts(block_tables: torch.Tensor, block_m: int) -> tuple[torch.Tensor,
     return starts[: rows + 1], starts_tile.sum(dtype=torch.int32).reshape(1)
 
 
+# The tile starts of the last block tables planned: every layer of a traversal passes the
+# same, unmodified tensor (held here, so its address is never recycled), which is planned
+# once instead of at every layer.
+_LAST_TILES: list = []
+
+
+def planned_tile_starts(
+    block_tables: torch.Tensor, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile_starts`, reused while ``block_tables`` is the very tensor planned last
+    and unmodified since."""
+    if _LAST_TILES:
+        tables, version, planned_m, plan = _LAST_TILES[0]
+        if tables is block_tables and version == block_tables._version and planned_m == block_m:
+            return plan
+    plan = tile_starts(block_tables, block_m)
+    _LAST_TILES[:] = [(block_tables, block_tables._version, block_m, plan)]
+    return plan
+
+
 def sparse_prefill_triton(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -78,7 +98,7 @@ def sparse_prefill_triton(
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    starts, num_tiles = tile_starts(block_tables, tuning.block_m)
+    starts, num_tiles = planned_tile_starts(block_tables, tuning.block_m)
     # one program per tile of a single segment; tiles added by segment starts are taken
     # in turn by the same programs (the tile count is only known on the device). Few
     # tiles (a chunk of sparse rows) split their keys so the launch still fills the GPU.
