@@ -1,7 +1,9 @@
 """Sweep launch shapes of the tiled sparse-prefill kernel on the GPU (context from the
 command line, 32K by default): dense rows, windowed subsets at 0.75 and 0.25, and the last
 2048-row chunk of the 0.75 subset (the heaviest call the host makes with its default
-prefill chunk); prints one JSON line per shape."""
+prefill chunk); prints one JSON line per shape. Each subset's tables tensor is the same at
+every call, so its tile starts are planned once, as at a traversal's later layers
+(sweeps before that memo include their planning launches in every call)."""
 
 import json
 import math

@@ -427,3 +427,16 @@ def test_prefill_kernel_sees_the_same_tables_and_lengths_at_every_layer(rng):
             object.__setattr__(choice.impl, "fn", original)
         assert len(seen) == 2
         assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]
+
+
+def test_the_flashinfer_plan_key_compares_contents_of_inference_tensors():
+    """Inference tensors keep no version counter: the planner's key has none for them, so
+    it compares contents instead of trusting the objects (vLLM-style hosts run the forward
+    in inference mode)."""
+    from flashloop_backend.kernels.flashinfer import _versions
+
+    plain = torch.zeros(3, dtype=torch.int32)
+    assert _versions(plain, plain) == (plain._version, plain._version)
+    with torch.inference_mode():
+        frozen = torch.zeros(3, dtype=torch.int32)
+    assert _versions(plain, frozen) is None

@@ -236,3 +236,22 @@ def test_a_preempted_request_whose_tail_was_flushed_recomputes_the_same_tokens()
         finished += engine.step()
     assert finished[0].output_token_ids == whole.output_token_ids
     assert engine.pools() == baseline
+
+
+def test_replayed_tokens_leave_at_their_recorded_depths():
+    """The replay forces each earlier token's exit depth instead of asking the exit rule
+    again (on a GPU the recomputed hazard could land on the other side of the threshold):
+    recorded depths, even ones the rule would not choose, are the ones recomputed."""
+    model = tiny_model(seed=3, early_exit_threshold=0.5)
+    engine = _engine(model, ALL_ON)
+    rid = engine.add_request([4, 8, 15, 16, 23, 42] * 6, SamplingParams(max_new_tokens=7))
+    while engine.output_count(rid) < 5:
+        engine.step()
+    engine.preempt(rid)
+    request = engine._requests[rid]
+    assert request.replay_exits and set(request.replay_exits) != {3}
+    request.replay_exits = [3] * len(request.replay_exits)  # as if each ran every loop
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished[0].exit_depths[: len(request.replay_exits)] == request.replay_exits

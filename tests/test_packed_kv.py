@@ -735,6 +735,8 @@ def test_kv_rows_refuse_what_they_cannot_address_by_name():
         KVRows.paged(pool, pool[:, :1], blocks, 7)
     with pytest.raises(ValueError, match="unit stride on D"):
         KVRows.paged(pool.transpose(3, 4), pool.transpose(3, 4), blocks, 7)
+    with pytest.raises(ValueError, match=r"blocks must be int64; got torch\.int32"):
+        KVRows.paged(pool, pool, blocks.int(), 7)
     with pytest.raises(ValueError, match=r"span devices \['cpu', 'meta'\]"):
         KVRows.paged(pool, pool, blocks.to("meta"), 7)
     with pytest.raises(ValueError, match=r"\[T, L, Hkv, D\] of one shape; got \(4, 2, 8\)"):

@@ -123,3 +123,10 @@ def test_tile_starts_are_planned_once_per_tables_tensor(monkeypatch):
     tables[5:] = tables[0]  # one segment now: the plan must follow the contents
     assert sparse_prefill.planned_tile_starts(tables, 4)[1].tolist() == [2]  # 0, 4
     assert len(calls) == 4
+    del tables  # the memo does not keep a step's tables alive
+    assert sparse_prefill._LAST_TILES[0][0]() is None
+    with torch.inference_mode():  # inference tensors keep no version: planned every call
+        frozen = torch.tensor([[1, 2]] * 3, dtype=torch.int32, device=DEVICE)
+        for _ in range(2):
+            assert sparse_prefill.planned_tile_starts(frozen, 2)[1].tolist() == [2]
+    assert len(calls) == 6

@@ -353,7 +353,10 @@ class Engine:
                         emits.append((r, last))
                 continue
             exit_now = r.depth == loops - 1
-            if index in hazard:
+            replayed = r.replay_exits is not None and len(r.exit_depths) < len(r.replay_exits)
+            if replayed:  # recomputing after a preemption: leave where the token left
+                exit_now = r.depth == r.replay_exits[len(r.exit_depths)]
+            elif index in hazard:
                 lam = hazard[index]
                 spent = 1.0 - r.remaining * (1.0 - lam)  # cumulative exit probability so far
                 r.remaining *= 1.0 - lam
@@ -418,15 +421,18 @@ class Engine:
     def preempt(self, request_id: int) -> None:
         """Free a running request's KV, pages and slot now, between steps, and queue it
         again ahead of every later arrival. Readmitted, it recomputes its prompt and feeds
-        the tokens it had produced back through the decode path (its output count drops
-        until they are back), then goes on: the same tokens as without the preemption
-        (greedy, teacher-forced or seeded: the replay draws no random numbers)."""
+        the tokens it had produced back through the decode path, each leaving at the depth
+        it left before (its output count drops until they are back), then goes on. The
+        replay draws no random numbers, so greedy, teacher-forced and seeded requests
+        continue as without the preemption, bit for bit where the kernels give a row the
+        same result in any batch (the CPU reference); on a GPU, kernels planned for
+        another batch shape may change last bits."""
         r = self._live(request_id)
         if r.phase == "waiting":
             raise ValueError(f"request {request_id} is waiting: it holds nothing to preempt")
         self._release(r)
         if r.replay is None or len(r.output) >= len(r.replay):
-            r.replay = list(r.output)
+            r.replay, r.replay_exits = list(r.output), list(r.exit_depths)
         r.output, r.exit_depths = [], []
         r.logprobs = [] if r.logprobs is not None else None
         r.phase, r.depth, r.chunk_start, r.slot = "waiting", 0, 0, -1

@@ -56,6 +56,7 @@ class Request:
     slot: int = -1  # token-state slot of its live decode token
     incarnation: int = -1  # bumped for every new decode token
     replay: list[int] | None = None  # tokens produced before a preemption, fed back first
+    replay_exits: list[int] | None = None  # and the depths at which they left
 
     @property
     def position(self) -> int:  # absolute position of the current decode token

@@ -127,12 +127,14 @@ class FlashInferPagedAttention:
         last = self._key
         # the very tensors planned last, unmodified since (held here, so never recycled):
         # every later layer of one traversal, without a device comparison and its sync
+        versions = _versions(block_tables, context_lengths)
         same_objects = (
             last is not None
+            and versions is not None
             and last[0] == key
             and last[3] is block_tables
             and last[4] is context_lengths
-            and last[5] == (block_tables._version, context_lengths._version)
+            and last[5] == versions
         )
         if not same_objects and (
             last is None
@@ -157,13 +159,21 @@ class FlashInferPagedAttention:
             *self._key[:3],
             block_tables,
             context_lengths,
-            (block_tables._version, context_lengths._version),
+            versions,
         )
         wrapper = self.prefill if self.use_prefill else self.decode
         out = wrapper.run(q, (key_cache, value_cache))
         if not self.has_empty_rows:
             return out
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
+
+
+def _versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensors' version counters (None for inference tensors, which keep none: their
+    contents are then compared)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
 
 
 # one planner per device (benchmarks reach the planned wrapper through planned_wrapper)

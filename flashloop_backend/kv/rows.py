@@ -31,6 +31,8 @@ class KVRows:
             )
         if self.keys.stride(-1) != 1 or self.values.stride() != self.keys.stride():
             raise ValueError("keys / values need unit stride on D and the same strides")
+        if self.blocks.dtype != torch.int64:  # block x block stride overflows 32 bits
+            raise ValueError(f"blocks must be int64; got {self.blocks.dtype}")
         needed = -(-self.count // self.block_size) if self.count > 0 else 0
         if self.count < 0 or self.blocks.shape != (needed,):
             raise ValueError(

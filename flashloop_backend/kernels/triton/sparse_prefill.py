@@ -5,6 +5,7 @@ of BLOCK_M on the device (no host sync), each tile runs flash attention over its
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,9 @@ def tile_starts(block_tables: torch.Tensor, block_m: int) -> tuple[torch.Tensor,
 
 
 # The tile starts of the last block tables planned: every layer of a traversal passes the
-# same, unmodified tensor (held here, so its address is never recycled), which is planned
-# once instead of at every layer.
+# same, unmodified tensor, which is planned once instead of at every layer. The tensor is
+# held by a weak reference (a step's tables must not outlive it) and matched by identity
+# and version; inference tensors keep no version, so they are planned every call.
 _LAST_TILES: list = []
 
 
@@ -65,12 +67,15 @@ def planned_tile_starts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tile_starts`, reused while ``block_tables`` is the very tensor planned last
     and unmodified since."""
+    if block_tables.is_inference():
+        return tile_starts(block_tables, block_m)
     if _LAST_TILES:
         tables, version, planned_m, plan = _LAST_TILES[0]
-        if tables is block_tables and version == block_tables._version and planned_m == block_m:
+        same = tables() is block_tables and version == block_tables._version
+        if same and planned_m == block_m:
             return plan
     plan = tile_starts(block_tables, block_m)
-    _LAST_TILES[:] = [(block_tables, block_tables._version, block_m, plan)]
+    _LAST_TILES[:] = [(weakref.ref(block_tables), block_tables._version, block_m, plan)]
     return plan
 
 

@@ -226,8 +226,9 @@ def bench_end_to_end(
             "host_steps": (engine.steps - warm_steps) // passes,
             "passes": per_pass,
             "peak_allocated_gib": overall_peak / 2**30,
-            # prefill's peak, and the peak of the step that hands the prompts over (the
-            # conversion's transient use on top of the steady KV); None without that step
+            # the peak before the step that hands the last prompts over (prefill, and the
+            # conversions of prompts that finished earlier) and during it (the conversion's
+            # transient use on top of the steady KV); None without that step
             "prefill_peak_allocated_gib": gib(probe.get("peak_before_bytes")),
             "hand_over_step_peak_allocated_gib": gib(probe.get("hand_over_step_peak_bytes")),
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
