@@ -433,10 +433,10 @@ def test_the_flashinfer_plan_key_compares_contents_of_inference_tensors():
     """Inference tensors keep no version counter: the planner's key has none for them, so
     it compares contents instead of trusting the objects (vLLM-style hosts run the forward
     in inference mode)."""
-    from flashloop_backend.kernels.flashinfer import _versions
+    from flashloop_backend.kernels.validate import tensor_versions
 
     plain = torch.zeros(3, dtype=torch.int32)
-    assert _versions(plain, plain) == (plain._version, plain._version)
+    assert tensor_versions(plain, plain) == (plain._version, plain._version)
     with torch.inference_mode():
         frozen = torch.zeros(3, dtype=torch.int32)
-    assert _versions(plain, frozen) is None
+    assert tensor_versions(plain, frozen) is None

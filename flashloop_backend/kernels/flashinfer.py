@@ -17,7 +17,7 @@ import torch
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
-from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(
     devices=frozenset({"cuda"}),
@@ -127,7 +127,7 @@ class FlashInferPagedAttention:
         last = self._key
         # the very tensors planned last, unmodified since (held here, so never recycled):
         # every later layer of one traversal, without a device comparison and its sync
-        versions = _versions(block_tables, context_lengths)
+        versions = tensor_versions(block_tables, context_lengths)
         same_objects = (
             last is not None
             and versions is not None
@@ -166,14 +166,6 @@ class FlashInferPagedAttention:
         if not self.has_empty_rows:
             return out
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
-
-
-def _versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
-    """The tensors' version counters (None for inference tensors, which keep none: their
-    contents are then compared)."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple(t._version for t in tensors)
 
 
 # one planner per device (benchmarks reach the planned wrapper through planned_wrapper)

@@ -70,3 +70,11 @@ def check_triton_paged(q, key_cache, value_cache, block_tables, context_lengths)
     if block_tables.stride(-1) != 1:  # rows may share one table through a zero row stride
         block_tables = block_tables.contiguous()
     return rows, num_q_heads, head_dim, block_tables
+
+
+def tensor_versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensors' version counters, for plans reused while their inputs are the very
+    tensors planned and unmodified; None for inference tensors, which keep none."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
-from flashloop_backend.kernels.validate import check_triton_paged
+from flashloop_backend.kernels.validate import check_triton_paged, tensor_versions
 
 
 @dataclass(frozen=True)
@@ -67,15 +67,16 @@ def planned_tile_starts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tile_starts`, reused while ``block_tables`` is the very tensor planned last
     and unmodified since."""
-    if block_tables.is_inference():
+    versions = tensor_versions(block_tables)
+    if versions is None:
         return tile_starts(block_tables, block_m)
     if _LAST_TILES:
-        tables, version, planned_m, plan = _LAST_TILES[0]
-        same = tables() is block_tables and version == block_tables._version
+        tables, planned_versions, planned_m, plan = _LAST_TILES[0]
+        same = tables() is block_tables and planned_versions == versions
         if same and planned_m == block_m:
             return plan
     plan = tile_starts(block_tables, block_m)
-    _LAST_TILES[:] = [(weakref.ref(block_tables), block_tables._version, block_m, plan)]
+    _LAST_TILES[:] = [(weakref.ref(block_tables), versions, block_m, plan)]
     return plan
 
 

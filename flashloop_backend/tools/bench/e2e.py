@@ -225,13 +225,13 @@ def bench_end_to_end(
             "total_s": total / passes,
             "host_steps": (engine.steps - warm_steps) // passes,
             "passes": per_pass,
-            "peak_allocated_gib": overall_peak / 2**30,
+            "peak_allocated_gib": gib(overall_peak),
             # the peak before the step that hands the last prompts over (prefill, and the
             # conversions of prompts that finished earlier) and during it (the conversion's
             # transient use on top of the steady KV); None without that step
             "prefill_peak_allocated_gib": gib(probe.get("peak_before_bytes")),
             "hand_over_step_peak_allocated_gib": gib(probe.get("hand_over_step_peak_bytes")),
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "peak_reserved_gib": gib(torch.cuda.max_memory_reserved()),
             "kv_bytes_per_token": engine.kv.bytes_per_token(),
             "failed_requests": concurrency - len(done),  # of the last pass
             # once every prompt is in: BF16 blocks in use + packed steady bytes (KV quantization)
