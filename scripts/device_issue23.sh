@@ -15,12 +15,15 @@
 #               0.5 and 0.25: the Triton tiled kernel, FlashInfer over runs of consecutive
 #               rows, FlashInfer's dense causal prefill; the kernel's launch sweep at 8K
 #               and 32K (register caps included)
+#   host        each prefill step's host time beside its wait for the device at 8K x 1
+#               (24 layers): dense, all on, KV quantization alone, token-sparse alone
+#               (scripts/profile_host.py)
 #   warm        TTFT at 8K x 1 and 32K x 1 (24 layers) after a warm-up at the timed length
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: conversion, ttft, ttft16, profile, prefill or warm}" in
+case "${1:?stage: conversion, ttft, ttft16, profile, prefill, host or warm}" in
   conversion)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_packed_kv.py \
       -k "level_writer or layers_per_pass" 2>&1 | tee "$OUT/gpu_tests_level_writer.log" | tail -2
@@ -61,6 +64,16 @@ case "${1:?stage: conversion, ttft, ttft16, profile, prefill or warm}" in
     for context in 8192 32768; do
       run python3 scripts/sweep_sparse_prefill.py "$context" > "$OUT/sweep_sparse_prefill_$context.jsonl" 2>&1
       cat "$OUT/sweep_sparse_prefill_$context.jsonl"
+    done ;;
+  host)
+    for case in "triton none" "flashloop configs/all_on.json" \
+        "flashloop configs/kv_quant_fixed_prompt.json" "flashloop configs/token_sparse_prefill.json"; do
+      set -- $case
+      name="host_$1_$(basename "$2" .json)_8k"
+      config=(); [ "$2" = none ] || config=(--config "$2")
+      run python3 scripts/profile_host.py --backend "$1" "${config[@]}" --context 8192 --layers 24 \
+        --rows 40 --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "$name"; tail -1 "$OUT/$name.log"
     done ;;
   warm)
     # the timed pass after a warm-up pass at the timed prompt length (every kernel compiled

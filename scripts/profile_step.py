@@ -39,6 +39,7 @@ def _engine(args, model, request):
         prefill_chunk=args.prefill_chunk,
         max_batch_tokens=args.prefill_chunk * args.concurrency,
         max_context=args.context + 64,
+        max_slots=args.concurrency,
     )
 
 

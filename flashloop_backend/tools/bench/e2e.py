@@ -193,6 +193,9 @@ def bench_end_to_end(
             prefill_chunk=prefill_chunk,
             cuda_graphs=graphs,
             max_context=tokens_per_request,
+            # one decode slot per request: per-slot state (the sparse-decode references)
+            # sized for the workload, not for a serving batch of 256
+            max_slots=concurrency,
         )
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
@@ -262,6 +265,7 @@ def bench_end_to_end(
         "new_tokens": new_tokens,
         "prefill_chunk": prefill_chunk,
         "max_batch_tokens": max_batch_tokens,
+        "max_slots": concurrency,
         "warmup_context": warmup_context or context,
         "passes": passes,
         "method": f"{passes} timed pass(es) after an untimed warm-up pass (prompts cut to "
