@@ -12,6 +12,7 @@ each one unconditionally.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -204,3 +205,24 @@ class AttentionBackend(ABC):
         every count is 0 once every request has been released). Reads the device: not for
         the step path."""
         return {}
+
+    # ------------------------------------------------------------ saved request state
+    def state_identity(self) -> dict:
+        """What a saved request state depends on: the backend, its configuration's digest
+        (algorithms and encoding) and the packed KV encoding (None without one)."""
+        digest = hashlib.sha256(self.config.canonical_json().encode()).hexdigest()[:16]
+        return {"backend": self.info.selected_backend, "config_digest": digest, "kv_encoding": None}
+
+    def export_request(self, request_id: int) -> dict[str, torch.Tensor]:
+        """The request's state in the backend's own pools as CPU tensors, between tokens
+        (no loop-2 reference is live then); :meth:`import_request` takes it back."""
+        return {}
+
+    def import_request(self, request_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Take an admitted request's state from :meth:`export_request`'s tensors; a
+        refusal (``ValueError`` naming the tensor) takes nothing."""
+        if tensors:
+            raise ValueError(
+                f"backend {self.info.selected_backend!r} keeps no per-request state; got "
+                f"tensors {sorted(tensors)[:4]}"
+            )

@@ -295,6 +295,36 @@ class FlashLoopBackend(AttentionBackend):
         if self.states is not None and slot >= 0:
             self.states.retire(slot)
 
+    # ------------------------------------------------------------ saved request state
+    def state_identity(self) -> dict:
+        quant = self.config.kv_residual_quantization
+        encoding = None
+        if quant.enabled:
+            sparse = self.config.token_sparse_prefill.enabled
+            encoding = encoding_descriptor(quant.group_size, quant.policy, quant.tail_size, sparse)
+        return super().state_identity() | {"kv_encoding": encoding}
+
+    def export_request(self, request_id: int) -> dict[str, torch.Tensor]:
+        if self.packed is None:
+            return {}
+        stored = self.packed.store.export_sequence(request_id)
+        return {f"packed.{name}": tensor for name, tensor in stored.items()}
+
+    def import_request(self, request_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        if self.packed is None:
+            super().import_request(request_id, tensors)
+            return
+        foreign = sorted(name for name in tensors if not name.startswith("packed."))
+        if foreign:
+            raise ValueError(
+                f"flashloop keeps only packed.* tensors per request; got {foreign[:4]}"
+            )
+        stored = {name.removeprefix("packed."): t for name, t in tensors.items()}
+        if stored:
+            self.packed.store.import_sequence(request_id, stored)
+        if self.packed.policy != "rolling":  # as after a prompt's packing
+            self.packed.store.unreserve(request_id)
+
     # ------------------------------------------------------------ steps and graphs
     def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
         """Which decode rows read which packed levels (KV quantization; see ``PackedState``)."""

@@ -19,6 +19,7 @@ import torch
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
+from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
 from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
@@ -47,7 +48,7 @@ class _LayerAttention:
         return self.backend.forward(q, key_view, value_view, self.batch.view, layer=layer)
 
 
-class Engine:
+class Engine(RequestSnapshots):
     def __init__(
         self,
         model: OuroModel,
@@ -112,6 +113,7 @@ class Engine:
         # Prompts whose first token is out, handed to the backend (KV quantization packs
         # them) when the next step starts: the packing is not on the first token's path.
         self._prompts_to_hand_over: list[Request] = []
+        self._fingerprint: str | None = None  # the model's, computed on first use
         backend.reserve(
             EngineCapacity(
                 max_slots=max_slots,

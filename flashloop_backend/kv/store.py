@@ -56,6 +56,37 @@ def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: b
     }
 
 
+POOL_NAMES = ("k_codes", "k_min", "k_scale", "v_codes", "v_min", "v_scale")  # ``pools`` order
+
+
+def _int_pair(tensors: dict[str, torch.Tensor], key: str) -> tuple[int, int]:
+    value = tensors.get(key)
+    if value is None or value.shape != (2,) or value.dtype not in (torch.int32, torch.int64):
+        found = None if value is None else f"{value.dtype} {list(value.shape)}"
+        raise ValueError(f"packed tensor {key!r} must be int64 [2]; found {found}")
+    first, second = (int(v) for v in value.tolist())
+    if first < 0 or second < 1:
+        raise ValueError(f"packed tensor {key!r} = {[first, second]}: rows >= 0, depths >= 1")
+    return first, second
+
+
+def _checked_map(mapping: torch.Tensor | None, depth: int, rows: int, capacity: int):
+    """A level's logical -> compact map, or None for a dense level (whose pages must then
+    cover every row)."""
+    if mapping is None:
+        if capacity < rows:
+            raise ValueError(f"dense packed level {depth} holds {capacity} rows; needs {rows}")
+        return None
+    if mapping.dtype != torch.int32 or mapping.shape != (rows,):
+        raise ValueError(
+            f"packed tensor 'level{depth}.map' must be int32 [{rows}]; found "
+            f"{mapping.dtype} {list(mapping.shape)}"
+        )
+    if rows and not bool(((mapping >= -1) & (mapping < capacity)).all()):
+        raise ValueError(f"packed tensor 'level{depth}.map' points outside [-1, {capacity})")
+    return mapping.clone()
+
+
 class OutOfPackedPagesError(MemoryError):
     """The packed pool cannot give a sequence the pages it asks for; nothing was taken."""
 
@@ -157,6 +188,75 @@ class PackedKVStore:
         if levels is not None:
             for pages in levels.pages:
                 self._free.extend(pages)
+
+    def export_sequence(self, sequence: int) -> dict[str, torch.Tensor]:
+        """The sequence's stored levels as CPU tensors, the input of :meth:`import_sequence`
+        in any store of the same geometry: ``levels`` [2] (logical rows, depths), per level d
+        its pages gathered in level order (``level{d}.k_codes`` ... ``level{d}.v_scale``,
+        each [pages, *pool page shape]) and, for a compact level, ``level{d}.map`` [rows]
+        int32. Empty when nothing is stored for it."""
+        levels = self.sequences.get(sequence)
+        if levels is None:
+            return {}
+        out = {"levels": torch.tensor([levels.rows, len(levels.pages)])}
+        for depth, pages in enumerate(levels.pages):
+            index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
+            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
+                out[f"level{depth}.{name}"] = pool[index].cpu()
+            if levels.host_maps[depth] is not None:
+                out[f"level{depth}.map"] = levels.host_maps[depth].clone()
+        return out
+
+    def import_sequence(self, sequence: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store what :meth:`export_sequence` gave, on new pages drawn from the sequence's
+        reservation first (as an append's). Every tensor is checked against this store's
+        geometry before a page is taken; a refusal (``ValueError`` naming the tensor,
+        ``OutOfPackedPagesError``) takes nothing."""
+        if sequence in self.sequences:
+            raise ValueError(f"sequence {sequence} is already stored; release it first")
+        rows, depths = _int_pair(tensors, "levels")
+        g = self.group_size
+        counts, maps = [], []
+        for depth in range(depths):
+            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
+                key = f"level{depth}.{name}"
+                got = tensors.get(key)
+                if got is None or got.dtype != pool.dtype or got.shape[1:] != pool.shape[1:]:
+                    found = None if got is None else f"{got.dtype} {list(got.shape)}"
+                    raise ValueError(
+                        f"packed tensor {key!r} must be {pool.dtype} [pages, "
+                        f"{', '.join(map(str, pool.shape[1:]))}]; found {found}"
+                    )
+                if name == POOL_NAMES[0]:
+                    counts.append(got.shape[0])
+                elif got.shape[0] != counts[-1]:
+                    raise ValueError(
+                        f"packed tensor {key!r} has {got.shape[0]} pages, "
+                        f"level{depth}.k_codes {counts[-1]}"
+                    )
+            maps.append(_checked_map(tensors.get(f"level{depth}.map"), depth, rows, counts[-1] * g))
+        needed = sum(counts)
+        own = self._reserved.get(sequence, 0)
+        if needed > own + self.unreserved_pages():
+            raise OutOfPackedPagesError(
+                f"packed KV for sequence {sequence} needs {needed} pages, "
+                f"{own + self.unreserved_pages()} free of {self.num_pages} ({own} reserved for it)"
+            )
+        if own:
+            self._reserved[sequence] = own - min(own, needed)
+        device = self.k_codes.device
+        levels = SequenceLevels(rows, [], [], [])
+        for depth, count in enumerate(counts):
+            pages = [self._free.pop() for _ in range(count)]
+            index = torch.tensor(pages, dtype=torch.long, device=device)
+            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
+                pool[index] = tensors[f"level{depth}.{name}"].to(device)
+            levels.pages.append(pages)
+            levels.host_maps.append(maps[depth])
+            levels.maps.append(None if maps[depth] is None else maps[depth].to(device))
+        self._appends += 1
+        levels.version = self._appends
+        self.sequences[sequence] = levels
 
     def encode(
         self,

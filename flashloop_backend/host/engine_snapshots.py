@@ -1,0 +1,173 @@
+"""Snapshot and restore of one request between tokens, as :class:`Engine` methods
+(docs/snapshot.md; the file format is :mod:`flashloop_backend.host.snapshot`)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashloop_backend.host.kvcache import OutOfBlocksError
+from flashloop_backend.host.prompt_schedule import PromptSchedule
+from flashloop_backend.host.requests import Request, SamplingParams, checked_params
+from flashloop_backend.host.snapshot import (
+    SNAPSHOT_FORMAT,
+    RequestSnapshot,
+    SnapshotError,
+    check_matches,
+    model_fingerprint,
+)
+
+
+class RequestSnapshots:
+    """The engine's snapshot and restore (a mixin of :class:`Engine`: it uses the
+    engine's pools, requests and slots)."""
+
+    def at_token_boundary(self, request_id: int) -> bool:
+        """Whether the request decodes and its current token has run no loop yet: the
+        point where :meth:`snapshot` may save it (no loop-2 reference is live)."""
+        r = self._live(request_id)
+        return r.phase == "decode" and r.depth == 0
+
+    def _identity(self) -> tuple[dict, dict]:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        identity = {"model": self._fingerprint, **self.backend.state_identity()}
+        geometry = {
+            "block_size": self.kv.block_size,
+            "num_layers": self.cfg.num_hidden_layers,
+            "kv_heads": self.cfg.num_key_value_heads,
+            "head_dim": self.cfg.head_dim,
+            "depths": self.cfg.total_ut_steps,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+        return identity, geometry
+
+    def snapshot(self, request_id: int) -> RequestSnapshot:
+        """The request's whole state between tokens, on the host (reads the device): its
+        BF16 blocks on every plane, the backend's pages, its token-sparse prompt schedule,
+        the current token's hidden state and the sampler's RNG. The request keeps running."""
+        r = self._live(request_id)
+        if not self.at_token_boundary(request_id):
+            raise ValueError(
+                f"request {request_id} is in phase {r.phase!r} at loop {r.depth}: a snapshot "
+                "is taken between tokens (phase 'decode', loop 0; step until at_token_boundary)"
+            )
+        self.hand_over_prompts()  # a prompt done in the last step is packed first
+        identity, geometry = self._identity()
+        bs, written = self.kv.block_size, r.position  # the current token's KV is not written
+        planes = [
+            plane
+            for plane in [self.kv.block_table(r.id, d) for d in range(self.cfg.total_ut_steps)]
+        ]
+        first = next((i for i, b in enumerate(planes[0]) if b >= 0), len(planes[0]))
+        last = max(first, -(-written // bs))
+        index = torch.tensor([p[first:last] for p in planes], dtype=torch.long).to(self.device)
+        tensors = {
+            "bf16.keys": self.kv.key_pool[index].cpu(),
+            "bf16.values": self.kv.value_pool[index].cpu(),
+            "hidden": r.hidden.cpu(),
+            **self.backend.export_request(r.id),
+        }
+        if r.generator is not None:
+            tensors["rng"] = r.generator.get_state()
+        if r.schedule is not None and r.schedule.sparsity is not None:
+            tensors["prompt_active"] = torch.stack(r.schedule.active_history).cpu()
+        if r.logprobs:
+            tensors["logprobs"] = torch.stack(r.logprobs).cpu()
+        request = {
+            "prompt": r.prompt,
+            "output": r.output,
+            "exit_depths": r.exit_depths,
+            "params": {**vars(r.params), "stop": list(r.params.stop)},
+            "forced": r.forced,
+            "keep_logprobs": r.logprobs is not None,
+            "replay": r.replay,
+            "replay_exits": r.replay_exits,
+        }
+        manifest = {
+            "format": SNAPSHOT_FORMAT,
+            "identity": identity,
+            "geometry": geometry,
+            "request": request,
+            "bf16_first_block": first,
+            "live_references": 0,
+        }
+        return RequestSnapshot(manifest, tensors)
+
+    def restore(self, snapshot: RequestSnapshot, max_new_tokens: int | None = None) -> int:
+        """Admit a request saved by :meth:`snapshot` (in any engine of the same model,
+        backend configuration and KV geometry) where it stopped; ``max_new_tokens``: how
+        many more tokens it may make (default: what it had left). Returns its new id. A
+        snapshot that does not match, or a request the pools cannot hold now, is refused
+        before anything is taken or after everything taken is given back."""
+        check_matches(snapshot, *self._identity())
+        saved, tensors = snapshot.manifest["request"], snapshot.tensors
+        made = len(saved["output"])
+        wanted = saved["params"] | {"stop": tuple(saved["params"]["stop"])}
+        if max_new_tokens is not None:
+            wanted["max_new_tokens"] = made + max_new_tokens
+        forced = saved["forced"]
+        params = checked_params(
+            saved["prompt"], SamplingParams(**wanted), None, self.cfg.vocab_size, self.max_context
+        )
+        if forced is not None and len(forced) < params.max_new_tokens:
+            raise ValueError(
+                f"a teacher-forced request has {len(forced)} tokens to feed; "
+                f"max_new_tokens {params.max_new_tokens} needs more"
+            )
+        if not self._free_slots:
+            raise OutOfBlocksError(f"no token-state slot is free (max_slots={self.max_slots})")
+        r = Request(self._next_id, list(saved["prompt"]), params, None, phase="decode")
+        total = len(r.prompt) + params.max_new_tokens
+        self.kv.reserve(r.id, total)  # atomic: nothing held when it raises
+        try:
+            self.backend.admit(r.id, len(r.prompt), params.max_new_tokens)
+            self.backend.import_request(
+                r.id, {k: t for k, t in tensors.items() if "." in k and not k.startswith("bf16.")}
+            )
+            self._write_blocks(r.id, snapshot.manifest["bf16_first_block"], tensors)
+        except BaseException:
+            self.kv.release(r.id)
+            self.backend.release(r.id, -1)
+            raise
+        r.output, r.exit_depths = list(saved["output"]), list(saved["exit_depths"])
+        r.forced = None if forced is None else list(forced)
+        r.replay, r.replay_exits = saved["replay"], saved["replay_exits"]
+        r.hidden = tensors["hidden"].to(self.device, self.dtype)
+        if params.temperature > 0:
+            r.generator = torch.Generator(device=self.device)
+            r.generator.set_state(tensors["rng"])
+        if saved["keep_logprobs"]:
+            r.logprobs = list(tensors["logprobs"]) if "logprobs" in tensors else []
+        if self.sparsity is not None:
+            loops = self.cfg.total_ut_steps
+            r.schedule = PromptSchedule(len(r.prompt), self.sparsity, loops, self.device)
+            r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
+        r.slot = self._free_slots.pop()
+        self._incarnations += 1
+        r.incarnation = self._incarnations
+        self._requests[r.id] = r
+        self._next_id += 1
+        return r.id
+
+    def _write_blocks(self, request_id: int, first: int, tensors: dict) -> None:
+        """Put a snapshot's BF16 blocks (from block ``first`` of every plane) into the
+        request's reserved blocks, freeing the ones before ``first`` (packed)."""
+        keys, values = tensors["bf16.keys"], tensors["bf16.values"]
+        planes = [self.kv.block_table(request_id, d) for d in range(self.cfg.total_ut_steps)]
+        count = keys.shape[1] if keys.dim() == 6 else -1
+        shape = (len(planes), count, *self.kv.key_pool.shape[1:])
+        if keys.dim() != 6 or keys.shape != shape or values.shape != shape:
+            raise SnapshotError(
+                f"bf16.keys / bf16.values must be [{', '.join(map(str, shape))}]; "
+                f"found {list(keys.shape)} / {list(values.shape)}"
+            )
+        if first + count > len(planes[0]):
+            raise SnapshotError(
+                f"the snapshot's BF16 blocks {first}..{first + count} lie past "
+                f"the {len(planes[0])} reserved"
+            )
+        self.kv.drop_prefix(request_id, first * self.kv.block_size)
+        index = torch.tensor([p[first : first + count] for p in planes], dtype=torch.long)
+        index = index.to(self.device)
+        self.kv.key_pool[index] = keys.to(self.device, self.kv.key_pool.dtype)
+        self.kv.value_pool[index] = values.to(self.device, self.kv.value_pool.dtype)
