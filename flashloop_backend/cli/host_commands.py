@@ -28,6 +28,7 @@ FINISH_WORDS = {
     "eos": "end-of-sequence token",
     "stop": "stop string",
     "forced": "teacher-forced continuation",
+    "snapshot": "saved with --snapshot",
 }
 
 
@@ -167,41 +168,108 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from flashloop_backend.host.engine import SamplingParams
-    from flashloop_backend.host.generation import generate_with_progress
-    from flashloop_backend.host.kvcache import OutOfBlocksError
-
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    engine, tokenizer, selection = _setup(args, log)
-    prompt = _encode(tokenizer, engine, args.prompt)
-    start = time.perf_counter()
-    try:  # bad sampling values, a prompt too long for the model, or for the KV pool
-        params = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+def _check_generate_args(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.restore is None):
+        raise ConfigError("give exactly one of --prompt TEXT and --restore FILE")
+    if (args.snapshot is None) != (args.snapshot_after is None):
+        raise ConfigError("--snapshot FILE and --snapshot-after M go together")
+    if args.snapshot is not None and args.restore is not None:
+        raise ConfigError("--snapshot with --restore: restore first, snapshot in a later run")
+    if args.snapshot_after is not None and args.snapshot_after >= args.max_new_tokens:
+        raise ConfigError(
+            f"--snapshot-after {args.snapshot_after} must be below --max-new-tokens "
+            f"{args.max_new_tokens} (the request must still run when it is saved)"
         )
-        result = generate_with_progress(engine, [prompt], params, "generate")[0]
+
+
+def _run_one(engine, submit, prompt_rows: int, args, label: str):
+    """Submit one request (``submit()`` returns its id) and run it to its end, or to its
+    ``--snapshot-after`` token boundary, saved and cancelled there; returns its result.
+    ``prompt_rows``: its prompt rows to prefill (0: restored) for the progress bar."""
+    from flashloop_backend.host.generation import run_with_progress
+    from flashloop_backend.host.kvcache import OutOfBlocksError
+    from flashloop_backend.host.snapshot import save_snapshot
+
+    try:  # bad sampling values, a prompt too long for the model, or for the KV pool
+        rid = submit()
+        if args.snapshot is None:
+            rows = prompt_rows * engine.cfg.total_ut_steps
+            return run_with_progress(engine, [rid], rows, args.max_new_tokens, label)[0]
+        while engine.output_count(rid) is not None and not (
+            engine.output_count(rid) >= args.snapshot_after and engine.at_token_boundary(rid)
+        ):
+            finished = engine.step()
+            if finished:
+                made = len(finished[0].output_token_ids)
+                raise ConfigError(
+                    f"the request finished ({finished[0].finish_reason}) after {made} tokens, "
+                    f"before --snapshot-after {args.snapshot_after}: nothing to snapshot"
+                )
+        save_snapshot(engine.snapshot(rid), args.snapshot)
+        return engine.cancel(rid)
     except (ValueError, OutOfBlocksError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from flashloop_backend.host.engine import SamplingParams
+    from flashloop_backend.host.snapshot import SnapshotError, load_snapshot
+
+    _check_generate_args(args)
+    snapshot = None
+    if args.restore is not None:  # a bad file is refused before the model loads
+        try:
+            snapshot = load_snapshot(args.restore)
+        except SnapshotError as exc:
+            raise ConfigError(str(exc)) from None
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    engine, tokenizer, selection = _setup(args, log)
+    start = time.perf_counter()
+    if snapshot is not None:
+        before = len(snapshot.manifest["request"]["output"])
+
+        def submit() -> int:
+            try:
+                return engine.restore(snapshot, args.max_new_tokens)
+            except SnapshotError as exc:
+                raise ConfigError(str(exc)) from None
+
+        prompt_text = tokenizer.decode(snapshot.manifest["request"]["prompt"])
+    else:
+        prompt = _encode(tokenizer, engine, args.prompt)
+        before, prompt_text = 0, args.prompt
+
+        def submit() -> int:
+            params = SamplingParams(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+            )
+            return engine.add_request(prompt, params)
+
+    result = _run_one(engine, submit, 0 if args.restore else len(prompt), args, "generate")
     seconds = time.perf_counter() - start
+    tokens = result.output_token_ids[before:]
     # output token i comes from the loop the state before it left: the prompt's last token
     # runs every loop, each generated one until its exit
-    exits = [engine.cfg.total_ut_steps - 1, *result.exit_depths][: len(result.output_token_ids)]
+    loops = engine.cfg.total_ut_steps
+    exits = [loops - 1, *result.exit_depths][: len(result.output_token_ids)][before:]
+    finish = "snapshot" if args.snapshot is not None else result.finish_reason
     if args.json:
         record = {
             "prompt_token_ids": result.prompt_token_ids,
-            "output_token_ids": result.output_token_ids,
-            "output_text": tokenizer.decode(result.output_token_ids),
-            "finish_reason": result.finish_reason,
+            "output_token_ids": tokens,
+            "output_text": tokenizer.decode(tokens),
+            "finish_reason": finish,
             "exit_depths": exits,
             "backend": selection.info.selected_backend,
             "seconds": seconds,
         }
+        if args.snapshot is not None:
+            record["snapshot"] = args.snapshot
         print(json.dumps(record))
     else:
-        print(args.prompt + tokenizer.decode(result.output_token_ids))
-        why = FINISH_WORDS.get(result.finish_reason, result.finish_reason)
-        log(f"[{len(result.output_token_ids)} tokens, {seconds:.2f} s, stopped: {why}]")
+        print(prompt_text + tokenizer.decode(result.output_token_ids))
+        why = FINISH_WORDS.get(finish, finish)
+        log(f"[{len(tokens)} tokens, {seconds:.2f} s, stopped: {why}]")
     return 0
 
 
@@ -357,11 +425,23 @@ def add_commands(sub) -> None:
     demo.set_defaults(handler=_demo)
     gen = sub.add_parser("generate", help="generate from an Ouro checkpoint")
     _common(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", help="prompt text (or --restore FILE)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
+    gen.add_argument("--snapshot", metavar="FILE", help="save the request here and stop")
+    gen.add_argument(
+        "--snapshot-after",
+        type=positive_int,
+        metavar="M",
+        help="save after M generated tokens (with --snapshot)",
+    )
+    gen.add_argument(
+        "--restore",
+        metavar="FILE",
+        help="continue a saved request for --max-new-tokens more tokens",
+    )
     gen.set_defaults(handler=_generate)
     ev = sub.add_parser(
         "eval", help="quality of a FlashLoop config against dense (teacher-forced decode)"

@@ -19,15 +19,26 @@ def generate_with_progress(
     """Run ``prompts`` to completion (results in prompt order) with two bars on stderr:
     prompt rows x loops while any prompt is waiting or prefilling, then tokens generated.
     ``after_step(engine)`` runs after every step (e.g. to sample the KV held)."""
-    start = engine.counters()
     ids = [engine.add_request(p, params) for p in prompts]
-    loops = engine.cfg.total_ut_steps
-    prefill = ProgressBar(
-        f"{label}: prefill", sum(map(len, prompts)) * loops, "prompt rows x loops"
-    )
-    tokens = ProgressBar(
-        f"{label}: generate", len(prompts) * params.max_new_tokens, "tokens", rate_unit="tokens"
-    )
+    rows = sum(map(len, prompts)) * engine.cfg.total_ut_steps
+    new_tokens = len(prompts) * params.max_new_tokens
+    return run_with_progress(engine, ids, rows, new_tokens, label, after_step)
+
+
+def run_with_progress(
+    engine: Engine,
+    ids: list[int],
+    prompt_rows: int,
+    new_tokens: int,
+    label: str,
+    after_step: Callable[[Engine], None] | None = None,
+) -> list[GenerationResult]:
+    """Run the submitted requests ``ids`` to completion (results in their order) with the
+    bars of :func:`generate_with_progress`: ``prompt_rows`` prompt rows x loops to prefill
+    (0 for restored requests), ``new_tokens`` tokens to make."""
+    start = engine.counters()
+    prefill = ProgressBar(f"{label}: prefill", prompt_rows, "prompt rows x loops")
+    tokens = ProgressBar(f"{label}: generate", new_tokens, "tokens", rate_unit="tokens")
     results: dict[int, GenerationResult] = {}
     try:
         while engine.has_unfinished():
