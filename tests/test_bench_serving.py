@@ -178,3 +178,25 @@ def test_warm_up_meets_every_graph_bucket_up_to_the_largest_concurrency():
     workloads = [{"concurrency": None}, {"concurrency": 1}, {"concurrency": 16}]
     assert warm_up_sizes(workloads, (1, 2, 4, 8, 16, 32)) == [1, 2, 4, 8, 16]
     assert warm_up_sizes([{"concurrency": None}]) == [2]  # eager host: no buckets
+
+
+def test_a_shared_prefix_workload_counts_hits_misses_and_computed_rows(model):
+    """Closed loop of 4 prompts that share their first 64 tokens, one in flight at a
+    time: the first misses and publishes, the other three reuse the 64 positions and
+    compute only their own rows (4 loops each)."""
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    variants = [v for v in variants_for(config, "torch") if v.name == "dense"]
+    workloads = [
+        {
+            "name": "shared",
+            "arrivals": fixed_arrival_schedule(4, 1.0, [80], [2]),
+            "concurrency": 1,
+            "shared_prefix": 64,
+        }
+    ]
+    (record,) = serve_variants(
+        model, _request(model), variants, workloads, 256, 16, log=lambda m: None, prefix_cache=True
+    )
+    assert record["completed"] == 4
+    assert record["prefix"] == {"lookups": 4, "hits": 3, "misses": 1, "reused_tokens": 3 * 64}
+    assert record["prompt_rows"] == (80 + 3 * 16) * 4

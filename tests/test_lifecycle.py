@@ -36,10 +36,16 @@ COMBINATIONS = [*feature_combinations(ALL_ON), (("all", "rolling"), ROLLING)]
 NUM_BLOCKS = 160
 
 
-def _engine(model, config):
+def _engine(model, config, prefix_cache=False):
     backend = Registry.discover().create("flashloop", REQUEST, config)
     return Engine(
-        model, backend, num_blocks=NUM_BLOCKS, block_size=4, prefill_chunk=16, max_slots=8
+        model,
+        backend,
+        num_blocks=NUM_BLOCKS,
+        block_size=4,
+        prefill_chunk=16,
+        max_slots=8,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -60,12 +66,18 @@ def _check(engine) -> None:
     assert pools["free_slots"] + sum(r.slot >= 0 for r in live) == pools["max_slots"]
     slots = [r.slot for r in live if r.slot >= 0]
     assert len(set(slots)) == len(slots)
-    held = sum(
-        sum(b >= 0 for plane in engine.kv._tables[r.id].planes for b in plane)
+    held = {  # a block shared by requests and the prefix cache counts once
+        b
         for r in live
         if engine.kv.has(r.id)
-    )
-    assert pools["free_blocks"] + held == pools["num_blocks"]
+        for plane in engine.kv._tables[r.id].planes
+        for b in plane
+        if b >= 0
+    }
+    if engine.prefix_cache is not None:
+        held |= {b for e in engine.prefix_cache._entries for plane in e.blocks for b in plane}
+    assert pools["free_blocks"] + len(held) == pools["num_blocks"]
+    assert not held & set(engine.kv._free)
     assert all(not engine.kv.has(r.id) for r in live if r.phase == "waiting")
     if "packed_sequences" in pools:
         store = engine.backend.packed.store
@@ -125,9 +137,25 @@ def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features,
     survivors' tokens (greedy and seeded sampling, some stopping at EOS, some long enough
     for the rolling policy to flush generated groups) equal those of running them alone;
     when all have left the pools are back at the baseline."""
+    _fuzz(features, config, prefix_cache=False)
+
+
+@pytest.mark.parametrize(
+    ("features", "config"), [COMBINATIONS[0], *COMBINATIONS[-2:]], ids=["dense", "all", "rolling"]
+)
+def test_the_fuzz_with_shared_prompt_prefixes_and_the_prefix_cache_on(features, config):
+    """The same with prompts grown from two stems, so later prompts share published
+    prefixes (and cancelled or preempted sharers leave them to the cache): blocks held by
+    requests and the cache together, each once; the cache cleared, the baseline."""
+    _fuzz(features, config, prefix_cache=True)
+
+
+def _fuzz(features, config, prefix_cache: bool) -> None:
     model = tiny_model(seed=5, eos_token_id=7)  # requests that heed EOS stop anywhere
-    rng = random.Random(sum(map(ord, "+".join(features))))
-    engine = _engine(model, config)
+    rng = random.Random(sum(map(ord, "+".join(features))) + 3 * prefix_cache)
+    stem_rng = random.Random(len(features))  # the plain fuzz draws what it always drew
+    stems = [[stem_rng.randrange(1, 61) for _ in range(48)] for _ in range(2)]
+    engine = _engine(model, config, prefix_cache)
     baseline = _baseline(engine)
     prompts, survivors, preempted = {}, {}, set()
     for _ in range(60):
@@ -135,6 +163,8 @@ def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features,
         running = sorted(r.id for r in engine._requests.values() if r.phase != "waiting")
         if action < 0.25 and len(prompts) < 10:
             prompt = [rng.randrange(1, 61) for _ in range(rng.randrange(1, 45))]
+            if prefix_cache:
+                prompt = rng.choice(stems)[: rng.randrange(20, 49)] + prompt[:12]
             sampled = rng.random() < 0.5
             params = SamplingParams(
                 max_new_tokens=rng.randrange(1, 7) + 18 * (rng.random() < 0.2),
@@ -156,6 +186,9 @@ def test_random_admit_cancel_preempt_finish_keeps_the_pools_consistent(features,
         for result in engine.step():
             survivors[result.request_id] = result.output_token_ids
         _check(engine)
+    if prefix_cache:
+        assert engine.prefix_counters()["prefix_hits"] > 0
+        engine.prefix_cache.clear()
     assert engine.pools() == baseline
     assert survivors and len(survivors) < len(prompts)  # some finished, some were cancelled
     assert preempted  # (the recompute itself is checked against a lone run below when one

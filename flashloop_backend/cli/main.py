@@ -233,6 +233,8 @@ def _bench(args: argparse.Namespace) -> int:
             log=progress_log,
             on_partial=keep,
             variant_keys=args.variants.split(",") if args.variants else None,
+            prefix_cache=args.prefix_cache,
+            shared_prefix=args.shared_prefix,
         )
     elif args.mode == "packed":
         from flashloop_backend.tools.bench.packed import bench_packed_kv
@@ -297,6 +299,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the host's torch model loads only when a command runs
+    from flashloop_backend.cli.host_commands import add_commands, non_negative_int
+
     parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -317,6 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--rate", type=float, default=2.0, help="serving: fixed-arrival requests per second"
+    )
+    bench.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="serving: engines share published prompt prefixes (hits, misses and reused "
+        "positions recorded per workload)",
+    )
+    bench.add_argument(
+        "--shared-prefix",
+        type=non_negative_int,
+        default=0,
+        help="serving: add closed loops whose prompts all start with this many equal tokens",
     )
     bench.add_argument(
         "--config",
@@ -387,10 +404,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--results", default="results", help="directory of JSON records")
     report.add_argument("--out", default="docs/figures", help="where the PNGs go")
     report.set_defaults(handler=_report)
-    from flashloop_backend.cli.host_commands import (
-        add_commands,  # the host's torch model loads only when used
-    )
-
     add_commands(sub)
     return parser
 

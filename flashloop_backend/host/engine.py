@@ -24,6 +24,7 @@ from flashloop_backend.host.features import HostRequestKV, token_sparsity
 from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
 from flashloop_backend.host.model import OuroModel
+from flashloop_backend.host.prefix_cache import PrefixCache
 from flashloop_backend.host.prompt_schedule import PromptSchedule
 from flashloop_backend.host.requests import (
     GenerationResult,
@@ -65,13 +66,16 @@ class Engine(RequestSnapshots):
         cuda_graphs: GraphSettings | None = None,
         max_context: int | None = None,
         graph_capture=None,
+        prefix_cache: bool = False,
     ) -> None:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
         and upper bound: the model's ``max_position_embeddings``. ``graph_capture``: how
         graphs are made (default CUDA graphs; tests pass a CPU recorder). ``packed_pages``
         (KV quantization): the packed pool; default enough pages to pack the most tokens the
-        BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone."""
+        BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone.
+        ``prefix_cache``: completed prompts publish their whole units and later prompts
+        with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`)."""
         cfg = model.config
         limit = cfg.max_position_embeddings
         self.max_context = max_context or limit
@@ -108,6 +112,10 @@ class Engine(RequestSnapshots):
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
         self.sparsity = token_sparsity(backend, prefill_chunk)
+        self.prefix_cache = None
+        if prefix_cache:
+            window = self.sparsity.window_size if self.sparsity is not None else None
+            self.prefix_cache = PrefixCache(self.kv, window)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         # Prompts whose first token is out, handed to the backend (KV quantization packs
@@ -203,6 +211,7 @@ class Engine(RequestSnapshots):
             "max_slots": self.max_slots,
             "live_requests": len(self._requests),
             "pending_hand_over": len(self._prompts_to_hand_over),
+            **(self.prefix_cache.held() if self.prefix_cache else {}),
             **self.backend.held(),
         }
 
@@ -215,6 +224,17 @@ class Engine(RequestSnapshots):
             "tokens_generated": self.tokens_generated,
             "prompts_running": prompts,
             "steps": self.steps,
+            **(self.prefix_counters() if self.prefix_cache else {}),
+        }
+
+    def prefix_counters(self) -> dict[str, int]:
+        """Prefix cache: admitted prompts looked up, hits, prompt positions reused (each
+        skips every loop of its row)."""
+        cache = self.prefix_cache
+        return {
+            "prefix_lookups": cache.lookups,
+            "prefix_hits": cache.hits,
+            "prefix_reused_tokens": cache.reused_tokens,
         }
 
     def kv_held(self) -> tuple[int, int]:
@@ -286,21 +306,43 @@ class Engine(RequestSnapshots):
                 continue
             if not self._free_slots:
                 break  # every token-state slot is taken: wait
-            new = request.params.max_new_tokens
-            try:
-                self.kv.reserve(request.id, len(request.prompt) + new)
-                self.backend.admit(request.id, len(request.prompt), new)
-            except (OutOfBlocksError, OutOfPackedPagesError):
-                self.kv.release(request.id)
+            schedule = self._reserve(request)
+            if schedule is None:
                 break  # first-come first-served: later requests wait behind it
             request.slot = self._free_slots.pop()
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
-            request.schedule = PromptSchedule(
-                len(request.prompt), self.sparsity, self.cfg.total_ut_steps, self.device
-            )
+            request.schedule = schedule
             request.phase = "prefill"
+
+    def _reserve(self, request: Request) -> PromptSchedule | None:
+        """Reserve a waiting request's blocks and pages, sharing the longest published
+        prefix of its prompt (prefix cache on), evicting cached prefixes while the pool is
+        short; its prompt schedule, or None when it must wait (nothing held)."""
+        new, loops = request.params.max_new_tokens, self.cfg.total_ut_steps
+        while True:
+            reused, entry = (
+                self.prefix_cache.lookup(request.prompt) if self.prefix_cache else (0, None)
+            )
+            shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
+            try:
+                self.kv.reserve(request.id, len(request.prompt) + new, shared)
+                self.backend.admit(request.id, len(request.prompt), new)
+                break
+            except (OutOfBlocksError, OutOfPackedPagesError):
+                self.kv.release(request.id)
+                if not (self.prefix_cache and self.prefix_cache.evict_one()):
+                    return None
+        active = None
+        if entry is not None:
+            self.prefix_cache.record(reused, entry)
+            active = None if entry.active is None else entry.active[:, :reused]
+        elif self.prefix_cache:
+            self.prefix_cache.record(0, None)
+        return PromptSchedule(
+            len(request.prompt), self.sparsity, loops, self.device, reused, active
+        )
 
     def _schedule(self) -> list[RowGroup]:
         budget, groups = self.max_batch_tokens, []
@@ -348,6 +390,8 @@ class Engine(RequestSnapshots):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0
                     if r.depth == loops:  # prompt done: its last token predicts the first output
+                        if self.prefix_cache is not None:
+                            self.prefix_cache.publish(r.prompt, r.id, r.schedule.history())
                         if self.on_prompt_done is not None:
                             self.on_prompt_done(self, r)
                         self._prompts_to_hand_over.append(r)

@@ -53,6 +53,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.num_depths = num_blocks, block_size, num_depths
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, _Tables] = {}
+        # blocks with more than one holder (requests sharing a published prefix, the prefix
+        # cache itself) -> holders; a block absent here has one
+        self._holders: dict[int, int] = {}
 
     # ------------------------------------------------------------ allocation
     @property
@@ -63,35 +66,62 @@ class PagedKVCache:
         """Blocks for ``num_tokens`` positions on every depth plane."""
         return -(-num_tokens // self.block_size) * self.num_depths
 
-    def reserve(self, request_id: int, num_tokens: int) -> None:
-        """Make room for positions [0, num_tokens) on every plane, atomically."""
-        tables = self._tables.setdefault(request_id, _Tables([[] for _ in range(self.num_depths)]))
+    def reserve(
+        self, request_id: int, num_tokens: int, shared: list[list[int]] | None = None
+    ) -> None:
+        """Make room for positions [0, num_tokens) on every plane, atomically. ``shared``
+        (a new request only): per plane the blocks it starts with, held by others too (a
+        published prefix); they count once more as held and are never written here."""
+        tables = self._tables.get(request_id)
+        if shared is not None and tables is not None:
+            raise ValueError(f"request {request_id} already has blocks; shared ones start a table")
         per_plane = -(-num_tokens // self.block_size)
-        missing = max(0, per_plane - len(tables.planes[0])) * self.num_depths
+        have = len(tables.planes[0]) if tables is not None else len((shared or [[]])[0])
+        missing = max(0, per_plane - have) * self.num_depths
         if missing > len(self._free):
-            if not any(tables.planes):
-                del self._tables[request_id]
             raise OutOfBlocksError(
                 f"request {request_id} needs {missing} more KV blocks for {num_tokens} tokens "
                 f"({self.num_depths} depth planes x block_size {self.block_size}); "
                 f"{len(self._free)} of {self.num_blocks} are free"
             )
+        if tables is None:
+            planes = [list(plane) for plane in shared] if shared else None
+            tables = _Tables(planes or [[] for _ in range(self.num_depths)])
+            self.retain([b for plane in tables.planes for b in plane])
+            self._tables[request_id] = tables
         for plane in tables.planes:
             while len(plane) < per_plane:
                 plane.append(self._free.pop())
                 tables.cached = None
         tables.capacity_tokens = max(tables.capacity_tokens, per_plane * self.block_size)
 
+    def retain(self, blocks: list[int]) -> None:
+        """One more holder for each block (a published prefix, a request sharing it)."""
+        for block in blocks:
+            self._holders[block] = self._holders.get(block, 1) + 1
+
+    def give_back(self, blocks: list[int]) -> None:
+        """One holder fewer for each block; a block nobody holds goes back to the pool."""
+        for block in blocks:
+            holders = self._holders.get(block, 1) - 1
+            if holders > 1:
+                self._holders[block] = holders
+            elif holders == 1:
+                del self._holders[block]
+            else:
+                self._free.append(block)
+
     def release(self, request_id: int) -> None:
         tables = self._tables.pop(request_id, None)
         if tables is not None:
             for plane in tables.planes:
-                self._free.extend(b for b in reversed(plane) if b >= 0)
+                self.give_back([b for b in reversed(plane) if b >= 0])
 
     def drop_prefix(self, request_id: int, num_tokens: int) -> int:
         """Return the blocks holding positions [0, num_tokens) on every plane to the pool
         (their table entries become -1: nothing may read them through this cache again).
-        ``num_tokens`` must be a multiple of the block size; returns the blocks freed."""
+        ``num_tokens`` must be a multiple of the block size; returns the table entries
+        dropped (a block others still hold stays with them)."""
         if num_tokens % self.block_size:
             raise ValueError(
                 f"num_tokens={num_tokens} is not a multiple of block_size={self.block_size}"
@@ -100,7 +130,7 @@ class PagedKVCache:
         for plane in self._tables[request_id].planes:
             for index in range(num_tokens // self.block_size):
                 if plane[index] >= 0:
-                    self._free.append(plane[index])
+                    self.give_back([plane[index]])
                     plane[index] = -1
                     freed += 1
         self._tables[request_id].cached = None

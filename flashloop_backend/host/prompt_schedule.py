@@ -17,12 +17,31 @@ from flashloop_backend.host.kvcache import PagedKVCache
 
 class PromptSchedule:
     def __init__(
-        self, length: int, sparsity: TokenSparsePrefillConfig | None, num_loops: int, device
+        self,
+        length: int,
+        sparsity: TokenSparsePrefillConfig | None,
+        num_loops: int,
+        device,
+        reused: int = 0,
+        reused_active: torch.Tensor | None = None,
     ) -> None:
+        """``reused``: leading positions whose KV at every depth comes from a published
+        prefix (whole selection windows); they run no depth here. ``reused_active``
+        [num_loops, reused] bool: which of them ran each depth (token-sparse prefill)."""
         self.sparsity = sparsity if sparsity is not None and sparsity.enabled else None
         self.num_loops = num_loops
+        self.reused, self.reused_active = reused, reused_active
+        if (
+            self.sparsity is not None
+            and reused
+            and (reused % self.sparsity.window_size or reused_active is None)
+        ):
+            raise ValueError(
+                f"reused={reused} positions must be whole windows of "
+                f"{self.sparsity.window_size} with their active rows per depth"
+            )
         self.active = torch.ones(length, dtype=torch.bool, device=device)
-        self.positions = list(range(length))
+        self.positions = list(range(reused, length))
         # the active positions on the device (None while every position is active): a
         # chunk's rows are gathered and scattered with one index, not a copy per run
         self.index: torch.Tensor | None = None
@@ -48,18 +67,28 @@ class PromptSchedule:
             chosen = select_in_windows(
                 scores, self.active, self.sparsity.retention[nxt], self.sparsity.window_size
             )
+            dropped = self.active & ~chosen
+            if self.reused:  # the prefix's windows chose before (their KV is final)
+                chosen[: self.reused] = self.reused_active[nxt].to(chosen.device)
+                dropped[: self.reused] = False
             # The compact host schedules on the CPU: reading the selection here is its
             # planning step.
-            dropped = (self.active & ~chosen).nonzero().flatten().tolist()
-            kv.finalize_exits(request_id, dropped, depth)
+            kv.finalize_exits(request_id, dropped.nonzero().flatten().tolist(), depth)
             self.active = chosen
-            self.index = chosen.nonzero().flatten()
+            self.index = chosen[self.reused :].nonzero().flatten() + self.reused
             self.positions = self.index.tolist()
         self.active_counts.append(len(self.positions))
         if nxt < self.num_loops:
             self.active_history.append(self.active)
         if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+
+    def history(self) -> torch.Tensor | None:
+        """[depths, T] bool: the rows that ran each depth (the prefix's as published);
+        None without token-sparse prefill (every row ran every depth)."""
+        if self.sparsity is None:
+            return None
+        return torch.stack(self.active_history)
 
     def chunk(self, start: int, count: int) -> tuple[int, tuple[int, ...]]:
         """(first position, positions) of scheduled rows [start, start+count); positions is

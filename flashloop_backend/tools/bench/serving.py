@@ -112,6 +112,8 @@ def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> Non
     for size in warm_up_sizes(workloads, buckets):
         arrivals = fixed_arrival_schedule(size, 1.0, [WARM_PROMPT], [WARM_OUTPUT])
         run_workload(engine, arrivals, vocab, concurrency=size, sync=sync)
+    if engine.prefix_cache is not None:  # no warm-up prompt serves a timed one
+        engine.prefix_cache.clear()
 
 
 def serve_variants(
@@ -126,13 +128,16 @@ def serve_variants(
     graphs=None,
     max_context=None,
     on_record: Callable[[list[dict]], None] = lambda records: None,
+    prefix_cache: bool = False,
 ) -> list[dict]:
     """Every workload on every variant, one engine per variant after an untimed
     :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``:
     dicts with ``name``, ``arrivals`` and ``concurrency`` (None = open loop). ``on_record``
     receives the records so far after each workload (a run cut mid-variant keeps what it
     measured). ``graphs`` (GraphSettings): every variant replays decode steps from CUDA
-    graphs, its kernels chosen with the ``cuda_graphs`` capability."""
+    graphs, its kernels chosen with the ``cuda_graphs`` capability. ``prefix_cache``: every
+    engine shares published prompt prefixes (a workload's ``shared_prefix`` tokens start
+    each of its prompts)."""
     import torch
 
     from flashloop_backend.capabilities import Capability
@@ -153,6 +158,7 @@ def serve_variants(
                 block_size=block_size,
                 cuda_graphs=graphs,
                 max_context=max_context,
+                prefix_cache=prefix_cache,
             )
         except (MemoryError, torch.OutOfMemoryError) as exc:  # this variant's pool does not fit
             records.append(
@@ -176,7 +182,12 @@ def serve_variants(
             capturing = engine.graphs is not None and engine.graphs.settings.capture
             captured = engine.graphs.eager_steps if capturing else 0
             summary = run_workload(
-                engine, workload["arrivals"], vocab, workload["concurrency"], sync
+                engine,
+                workload["arrivals"],
+                vocab,
+                workload["concurrency"],
+                sync,
+                shared_prefix=workload.get("shared_prefix", 0),
             )
             if capturing:  # capture steps inside the timed window (0 when warm-up met all)
                 summary["graph_captures_in_window"] = engine.graphs.eager_steps - captured
@@ -214,13 +225,17 @@ def bench_serving(
     log=print,
     on_partial: Callable[[dict], None] = lambda record: None,
     variant_keys: list[str] | None = None,
+    prefix_cache: bool = False,
+    shared_prefix: int = 0,
 ) -> dict:
     """The GPU record: a fixed-arrival mixed workload (prompts drawn from ``contexts``,
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
     closed-loop matrix contexts x concurrency (2 x concurrency requests each), on dense
     ``baseline`` and each feature of ``config`` alone and cumulatively, one process.
     ``on_partial`` receives the record after each workload; ``variant_keys`` runs only
-    those variants (:func:`pick_variants`)."""
+    those variants (:func:`pick_variants`). ``prefix_cache``: engines share published
+    prompt prefixes; ``shared_prefix`` > 0 adds, per context and concurrency, a closed loop
+    whose prompts all start with the same that many tokens."""
     import math
 
     import torch
@@ -251,6 +266,21 @@ def bench_serving(
         for ctx in contexts
         for conc in concurrency
     ]
+    if shared_prefix:
+        if shared_prefix >= min(contexts):
+            raise ConfigError(
+                f"shared_prefix={shared_prefix} must be below every context {contexts}"
+            )
+        workloads += [
+            {
+                "name": f"closed_shared{shared_prefix}_ctx{ctx}_conc{conc}",
+                "concurrency": conc,
+                "shared_prefix": shared_prefix,
+                "arrivals": fixed_arrival_schedule(2 * conc, 1.0, [ctx], [new_tokens]),
+            }
+            for ctx in contexts
+            for conc in concurrency
+        ]
     environment = environment_record()
     model_name = "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else "")
     host = "decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)"
@@ -264,6 +294,7 @@ def bench_serving(
             "kv_pool_blocks": num_blocks,
             "block_size": block_size,
             "new_tokens": new_tokens,
+            "prefix_cache": prefix_cache,
             "method": method,
             "config": config.model_dump(mode="json"),
             "runs": runs,
@@ -281,5 +312,6 @@ def bench_serving(
         graphs=graphs,
         max_context=tokens,
         on_record=lambda runs: on_partial(record(list(runs))),
+        prefix_cache=prefix_cache,
     )
     return record(runs)

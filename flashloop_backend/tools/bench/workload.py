@@ -93,6 +93,7 @@ def run_workload(
     sync: Callable[[], None] = lambda: None,
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    shared_prefix: int = 0,
 ) -> dict:
     """Drive ``engine`` with ``arrivals``. ``concurrency`` None: open loop (each request
     enters at its arrival time); an int: closed loop (arrival times ignored, at most that
@@ -100,7 +101,10 @@ def run_workload(
     refuses counts as failed with its reason; the run goes on. ``kv_held``: the most KV
     bytes the live requests held after any step (``Engine.kv_held``: BF16 blocks in use
     plus the packed store's steady bytes), with their tokens; the probe's host time is
-    kept off the latency clock."""
+    kept off the latency clock. ``shared_prefix``: every prompt starts with the same that
+    many tokens (the rest random). ``prompt_rows`` counts the prompt rows computed (every
+    loop) and, with the engine's prefix cache on, ``prefix`` its lookups, hits, misses and
+    reused positions over the workload."""
     from flashloop_backend.host.engine import SamplingParams
 
     rng = random.Random(seed)
@@ -108,6 +112,8 @@ def run_workload(
     live: dict[int, RequestTimes] = {}
     pending = list(arrivals)
     held = (0, 0)  # (tokens, bytes) at the largest bytes seen
+    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    counted = engine.counters()
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -119,7 +125,10 @@ def run_workload(
                 now if concurrency is not None else arrival.at_s, arrival.prompt_len
             )
             times.append(entry)
-            prompt = [rng.randrange(vocab_size) for _ in range(arrival.prompt_len)]
+            own = max(0, arrival.prompt_len - len(prefix))
+            prompt = (prefix + [rng.randrange(vocab_size) for _ in range(own)])[
+                : arrival.prompt_len
+            ]
             try:
                 params = SamplingParams(max_new_tokens=arrival.output_len, ignore_eos=True)
                 live[engine.add_request(prompt, params)] = entry
@@ -152,4 +161,14 @@ def run_workload(
         "tokens_at_peak": held[0],
         "bytes_per_token_at_peak": held[1] / held[0] if held[0] else None,
     }
+    now = engine.counters()
+    summary["prompt_rows"] = now["prefill_rows"] - counted["prefill_rows"]
+    if "prefix_lookups" in now:
+        seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
+        summary["prefix"] = {
+            "lookups": seen["prefix_lookups"],
+            "hits": seen["prefix_hits"],
+            "misses": seen["prefix_lookups"] - seen["prefix_hits"],
+            "reused_tokens": now["prefix_reused_tokens"] - counted["prefix_reused_tokens"],
+        }
     return summary

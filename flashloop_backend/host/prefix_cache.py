@@ -1,0 +1,124 @@
+"""Prefix reuse (RFC §6.6): completed prompts publish their leading whole units (BF16
+blocks on every depth plane, and which rows ran each depth under token-sparse prefill); a
+later prompt that starts with the same tokens shares those blocks and runs only the rest.
+
+A unit is the least common multiple of the block size and the selection window: a prefix
+of whole windows chose its rows from its own tokens alone (scores per token, budgets per
+window), so a later suffix cannot change it; a partially shared window is recomputed.
+Within one engine the model and the backend's configuration are fixed, so the tokens are
+the identity. Published blocks are read, never written: copy-on-exit and new tokens write
+positions past them, and packing reads them in place before giving the request's
+reference back."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashloop_backend.host.kvcache import PagedKVCache
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    blocks: list[list[int]]  # [depth plane] -> block ids of positions [0, len(tokens))
+    active: torch.Tensor | None  # [depths, len(tokens)] bool: rows that ran each depth
+    last_used: int
+    keys: int = 0  # lookup keys that still lead here
+
+
+class PrefixCache:
+    def __init__(self, kv: PagedKVCache, window_size: int | None) -> None:
+        self.kv = kv
+        self.unit = math.lcm(kv.block_size, window_size or 1)
+        self._by_key: dict[tuple[int, int], tuple[_Entry, int]] = {}  # (hash, length)
+        self._entries: list[_Entry] = []
+        self._clock = 0
+        self.lookups = self.hits = self.reused_tokens = 0
+
+    def _keys(self, tokens) -> list[tuple[tuple[int, int], int]]:
+        """(key, length) at every whole unit of ``tokens``: a chained hash, so a lookup
+        costs one pass over the prompt."""
+        keys, digest = [], 0
+        for end in range(self.unit, len(tokens) + 1, self.unit):
+            digest = hash((digest, tuple(tokens[end - self.unit : end])))
+            keys.append(((digest, end), end))
+        return keys
+
+    def lookup(self, prompt: list[int]) -> tuple[int, _Entry | None]:
+        """(positions to reuse, their entry): the longest published whole-unit prefix of
+        ``prompt`` that leaves its last token to compute (it predicts the first output).
+        Counted by :meth:`record` once the request is admitted with it."""
+        best: tuple[int, _Entry | None] = (0, None)
+        for key, _ in self._keys(prompt[: len(prompt) - 1]):
+            found = self._by_key.get(key)
+            if found is None:
+                break
+            entry, length = found
+            if entry.tokens[:length] != tuple(prompt[:length]):  # a hash collision
+                break
+            best = (length, entry)
+        return best
+
+    def record(self, length: int, entry: _Entry | None) -> None:
+        """An admitted request reused ``length`` positions of ``entry`` (0, None: a miss)."""
+        self.lookups += 1
+        if entry is not None:
+            self.hits += 1
+            self.reused_tokens += length
+            self._clock += 1
+            entry.last_used = self._clock
+
+    def shared_blocks(self, entry: _Entry, length: int) -> list[list[int]]:
+        return [plane[: length // self.kv.block_size] for plane in entry.blocks]
+
+    def publish(self, prompt: list[int], request_id: int, active: torch.Tensor | None) -> None:
+        """Publish the whole units of a prompt that has run every depth (its blocks then
+        hold their final KV). ``active`` [depths, len(prompt)] bool or None (all ran)."""
+        length = len(prompt) // self.unit * self.unit
+        if not length:
+            return
+        blocks = [
+            self.kv.block_table(request_id, depth)[: length // self.kv.block_size]
+            for depth in range(self.kv.num_depths)
+        ]
+        self.kv.retain([b for plane in blocks for b in plane])
+        self._clock += 1
+        entry = _Entry(tuple(prompt[:length]), blocks, None, self._clock)
+        if active is not None:
+            entry.active = active[:, :length].clone()
+        for key, end in self._keys(prompt[:length]):
+            old = self._by_key.get(key)
+            self._by_key[key] = (entry, end)
+            entry.keys += 1
+            if old is not None:
+                old[0].keys -= 1
+                if old[0].keys == 0:  # no lookup reaches it any more
+                    self._drop(old[0])
+        self._entries.append(entry)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (its blocks go back once no request shares
+        them); False when there is none."""
+        if not self._entries:
+            return False
+        entry = min(self._entries, key=lambda e: e.last_used)
+        for key, (found, _) in list(self._by_key.items()):
+            if found is entry:
+                del self._by_key[key]
+        self._drop(entry)
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def _drop(self, entry: _Entry) -> None:
+        self._entries.remove(entry)
+        self.kv.give_back([b for plane in entry.blocks for b in plane])
+
+    def held(self) -> dict[str, int]:
+        blocks = {b for e in self._entries for plane in e.blocks for b in plane}
+        return {"prefix_entries": len(self._entries), "prefix_blocks": len(blocks)}

@@ -1,0 +1,113 @@
+"""Prefix reuse in the host: a prompt that starts with a published prefix shares its BF16
+blocks (every depth plane) and runs only the rest, and makes the tokens it makes alone, for
+every feature combination; only whole units (block size and selection window) are reused,
+a partially shared window is recomputed; the last prompt token always runs; cached
+prefixes are evicted when the pool runs short; cancelling a sharing request leaves the
+prefix to the cache, and clearing the cache returns every block."""
+
+import pytest
+
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.registry import Registry
+
+from .host_helpers import tiny_model
+from .test_lifecycle import COMBINATIONS, IDS, REQUEST
+
+SHARED = [4, 8, 15, 16, 23, 42, 9, 1] * 8  # 64 tokens: four units of 16
+PARAMS = SamplingParams(max_new_tokens=6)
+
+
+def _engine(model, config, prefix_cache=True, num_blocks=200):
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    return Engine(
+        model,
+        backend,
+        num_blocks=num_blocks,
+        block_size=4,
+        prefill_chunk=16,
+        max_slots=8,
+        prefix_cache=prefix_cache,
+    )
+
+
+def _rows(engine, prompt):
+    """(tokens, prompt rows computed, every loop counted) of one prompt run to the end."""
+    before = engine.counters()["prefill_rows"]
+    tokens = engine.generate([prompt], PARAMS)[0].output_token_ids
+    return tokens, engine.counters()["prefill_rows"] - before
+
+
+@pytest.mark.parametrize(("features", "config"), COMBINATIONS, ids=IDS)
+def test_a_shared_prefix_runs_once_and_changes_no_token(features, config):
+    model = tiny_model(seed=3)
+    first, second = [*SHARED, 5, 6, 7], SHARED + [11, 12, 13, 14, 2, 3] * 3
+    alone, rows_alone = _rows(_engine(model, config, prefix_cache=False), second)
+    engine = _engine(model, config)
+    _rows(engine, first)
+    tokens, rows = _rows(engine, second)
+    assert tokens == alone
+    assert engine.prefix_counters() == {
+        "prefix_lookups": 2,
+        "prefix_hits": 1,
+        "prefix_reused_tokens": 64,
+    }
+    if not config.token_sparse_prefill.enabled:  # every row of the 18-token suffix, 4 loops
+        assert (rows_alone, rows) == (82 * 4, 18 * 4)
+    else:
+        assert rows < rows_alone - 2 * 64  # loops 1-2 alone skip 128 prefix rows
+    engine.prefix_cache.clear()
+    assert engine.pools()["free_blocks"] == engine.pools()["num_blocks"]
+
+
+def test_only_whole_units_are_reused_and_the_last_token_always_runs():
+    model, config = tiny_model(seed=4), COMBINATIONS[-2][1]  # all on
+    engine = _engine(model, config)
+    _rows(engine, [*SHARED, 5, 6, 7])
+    # 70 shared tokens: the window [64, 80) is shared only in part, so it is recomputed
+    partial = [*SHARED, 5, 6, 7, 1, 2, 3, 50, 51]
+    tokens, _ = _rows(engine, partial)
+    assert engine.prefix_counters()["prefix_reused_tokens"] == 64
+    assert tokens == _rows(_engine(model, config, prefix_cache=False), partial)[0]
+    # a prompt equal to a published unit prefix: its last unit runs (its last token
+    # predicts the first output)
+    tokens, _ = _rows(engine, SHARED)
+    assert engine.prefix_counters()["prefix_reused_tokens"] == 64 + 48
+    assert tokens == _rows(_engine(model, config, prefix_cache=False), SHARED)[0]
+
+
+def test_cached_prefixes_are_evicted_when_the_pool_runs_short():
+    model, config = tiny_model(seed=5), COMBINATIONS[0][1]  # dense
+    engine = _engine(model, config, num_blocks=96)  # 24 positions x 4 planes = 96 blocks
+    _rows(engine, [*SHARED, 5, 6, 7])
+    assert engine.pools()["prefix_blocks"] == 64
+    other = [3, 1, 4, 1, 5, 9, 2, 6] * 9  # no shared prefix: needs 80 of the 96 blocks
+    tokens, _ = _rows(engine, other)
+    assert tokens == _rows(_engine(model, config, prefix_cache=False), other)[0]
+    assert engine.prefix_counters()["prefix_hits"] == 0
+    assert engine.pools()["prefix_entries"] == 1  # the new prompt's, the old one evicted
+
+
+def test_a_cancelled_sharing_request_leaves_the_prefix_to_the_cache():
+    model, config = tiny_model(seed=6), COMBINATIONS[-2][1]
+    engine = _engine(model, config)
+    _rows(engine, [*SHARED, 5, 6, 7])
+    held = engine.pools()["prefix_blocks"]
+    rid = engine.add_request([*SHARED, 9, 9, 9, 9, 9], PARAMS)
+    while not engine.has_first_token(rid):
+        engine.step()
+    engine.cancel(rid)
+    pools = engine.pools()
+    assert pools["prefix_blocks"] == held and pools["free_blocks"] == 200 - held
+    assert (
+        _rows(engine, [*SHARED, 5, 6, 7, 8])[0]
+        == _rows(_engine(model, config, prefix_cache=False), [*SHARED, 5, 6, 7, 8])[0]
+    )
+    engine.prefix_cache.clear()
+    assert engine.pools()["free_blocks"] == 200
+
+
+def test_the_cache_is_off_by_default():
+    engine = _engine(tiny_model(seed=1), COMBINATIONS[0][1], prefix_cache=False)
+    _rows(engine, [*SHARED, 1])
+    _, rows = _rows(engine, [*SHARED, 2])
+    assert rows == 65 * 4 and "prefix_hits" not in engine.counters()
