@@ -47,6 +47,8 @@ def test_snapshot_then_restore_joins_into_the_uninterrupted_run(saved, capsys):
     assert code == 0, err
     whole = json.loads(out)
     assert first["finish_reason"] == "snapshot" and len(first["output_token_ids"]) == 6
+    parts = first["snapshot_bytes"]  # the prompt's whole groups packed, the rest in BF16
+    assert parts["packed"] > 0 and parts["bf16"] > 0 and parts["other"] > 0
     code, out, err = _run(
         capsys, "--restore", str(path), "--max-new-tokens", "10", "--config", ALL_ON
     )

@@ -53,6 +53,9 @@ def test_a_restored_request_continues_as_if_never_stopped(features, config, temp
     assert snapshot.manifest["live_references"] == 0
     packed = [name for name in snapshot.tensors if name.startswith("packed.")]
     assert bool(packed) == config.kv_residual_quantization.enabled
+    sizes = {n: t.numel() * t.element_size() for n, t in snapshot.tensors.items()}
+    assert snapshot.manifest["bytes"]["packed"] == sum(sizes[n] for n in packed)
+    assert sum(snapshot.manifest["bytes"].values()) == sum(sizes.values())
     fresh = _engine(model, config)
     restored = fresh.restore(load_snapshot(tmp_path / "r.safetensors"))
     for run, request in ((fresh, restored), (engine, rid)):

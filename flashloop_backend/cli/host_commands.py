@@ -184,7 +184,8 @@ def _check_generate_args(args: argparse.Namespace) -> None:
 
 def _run_one(engine, submit, prompt_rows: int, args, label: str):
     """Submit one request (``submit()`` returns its id) and run it to its end, or to its
-    ``--snapshot-after`` token boundary, saved and cancelled there; returns its result.
+    ``--snapshot-after`` token boundary, saved and cancelled there; returns its result and
+    the snapshot's bytes by part (None without one).
     ``prompt_rows``: its prompt rows to prefill (0: restored) for the progress bar."""
     from flashloop_backend.host.generation import run_with_progress
     from flashloop_backend.host.kvcache import OutOfBlocksError
@@ -194,7 +195,7 @@ def _run_one(engine, submit, prompt_rows: int, args, label: str):
         rid = submit()
         if args.snapshot is None:
             rows = prompt_rows * engine.cfg.total_ut_steps
-            return run_with_progress(engine, [rid], rows, args.max_new_tokens, label)[0]
+            return run_with_progress(engine, [rid], rows, args.max_new_tokens, label)[0], None
         while engine.output_count(rid) is not None and not (
             engine.output_count(rid) >= args.snapshot_after and engine.at_token_boundary(rid)
         ):
@@ -205,8 +206,9 @@ def _run_one(engine, submit, prompt_rows: int, args, label: str):
                     f"the request finished ({finished[0].finish_reason}) after {made} tokens, "
                     f"before --snapshot-after {args.snapshot_after}: nothing to snapshot"
                 )
-        save_snapshot(engine.snapshot(rid), args.snapshot)
-        return engine.cancel(rid)
+        snapshot = engine.snapshot(rid)
+        save_snapshot(snapshot, args.snapshot)
+        return engine.cancel(rid), snapshot.manifest["bytes"]
     except (ValueError, OutOfBlocksError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -245,7 +247,8 @@ def _generate(args: argparse.Namespace) -> int:
             )
             return engine.add_request(prompt, params)
 
-    result = _run_one(engine, submit, 0 if args.restore else len(prompt), args, "generate")
+    rows = 0 if args.restore else len(prompt)
+    result, saved_bytes = _run_one(engine, submit, rows, args, "generate")
     seconds = time.perf_counter() - start
     tokens = result.output_token_ids[before:]
     # output token i comes from the loop the state before it left: the prompt's last token
@@ -265,6 +268,7 @@ def _generate(args: argparse.Namespace) -> int:
         }
         if args.snapshot is not None:
             record["snapshot"] = args.snapshot
+            record["snapshot_bytes"] = saved_bytes
         print(json.dumps(record))
     else:
         print(prompt_text + tokenizer.decode(result.output_token_ids))

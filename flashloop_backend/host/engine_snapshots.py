@@ -90,6 +90,7 @@ class RequestSnapshots:
             "request": request,
             "bf16_first_block": first,
             "live_references": 0,
+            "bytes": _bytes_by_part(tensors),
         }
         return RequestSnapshot(manifest, tensors)
 
@@ -171,3 +172,12 @@ class RequestSnapshots:
         index = index.to(self.device)
         self.kv.key_pool[index] = keys.to(self.device, self.kv.key_pool.dtype)
         self.kv.value_pool[index] = values.to(self.device, self.kv.value_pool.dtype)
+
+
+def _bytes_by_part(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Tensor bytes of a snapshot: packed pages and maps, BF16 blocks, the rest."""
+    parts = {"packed": 0, "bf16": 0, "other": 0}
+    for name, tensor in tensors.items():
+        part = name.split(".")[0] if name.split(".")[0] in parts else "other"
+        parts[part] += tensor.numel() * tensor.element_size()
+    return parts
