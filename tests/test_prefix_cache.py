@@ -111,3 +111,20 @@ def test_the_cache_is_off_by_default():
     _rows(engine, [*SHARED, 1])
     _, rows = _rows(engine, [*SHARED, 2])
     assert rows == 65 * 4 and "prefix_hits" not in engine.counters()
+
+
+def test_prompts_arriving_together_wait_for_a_shared_prefix_in_flight():
+    """Three prompts with the same 64-token start submitted at once: the first prefills
+    it, the others wait until it is published and then compute only their own rows; an
+    unrelated prompt is not held back. Each makes the tokens it makes alone."""
+    model, config = tiny_model(seed=8), COMBINATIONS[0][1]
+    prompts = [[*SHARED, *tail] for tail in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+    prompts.append([3, 1, 4, 1, 5, 9, 2, 6] * 3)
+    engine = _engine(model, config)
+    results = engine.generate(prompts, PARAMS)
+    assert engine.counters()["prefill_rows"] == (67 + 2 + 4 + 24) * 4
+    assert engine.prefix_counters()["prefix_hits"] == 2
+    lone = _engine(model, config, prefix_cache=False)
+    assert [r.output_token_ids for r in results] == [
+        lone.generate([p], PARAMS)[0].output_token_ids for p in prompts
+    ]

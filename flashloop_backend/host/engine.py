@@ -306,6 +306,8 @@ class Engine(RequestSnapshots):
                 continue
             if not self._free_slots:
                 break  # every token-state slot is taken: wait
+            if self.prefix_cache is not None and self._prefix_in_flight(request):
+                continue  # its prefix is being computed: share it once published
             schedule = self._reserve(request)
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
@@ -315,6 +317,18 @@ class Engine(RequestSnapshots):
                 request.prompt_hidden = self.model.prelude(ids)
             request.schedule = schedule
             request.phase = "prefill"
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether a prompt still prefilling shares more whole units with ``request``'s
+        than the cache holds: computing them twice side by side would waste a prefill."""
+        cache = self.prefix_cache
+        cached = cache.lookup(request.prompt)[0]
+        for other in self._requests.values():
+            if other.phase == "prefill":
+                shared = cache.common_units(other.prompt, request.prompt)
+                if shared > cached:
+                    return True
+        return False
 
     def _reserve(self, request: Request) -> PromptSchedule | None:
         """Reserve a waiting request's blocks and pages, sharing the longest published

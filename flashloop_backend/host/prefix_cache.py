@@ -62,6 +62,16 @@ class PrefixCache:
             best = (length, entry)
         return best
 
+    def common_units(self, published: list[int], prompt: list[int]) -> int:
+        """Positions of the whole units ``prompt`` could reuse once ``published`` (a prompt
+        still prefilling) is published: their common start, in whole units, below
+        ``prompt``'s last token and within ``published``'s whole units."""
+        limit = min(len(published) // self.unit * self.unit, len(prompt) - 1)
+        same = 0
+        while same < limit and published[same] == prompt[same]:
+            same += 1
+        return same // self.unit * self.unit
+
     def record(self, length: int, entry: _Entry | None) -> None:
         """An admitted request reused ``length`` positions of ``entry`` (0, None: a miss)."""
         self.lookups += 1
