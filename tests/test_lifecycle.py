@@ -36,12 +36,12 @@ COMBINATIONS = [*feature_combinations(ALL_ON), (("all", "rolling"), ROLLING)]
 NUM_BLOCKS = 160
 
 
-def _engine(model, config, prefix_cache=False):
+def _engine(model, config, prefix_cache=False, num_blocks=NUM_BLOCKS):
     backend = Registry.discover().create("flashloop", REQUEST, config)
     return Engine(
         model,
         backend,
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         block_size=4,
         prefill_chunk=16,
         max_slots=8,

@@ -7,27 +7,18 @@ prefix to the cache, and clearing the cache returns every block."""
 
 import pytest
 
-from flashloop_backend.host import Engine, SamplingParams
-from flashloop_backend.registry import Registry
+from flashloop_backend.host import SamplingParams
 
 from .host_helpers import tiny_model
-from .test_lifecycle import COMBINATIONS, IDS, REQUEST
+from .test_lifecycle import COMBINATIONS, IDS
+from .test_lifecycle import _engine as lifecycle_engine
 
 SHARED = [4, 8, 15, 16, 23, 42, 9, 1] * 8  # 64 tokens: four units of 16
 PARAMS = SamplingParams(max_new_tokens=6)
 
 
 def _engine(model, config, prefix_cache=True, num_blocks=200):
-    backend = Registry.discover().create("flashloop", REQUEST, config)
-    return Engine(
-        model,
-        backend,
-        num_blocks=num_blocks,
-        block_size=4,
-        prefill_chunk=16,
-        max_slots=8,
-        prefix_cache=prefix_cache,
-    )
+    return lifecycle_engine(model, config, prefix_cache, num_blocks)
 
 
 def _rows(engine, prompt):
