@@ -200,3 +200,18 @@ def test_a_shared_prefix_workload_counts_hits_misses_and_computed_rows(model):
     assert record["completed"] == 4
     assert record["prefix"] == {"lookups": 4, "hits": 3, "misses": 1, "reused_tokens": 3 * 64}
     assert record["prompt_rows"] == (80 + 3 * 16) * 4
+
+
+def test_each_workload_starts_with_an_empty_prefix_cache(model):
+    """Two closed loops of the same seeded prompts: the second reuses nothing the first
+    published (its counters and TTFT are its own)."""
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    variants = [v for v in variants_for(config, "torch") if v.name == "dense"]
+    workloads = [
+        {"name": name, "arrivals": fixed_arrival_schedule(2, 1.0, [40], [2]), "concurrency": 1}
+        for name in ("first", "second")
+    ]
+    records = serve_variants(
+        model, _request(model), variants, workloads, 256, 16, log=lambda m: None, prefix_cache=True
+    )
+    assert [r["prefix"]["hits"] for r in records] == [0, 0]

@@ -119,3 +119,31 @@ def test_prompts_arriving_together_wait_for_a_shared_prefix_in_flight():
     assert [r.output_token_ids for r in results] == [
         lone.generate([p], PARAMS)[0].output_token_ids for p in prompts
     ]
+
+
+def test_a_request_waiting_for_packed_pages_evicts_no_cached_prefix():
+    """Cached prefixes hold BF16 blocks only: a request short of packed pages waits
+    without emptying the cache, and shares the prefix once pages are free."""
+    model, config = tiny_model(seed=9), COMBINATIONS[3][1]  # KV quantization alone
+    engine = lifecycle_engine(model, config, True, 200)
+    _rows(engine, [*SHARED, 5, 6, 7])
+    pages = engine.backend.packed.store
+    hold = engine.add_request([1, 2, 3] * 30, SamplingParams(max_new_tokens=30))
+    while not engine.has_first_token(hold):
+        engine.step()
+    free = pages.unreserved_pages()
+    pages.reserve(-1, free)  # another sequence takes the rest of the packed pool
+    waiting = engine.add_request([*SHARED, 9, 9], PARAMS)
+    for _ in range(3):
+        engine.step()
+    assert engine.output_count(waiting) == 0 and engine.pools()["prefix_entries"] == 2
+    pages.unreserve(-1)
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert engine.prefix_counters()["prefix_hits"] == 1
+    lone = lifecycle_engine(model, config, False, 200)
+    assert (
+        done[waiting].output_token_ids
+        == lone.generate([[*SHARED, 9, 9]], PARAMS)[0].output_token_ids
+    )

@@ -4,6 +4,7 @@ feature combination (with and without the packed store, both packing policies), 
 seeded; a damaged, truncated or mismatched snapshot is refused by name and leaves the
 engine's pools as they were."""
 
+import hashlib
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.snapshot import (
+    MANIFEST_DIGEST_KEY,
     MANIFEST_KEY,
     SnapshotError,
     load_snapshot,
@@ -127,7 +129,10 @@ def test_another_format_version_or_a_plain_safetensors_file_is_refused(saved, tm
         manifest = json.loads(f.metadata()[MANIFEST_KEY])
     tensors = load_file(str(path))
     manifest["format"] = 99
-    save_file(tensors, str(tmp_path / "v99"), metadata={MANIFEST_KEY: json.dumps(manifest)})
+    text = json.dumps(manifest)  # a well-formed file of another format version
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    metadata = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: digest}
+    save_file(tensors, str(tmp_path / "v99"), metadata=metadata)
     with pytest.raises(SnapshotError, match="snapshot format 99; this build reads format 1"):
         load_snapshot(tmp_path / "v99")
     save_file(tensors, str(tmp_path / "plain"))
@@ -189,3 +194,73 @@ def test_a_damaged_packed_tensor_is_refused_and_gives_back_what_was_taken(saved)
     with pytest.raises(ValueError, match=r"packed tensor 'level1\.k_min' must be torch\.float16"):
         engine.restore(snapshot)
     assert engine.pools() == before
+
+
+ROLLING = COMBINATIONS[-1][1]
+
+
+@pytest.fixture
+def seeded(tmp_path):
+    """A sampled all-on rolling-policy request saved after 5 tokens."""
+    model = tiny_model(seed=6)
+    engine = _engine(model, ROLLING)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
+    rid = engine.add_request([2, 7, 1, 8, 2, 8] * 6, params)
+    return model, _snapshot_after(engine, rid, 5)
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("no rng", "tensor 'rng' is not a cpu generator state"),
+        ("short rng", "tensor 'rng' is not a cpu generator state"),
+        ("no hidden", r"tensor 'hidden' must be a float \[64\]"),
+        ("bad prompt_active", r"tensor 'prompt_active' must be bool \[4, 36\]"),
+        ("no bf16", "bf16.keys / bf16.values must be"),
+        ("exit depths", "exit_depths must give a depth in"),
+        ("params", "snapshot request params"),
+    ],
+)
+def test_a_request_whose_fields_do_not_fit_is_refused_before_anything_is_taken(
+    seeded, damage, named
+):
+    model, snapshot = seeded
+    tensors, request = dict(snapshot.tensors), dict(snapshot.manifest["request"])
+    if damage == "no rng":
+        del tensors["rng"]
+    if damage == "short rng":
+        tensors["rng"] = tensors["rng"][:3]
+    if damage == "no hidden":
+        del tensors["hidden"]
+    if damage == "bad prompt_active":
+        tensors["prompt_active"] = tensors["prompt_active"][:, :5]
+    if damage == "no bf16":
+        del tensors["bf16.keys"]
+    if damage == "exit depths":
+        request["exit_depths"] = request["exit_depths"] + [0]
+    if damage == "params":
+        request["params"] = request["params"] | {"beam": 4}
+    manifest = snapshot.manifest | {"request": request}
+    engine = _engine(model, ROLLING)
+    before = engine.pools()
+    with pytest.raises(SnapshotError, match=named):
+        engine.restore(type(snapshot)(manifest, tensors))
+    assert engine.pools() == before
+
+
+@pytest.mark.parametrize("more", [0, -2])
+def test_max_new_tokens_below_one_is_refused_by_value(seeded, more):
+    model, snapshot = seeded
+    with pytest.raises(ValueError, match=f"max_new_tokens={more} must be >= 1"):
+        _engine(model, ROLLING).restore(snapshot, max_new_tokens=more)
+
+
+def test_a_changed_manifest_is_refused_on_load(saved, tmp_path):
+    _, path = saved
+    data = bytearray(path.read_bytes())
+    key = b'\\"output\\": ['  # the manifest is a JSON string inside the JSON header
+    at = data.index(key) + len(key)
+    data[at] = ord("9") if data[at] != ord("9") else ord("8")  # one digit of a token id
+    (tmp_path / "edited").write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match="the manifest does not match its checksum"):
+        load_snapshot(tmp_path / "edited")

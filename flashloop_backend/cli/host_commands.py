@@ -175,6 +175,10 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise ConfigError("--snapshot FILE and --snapshot-after M go together")
     if args.snapshot is not None and args.restore is not None:
         raise ConfigError("--snapshot with --restore: restore first, snapshot in a later run")
+    if args.restore is not None and (args.temperature is not None or args.seed is not None):
+        raise ConfigError(
+            "--temperature and --seed come from the snapshot: leave them out with --restore"
+        )
     if args.snapshot_after is not None and args.snapshot_after >= args.max_new_tokens:
         raise ConfigError(
             f"--snapshot-after {args.snapshot_after} must be below --max-new-tokens "
@@ -243,7 +247,9 @@ def _generate(args: argparse.Namespace) -> int:
 
         def submit() -> int:
             params = SamplingParams(
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature or 0.0,
+                seed=args.seed,
             )
             return engine.add_request(prompt, params)
 
@@ -431,7 +437,9 @@ def add_commands(sub) -> None:
     _common(gen)
     gen.add_argument("--prompt", help="prompt text (or --restore FILE)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
-    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument(
+        "--temperature", type=non_negative_float, default=None, help="0 = greedy (default)"
+    )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
     gen.add_argument("--snapshot", metavar="FILE", help="save the request here and stop")

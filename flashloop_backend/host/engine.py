@@ -239,9 +239,13 @@ class Engine(RequestSnapshots):
 
     def kv_held(self) -> tuple[int, int]:
         """(tokens of live requests, KV bytes they hold now): BF16 blocks in use on every
-        plane plus the packed store's steady bytes (KV quantization frees packed blocks)."""
+        plane (blocks only the prefix cache holds left out) plus the packed store's steady
+        bytes (KV quantization frees packed blocks)."""
         per_block = self.kv.bytes_per_token() // self.cfg.total_ut_steps * self.kv.block_size
-        held = (self.kv.num_blocks - self.kv.free_blocks) * per_block
+        blocks = self.kv.num_blocks - self.kv.free_blocks
+        if self.prefix_cache is not None:  # blocks only the cache holds are no request's
+            blocks -= self.prefix_cache.held()["prefix_blocks_cache_only"]
+        held = blocks * per_block
         held += self.backend.kv_bytes_held()
         tokens = sum(len(r.prompt) + len(r.output) for r in self._requests.values())
         return tokens, held
@@ -344,9 +348,11 @@ class Engine(RequestSnapshots):
                 self.kv.reserve(request.id, len(request.prompt) + new, shared)
                 self.backend.admit(request.id, len(request.prompt), new)
                 break
-            except (OutOfBlocksError, OutOfPackedPagesError):
+            except (OutOfBlocksError, OutOfPackedPagesError) as exc:
                 self.kv.release(request.id)
-                if not (self.prefix_cache and self.prefix_cache.evict_one()):
+                # cached prefixes hold BF16 blocks only: evicting frees no packed page
+                short_of_blocks = isinstance(exc, OutOfBlocksError)
+                if not (short_of_blocks and self.prefix_cache and self.prefix_cache.evict_one()):
                     return None
         active = None
         if entry is not None:

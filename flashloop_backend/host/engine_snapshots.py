@@ -13,6 +13,7 @@ from flashloop_backend.host.snapshot import (
     RequestSnapshot,
     SnapshotError,
     check_matches,
+    check_request,
     model_fingerprint,
 )
 
@@ -96,51 +97,67 @@ class RequestSnapshots:
 
     def restore(self, snapshot: RequestSnapshot, max_new_tokens: int | None = None) -> int:
         """Admit a request saved by :meth:`snapshot` (in any engine of the same model,
-        backend configuration and KV geometry) where it stopped; ``max_new_tokens``: how
-        many more tokens it may make (default: what it had left). Returns its new id. A
-        snapshot that does not match, or a request the pools cannot hold now, is refused
-        before anything is taken or after everything taken is given back."""
+        backend configuration and KV geometry) where it stopped; ``max_new_tokens`` (>= 1):
+        how many more tokens it may make (default: what it had left). Returns its new id.
+        Unlike a new request it does not wait: a snapshot that does not match or does not
+        fit together is a :class:`SnapshotError`, a request the pools cannot hold now an
+        ``OutOfBlocksError`` (or ``OutOfPackedPagesError``), and either leaves the pools
+        as they were."""
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         check_matches(snapshot, *self._identity())
+        loops = self.cfg.total_ut_steps
+        check_request(snapshot, self.cfg.hidden_size, loops, self.cfg.vocab_size)
         saved, tensors = snapshot.manifest["request"], snapshot.tensors
-        made = len(saved["output"])
-        wanted = saved["params"] | {"stop": tuple(saved["params"]["stop"])}
+        wanted = dict(saved["params"])
         if max_new_tokens is not None:
-            wanted["max_new_tokens"] = made + max_new_tokens
+            wanted["max_new_tokens"] = len(saved["output"]) + max_new_tokens
+        try:
+            params = SamplingParams(**wanted | {"stop": tuple(wanted.get("stop", ()))})
+        except (TypeError, ValueError) as exc:
+            raise SnapshotError(f"snapshot request params {saved['params']}: {exc}") from None
         forced = saved["forced"]
         params = checked_params(
-            saved["prompt"], SamplingParams(**wanted), None, self.cfg.vocab_size, self.max_context
+            saved["prompt"], params, None, self.cfg.vocab_size, self.max_context
         )
         if forced is not None and len(forced) < params.max_new_tokens:
             raise ValueError(
                 f"a teacher-forced request has {len(forced)} tokens to feed; "
                 f"max_new_tokens {params.max_new_tokens} needs more"
             )
+        r = Request(self._next_id, list(saved["prompt"]), params, None, phase="decode")
+        r.hidden = tensors["hidden"].to(self.device, self.dtype)
+        if params.temperature > 0:
+            r.generator = torch.Generator(device=self.device)
+            try:
+                r.generator.set_state(tensors.get("rng", torch.empty(0, dtype=torch.uint8)))
+            except (RuntimeError, TypeError) as exc:
+                raise SnapshotError(
+                    f"tensor 'rng' is not a {self.device.type} generator state: {exc}"
+                ) from None
+        if (self.sparsity is not None) != ("prompt_active" in tensors):
+            raise SnapshotError("tensor 'prompt_active' goes with token-sparse prefill only")
+        total = len(r.prompt) + params.max_new_tokens
+        blocks = self._checked_blocks(snapshot, -(-total // self.kv.block_size))
         if not self._free_slots:
             raise OutOfBlocksError(f"no token-state slot is free (max_slots={self.max_slots})")
-        r = Request(self._next_id, list(saved["prompt"]), params, None, phase="decode")
-        total = len(r.prompt) + params.max_new_tokens
         self.kv.reserve(r.id, total)  # atomic: nothing held when it raises
         try:
             self.backend.admit(r.id, len(r.prompt), params.max_new_tokens)
             self.backend.import_request(
                 r.id, {k: t for k, t in tensors.items() if "." in k and not k.startswith("bf16.")}
             )
-            self._write_blocks(r.id, snapshot.manifest["bf16_first_block"], tensors)
         except BaseException:
             self.kv.release(r.id)
             self.backend.release(r.id, -1)
             raise
+        self._write_blocks(r.id, snapshot.manifest["bf16_first_block"], *blocks)
         r.output, r.exit_depths = list(saved["output"]), list(saved["exit_depths"])
         r.forced = None if forced is None else list(forced)
         r.replay, r.replay_exits = saved["replay"], saved["replay_exits"]
-        r.hidden = tensors["hidden"].to(self.device, self.dtype)
-        if params.temperature > 0:
-            r.generator = torch.Generator(device=self.device)
-            r.generator.set_state(tensors["rng"])
         if saved["keep_logprobs"]:
             r.logprobs = list(tensors["logprobs"]) if "logprobs" in tensors else []
         if self.sparsity is not None:
-            loops = self.cfg.total_ut_steps
             r.schedule = PromptSchedule(len(r.prompt), self.sparsity, loops, self.device)
             r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
         r.slot = self._free_slots.pop()
@@ -150,23 +167,30 @@ class RequestSnapshots:
         self._next_id += 1
         return r.id
 
-    def _write_blocks(self, request_id: int, first: int, tensors: dict) -> None:
-        """Put a snapshot's BF16 blocks (from block ``first`` of every plane) into the
+    def _checked_blocks(self, snapshot: RequestSnapshot, per_plane: int):
+        """The snapshot's BF16 blocks (keys, values), checked against the pools and the
+        ``per_plane`` blocks the restored request reserves."""
+        keys, values = snapshot.tensors.get("bf16.keys"), snapshot.tensors.get("bf16.values")
+        first = snapshot.manifest.get("bf16_first_block")
+        count = keys.shape[1] if keys is not None and keys.dim() == 6 else -1
+        shape = (self.cfg.total_ut_steps, count, *self.kv.key_pool.shape[1:])
+        if keys is None or values is None or keys.shape != shape or values.shape != shape:
+            found = [None if t is None else list(t.shape) for t in (keys, values)]
+            raise SnapshotError(
+                f"bf16.keys / bf16.values must be [{', '.join(map(str, shape))}]; found {found}"
+            )
+        if not isinstance(first, int) or first < 0 or first + count > per_plane:
+            raise SnapshotError(
+                f"the snapshot's BF16 blocks from {first!r} ({count} of them) lie outside the "
+                f"{per_plane} a plane reserves"
+            )
+        return keys, values
+
+    def _write_blocks(self, request_id: int, first: int, keys, values) -> None:
+        """Put checked BF16 blocks (from block ``first`` of every plane) into the
         request's reserved blocks, freeing the ones before ``first`` (packed)."""
-        keys, values = tensors["bf16.keys"], tensors["bf16.values"]
-        planes = [self.kv.block_table(request_id, d) for d in range(self.cfg.total_ut_steps)]
-        count = keys.shape[1] if keys.dim() == 6 else -1
-        shape = (len(planes), count, *self.kv.key_pool.shape[1:])
-        if keys.dim() != 6 or keys.shape != shape or values.shape != shape:
-            raise SnapshotError(
-                f"bf16.keys / bf16.values must be [{', '.join(map(str, shape))}]; "
-                f"found {list(keys.shape)} / {list(values.shape)}"
-            )
-        if first + count > len(planes[0]):
-            raise SnapshotError(
-                f"the snapshot's BF16 blocks {first}..{first + count} lie past "
-                f"the {len(planes[0])} reserved"
-            )
+        depths, count = keys.shape[:2]
+        planes = [self.kv.block_table(request_id, d) for d in range(depths)]
         self.kv.drop_prefix(request_id, first * self.kv.block_size)
         index = torch.tensor([p[first : first + count] for p in planes], dtype=torch.long)
         index = index.to(self.device)

@@ -100,6 +100,10 @@ class PagedKVCache:
         for block in blocks:
             self._holders[block] = self._holders.get(block, 1) + 1
 
+    def holders(self, block: int) -> int:
+        """How many hold ``block`` (requests, the prefix cache); 1 for an unshared one."""
+        return self._holders.get(block, 1)
+
     def give_back(self, blocks: list[int]) -> None:
         """One holder fewer for each block; a block nobody holds goes back to the pool."""
         for block in blocks:

@@ -39,8 +39,7 @@ class PrefixCache:
         self.lookups = self.hits = self.reused_tokens = 0
 
     def _keys(self, tokens) -> list[tuple[tuple[int, int], int]]:
-        """(key, length) at every whole unit of ``tokens``: a chained hash, so a lookup
-        costs one pass over the prompt."""
+        """(key, length) at every whole unit of ``tokens``: a chained hash (one pass)."""
         keys, digest = [], 0
         for end in range(self.unit, len(tokens) + 1, self.unit):
             digest = hash((digest, tuple(tokens[end - self.unit : end])))
@@ -50,17 +49,18 @@ class PrefixCache:
     def lookup(self, prompt: list[int]) -> tuple[int, _Entry | None]:
         """(positions to reuse, their entry): the longest published whole-unit prefix of
         ``prompt`` that leaves its last token to compute (it predicts the first output).
-        Counted by :meth:`record` once the request is admitted with it."""
-        best: tuple[int, _Entry | None] = (0, None)
+        The longest key found by hash is confirmed by one comparison of its tokens, and a
+        shorter one tried after a collision. Counted by :meth:`record` once the request is
+        admitted with it."""
+        found = []
         for key, _ in self._keys(prompt[: len(prompt) - 1]):
-            found = self._by_key.get(key)
-            if found is None:
+            if key not in self._by_key:
                 break
-            entry, length = found
-            if entry.tokens[:length] != tuple(prompt[:length]):  # a hash collision
-                break
-            best = (length, entry)
-        return best
+            found.append(self._by_key[key])
+        for entry, length in reversed(found):
+            if entry.tokens[:length] == tuple(prompt[:length]):
+                return length, entry
+        return 0, None
 
     def common_units(self, published: list[int], prompt: list[int]) -> int:
         """Positions of the whole units ``prompt`` could reuse once ``published`` (a prompt
@@ -110,20 +110,26 @@ class PrefixCache:
         self._entries.append(entry)
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry (its blocks go back once no request shares
-        them); False when there is none."""
-        if not self._entries:
+        """Drop the least recently used entry that frees a block (one no running request
+        shares); False when no entry would."""
+        freeing = [e for e in self._entries if self._cache_only(e)]
+        if not freeing:
             return False
-        entry = min(self._entries, key=lambda e: e.last_used)
+        entry = min(freeing, key=lambda e: e.last_used)
         for key, (found, _) in list(self._by_key.items()):
             if found is entry:
                 del self._by_key[key]
         self._drop(entry)
         return True
 
+    def _cache_only(self, entry: _Entry) -> list[int]:
+        return [b for plane in entry.blocks for b in plane if self.kv.holders(b) == 1]
+
     def clear(self) -> None:
-        while self.evict_one():
-            pass
+        """Drop every entry: blocks no request shares go back to the pool now."""
+        for entry in list(self._entries):
+            self._drop(entry)
+        self._by_key.clear()
 
     def _drop(self, entry: _Entry) -> None:
         self._entries.remove(entry)
@@ -131,4 +137,9 @@ class PrefixCache:
 
     def held(self) -> dict[str, int]:
         blocks = {b for e in self._entries for plane in e.blocks for b in plane}
-        return {"prefix_entries": len(self._entries), "prefix_blocks": len(blocks)}
+        only = {b for e in self._entries for b in self._cache_only(e)}
+        return {
+            "prefix_entries": len(self._entries),
+            "prefix_blocks": len(blocks),
+            "prefix_blocks_cache_only": len(only),
+        }

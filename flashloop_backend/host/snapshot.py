@@ -15,6 +15,7 @@ import torch
 
 SNAPSHOT_FORMAT = 1
 MANIFEST_KEY = "flashloop_snapshot"
+MANIFEST_DIGEST_KEY = "flashloop_snapshot.sha256"
 
 
 class SnapshotError(ValueError):
@@ -62,7 +63,9 @@ def save_snapshot(snapshot: RequestSnapshot, path: str | Path) -> None:
     manifest = snapshot.manifest | {"checksums": {n: _checksum(t) for n, t in tensors.items()}}
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={MANIFEST_KEY: json.dumps(manifest)})
+    text = json.dumps(manifest)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    save_file(tensors, str(partial), metadata={MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: digest})
     partial.replace(path)
 
 
@@ -84,8 +87,11 @@ def load_snapshot(path: str | Path) -> RequestSnapshot:
         raise SnapshotError(f"{path} is damaged or truncated ({size} bytes): {exc}") from None
     if MANIFEST_KEY not in metadata:
         raise SnapshotError(f"{path} is a safetensors file without a FlashLoop snapshot manifest")
+    text = metadata[MANIFEST_KEY]
+    if hashlib.sha256(text.encode()).hexdigest() != metadata.get(MANIFEST_DIGEST_KEY):
+        raise SnapshotError(f"{path}: the manifest does not match its checksum (damaged)")
     try:
-        manifest = json.loads(metadata[MANIFEST_KEY])
+        manifest = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: the snapshot manifest is not JSON ({exc})") from None
     version = manifest.get("format") if isinstance(manifest, dict) else None
@@ -117,3 +123,47 @@ def check_matches(snapshot: RequestSnapshot, identity: dict, geometry: dict) -> 
     ]
     if wrong:
         raise SnapshotError("snapshot does not match this engine: " + "; ".join(wrong))
+
+
+def _ints(value, low: int, high: int) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and low <= v < high for v in value
+    )
+
+
+def check_request(snapshot: RequestSnapshot, hidden_size: int, loops: int, vocab: int) -> None:
+    """Refuse a snapshot whose request fields or tensors do not fit together or this
+    model (a :class:`SnapshotError` naming the field), before a restore takes anything."""
+    saved = snapshot.manifest.get("request")
+    tensors = snapshot.tensors
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise SnapshotError(f"snapshot request {what}")
+
+    need(isinstance(saved, dict), "fields are missing")
+    prompt, output = saved.get("prompt"), saved.get("output")
+    need(_ints(prompt, 0, vocab) and len(prompt) > 0, f"prompt must be token ids in [0, {vocab})")
+    need(_ints(output, 0, vocab) and len(output) > 0, f"output must be token ids in [0, {vocab})")
+    exits = saved.get("exit_depths")
+    need(
+        _ints(exits, 0, loops) and len(exits) == len(output) - 1,
+        f"exit_depths must give a depth in [0, {loops}) for each output token but the last",
+    )
+    need(isinstance(saved.get("params"), dict), "params are missing")
+    need(saved.get("forced") is None or _ints(saved["forced"], 0, vocab), "forced is malformed")
+    need(isinstance(saved.get("keep_logprobs"), bool), "keep_logprobs must be true or false")
+    for name in ("replay", "replay_exits"):
+        need(saved.get(name) is None or _ints(saved[name], 0, vocab), f"{name} is malformed")
+    hidden = tensors.get("hidden")
+    need(
+        hidden is not None and hidden.shape == (hidden_size,) and hidden.is_floating_point(),
+        f"tensor 'hidden' must be a float [{hidden_size}]",
+    )
+    active = tensors.get("prompt_active")
+    need(
+        active is None or (active.dtype == torch.bool and active.shape == (loops, len(prompt))),
+        f"tensor 'prompt_active' must be bool [{loops}, {len(prompt)}]",
+    )
+    if saved["keep_logprobs"] and "logprobs" in tensors:
+        need(tensors["logprobs"].shape == (len(output), vocab), "tensor 'logprobs' is misshaped")

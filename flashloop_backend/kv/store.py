@@ -63,7 +63,7 @@ def _int_pair(tensors: dict[str, torch.Tensor], key: str) -> tuple[int, int]:
     value = tensors.get(key)
     if value is None or value.shape != (2,) or value.dtype not in (torch.int32, torch.int64):
         found = None if value is None else f"{value.dtype} {list(value.shape)}"
-        raise ValueError(f"packed tensor {key!r} must be int64 [2]; found {found}")
+        raise ValueError(f"packed tensor {key!r} must be int32 or int64 [2]; found {found}")
     first, second = (int(v) for v in value.tolist())
     if first < 0 or second < 1:
         raise ValueError(f"packed tensor {key!r} = {[first, second]}: rows >= 0, depths >= 1")
@@ -216,6 +216,8 @@ class PackedKVStore:
             raise ValueError(f"sequence {sequence} is already stored; release it first")
         rows, depths = _int_pair(tensors, "levels")
         g = self.group_size
+        if rows % g:
+            raise ValueError(f"packed tensor 'levels' has {rows} rows, not whole groups of {g}")
         counts, maps = [], []
         for depth in range(depths):
             for name, pool in zip(POOL_NAMES, self.pools, strict=True):

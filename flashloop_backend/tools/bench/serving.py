@@ -179,6 +179,8 @@ def serve_variants(
                 import torch
 
                 torch.cuda.reset_peak_memory_stats()
+            if engine.prefix_cache is not None:  # each workload starts with nothing cached
+                engine.prefix_cache.clear()
             capturing = engine.graphs is not None and engine.graphs.settings.capture
             captured = engine.graphs.eager_steps if capturing else 0
             summary = run_workload(
