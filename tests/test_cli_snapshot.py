@@ -97,6 +97,7 @@ def test_a_bad_snapshot_exits_2_with_one_line_naming_it(saved, damage, fragment,
             "--snapshot-after 4 must be below --max-new-tokens 4",
         ),
         (["--restore", "absent.safetensors"], "no snapshot file at 'absent.safetensors'"),
+        (["--restore", "x", "--temperature", "0.5"], "--temperature and --seed come from the"),
     ],
 )
 def test_contradictory_flags_exit_2_naming_them(argv, fragment, capsys):
