@@ -43,17 +43,26 @@ NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
 QUESTION = " What is the pass key? The pass key is {k}"
 
 
-def corpus(held_out_percent: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Stdlib .py files as bytes separated by EOS; held-out split by a hash of the path."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def corpus_root(name: str) -> Path:
+    """The source tree of a corpus: the standard library, or the installed packages."""
+    key = {"stdlib": "stdlib", "packages": "purelib"}[name]
+    return Path(sysconfig.get_paths()[key])
+
+
+def corpus(held_out_percent: int, name: str = "stdlib") -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The corpus's .py files as bytes separated by EOS; held-out split by a hash of the
+    path (``stdlib`` leaves site-packages out; ``packages`` is site-packages alone)."""
+    root = corpus_root(name)
     train, held = [], []
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    files = sorted(
+        p for p in root.rglob("*.py") if name == "packages" or "site-packages" not in p.parts
+    )
     for path in files:
         try:
             data = path.read_bytes()
         except OSError:
             continue
-        rel = str(path.relative_to(stdlib))
+        rel = str(path.relative_to(root))
         bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
         (held if bucket < held_out_percent else train).append(
             np.frombuffer(data, np.uint8).astype(np.int16)
@@ -144,10 +153,12 @@ def analyse(model: OuroModel, tokens: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def passkey_accuracy(model: OuroModel, filler: np.ndarray, device, seed: int) -> dict:
+def passkey_accuracy(
+    model: OuroModel, filler: np.ndarray, device, seed: int, lengths=(256, 512, 1024)
+) -> dict:
     rng = np.random.default_rng(seed)
     result = {}
-    for length in (256, 512, 1024):
+    for length in lengths:
         for depth in (0.1, 0.5, 0.9):
             samples = [passkey_sample(filler, length, depth, rng) for _ in range(32)]
             tokens = torch.tensor(np.stack([s[0] for s in samples]), device=device).long()
@@ -169,16 +180,29 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--beta", type=float, default=0.05, help="entropy bonus weight")
     parser.add_argument("--passkey-fraction", type=float, default=0.25)
+    # the model's shape (defaults: the embedded model's) and its corpus
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=2, help="attention and KV heads (128 dims)")
+    parser.add_argument("--intermediate", type=int, default=704)
+    parser.add_argument("--corpus", choices=("stdlib", "packages"), default="stdlib")
+    parser.add_argument("--passkey-lengths", default="256,512,1024")
+    parser.add_argument("--eval-windows", type=int, default=64)
     args = parser.parse_args()
+    if args.hidden != 128 * args.heads:
+        parser.error(f"--hidden {args.hidden} must be 128 x --heads {args.heads} (head_dim 128)")
+    lengths = tuple(int(v) for v in args.passkey_lengths.split(","))
+    if min(args.seq_len, *lengths) < 128:  # a needle and its question take about 100 bytes
+        parser.error(f"--seq-len {args.seq_len} and --passkey-lengths {lengths} must be >= 128")
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = OuroConfig(
-        hidden_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
         head_dim=128,
-        intermediate_size=704,
+        intermediate_size=args.intermediate,
         vocab_size=258,
         rope_theta=10000.0,
         total_ut_steps=4,
@@ -187,7 +211,7 @@ def main() -> None:
         bos_token_id=BOS,
         eos_token_id=EOS,
     )
-    train_np, held_np, n_files, n_held = corpus(held_out_percent=5)
+    train_np, held_np, n_files, n_held = corpus(held_out_percent=5, name=args.corpus)
     print(
         f"corpus: {n_files} files, train {len(train_np) / 1e6:.1f} MB, "
         f"held-out {len(held_np) / 1e6:.2f} MB ({n_held} files)"
@@ -245,10 +269,12 @@ def main() -> None:
 
     model.eval()
     eval_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-    held_tokens = windows(held, 64, args.seq_len + 1, eval_gen)
+    held_tokens = windows(held, args.eval_windows, args.seq_len + 1, eval_gen)
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
         metrics = analyse(model, held_tokens)
-        metrics["passkey_accuracy"] = passkey_accuracy(model, held_np, device, args.seed + 2)
+        metrics["passkey_accuracy"] = passkey_accuracy(
+            model, held_np, device, args.seed + 2, lengths
+        )
     metrics.update(
         steps=step,
         seconds=round(time.time() - start, 1),
@@ -260,8 +286,9 @@ def main() -> None:
             "held_out_files": n_held,
             "train_bytes": len(train_np),
             "held_out_bytes": len(held_np),
-            "source": f"Python {sys.version.split()[0]} standard library (*.py), "
-            "held out by sha256(path) % 100 < 5",
+            "source": f"Python {sys.version.split()[0]} "
+            + ("standard library" if args.corpus == "stdlib" else "installed packages")
+            + f" (*.py under {corpus_root(args.corpus)}), held out by sha256(path) % 100 < 5",
         },
         params=sum(p.numel() for p in model.parameters()),
         log=log,
