@@ -303,7 +303,9 @@ def _eval(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    if args.combinations:
+    if args.combinations and args.grid:
+        raise ConfigError("--combinations and --grid are two runs: give one")
+    if args.combinations or args.grid:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
     with StageBars("eval") as bars:
         try:
@@ -348,12 +350,13 @@ def _passkey_mean(cells: dict[str, float]) -> float:
 
 
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
-    """``eval --combinations``: every on/off combination of the config's features."""
-    from flashloop_backend.tools.evaluation import evaluate, feature_combinations
+    """``eval --combinations``: every on/off combination of the config's features;
+    ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.evaluation.feature_grid`."""
+    from flashloop_backend.tools.evaluation import evaluate, feature_combinations, feature_grid
     from flashloop_backend.tools.paths import record_path
 
     try:
-        combos = feature_combinations(config)
+        combos = feature_grid(config) if args.grid else feature_combinations(config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     records, dense_cache = [], {}
@@ -376,11 +379,13 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
                 raise
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        records.append({"features": list(features), **report})
+        records.append(
+            {"features": list(features), "config": combo.model_dump(mode="json"), **report}
+        )
         if args.out:  # written after every combination: a long run loses nothing finished
             param = next(model.parameters())
             record = {
-                "kind": "eval_combinations",
+                "kind": "eval_grid" if args.grid else "eval_combinations",
                 "model": record_path(args.model),
                 "text_source": source,
                 "device": str(param.device),
@@ -479,6 +484,12 @@ def add_commands(sub) -> None:
         "--combinations",
         action="store_true",
         help="evaluate every on/off combination of the features the config enables",
+    )
+    ev.add_argument(
+        "--grid",
+        action="store_true",
+        help="the quality grid: each feature alone at each setting (key retention, retention "
+        "schedule, packing policy) and all on at every combination of them",
     )
     ev.add_argument("--out", help="also write the JSON record here")
     ev.add_argument("--json", action="store_true")
