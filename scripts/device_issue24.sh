@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# H200 calls for issue 24 (quality you can decide from), one stage per call:
+#   train   the ~20M-parameter evaluation model in Ouro's layout (6 layers, 4 heads of 128,
+#           4 loops) on the installed packages' Python sources, 2K context, 8 minutes
+#           (scripts/train_embedded.py); writes the checkpoint and metrics under $OUT/model
+#   grid    eval --grid on that model (MODEL=path of the checkpoint carried back): 256
+#           held-out windows of 1,024 prefilled tokens per point, written after every point
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" "$@"; }
+case "${1:?stage: train or grid}" in
+  train)
+    run python3 scripts/train_embedded.py --out "$OUT/model" --seconds 480 --layers 6 \
+      --hidden 512 --heads 4 --intermediate 1408 --corpus packages --seq-len 2048 --batch 16 \
+      --passkey-lengths 512,1024,2048 --eval-windows 64 2>&1 | tee "$OUT/train.log" | tail -5 ;;
+  grid)
+    run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
+      --grid --windows 256 --context 1024 --out "$OUT/eval_grid.json" 2>&1 | tail -40 ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
