@@ -288,3 +288,24 @@ def test_replayed_tokens_leave_at_their_recorded_depths():
     while engine.has_unfinished():
         finished += engine.step()
     assert finished[0].exit_depths[: len(request.replay_exits)] == request.replay_exits
+
+
+@pytest.mark.parametrize(("features", "config"), COMBINATIONS[-2:], ids=["all", "rolling"])
+def test_a_stop_string_mid_block_ends_the_request_and_returns_everything(features, config):
+    """A stop string met at a token that leaves its KV block part-filled (and, rolling,
+    with generated rows in the BF16 tail and in packed groups): the request ends with
+    the tokens of the uninterrupted run up to the stop, and the pools are back."""
+    model = tiny_model(seed=3)
+    prompt, long = [4, 8, 15, 16, 23, 42] * 7, SamplingParams(max_new_tokens=30)
+    whole = _engine(model, config).generate([prompt], long)[0].output_token_ids
+    at = next(i for i in range(21, 30) if (i + len(prompt)) % 4 != 3)  # not a block's last row
+    stop = "|".join(map(str, whole[at - 1 : at + 1]))
+    engine = _engine(model, config)
+    engine.detokenize = lambda ids: "|".join(map(str, ids))
+    baseline = _baseline(engine)
+    params = SamplingParams(max_new_tokens=30, stop=(stop,))
+    (done,) = engine.generate([prompt], params)
+    assert done.finish_reason == "stop"
+    met = next(i for i in range(len(whole)) if stop in engine.detokenize(whole[: i + 1]))
+    assert done.output_token_ids == whole[: met + 1] and met <= at
+    assert engine.pools() == baseline
