@@ -5,11 +5,13 @@
 #           (scripts/train_embedded.py); writes the checkpoint and metrics under $OUT/model
 #   grid    eval --grid on that model (MODEL=path of the checkpoint carried back): 256
 #           held-out windows of 1,024 prefilled tokens per point, written after every point
+#   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
+#           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" "$@"; }
-case "${1:?stage: train or grid}" in
+case "${1:?stage: train, grid or adaptive}" in
   train)
     run python3 scripts/train_embedded.py --out "$OUT/model" --seconds 480 --layers 6 \
       --hidden 512 --heads 4 --intermediate 1408 --corpus packages --seq-len 2048 --batch 16 \
@@ -17,5 +19,9 @@ case "${1:?stage: train or grid}" in
   grid)
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
       --grid --windows 256 --context 1024 --out "$OUT/eval_grid.json" 2>&1 | tail -40 ;;
+  adaptive)
+    run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
+      --combinations --exit-threshold "${EXIT:-0.9}" --windows 256 --context 1024 \
+      --out "$OUT/eval_combinations_exit${EXIT:-0.9}.json" 2>&1 | tail -12 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -47,6 +47,24 @@ def test_teacher_forced_decode_equals_full_sequence_forward(embedded):
     torch.testing.assert_close(result.logprobs, full, atol=2e-4, rtol=1e-4)
 
 
+def test_an_exit_threshold_applies_to_both_sides_and_records_where_tokens_left(embedded):
+    """Ouro's exit rule on (the embedded model runs every loop by default): scored tokens
+    leave at several depths, the same on both sides for dense vs dense, and the model's
+    own setting is back afterwards."""
+    import dataclasses
+
+    model, tokenizer = embedded
+    settings = dataclasses.replace(SMALL, exit_threshold=0.5)
+    report = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", settings)
+    depths = report["exit_depths"]
+    scored = SMALL.windows * (SMALL.continuation - 1)  # the last forced token runs no loop
+    assert depths["dense"] == depths["config"] and sum(depths["dense"]) == scored
+    assert sum(n > 0 for n in depths["dense"]) > 1 and report["delta_bits_per_byte_percent"] == 0
+    assert not model.config.exits_early
+    fixed = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", SMALL)["exit_depths"]
+    assert fixed["dense"] == [0, 0, 0, scored]
+
+
 def test_dense_vs_dense_is_exactly_zero(embedded):
     model, tokenizer = embedded
     report = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", SMALL)
@@ -69,6 +87,7 @@ def test_dense_vs_dense_is_exactly_zero(embedded):
         (EvalSettings(windows=0), "must all be >= 1"),
         (EvalSettings(context=4000, continuation=200), "allows 4096"),
         (EvalSettings(context=2000, passkey_contexts=(128,)), "text has"),
+        (EvalSettings(exit_threshold=1.5), r"exit_threshold=1.5 must be in \(0, 1\]"),
     ],
 )
 def test_bad_settings(embedded, settings, fragment):

@@ -301,6 +301,7 @@ def _eval(args: argparse.Namespace) -> int:
         continuation=args.continuation,
         passkey_samples=args.passkey_samples,
         seed=args.seed,
+        exit_threshold=args.exit_threshold,
     )
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations and args.grid:
@@ -480,6 +481,13 @@ def add_commands(sub) -> None:
         help="per (context, depth) cell; 0 skips passkey retrieval",
     )
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="Ouro's exit rule for dense and config alike, in (0, 1]: a token leaves once its "
+        "cumulative exit probability reaches it (default: the model's setting)",
+    )
     ev.add_argument(
         "--combinations",
         action="store_true",

@@ -9,12 +9,14 @@ context length and needle depth.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import platform
 import random
 import sysconfig
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,9 @@ class EvalSettings:
     passkey_samples: int = 8
     bootstrap: int = 1000
     seed: int = 0
+    # Ouro's exit rule for both sides (a token leaves once its cumulative exit probability
+    # reaches it); None: the model's own setting
+    exit_threshold: float | None = None
 
     def check(self, model: OuroModel, text_tokens: int) -> None:
         if self.windows < 1 or self.context < 1 or self.continuation < 1:
@@ -69,6 +74,8 @@ class EvalSettings:
                 f"windows={self.windows}, context={self.context}, continuation={self.continuation} "
                 "must all be >= 1"
             )
+        if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            raise ConfigError(f"exit_threshold={self.exit_threshold} must be in (0, 1]")
         if self.passkey_samples < 0 or self.bootstrap < 1:
             raise ConfigError(
                 f"passkey_samples={self.passkey_samples} must be >= 0 (0 skips passkey retrieval) "
@@ -190,6 +197,70 @@ def _stage(progress, name: str, engine: Engine, tokens: int):
     return lambda *_: progress(name, engine.counters()["tokens_generated"] - start, tokens)
 
 
+def exit_histogram(results, loops: int) -> list[int]:
+    """Tokens that left after each loop (zero-based depth), over ``results``."""
+    counts = [0] * loops
+    for result in results:
+        for depth in result.exit_depths:
+            counts[depth] += 1
+    return counts
+
+
+@contextmanager
+def exit_rule(model: OuroModel, threshold: float | None):
+    """The model with Ouro's exit rule at ``threshold`` inside the block (None: as is)."""
+    saved = model.config
+    if threshold is not None:
+        model.config = dataclasses.replace(saved, early_exit_threshold=threshold)
+    try:
+        yield
+    finally:
+        model.config = saved
+
+
+def _run_sides(
+    model,
+    tokenizer,
+    config,
+    backend,
+    block_size,
+    settings,
+    progress,
+    dense_cache,
+    contexts,
+    targets,
+    pass_prompts,
+    keys,
+) -> dict:
+    """Dense and ``config`` over the same windows and passkey prompts: per side its
+    digest, log-probs, exit-depth histogram and passkey answers."""
+    runs = {}
+    for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
+        if label == "dense" and dense_cache is not None and "dense" in dense_cache:
+            runs["dense"] = dense_cache["dense"]
+            continue
+        engine, digest = _engine(
+            model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
+        )
+        scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
+        scored = engine.generate(contexts, forced=targets, keep_logprobs=True, progress=scoring)
+        asking = _stage(progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(pass_prompts))
+        answer_params = SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True)
+        answers = engine.generate(pass_prompts, progress=asking, params=answer_params)
+        runs[label] = {
+            "digest": digest,
+            "logprobs": [r.logprobs for r in scored],
+            "exit_depths": exit_histogram(scored, model.config.total_ut_steps),
+            "passkey": [
+                tokenizer.decode(a.output_token_ids) == k
+                for a, k in zip(answers, keys, strict=True)
+            ],
+        }
+    if dense_cache is not None:
+        dense_cache["dense"] = runs["dense"]
+    return runs
+
+
 def evaluate(
     model: OuroModel,
     tokenizer,
@@ -217,30 +288,21 @@ def evaluate(
     pass_prompts, keys, cells = _passkey_prompts(tokens, encode, settings, rng)
 
     resolve(config, backend, model.support_request(block_size))  # unservable: before dense work
-    runs = {}
-    for label, cfg in (("dense", FlashLoopConfig()), ("config", config)):
-        if label == "dense" and dense_cache is not None and "dense" in dense_cache:
-            runs["dense"] = dense_cache["dense"]
-            continue
-        engine, digest = _engine(
-            model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
+    with exit_rule(model, settings.exit_threshold):
+        runs = _run_sides(
+            model,
+            tokenizer,
+            config,
+            backend,
+            block_size,
+            settings,
+            progress,
+            dense_cache,
+            contexts,
+            targets,
+            pass_prompts,
+            keys,
         )
-        scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
-        scored = engine.generate(contexts, forced=targets, keep_logprobs=True, progress=scoring)
-        asking = _stage(progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(pass_prompts))
-        answer_params = SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True)
-        answers = engine.generate(pass_prompts, progress=asking, params=answer_params)
-        runs[label] = {
-            "digest": digest,
-            "logprobs": [r.logprobs for r in scored],
-            "passkey": [
-                tokenizer.decode(a.output_token_ids) == k
-                for a, k in zip(answers, keys, strict=True)
-            ],
-        }
-    if dense_cache is not None:
-        dense_cache["dense"] = runs["dense"]
-
     dense, cand = runs["dense"], runs["config"]
     nll = {k: [] for k in runs}
     kl_all, agree = [], []
@@ -286,6 +348,8 @@ def evaluate(
         "kl_mean": float(kl.mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)),
         "top1_agreement": float(torch.cat(agree).mean()),
+        # tokens that left after each loop while scoring (all at the last without an exit rule)
+        "exit_depths": {"dense": dense["exit_depths"], "config": cand["exit_depths"]},
         "passkey_accuracy": {
             "dense": accuracy(dense["passkey"]),
             "config": accuracy(cand["passkey"]),
