@@ -264,3 +264,52 @@ def test_a_changed_manifest_is_refused_on_load(saved, tmp_path):
     (tmp_path / "edited").write_bytes(bytes(data))
     with pytest.raises(SnapshotError, match="the manifest does not match its checksum"):
         load_snapshot(tmp_path / "edited")
+
+
+@pytest.mark.parametrize("features", [(), ("all",)], ids=["dense", "all_on"])
+def test_a_request_restored_beside_graph_replays_makes_the_lone_tokens(features, monkeypatch):
+    """Restored into an engine replaying decode steps from recorded graphs (the CPU
+    recorder), beside a request already decoding there, into a slot another request used
+    before: both make the tokens of eager lone runs."""
+    from flashloop_backend.host.graphs import GraphSettings
+    from flashloop_backend.kernels.torch_ref import packed as torch_packed
+
+    from .graph_recorder import RecordingCapture
+    from .test_decode_graphs import _every_row
+
+    monkeypatch.setattr(torch_packed, "_only_rows", _every_row)
+    model = tiny_model(seed=7)
+    config = ALL_ON if features else FlashLoopConfig()
+
+    def graphed():
+        backend = Registry.discover().create("flashloop", REQUEST, config)
+        return Engine(
+            model,
+            backend,
+            num_blocks=160,
+            block_size=4,
+            prefill_chunk=16,
+            max_slots=8,
+            cuda_graphs=GraphSettings(buckets=(1, 2, 4), max_context=128),
+            graph_capture=RecordingCapture(),
+        )
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [[(7 * i + 3) % 61 for i in range(n)] for n in (40, 21, 9)]
+    source = graphed()
+    snapshot = _snapshot_after(source, source.add_request(prompts[0], params), 3)
+    target = graphed()
+    first = target.generate([prompts[2]], params)[0]  # its slot goes back to the pool
+    other = target.add_request(prompts[1], params)
+    while target.output_count(other) < 2:
+        target.step()
+    restored = target.restore(snapshot)
+    done = _finish(target)
+    assert target.graphs.stats()["replays"] > 0
+    for rid, prompt in ((restored, prompts[0]), (other, prompts[1])):
+        alone = _engine(model, config).generate([prompt], params)[0]
+        assert done[rid].output_token_ids == alone.output_token_ids, rid
+    assert (
+        first.output_token_ids
+        == _engine(model, config).generate([prompts[2]], params)[0].output_token_ids
+    )
