@@ -55,10 +55,7 @@ class RequestSnapshots:
         self.hand_over_prompts()  # a prompt done in the last step is packed first
         identity, geometry = self._identity()
         bs, written = self.kv.block_size, r.position  # the current token's KV is not written
-        planes = [
-            plane
-            for plane in [self.kv.block_table(r.id, d) for d in range(self.cfg.total_ut_steps)]
-        ]
+        planes = [self.kv.block_table(r.id, d) for d in range(self.cfg.total_ut_steps)]
         first = next((i for i, b in enumerate(planes[0]) if b >= 0), len(planes[0]))
         last = max(first, -(-written // bs))
         index = torch.tensor([p[first:last] for p in planes], dtype=torch.long).to(self.device)
