@@ -218,20 +218,18 @@ def exit_rule(model: OuroModel, threshold: float | None):
         model.config = saved
 
 
-def _run_sides(
-    model,
-    tokenizer,
-    config,
-    backend,
-    block_size,
-    settings,
-    progress,
-    dense_cache,
-    contexts,
-    targets,
-    pass_prompts,
-    keys,
-) -> dict:
+@dataclass(frozen=True)
+class _Prompts:
+    """What both sides run: scored windows (contexts, forced targets) and passkey prompts
+    with their keys."""
+
+    contexts: list[list[int]]
+    targets: list[list[int]]
+    passkey: list[list[int]]
+    keys: list[str]
+
+
+def _run_sides(model, tokenizer, config, backend, block_size, progress, dense_cache, prompts):
     """Dense and ``config`` over the same windows and passkey prompts: per side its
     digest, log-probs, exit-depth histogram and passkey answers."""
     runs = {}
@@ -242,18 +240,23 @@ def _run_sides(
         engine, digest = _engine(
             model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
         )
+        targets = prompts.targets
         scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
-        scored = engine.generate(contexts, forced=targets, keep_logprobs=True, progress=scoring)
-        asking = _stage(progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(pass_prompts))
+        scored = engine.generate(
+            prompts.contexts, forced=targets, keep_logprobs=True, progress=scoring
+        )
+        asking = _stage(
+            progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(prompts.passkey)
+        )
         answer_params = SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True)
-        answers = engine.generate(pass_prompts, progress=asking, params=answer_params)
+        answers = engine.generate(prompts.passkey, progress=asking, params=answer_params)
         runs[label] = {
             "digest": digest,
             "logprobs": [r.logprobs for r in scored],
             "exit_depths": exit_histogram(scored, model.config.total_ut_steps),
             "passkey": [
                 tokenizer.decode(a.output_token_ids) == k
-                for a, k in zip(answers, keys, strict=True)
+                for a, k in zip(answers, prompts.keys, strict=True)
             ],
         }
     if dense_cache is not None:
@@ -289,19 +292,9 @@ def evaluate(
 
     resolve(config, backend, model.support_request(block_size))  # unservable: before dense work
     with exit_rule(model, settings.exit_threshold):
+        prompts = _Prompts(contexts, targets, pass_prompts, keys)
         runs = _run_sides(
-            model,
-            tokenizer,
-            config,
-            backend,
-            block_size,
-            settings,
-            progress,
-            dense_cache,
-            contexts,
-            targets,
-            pass_prompts,
-            keys,
+            model, tokenizer, config, backend, block_size, progress, dense_cache, prompts
         )
     dense, cand = runs["dense"], runs["config"]
     nll = {k: [] for k in runs}
