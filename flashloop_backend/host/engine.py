@@ -310,9 +310,10 @@ class Engine(RequestSnapshots):
                 continue
             if not self._free_slots:
                 break  # every token-state slot is taken: wait
-            if self.prefix_cache is not None and self._prefix_in_flight(request):
+            found = self.prefix_cache.lookup(request.prompt) if self.prefix_cache else (0, None)
+            if self.prefix_cache is not None and self._prefix_in_flight(request, found[0]):
                 continue  # its prefix is being computed: share it once published
-            schedule = self._reserve(request)
+            schedule = self._reserve(request, found)
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
             request.slot = self._free_slots.pop()
@@ -322,11 +323,11 @@ class Engine(RequestSnapshots):
             request.schedule = schedule
             request.phase = "prefill"
 
-    def _prefix_in_flight(self, request: Request) -> bool:
+    def _prefix_in_flight(self, request: Request, cached: int) -> bool:
         """Whether a prompt still prefilling shares more whole units with ``request``'s
-        than the cache holds: computing them twice side by side would waste a prefill."""
+        than the ``cached`` positions the cache holds for it: computing them twice side by
+        side would waste a prefill."""
         cache = self.prefix_cache
-        cached = cache.lookup(request.prompt)[0]
         for other in self._requests.values():
             if other.phase == "prefill":
                 shared = cache.common_units(other.prompt, request.prompt)
@@ -334,15 +335,14 @@ class Engine(RequestSnapshots):
                     return True
         return False
 
-    def _reserve(self, request: Request) -> PromptSchedule | None:
-        """Reserve a waiting request's blocks and pages, sharing the longest published
-        prefix of its prompt (prefix cache on), evicting cached prefixes while the pool is
-        short; its prompt schedule, or None when it must wait (nothing held)."""
+    def _reserve(self, request: Request, found: tuple) -> PromptSchedule | None:
+        """Reserve a waiting request's blocks and pages, sharing ``found`` (the cache's
+        lookup of its prompt: positions, entry), evicting cached prefixes while the pool is
+        short (and looking up again after each); its prompt schedule, or None when it must
+        wait (nothing held)."""
         new, loops = request.params.max_new_tokens, self.cfg.total_ut_steps
+        reused, entry = found
         while True:
-            reused, entry = (
-                self.prefix_cache.lookup(request.prompt) if self.prefix_cache else (0, None)
-            )
             shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
             try:
                 self.kv.reserve(request.id, len(request.prompt) + new, shared)
@@ -354,6 +354,7 @@ class Engine(RequestSnapshots):
                 short_of_blocks = isinstance(exc, OutOfBlocksError)
                 if not (short_of_blocks and self.prefix_cache and self.prefix_cache.evict_one()):
                     return None
+                reused, entry = self.prefix_cache.lookup(request.prompt)  # it may have gone
         active = None
         if entry is not None:
             self.prefix_cache.record(reused, entry)
