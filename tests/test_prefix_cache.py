@@ -147,3 +147,16 @@ def test_a_request_waiting_for_packed_pages_evicts_no_cached_prefix():
         done[waiting].output_token_ids
         == lone.generate([[*SHARED, 9, 9]], PARAMS)[0].output_token_ids
     )
+
+
+def test_blocks_two_entries_share_count_as_held_by_the_cache_alone():
+    """Two published prompts with a common start hold its blocks together: once no
+    request runs, every cached block is the cache's alone (``kv_held`` leaves them out)."""
+    engine = _engine(tiny_model(seed=2), COMBINATIONS[0][1])
+    _rows(engine, [*SHARED, *[5] * 20])
+    _rows(engine, [*SHARED, *[9] * 20])
+    pools = engine.pools()
+    assert pools["prefix_entries"] == 2 and pools["live_requests"] == 0
+    assert pools["prefix_blocks_cache_only"] == pools["prefix_blocks"]
+    assert pools["free_blocks"] + pools["prefix_blocks"] == pools["num_blocks"]
+    assert engine.kv_held() == (0, 0)

@@ -13,6 +13,7 @@ reference back."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -136,10 +137,12 @@ class PrefixCache:
         self.kv.give_back([b for plane in entry.blocks for b in plane])
 
     def held(self) -> dict[str, int]:
-        blocks = {b for e in self._entries for plane in e.blocks for b in plane}
-        only = {b for e in self._entries for b in self._cache_only(e)}
+        """Entries, distinct blocks they hold, and those no request holds (every holder an
+        entry: entries of prompts with a common start share its blocks)."""
+        refs = Counter(b for e in self._entries for plane in e.blocks for b in plane)
+        only = sum(self.kv.holders(b) == n for b, n in refs.items())
         return {
             "prefix_entries": len(self._entries),
-            "prefix_blocks": len(blocks),
-            "prefix_blocks_cache_only": len(only),
+            "prefix_blocks": len(refs),
+            "prefix_blocks_cache_only": only,
         }
