@@ -215,3 +215,12 @@ def test_each_workload_starts_with_an_empty_prefix_cache(model):
         model, _request(model), variants, workloads, 256, 16, log=lambda m: None, prefix_cache=True
     )
     assert [r["prefix"]["hits"] for r in records] == [0, 0]
+
+
+def test_a_shared_prefix_as_long_as_a_context_is_refused_before_any_work():
+    from flashloop_backend import ConfigError
+    from flashloop_backend.tools.bench.serving import bench_serving
+
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    with pytest.raises(ConfigError, match=r"shared_prefix=1024 must be below every context"):
+        bench_serving(config, "torch", [1024, 4096], [1], 4, 1, 1.0, shared_prefix=1024)

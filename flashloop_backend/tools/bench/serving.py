@@ -112,8 +112,6 @@ def warm_up(engine, workloads: list[dict], vocab: int, sync=lambda: None) -> Non
     for size in warm_up_sizes(workloads, buckets):
         arrivals = fixed_arrival_schedule(size, 1.0, [WARM_PROMPT], [WARM_OUTPUT])
         run_workload(engine, arrivals, vocab, concurrency=size, sync=sync)
-    if engine.prefix_cache is not None:  # no warm-up prompt serves a timed one
-        engine.prefix_cache.clear()
 
 
 def serve_variants(
@@ -249,6 +247,8 @@ def bench_serving(
         raise ConfigError(
             "bench serving compares features with dense: --config must enable at least one"
         )
+    if shared_prefix and shared_prefix >= min(contexts):  # refused before any GPU work
+        raise ConfigError(f"shared_prefix={shared_prefix} must be below every context {contexts}")
     most = max(concurrency)
     tokens = max(contexts) + new_tokens
     baseline, graphs = graph_variant(baseline, most, tokens)
@@ -269,10 +269,6 @@ def bench_serving(
         for conc in concurrency
     ]
     if shared_prefix:
-        if shared_prefix >= min(contexts):
-            raise ConfigError(
-                f"shared_prefix={shared_prefix} must be below every context {contexts}"
-            )
         workloads += [
             {
                 "name": f"closed_shared{shared_prefix}_ctx{ctx}_conc{conc}",
