@@ -219,6 +219,7 @@ def seeded(tmp_path):
         ("no bf16", "bf16.keys / bf16.values must be"),
         ("exit depths", "exit_depths must give a depth in"),
         ("params", "snapshot request params"),
+        ("replay exits", "replay_exits is malformed"),
     ],
 )
 def test_a_request_whose_fields_do_not_fit_is_refused_before_anything_is_taken(
@@ -238,6 +239,8 @@ def test_a_request_whose_fields_do_not_fit_is_refused_before_anything_is_taken(
         del tensors["bf16.keys"]
     if damage == "exit depths":
         request["exit_depths"] = request["exit_depths"] + [0]
+    if damage == "replay exits":  # a depth past the model's 4 loops
+        request["replay"], request["replay_exits"] = request["output"], [0, 9, 1, 2]
     if damage == "params":
         request["params"] = request["params"] | {"beam": 4}
     manifest = snapshot.manifest | {"request": request}

@@ -153,8 +153,8 @@ def check_request(snapshot: RequestSnapshot, hidden_size: int, loops: int, vocab
     need(isinstance(saved.get("params"), dict), "params are missing")
     need(saved.get("forced") is None or _ints(saved["forced"], 0, vocab), "forced is malformed")
     need(isinstance(saved.get("keep_logprobs"), bool), "keep_logprobs must be true or false")
-    for name in ("replay", "replay_exits"):
-        need(saved.get(name) is None or _ints(saved[name], 0, vocab), f"{name} is malformed")
+    for name, bound in (("replay", vocab), ("replay_exits", loops)):
+        need(saved.get(name) is None or _ints(saved[name], 0, bound), f"{name} is malformed")
     hidden = tensors.get("hidden")
     need(
         hidden is not None and hidden.shape == (hidden_size,) and hidden.is_floating_point(),
