@@ -6,7 +6,8 @@ Run on a GPU (``--seconds`` bounds the training loop; the embedded model's own r
 results/embedded_train_h200.log, and flashloop_backend/models/ouro-tiny-bytes/MODEL_CARD.md
 describes it):
     python3 scripts/train_embedded.py --out $OUT --seconds 390
-Writes config.json, model.safetensors, tokenizer.json, metrics.json and MODEL_CARD.md.
+Writes config.json, model.safetensors, tokenizer.json and metrics.json (a model card is
+written from metrics.json by hand).
 """
 
 from __future__ import annotations
@@ -49,26 +50,41 @@ def corpus_root(name: str) -> Path:
     return Path(sysconfig.get_paths()[key])
 
 
-def corpus(held_out_percent: int, name: str = "stdlib") -> tuple[np.ndarray, np.ndarray, int, int]:
+def corpus(
+    held_out_percent: int, name: str = "stdlib", limit_mb: float = 0
+) -> tuple[np.ndarray, np.ndarray, int, int]:
     """The corpus's .py files as bytes separated by EOS; held-out split by a hash of the
-    path (``stdlib`` leaves site-packages out; ``packages`` is site-packages alone)."""
+    path (``stdlib`` leaves site-packages out; ``packages`` is site-packages alone).
+    ``limit_mb`` > 0 stops once that many megabytes are read, files taken in the order of
+    their path hashes so that a capped corpus still mixes every package."""
     root = corpus_root(name)
-    train, held = [], []
-    files = sorted(
-        p for p in root.rglob("*.py") if name == "packages" or "site-packages" not in p.parts
-    )
-    for path in files:
+    train, held, total = [], [], 0
+    keyed = []
+    for path in root.rglob("*.py"):
+        if name == "stdlib" and "site-packages" in path.parts:
+            continue
+        rel = str(path.relative_to(root))
+        keyed.append((hashlib.sha256(rel.encode()).hexdigest(), path))
+    keyed.sort()
+    for digest, path in keyed:
+        if limit_mb > 0 and total >= limit_mb * 1e6:
+            break
         try:
             data = path.read_bytes()
         except OSError:
             continue
-        rel = str(path.relative_to(root))
-        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
+        total += len(data)
+        bucket = int(digest, 16) % 100
         (held if bucket < held_out_percent else train).append(
             np.frombuffer(data, np.uint8).astype(np.int16)
         )
         (held if bucket < held_out_percent else train).append(np.array([EOS], np.int16))
-    return np.concatenate(train), np.concatenate(held), len(files), sum(1 for _ in held) // 2
+    return (
+        np.concatenate(train),
+        np.concatenate(held),
+        (len(train) + len(held)) // 2,
+        len(held) // 2,
+    )
 
 
 def passkey_sample(filler: np.ndarray, length: int, depth: float, rng: np.random.Generator):
@@ -186,6 +202,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2, help="attention and KV heads (128 dims)")
     parser.add_argument("--intermediate", type=int, default=704)
     parser.add_argument("--corpus", choices=("stdlib", "packages"), default="stdlib")
+    parser.add_argument(
+        "--corpus-mb", type=float, default=0, help="read at most this many MB (0: all)"
+    )
     parser.add_argument("--passkey-lengths", default="256,512,1024")
     parser.add_argument("--eval-windows", type=int, default=64)
     args = parser.parse_args()
@@ -211,9 +230,9 @@ def main() -> None:
         bos_token_id=BOS,
         eos_token_id=EOS,
     )
-    train_np, held_np, n_files, n_held = corpus(held_out_percent=5, name=args.corpus)
+    train_np, held_np, n_files, n_held = corpus(5, args.corpus, args.corpus_mb)
     print(
-        f"corpus: {n_files} files, train {len(train_np) / 1e6:.1f} MB, "
+        f"corpus: {n_files} files read, train {len(train_np) / 1e6:.1f} MB, "
         f"held-out {len(held_np) / 1e6:.2f} MB ({n_held} files)"
     )
     train = torch.tensor(train_np, device=device)

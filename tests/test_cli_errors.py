@@ -145,3 +145,16 @@ def test_a_pool_too_small_for_the_request_exits_2(command, capsys):
     """Requests that need more than 4 KV blocks: refused with the counts, exit 2."""
     assert _exit([*command, "--num-blocks", "4", "--max-new-tokens", "8"]) == EXIT_USAGE
     assert "KV blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("100", "passkey contexts [100] are too short"),
+        ("0", "'0' must list positive integers"),
+        ("256,x", "'256,x' is not a comma-separated list of integers"),
+    ],
+)
+def test_eval_refuses_passkey_contexts_that_cannot_hold_a_needle(value, fragment, capsys):
+    assert _exit(["eval", "--windows", "1", "--passkey-contexts", value]) == EXIT_USAGE
+    assert fragment in capsys.readouterr().err

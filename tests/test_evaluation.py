@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashloop_backend import FlashLoopConfig, embedded_model_path
+from flashloop_backend import ConfigError, FlashLoopConfig, embedded_model_path
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, load_model, load_tokenizer
 from flashloop_backend.registry import Registry
@@ -167,3 +168,14 @@ def test_the_demo_table_and_configs_all_on_describe_the_same_configuration():
     from flashloop_backend.cli.showcase import ALL_ON
 
     assert FlashLoopConfig.from_dict(json.load(open("configs/all_on.json"))) == ALL_ON
+
+
+def test_passkey_cells_follow_the_asked_contexts(embedded):
+    model, tokenizer = embedded
+    settings = dataclasses.replace(SMALL, passkey_contexts=(128, 160), passkey_samples=1)
+    report = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", settings)
+    cells = report["passkey_accuracy"]["dense"]
+    assert {cell.split("_")[0] for cell in cells} == {"len128", "len160"}
+    short = dataclasses.replace(settings, passkey_contexts=(100, 128))
+    with pytest.raises(ConfigError, match=r"passkey contexts \[100\] are too short"):
+        evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", short)

@@ -45,7 +45,7 @@ def test_demo_runs_and_reports_speed_and_kv(monkeypatch, capsys):
     monkeypatch.setattr(showcase, "TABLE_PROMPTS", 2)
     monkeypatch.setattr(showcase, "TABLE_PROMPT_TOKENS", 160)
     monkeypatch.setattr(showcase, "TABLE_NEW_TOKENS", 3)
-    quick = EvalSettings(windows=2, context=64, continuation=8, passkey_contexts=(64,),
+    quick = EvalSettings(windows=2, context=64, continuation=8, passkey_contexts=(128,),
                          passkey_samples=1, bootstrap=20)  # fmt: skip
     monkeypatch.setattr(showcase, "QUICK_EVAL", quick)
     assert main(["demo", "--max-new-tokens", "4"]) == 0

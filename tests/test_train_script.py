@@ -37,7 +37,9 @@ def _run(*args):
 
 
 def test_a_small_model_of_another_shape_trains_and_loads(tmp_path):
-    result = _run("--out", str(tmp_path), *SMALL, "--passkey-lengths", "128,192")
+    result = _run(
+        "--out", str(tmp_path), *SMALL, "--passkey-lengths", "128,192", "--corpus-mb", "2"
+    )
     assert result.returncode == 0, result.stderr
     model = load_model(tmp_path)
     cfg = model.config
@@ -46,6 +48,9 @@ def test_a_small_model_of_another_shape_trains_and_loads(tmp_path):
     assert len(metrics["loss_nats_per_loop"]) == 4
     assert {k.split("_")[0] for k in metrics["passkey_accuracy"]} == {"len128", "len192"}
     assert metrics["params"] == sum(p.numel() for p in model.parameters())
+    corpus = metrics["corpus"]  # the cap stops reading after the file that crosses 2 MB
+    assert 2e6 <= corpus["train_bytes"] + corpus["held_out_bytes"] < 4e6
+    assert 0 < corpus["held_out_files"] < corpus["files"]
 
 
 def test_shapes_and_lengths_off_the_recipe_are_refused(tmp_path):

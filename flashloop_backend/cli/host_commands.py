@@ -52,6 +52,18 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -294,11 +306,14 @@ def _eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"text file {args.text!r} does not exist")
         text, source = path.read_text(encoding="utf-8", errors="replace"), record_path(args.text)
     else:
-        text, source = heldout_text()
+        # four bytes of text per scored position keep many windows from overlapping much
+        span = args.windows * (args.context + args.continuation)
+        text, source = heldout_text(limit_bytes=max(400_000, 4 * span))
     settings = EvalSettings(
         windows=args.windows,
         context=args.context,
         continuation=args.continuation,
+        passkey_contexts=tuple(args.passkey_contexts),
         passkey_samples=args.passkey_samples,
         seed=args.seed,
         exit_threshold=args.exit_threshold,
@@ -473,6 +488,12 @@ def add_commands(sub) -> None:
         type=positive_int,
         default=64,
         help="teacher-forced decode tokens per window",
+    )
+    ev.add_argument(
+        "--passkey-contexts",
+        type=int_list,
+        default=[256, 512],
+        help="prompt lengths of the passkey cells, comma-separated (each >= 128)",
     )
     ev.add_argument(
         "--passkey-samples",

@@ -173,18 +173,6 @@ def _print_text(report: dict) -> None:
         print(f"\nno effective config: {report['error']}")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
-    return values
-
-
 def _float_list(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part]
@@ -300,7 +288,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     # the host's torch model loads only when a command runs
-    from flashloop_backend.cli.host_commands import add_commands, non_negative_int
+    from flashloop_backend.cli.host_commands import add_commands, int_list, non_negative_int
 
     parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -363,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated; the first is the baseline; "
         "e2e: NAME+graphs replays decode steps from CUDA graphs",
     )
-    bench.add_argument("--contexts", type=_int_list, default=[1024, 8192, 32768])
-    bench.add_argument("--concurrency", type=_int_list, default=[1, 16])
+    bench.add_argument("--contexts", type=int_list, default=[1024, 8192, 32768])
+    bench.add_argument("--concurrency", type=int_list, default=[1, 16])
     bench.add_argument("--repeats", type=int, default=30)
     bench.add_argument(
         "--new-tokens", type=int, default=16, help="e2e: generated tokens per request"

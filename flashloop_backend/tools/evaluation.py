@@ -30,6 +30,7 @@ from flashloop_backend.registry import Registry, resolve
 NEEDLE = " The pass key is {k}. Remember it. {k} is the pass key. "
 QUESTION = " What is the pass key? The pass key is "
 PASSKEY_TOKENS = 5  # the answer's digits
+PASSKEY_MIN_CONTEXT = 128
 
 
 def heldout_text(limit_bytes: int = 400_000) -> tuple[str, str]:
@@ -81,6 +82,12 @@ class EvalSettings:
                 f"passkey_samples={self.passkey_samples} must be >= 0 (0 skips passkey retrieval) "
                 f"and bootstrap={self.bootstrap} >= 1"
             )
+        short = [c for c in self.passkey_contexts if c < PASSKEY_MIN_CONTEXT]
+        if short:
+            raise ConfigError(
+                f"passkey contexts {short} are too short: a needle and its question take "
+                f"about 100 tokens; each context must be >= {PASSKEY_MIN_CONTEXT}"
+            )
         limit = model.config.max_position_embeddings
         longest = max(
             self.context + self.continuation, *(c + PASSKEY_TOKENS for c in self.passkey_contexts)
@@ -92,8 +99,32 @@ class EvalSettings:
             raise ConfigError(f"text has {text_tokens} tokens; one window needs {window}")
 
 
+@dataclass(frozen=True)
+class _Prompts:
+    """What both sides run: scored windows (contexts, forced targets) and passkey prompts
+    with their keys."""
+
+    contexts: list[list[int]]
+    targets: list[list[int]]
+    passkey: list[list[int]]
+    keys: list[str]
+
+
+def _pool_blocks(prompts: _Prompts, block_size: int, depths: int) -> int:
+    """KV blocks for every window and passkey prompt at once on each of ``depths`` planes,
+    so that no prompt waits for another to finish."""
+    lengths = [len(c) + len(t) for c, t in zip(prompts.contexts, prompts.targets, strict=True)]
+    lengths += [len(p) + PASSKEY_TOKENS for p in prompts.passkey]
+    return depths * sum(-(-n // block_size) for n in lengths)
+
+
 def _engine(
-    model: OuroModel, tokenizer_decode, backend: str, config: FlashLoopConfig, block_size: int
+    model: OuroModel,
+    tokenizer_decode,
+    backend: str,
+    config: FlashLoopConfig,
+    block_size: int,
+    prompts: _Prompts,
 ) -> tuple[Engine, str]:
     request = model.support_request(block_size)
     registry = Registry.discover()
@@ -103,13 +134,15 @@ def _engine(
     if config.token_sparse_prefill.enabled:  # chunks must hold whole selection windows
         window = config.token_sparse_prefill.window_size
         chunk = window * -(-chunk // window)
+    # a GPU step takes many prompts' chunks at once; the CPU keeps steps small
+    on_gpu = next(model.parameters()).is_cuda
     engine = Engine(
         model,
         attention,
-        num_blocks=4096,
+        num_blocks=_pool_blocks(prompts, block_size, model.config.total_ut_steps),
         block_size=block_size,
         prefill_chunk=chunk,
-        max_batch_tokens=max(512, chunk),
+        max_batch_tokens=max(8192 if on_gpu else 512, chunk),
         detokenize=tokenizer_decode,
     )
     return engine, effective.digest()
@@ -218,17 +251,6 @@ def exit_rule(model: OuroModel, threshold: float | None):
         model.config = saved
 
 
-@dataclass(frozen=True)
-class _Prompts:
-    """What both sides run: scored windows (contexts, forced targets) and passkey prompts
-    with their keys."""
-
-    contexts: list[list[int]]
-    targets: list[list[int]]
-    passkey: list[list[int]]
-    keys: list[str]
-
-
 def _run_sides(model, tokenizer, config, backend, block_size, progress, dense_cache, prompts):
     """Dense and ``config`` over the same windows and passkey prompts: per side its
     digest, log-probs, exit-depth histogram and passkey answers."""
@@ -237,9 +259,8 @@ def _run_sides(model, tokenizer, config, backend, block_size, progress, dense_ca
         if label == "dense" and dense_cache is not None and "dense" in dense_cache:
             runs["dense"] = dense_cache["dense"]
             continue
-        engine, digest = _engine(
-            model, tokenizer.decode, backend if label == "config" else "auto", cfg, block_size
-        )
+        side_backend = backend if label == "config" else "auto"
+        engine, digest = _engine(model, tokenizer.decode, side_backend, cfg, block_size, prompts)
         targets = prompts.targets
         scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
         scored = engine.generate(
