@@ -278,3 +278,38 @@ def test_replays_are_timed_per_graph_key_when_asked():
     assert sum(t["replays"] for t in timed.values()) == engine.graphs.replays > 0
     assert all(t["median_ms"] > 0 for t in timed.values())
     assert any("sparse_correction" in key for key in timed)  # keys name the launched ops
+
+
+def test_a_capture_collects_garbage_first_and_none_while_capturing(monkeypatch):
+    """A dropped engine is a reference cycle holding graphs: collected during another
+    engine's capture it would destroy them there and invalidate that capture."""
+    import contextlib
+    import gc
+
+    from flashloop_backend.host.graphs import CudaCapture
+
+    seen = []
+
+    class Cycle:  # garbage whose collection is visible
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            seen.append(("collected", gc.isenabled()))
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool):
+        seen.append(("capture", gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    capture = object.__new__(CudaCapture)
+    capture.pool = None
+    Cycle()
+    with capture.capturing(object()):
+        seen.append(("inside", gc.isenabled()))
+    assert seen == [("collected", True), ("capture", False), ("inside", False)]
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"), capture.capturing(object()):
+        raise RuntimeError("boom")
+    assert gc.isenabled()

@@ -28,12 +28,14 @@ replay on the GPU (the tests' reference), and the planning path on a CPU.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -95,8 +97,21 @@ class CudaCapture:
     def new_graph(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
 
-    def capturing(self, graph: torch.cuda.CUDAGraph):
-        return torch.cuda.graph(graph, pool=self.pool)
+    @contextmanager
+    def capturing(self, graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+        """Capture into ``graph`` with the cyclic garbage collector held off. An engine is a
+        reference cycle (its graphs call back into it): collected during a capture, a
+        dropped engine would destroy its graphs there, which invalidates the capture. So
+        what is already garbage goes first, and nothing is collected while capturing."""
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                yield
+        finally:
+            if enabled:
+                gc.enable()
 
     def event(self) -> torch.cuda.Event:
         """A timing event on the stream replays run on (recorded without a host sync)."""
