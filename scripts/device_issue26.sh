@@ -5,7 +5,9 @@
 #   snapshot  size and time of one 32K request's snapshot and restore, all on, 24 layers
 #             (scripts/profile_snapshot.py)
 #   prefix    bench serving with the prefix cache: 16 requests whose prompts share an 8K
-#             prefix (closed loop of 16 and of 1), dense and all on, beside plain closed loops
+#             prefix, one in flight at a time (so a later request's TTFT is its own prompt's
+#             work, not a wait for the first), dense and all on, beside a plain closed loop;
+#             the record's ttft_first_and_later compares the later requests with the first
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,9 +20,9 @@ case "${1:?stage: tests, snapshot or prefix}" in
     (cd scripts && run python3 profile_snapshot.py --config ../configs/all_on.json \
       --context 32768 --layers 24) | tee "$OUT/profile_snapshot_all_on_32k.jsonl" ;;
   prefix)
-    run flashloop-backend bench serving --backends flashinfer+graphs --config configs/all_on.json \
+    run flashloop-backend bench serving --backends triton+graphs --config configs/all_on.json \
       --variants dense,token_sparse_prefill+sparse_decode_attention+kv_residual_quantization \
-      --contexts 8448 --concurrency 1,16 --new-tokens 16 --layers 24 --prefix-cache \
-      --shared-prefix 8192 --out "$OUT/bench_serving_prefix_8k.json" 2>&1 | grep -E "serving" ;;
+      --contexts 8448 --concurrency 1 --new-tokens 16 --layers 24 --prefix-cache \
+      --shared-prefix 8192 --out "$OUT/bench_serving_prefix_8k.json" 2>&1 | grep -E "serving|error" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -200,6 +200,34 @@ def test_a_shared_prefix_workload_counts_hits_misses_and_computed_rows(model):
     assert record["completed"] == 4
     assert record["prefix"] == {"lookups": 4, "hits": 3, "misses": 1, "reused_tokens": 3 * 64}
     assert record["prompt_rows"] == (80 + 3 * 16) * 4
+    ttft = record["ttft_first_and_later"]
+    assert ttft["first_s"] > 0 and ttft["later_s"]["mean"] > 0
+    assert ttft["later_mean_over_first"] == ttft["later_s"]["mean"] / ttft["first_s"]
+
+
+@pytest.mark.parametrize(("cached", "hits"), [(64, 3), (0, 0)])
+def test_the_bench_pool_keeps_the_cached_prefix_beside_the_requests(model, cached, hits):
+    """A pool for one request in flight plus the published prefix: every later prompt
+    reuses it. Sized for the request alone, admitting the next request evicts the prefix
+    it was about to reuse, and every lookup misses."""
+    from flashloop_backend.tools.bench.serving import pool_blocks
+
+    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
+    variants = [v for v in variants_for(config, "torch") if v.name == "dense"]
+    workloads = [
+        {
+            "name": "shared",
+            "arrivals": fixed_arrival_schedule(4, 1.0, [130], [2]),
+            "concurrency": 1,
+            "shared_prefix": 64,
+        }
+    ]
+    blocks = pool_blocks(1, 132, 16, model.config.total_ut_steps, cached) - 8
+    quiet = lambda m: None  # noqa: E731
+    (record,) = serve_variants(
+        model, _request(model), variants, workloads, blocks, 16, log=quiet, prefix_cache=True
+    )
+    assert record["completed"] == 4 and record["prefix"]["hits"] == hits
 
 
 def test_each_workload_starts_with_an_empty_prefix_cache(model):

@@ -6,11 +6,15 @@ breakdown; the record carries each variant's effective-config digest and kernels
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashloop_backend.config import ConfigError
 from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
+
+# a shared prefix served to this many requests: one computes it, the rest reuse it
+SHARED_PREFIX_REQUESTS = 16
 
 
 def memory_breakdown(engine) -> dict:
@@ -214,6 +218,16 @@ def serve_variants(
     return records
 
 
+def pool_blocks(
+    concurrency: int, tokens: int, block_size: int, depths: int, cached_prefix: int = 0
+) -> int:
+    """KV blocks for ``concurrency`` requests of ``tokens`` positions on ``depths`` planes,
+    plus a published prefix of ``cached_prefix`` positions held by the prefix cache (so
+    that admitting a request never evicts the prefix it is about to reuse)."""
+    per_request = math.ceil(tokens / block_size) * depths
+    return concurrency * per_request + math.ceil(cached_prefix / block_size) * depths + 8
+
+
 def bench_serving(
     config,
     baseline: str,
@@ -235,8 +249,8 @@ def bench_serving(
     ``on_partial`` receives the record after each workload; ``variant_keys`` runs only
     those variants (:func:`pick_variants`). ``prefix_cache``: engines share published
     prompt prefixes; ``shared_prefix`` > 0 adds, per context and concurrency, a closed loop
-    whose prompts all start with the same that many tokens."""
-    import math
+    whose prompts all start with the same that many tokens (SHARED_PREFIX_REQUESTS
+    requests, or 2 x concurrency where more)."""
 
     import torch
 
@@ -255,7 +269,9 @@ def bench_serving(
     variants = pick_variants(variants_for(config, baseline), variant_keys)  # before GPU work
     block_size = 16
     model, request = random_ouro(layers, block_size)
-    num_blocks = most * math.ceil(tokens / block_size) * model.config.total_ut_steps + 8
+    num_blocks = pool_blocks(
+        most, tokens, block_size, model.config.total_ut_steps, shared_prefix if prefix_cache else 0
+    )
     outputs = sorted({max(1, new_tokens // 2), new_tokens})
     mixed = fixed_arrival_schedule(2 * most, rate_per_s, contexts, outputs)
     workloads = [{"name": f"fixed_arrival_{rate_per_s}/s", "concurrency": None, "arrivals": mixed}]
@@ -274,7 +290,9 @@ def bench_serving(
                 "name": f"closed_shared{shared_prefix}_ctx{ctx}_conc{conc}",
                 "concurrency": conc,
                 "shared_prefix": shared_prefix,
-                "arrivals": fixed_arrival_schedule(2 * conc, 1.0, [ctx], [new_tokens]),
+                "arrivals": fixed_arrival_schedule(
+                    max(SHARED_PREFIX_REQUESTS, 2 * conc), 1.0, [ctx], [new_tokens]
+                ),
             }
             for ctx in contexts
             for conc in concurrency

@@ -85,6 +85,20 @@ def summarize(times: list[RequestTimes], wall_s: float) -> dict:
     }
 
 
+def first_and_later_ttft(times: list[RequestTimes]) -> dict:
+    """With a shared prefix: the first request's TTFT (it computes the prefix), the later
+    requests' TTFT percentiles (they reuse it), and the ratio of the later mean to the
+    first (None where a side has no request that made a token)."""
+    ok = [t for t in times if t.error is None and t.token_s]
+    first = ok[0].token_s[0] - ok[0].arrival_s if ok else None
+    later = _percentiles([t.token_s[0] - t.arrival_s for t in ok[1:]])
+    return {
+        "first_s": first,
+        "later_s": later,
+        "later_mean_over_first": later["mean"] / first if first and later else None,
+    }
+
+
 def run_workload(
     engine,
     arrivals: list[Arrival],
@@ -156,6 +170,8 @@ def run_workload(
                 entry.token_s.extend([now] * missing)
                 entry.finished_s = now
     summary = summarize(times, clock() - start)
+    if shared_prefix:
+        summary["ttft_first_and_later"] = first_and_later_ttft(times)
     summary["kv_held"] = {
         "peak_bytes": held[1],
         "tokens_at_peak": held[0],
