@@ -5,8 +5,9 @@
 #           (scripts/train_embedded.py); writes the checkpoint and metrics under $OUT/model,
 #           the weights split in 15 MB parts (what comes back is at most 16 MiB a file;
 #           join them with cat)
-#   grid    eval --grid on that model (MODEL=path of the checkpoint carried back): 256
-#           held-out windows of 1,024 prefilled tokens per point, written after every point
+#   grid    eval --grid on that model (MODEL=models/ouro-eval-bytes-20m): 256 held-out
+#           windows of 1,024 prefilled tokens per point, written after every point;
+#           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
 #           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
 set -uo pipefail
@@ -22,8 +23,10 @@ case "${1:?stage: train, grid or adaptive}" in
     (cd "$OUT/model" && rm -f tokenizer.json && split -b 15M model.safetensors model.safetensors.part- \
       && rm model.safetensors) ;;
   grid)
+    # RESUME=record: carry on from an earlier run's record (its finished points are kept)
+    [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/eval_grid.json" && chmod u+w "$OUT/eval_grid.json"
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
-      --grid --windows 256 --context 1024 --passkey-contexts 512,1024,2048 \
+      --grid --windows 256 --context 1024 --passkey-contexts 512,1024,2048 --resume \
       --out "$OUT/eval_grid.json" 2>&1 | tail -40 ;;
   adaptive)
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \

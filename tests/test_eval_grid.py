@@ -7,7 +7,7 @@ import pytest
 
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.cli.main import EXIT_USAGE, main
-from flashloop_backend.tools.evaluation import (
+from flashloop_backend.tools.grid import (
     KEY_RETENTIONS,
     POLICIES,
     RETENTION_SCHEDULES,
@@ -59,3 +59,56 @@ def test_a_config_without_every_feature_is_refused_by_name():
 def test_combinations_and_grid_together_are_refused(capsys):
     assert main(["eval", "--combinations", "--grid", "--windows", "1"]) == EXIT_USAGE
     assert "--combinations and --grid are two runs" in capsys.readouterr().err
+
+
+SMALL_RUN = ["--windows", "1", "--context", "32", "--continuation", "4", "--passkey-samples", "0"]
+
+
+def _eval(out, *extra):
+    argv = ["eval", "--config", "configs/all_on.json", "--combinations", *SMALL_RUN]
+    return main([*argv, "--out", str(out), *extra])
+
+
+def test_a_resumed_run_keeps_the_finished_points_and_runs_the_rest(tmp_path, capsys):
+    out = tmp_path / "combinations.json"
+    assert _eval(out) == 0
+    whole = json.loads(out.read_text())
+    cut = dict(whole, combinations=whole["combinations"][:5])
+    cut["combinations"][1]["kl_mean"] = 123.0  # a kept point is kept, not recomputed
+    out.write_text(json.dumps(cut))
+    capsys.readouterr()
+    assert _eval(out, "--resume") == 0
+    assert capsys.readouterr().out.count(": kept from") == 5
+    resumed = json.loads(out.read_text())
+    assert [c["features"] for c in resumed["combinations"]] == [
+        c["features"] for c in whole["combinations"]
+    ]
+    assert resumed["combinations"][1]["kl_mean"] == 123.0
+    assert resumed["combinations"][7] == whole["combinations"][7]
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (["--windows", "2"], "the record's settings is"),
+        (["--config", "configs/kv_quant_rolling.json"], "the record's config is"),
+    ],
+)
+def test_a_run_with_other_settings_does_not_resume_a_record(tmp_path, capsys, change, fragment):
+    out = tmp_path / "combinations.json"
+    assert _eval(out) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert _eval(out, "--resume", *change) == EXIT_USAGE
+    assert f"cannot resume: {fragment}" in capsys.readouterr().err
+    assert out.read_text() == before  # nothing lost
+
+
+def test_resume_needs_a_readable_out_record(tmp_path, capsys):
+    argv = ["eval", "--config", "configs/all_on.json", "--combinations", *SMALL_RUN]
+    assert main([*argv, "--resume"]) == EXIT_USAGE
+    assert "--resume continues the --out record" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert _eval(bad, "--resume") == EXIT_USAGE
+    assert f"cannot resume {bad}: not a readable record" in capsys.readouterr().err

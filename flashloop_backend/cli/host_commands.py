@@ -365,18 +365,54 @@ def _passkey_mean(cells: dict[str, float]) -> float:
     return sum(cells.values()) / max(1, len(cells))
 
 
+def _resumed(args, identity: dict) -> dict[str, dict]:
+    """``--resume``: the finished points of the ``--out`` record (none if it does not exist
+    yet), refused where the record was made with another model, text, config or settings."""
+    from flashloop_backend.tools.grid import finished_points
+
+    if not args.resume:
+        return {}
+    if not args.out:
+        raise ValueError("--resume continues the --out record: give --out FILE")
+    path = Path(args.out)
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot resume {args.out}: not a readable record ({exc})") from None
+    return finished_points(record, identity)
+
+
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
     """``eval --combinations``: every on/off combination of the config's features;
-    ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.evaluation.feature_grid`."""
-    from flashloop_backend.tools.evaluation import evaluate, feature_combinations, feature_grid
+    ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.grid.feature_grid`."""
+    from flashloop_backend.tools.evaluation import evaluate, feature_combinations
+    from flashloop_backend.tools.grid import feature_grid, point_name
     from flashloop_backend.tools.paths import record_path
 
+    param = next(model.parameters())
+    identity = {
+        "kind": "eval_grid" if args.grid else "eval_combinations",
+        "model": record_path(args.model),
+        "text_source": source,
+        "dtype": str(param.dtype),
+        "config": config.model_dump(mode="json"),
+        "settings": dict(settings.__dict__),
+    }
     try:
         combos = feature_grid(config) if args.grid else feature_combinations(config)
+        done = _resumed(args, identity)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     records, dense_cache = [], {}
     for i, (features, combo) in enumerate(combos, 1):
+        name = point_name(features)
+        earlier = done.get(name)
+        if earlier is not None and earlier["config"] == combo.model_dump(mode="json"):
+            log(f"combination {i}/{len(combos)}: {name}: kept from {args.out}")
+            records.append(earlier)
+            continue
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
         with StageBars("eval") as bars:
             try:
@@ -399,16 +435,8 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
             {"features": list(features), "config": combo.model_dump(mode="json"), **report}
         )
         if args.out:  # written after every combination: a long run loses nothing finished
-            param = next(model.parameters())
-            record = {
-                "kind": "eval_grid" if args.grid else "eval_combinations",
-                "model": record_path(args.model),
-                "text_source": source,
-                "device": str(param.device),
-                "dtype": str(param.dtype),
-                "config": config.model_dump(mode="json"),
-                "combinations": records,
-            }
+            record = {**identity, "device": str(param.device), "combinations": records}
+            record.pop("settings")  # each combination carries its own
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     if args.json:
         print(json.dumps(records, indent=2))
@@ -519,6 +547,12 @@ def add_commands(sub) -> None:
         action="store_true",
         help="the quality grid: each feature alone at each setting (key retention, retention "
         "schedule, packing policy) and all on at every combination of them",
+    )
+    ev.add_argument(
+        "--resume",
+        action="store_true",
+        help="--grid / --combinations: keep the points the --out record already holds (same "
+        "model, text, config and settings) and run the rest",
     )
     ev.add_argument("--out", help="also write the JSON record here")
     ev.add_argument("--json", action="store_true")

@@ -180,47 +180,6 @@ def feature_combinations(config: FlashLoopConfig) -> list[tuple[tuple[str, ...],
     return sorted(out, key=lambda item: len(item[0]))
 
 
-KEY_RETENTIONS = (0.1, 0.15, 0.25, 0.4)
-RETENTION_SCHEDULES = ((1, 1, 0.75, 0.5), (1, 1, 0.5, 0.25), (1, 1, 0.25, 0.1))
-POLICIES = ("fixed_prompt", "rolling")
-
-
-def feature_grid(config: FlashLoopConfig) -> list[tuple[tuple[str, ...], FlashLoopConfig]]:
-    """The quality grid (issue 24): dense; sparse decode alone at each key retention,
-    token-sparse prefill alone at each retention schedule, KV quantization alone under
-    each policy; then all three on at every combination of those. The other settings of
-    each feature come from ``config`` (which must enable all three). Labels name the
-    features and the settings that vary."""
-    needed = ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")
-    missing = [name for name in needed if name not in config.enabled_features()]
-    if missing:
-        raise ValueError(f"--grid needs a config that enables every feature; {missing} are off")
-    base = config.model_dump(mode="json")
-    off = {k: v for k, v in base.items() if k not in needed}
-
-    def settings(decode=None, schedule=None, policy=None) -> tuple[tuple[str, ...], dict]:
-        data, label = dict(off), []
-        if decode is not None:
-            data[needed[1]] = base[needed[1]] | {"key_retention": decode}
-            label.append(f"sparse_decode_attention key_retention={decode}")
-        if schedule is not None:
-            data[needed[0]] = base[needed[0]] | {"retention": list(schedule)}
-            label.append(f"token_sparse_prefill retention={list(schedule)}")
-        if policy is not None:
-            data[needed[2]] = base[needed[2]] | {"policy": policy}
-            label.append(f"kv_residual_quantization policy={policy}")
-        return tuple(label), data
-
-    points = [settings()]
-    points += [settings(decode=r) for r in KEY_RETENTIONS]
-    points += [settings(schedule=s) for s in RETENTION_SCHEDULES]
-    points += [settings(policy=p) for p in POLICIES]
-    points += [
-        settings(r, s, p) for r in KEY_RETENTIONS for s in RETENTION_SCHEDULES for p in POLICIES
-    ]
-    return [(label, FlashLoopConfig.from_dict(data)) for label, data in points]
-
-
 def _stage(progress, name: str, engine: Engine, tokens: int):
     """An engine progress callback reporting the ``tokens`` a stage generates or scores
     under ``name`` (None without ``progress``)."""
