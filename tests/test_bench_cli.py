@@ -26,6 +26,15 @@ def cli(*args):
             ("bench", "serving", "--config", "configs/all_on.json", "--variants", "dense,all"),
             "unknown serving variants ['all']",
         ),
+        (("bench", "kernel", "--grid"), "--grid applies to bench e2e, not bench kernel"),
+        (
+            ("bench", "e2e", "--grid", "--config", "configs/sparse_decode.json"),
+            "--grid needs a config that enables every feature",
+        ),
+        (
+            ("bench", "e2e", "--grid", "--config", "configs/all_on.json", "--backends", "triton"),
+            "--grid runs the flashloop backend; --backends ['triton'] has none",
+        ),
     ],
 )
 def test_bench_argument_errors(args, fragment):
@@ -106,3 +115,21 @@ def test_the_timed_workload_probes_the_hand_over_step():
     # second still in BF16)
     assert probe["kv_bytes"] < 0.5 * bf16_per_token * probe["tokens"]
     assert probe["peak_before_bytes"] == probe["hand_over_step_peak_bytes"] == 0  # on CPU
+
+
+def test_a_grid_run_measures_the_flashloop_entries_at_every_point():
+    from flashloop_backend import FlashLoopConfig
+    from flashloop_backend.tools.bench.e2e import planned_runs
+
+    a = FlashLoopConfig()
+    runs = planned_runs(("fused",), ["triton+graphs", "flashloop+graphs"], [("p", a), ("q", a)])
+    assert [(entry, point) for _, entry, point, _ in runs] == [
+        ("triton+graphs", None),
+        ("flashloop+graphs", "p"),
+        ("flashloop+graphs", "q"),
+    ]
+    plain = planned_runs(("fused", "reference"), ["flashloop"], None)
+    assert [(variant, point) for variant, _, point, _ in plain] == [
+        ("fused", None),
+        ("reference", None),
+    ]

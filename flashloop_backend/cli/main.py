@@ -196,6 +196,8 @@ def _bench(args: argparse.Namespace) -> int:
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     graphed = [n for n in names if "+" in n]
+    if args.grid and args.mode != "e2e":
+        raise ConfigError(f"--grid applies to bench e2e, not bench {args.mode}")
     if graphed and args.mode not in ("e2e", "serving"):
         raise ConfigError(
             f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e and serving only"
@@ -247,7 +249,16 @@ def _bench(args: argparse.Namespace) -> int:
         )
     else:
         from flashloop_backend.tools.bench.e2e import bench_end_to_end
+        from flashloop_backend.tools.grid import feature_grid, point_name
 
+        points = None
+        if args.grid:  # every grid point but dense, which the first backend is
+            try:
+                points = [(point_name(label), c) for label, c in feature_grid(config)[1:]]
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if not any(n.partition("+")[0] == "flashloop" for n in names):
+                raise ConfigError(f"--grid runs the flashloop backend; --backends {names} has none")
         record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
@@ -263,6 +274,7 @@ def _bench(args: argparse.Namespace) -> int:
                     warmup_context=args.warmup_context,
                     layer_ops=tuple(v for v in args.layer_ops.split(",") if v),
                     passes=args.passes,
+                    points=points,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -378,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="e2e: prompt length of the untimed warm-up pass (default: the timed context)",
+    )
+    bench.add_argument(
+        "--grid",
+        action="store_true",
+        help="e2e: the flashloop backend at every point of the quality grid (eval --grid) in "
+        "place of --config's settings, which must enable every feature",
     )
     bench.add_argument(
         "--passes",

@@ -120,6 +120,22 @@ def graph_variant(name: str, concurrency: int, max_context: int):
     return base, GraphSettings(buckets=buckets, max_context=max_context)
 
 
+def planned_runs(
+    layer_ops: tuple[str, ...],
+    backends: list[str],
+    points: list[tuple[str, FlashLoopConfig]] | None,
+) -> list[tuple[str, str, str | None, FlashLoopConfig | None]]:
+    """(layer ops, backend entry, grid point name, its config) per measured run, in order:
+    a ``flashloop`` entry runs once per point when ``points`` are given, every other entry
+    once (point and config None)."""
+    runs = []
+    for variant in layer_ops:
+        for entry in backends:
+            named = points if points and entry.partition("+")[0] == "flashloop" else [(None, None)]
+            runs += [(variant, entry, point, cfg) for point, cfg in named]
+    return runs
+
+
 def bench_end_to_end(
     backends: list[str],
     context: int,
@@ -134,6 +150,7 @@ def bench_end_to_end(
     warmup_context: int | None = None,
     layer_ops: tuple[str, ...] = ("fused",),
     passes: int = 1,
+    points: list[tuple[str, FlashLoopConfig]] | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -151,7 +168,9 @@ def bench_end_to_end(
     named ``<backend> [reference layers]``. ``passes`` timed passes of the workload run per
     backend after the warm-up: TTFT and TPOT are medians over every request of every pass,
     ``prefill_latency_s`` the median over passes of a pass's slowest first token (each
-    pass's figures are kept under ``passes``)."""
+    pass's figures are kept under ``passes``). ``points``: named configs (the grid's, by
+    :func:`~flashloop_backend.tools.grid.point_name`) that the ``flashloop`` entries run one
+    after another in place of ``config``, each result named ``<entry> [<point>]``."""
     from flashloop_backend.host.engine import Engine
 
     checked = (
@@ -176,12 +195,13 @@ def bench_end_to_end(
     prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     warm_prompts = [p[: warmup_context or context] for p in prompts]
     results = {}
-    runs = [(variant, name) for variant in layer_ops for name in backends]
-    for variant, entry in runs:
+    for variant, entry, point, point_config in planned_runs(layer_ops, backends, points):
         model = models[variant][0]
         name = entry if variant == "fused" else f"{entry} [reference layers]"
+        name += f" [{point}]" if point else ""
         base, graphs = graph_variant(entry, concurrency, tokens_per_request)
-        effective = (config or FlashLoopConfig()) if base == "flashloop" else FlashLoopConfig()
+        chosen = point_config or config or FlashLoopConfig()
+        effective = chosen if base == "flashloop" else FlashLoopConfig()
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(base, wanted, effective)
         engine = Engine(
@@ -246,6 +266,8 @@ def bench_end_to_end(
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": speedup,
             "layer_ops": variant,
+            "grid_point": point,
+            "point_config": point_config.model_dump(mode="json") if point_config else None,
         }
         summary = results[name]
         log(
