@@ -8,13 +8,15 @@
 #   grid    eval --grid on that model (MODEL=models/ouro-eval-bytes-20m): 256 held-out
 #           windows of 1,024 prefilled tokens per point, written after every point;
 #           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points
+#   speed   bench e2e --grid: dense Triton and FlashLoop at every grid point, 32K x 1, 24
+#           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`)
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
 #           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" "$@"; }
-case "${1:?stage: train, grid or adaptive}" in
+case "${1:?stage: train, grid, speed or adaptive}" in
   train)
     run python3 scripts/train_embedded.py --out "$OUT/model" --seconds 400 --layers 6 \
       --hidden 512 --heads 4 --intermediate 1408 --corpus packages --corpus-mb 200 \
@@ -33,5 +35,10 @@ case "${1:?stage: train, grid or adaptive}" in
       --combinations --exit-threshold "${EXIT:-0.9}" --windows 256 --context 1024 \
       --passkey-contexts 512,1024,2048 \
       --out "$OUT/eval_combinations_exit${EXIT:-0.9}.json" 2>&1 | tail -12 ;;
+  speed)
+    run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+      --config configs/all_on.json --grid --contexts 32768 --concurrency 1 --layers 24 \
+      --new-tokens 16 --warmup-context 4096 --out "$OUT/bench_e2e_grid_32k.json" 2>&1 \
+      | grep -E "e2e|error" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
