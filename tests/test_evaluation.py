@@ -64,6 +64,8 @@ def test_an_exit_threshold_applies_to_both_sides_and_records_where_tokens_left(e
     assert not model.config.exits_early
     fixed = evaluate(model, tokenizer, TEXT, FlashLoopConfig(), "auto", SMALL)["exit_depths"]
     assert fixed["dense"] == [0, 0, 0, scored]
+    seconds = report["seconds"]
+    assert all(seconds[side][stage] > 0 for side in seconds for stage in ("windows", "passkey"))
 
 
 def test_dense_vs_dense_is_exactly_zero(embedded):

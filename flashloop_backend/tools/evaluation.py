@@ -15,6 +15,7 @@ import math
 import platform
 import random
 import sysconfig
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -222,16 +223,20 @@ def _run_sides(model, tokenizer, config, backend, block_size, progress, dense_ca
         engine, digest = _engine(model, tokenizer.decode, side_backend, cfg, block_size, prompts)
         targets = prompts.targets
         scoring = _stage(progress, f"{label}: windows", engine, sum(map(len, targets)))
+        started = time.perf_counter()
         scored = engine.generate(
             prompts.contexts, forced=targets, keep_logprobs=True, progress=scoring
         )
+        scoring_s = time.perf_counter() - started  # the tokens are on the host: work is done
         asking = _stage(
             progress, f"{label}: passkey", engine, PASSKEY_TOKENS * len(prompts.passkey)
         )
         answer_params = SamplingParams(max_new_tokens=PASSKEY_TOKENS, ignore_eos=True)
+        started = time.perf_counter()
         answers = engine.generate(prompts.passkey, progress=asking, params=answer_params)
         runs[label] = {
             "digest": digest,
+            "seconds": {"windows": scoring_s, "passkey": time.perf_counter() - started},
             "logprobs": [r.logprobs for r in scored],
             "exit_depths": exit_histogram(scored, model.config.total_ut_steps),
             "passkey": [
@@ -323,6 +328,9 @@ def evaluate(
         "top1_agreement": float(torch.cat(agree).mean()),
         # tokens that left after each loop while scoring (all at the last without an exit rule)
         "exit_depths": {"dense": dense["exit_depths"], "config": cand["exit_depths"]},
+        # wall time of each side's teacher-forced windows and passkey answers, first runs
+        # included (kernels compile on first use): a latency figure for exit-rule runs
+        "seconds": {"dense": dense["seconds"], "config": cand["seconds"]},
         "passkey_accuracy": {
             "dense": accuracy(dense["passkey"]),
             "config": accuracy(cand["passkey"]),
