@@ -27,6 +27,8 @@ def cli(*args):
             "unknown serving variants ['all']",
         ),
         (("bench", "kernel", "--grid"), "--grid applies to bench e2e, not bench kernel"),
+        (("bench", "serving", "--speculate", "4"), "--speculate applies to bench e2e, not"),
+        (("bench", "e2e", "--speculate", "1"), "1 must be an integer >= 2"),
         (
             ("bench", "e2e", "--grid", "--config", "configs/sparse_decode.json"),
             "--grid needs a config that enables every feature",
@@ -123,13 +125,20 @@ def test_a_grid_run_measures_the_flashloop_entries_at_every_point():
 
     a = FlashLoopConfig()
     runs = planned_runs(("fused",), ["triton+graphs", "flashloop+graphs"], [("p", a), ("q", a)])
-    assert [(entry, point) for _, entry, point, _ in runs] == [
+    assert [(entry, point) for _, entry, point, _, _ in runs] == [
         ("triton+graphs", None),
         ("flashloop+graphs", "p"),
         ("flashloop+graphs", "q"),
     ]
     plain = planned_runs(("fused", "reference"), ["flashloop"], None)
-    assert [(variant, point) for variant, _, point, _ in plain] == [
+    assert [(variant, point) for variant, _, point, _, _ in plain] == [
         ("fused", None),
         ("reference", None),
+    ]
+    both = planned_runs(("fused",), ["triton", "flashloop"], [("p", a)], speculate=True)
+    assert [(entry, point, s) for _, entry, point, _, s in both] == [
+        ("triton", None, False),
+        ("triton", None, True),
+        ("flashloop", "p", False),
+        ("flashloop", "p", True),
     ]

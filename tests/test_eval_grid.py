@@ -84,7 +84,11 @@ def test_a_resumed_run_keeps_the_finished_points_and_runs_the_rest(tmp_path, cap
         c["features"] for c in whole["combinations"]
     ]
     assert resumed["combinations"][1]["kl_mean"] == 123.0
-    assert resumed["combinations"][7] == whole["combinations"][7]
+    timed = ("seconds",)  # wall time differs from run to run; every figure must not
+    last, first_run = (
+        {k: v for k, v in c["combinations"][7].items() if k not in timed} for c in (resumed, whole)
+    )
+    assert last == first_run
 
 
 @pytest.mark.parametrize(

@@ -168,6 +168,12 @@ class AttentionBackend(ABC):
         rows; prefill and padding rows are not listed)."""
         return None
 
+    def speculation_blockers(self) -> list[str]:
+        """Why this backend cannot serve speculative verification rows (VERIFY: several
+        decode queries of one request in a step, each with its own causal length) and
+        drafted tokens whose KV a rejection leaves unread (none: it can)."""
+        return []
+
     # ------------------------------------------------------------ CUDA graphs
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""

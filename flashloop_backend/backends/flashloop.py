@@ -57,6 +57,15 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.CUDA_GRAPHS: "decode",
     Capability.ASYNC_SCHEDULING: None,
 }
+# Whether each feature's state serves speculative verification rows. Token-sparse prefill
+# shapes the prompt's KV only, which VERIFY rows read as decode rows do. The loop-2
+# references (one per live token) and the packed store's generated groups are built for
+# one decode row per request and step.
+SPECULATION_SUPPORT = {
+    "token_sparse_prefill": True,
+    "sparse_decode_attention": False,
+    "kv_residual_quantization": False,
+}
 PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
@@ -204,6 +213,14 @@ class FlashLoopBackend(AttentionBackend):
                     f"capability {Capability.CUDA_GRAPHS.value!r})"
                 )
         return reasons
+
+    def speculation_blockers(self) -> list[str]:
+        supported = sorted(name for name, ok in SPECULATION_SUPPORT.items() if ok)
+        return [
+            f"feature {name!r} does not verify speculative rows (features that do: {supported})"
+            for name in self.config.enabled_features()
+            if not SPECULATION_SUPPORT[name]
+        ]
 
     def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
         """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""

@@ -50,6 +50,7 @@ def _int_at_least(minimum: int):
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+at_least_two = _int_at_least(2)
 
 
 def int_list(text: str) -> list[int]:
@@ -127,6 +128,11 @@ def _setup(args: argparse.Namespace, log):
         f"effective config digest {effective.digest()}: features {features}; "
         f"kernels {dict(effective.kernels)}"
     )
+    speculation = None
+    if getattr(args, "speculate", None):
+        from flashloop_backend.host.speculation import SpeculationSettings
+
+        speculation = SpeculationSettings(block_size=args.speculate)
     try:
         engine = Engine(
             model,
@@ -134,6 +140,7 @@ def _setup(args: argparse.Namespace, log):
             num_blocks=args.num_blocks,
             block_size=args.block_size,
             detokenize=tokenizer.decode,
+            speculation=speculation,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -287,11 +294,22 @@ def _generate(args: argparse.Namespace) -> int:
         if args.snapshot is not None:
             record["snapshot"] = args.snapshot
             record["snapshot_bytes"] = saved_bytes
+        if engine.speculation is not None:
+            counts = engine.speculation.counters()
+            record["acceptance_rate"] = counts.pop("acceptance_rate")
+            record["speculation"] = {k.removeprefix("speculation_"): v for k, v in counts.items()}
         print(json.dumps(record))
     else:
         print(prompt_text + tokenizer.decode(result.output_token_ids))
         why = FINISH_WORDS.get(finish, finish)
         log(f"[{len(tokens)} tokens, {seconds:.2f} s, stopped: {why}]")
+        if engine.speculation is not None:
+            counts = engine.speculation.counters()
+            log(
+                f"[speculation: {counts['speculation_accepted']} of "
+                f"{counts['speculation_drafted']} drafts accepted "
+                f"({counts['acceptance_rate']:.0%}) in {counts['speculation_blocks']} blocks]"
+            )
     return 0
 
 
@@ -491,6 +509,13 @@ def add_commands(sub) -> None:
     )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
+    gen.add_argument(
+        "--speculate",
+        type=at_least_two,
+        metavar="K",
+        help="greedy self-speculation: draft K tokens at loop 2, verify them at loops 3-4 "
+        "together (the output equals the greedy output without it)",
+    )
     gen.add_argument("--snapshot", metavar="FILE", help="save the request here and stop")
     gen.add_argument(
         "--snapshot-after",

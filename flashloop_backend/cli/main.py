@@ -196,8 +196,9 @@ def _bench(args: argparse.Namespace) -> int:
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     graphed = [n for n in names if "+" in n]
-    if args.grid and args.mode != "e2e":
-        raise ConfigError(f"--grid applies to bench e2e, not bench {args.mode}")
+    for flag, given in (("--grid", args.grid), ("--speculate", args.speculate)):
+        if given and args.mode != "e2e":
+            raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
     if graphed and args.mode not in ("e2e", "serving"):
         raise ConfigError(
             f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e and serving only"
@@ -259,6 +260,11 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(str(exc)) from None
             if not any(n.partition("+")[0] == "flashloop" for n in names):
                 raise ConfigError(f"--grid runs the flashloop backend; --backends {names} has none")
+        speculation = None
+        if args.speculate:
+            from flashloop_backend.host.speculation import SpeculationSettings
+
+            speculation = SpeculationSettings(block_size=args.speculate)
         record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
@@ -275,6 +281,7 @@ def _bench(args: argparse.Namespace) -> int:
                     layer_ops=tuple(v for v in args.layer_ops.split(",") if v),
                     passes=args.passes,
                     points=points,
+                    speculation=speculation,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -365,7 +372,12 @@ def _shape(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     # the host's torch model loads only when a command runs
-    from flashloop_backend.cli.host_commands import add_commands, int_list, non_negative_int
+    from flashloop_backend.cli.host_commands import (
+        add_commands,
+        at_least_two,
+        int_list,
+        non_negative_int,
+    )
 
     parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -461,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="e2e: the flashloop backend at every point of the quality grid (eval --grid) in "
         "place of --config's settings, which must enable every feature",
+    )
+    bench.add_argument(
+        "--speculate",
+        type=at_least_two,
+        metavar="K",
+        help="e2e: each backend again with greedy block speculation of K rows",
     )
     bench.add_argument(
         "--passes",

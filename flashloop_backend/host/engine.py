@@ -33,6 +33,7 @@ from flashloop_backend.host.requests import (
     checked_params,
 )
 from flashloop_backend.host.sampling import choose_tokens, finish_reason
+from flashloop_backend.host.speculation import Speculation, SpeculationSettings
 
 
 class _LayerAttention:
@@ -67,6 +68,7 @@ class Engine(RequestSnapshots):
         max_context: int | None = None,
         graph_capture=None,
         prefix_cache: bool = False,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
@@ -75,7 +77,10 @@ class Engine(RequestSnapshots):
         (KV quantization): the packed pool; default enough pages to pack the most tokens the
         BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone.
         ``prefix_cache``: completed prompts publish their whole units and later prompts
-        with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`)."""
+        with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`).
+        ``speculation``: greedy block speculation with the loop-2 draft
+        (:mod:`~flashloop_backend.host.speculation`); refused, naming why, for a model that
+        exits early or a backend whose features do not verify speculative rows."""
         cfg = model.config
         limit = cfg.max_position_embeddings
         self.max_context = max_context or limit
@@ -137,6 +142,17 @@ class Engine(RequestSnapshots):
                 packed_pages=packed_pages,
             )
         )
+        self.speculation = None
+        if speculation is not None:
+            blockers = backend.speculation_blockers()
+            if cfg.exits_early:
+                blockers.append(
+                    f"the model exits early (early_exit_threshold={cfg.early_exit_threshold}); "
+                    "speculation verifies every token at the last loop (threshold 1.0)"
+                )
+            if blockers:
+                raise ValueError("speculative decoding is not supported: " + "; ".join(blockers))
+            self.speculation = Speculation(speculation, model, cfg.total_ut_steps)
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
         if cuda_graphs is not None:
@@ -162,6 +178,18 @@ class Engine(RequestSnapshots):
         path (``max_new_tokens`` becomes its length); ``keep_logprobs`` records the FP32
         log-softmax before every output token."""
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
+        if self.speculation is not None:
+            unsupported = {
+                "forced": forced is not None,
+                "keep_logprobs": keep_logprobs,
+                f"temperature={params.temperature}": params.temperature > 0,
+            }
+            named = [name for name, given in unsupported.items() if given]
+            if named:
+                raise ValueError(
+                    f"speculative decoding is greedy and outputs tokens by the block: {named} "
+                    "are not supported with it"
+                )
         total = len(prompt) + params.max_new_tokens
         blocks = self.kv.blocks_needed(total)
         if blocks > self.kv.num_blocks:
@@ -225,6 +253,7 @@ class Engine(RequestSnapshots):
             "prompts_running": prompts,
             "steps": self.steps,
             **(self.prefix_counters() if self.prefix_cache else {}),
+            **(self.speculation.counters() if self.speculation else {}),
         }
 
     def prefix_counters(self) -> dict[str, int]:
@@ -370,7 +399,13 @@ class Engine(RequestSnapshots):
         for r in self._requests.values():
             if budget == 0:
                 break
-            if r.phase == "decode":
+            if r.phase == "decode" and r.block is not None:
+                group = self.speculation.group(r)
+                if group.count > budget:
+                    break
+                groups.append(group)
+                budget -= group.count
+            elif r.phase == "decode":
                 groups.append(
                     RowGroup(r.id, RowMode.DECODE, r.depth, r.position, 1, r.slot, r.incarnation)
                 )
@@ -391,7 +426,7 @@ class Engine(RequestSnapshots):
         r = self._requests[group.request_id]
         if group.mode == RowMode.PREFILL:
             return r.prompt_hidden[r.schedule.rows(r.chunk_start, group.count)]
-        return r.hidden[None]
+        return r.hidden if group.mode == RowMode.VERIFY else r.hidden[None]
 
     def _advance(self, groups: list[RowGroup], out: torch.Tensor) -> None:
         loops = self.cfg.total_ut_steps
@@ -418,6 +453,11 @@ class Engine(RequestSnapshots):
                         self._prompts_to_hand_over.append(r)
                         r.prompt_hidden, last = None, r.prompt_hidden[-1]
                         emits.append((r, last))
+                continue
+            if r.block is not None:
+                tokens = self.speculation.advance(r, h)
+                if tokens is not None:
+                    self._emit_block(r, tokens)
                 continue
             exit_now = r.depth == loops - 1
             replayed = r.replay_exits is not None and len(r.exit_depths) < len(r.replay_exits)
@@ -467,6 +507,28 @@ class Engine(RequestSnapshots):
             r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
             self._incarnations += 1  # a new token: its reference state starts empty
             r.incarnation = self._incarnations
+            replaying = r.replay is not None and len(r.output) < len(r.replay)
+            if self.speculation is not None and not replaying:
+                self.speculation.start(r)
+
+    def _emit_block(self, r: Request, tokens: list[int]) -> None:
+        """Output a verified speculation block's tokens in order, stopping at the first
+        that finishes the request; a request that goes on starts its next block."""
+        last = self.cfg.total_ut_steps - 1
+        for token in tokens:
+            r.output.append(token)
+            r.exit_depths.append(last)
+            self.tokens_generated += 1
+            self.backend.token_done(r.id, self._request_kv(r))
+            r.finish_reason = finish_reason(r, self.cfg.eos_token_id, self.detokenize)
+            if r.finish_reason:
+                r.phase, r.block = "done", None
+                return
+        ids = upload(torch.tensor([tokens[-1]]), self.device)
+        r.depth, r.hidden = 0, self.model.prelude(ids)[0]
+        self._incarnations += 1
+        r.incarnation = self._incarnations
+        self.speculation.start(r)
 
     def _collect(self) -> list[GenerationResult]:
         return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]
@@ -502,7 +564,7 @@ class Engine(RequestSnapshots):
             r.replay, r.replay_exits = list(r.output), list(r.exit_depths)
         r.output, r.exit_depths = [], []
         r.logprobs = [] if r.logprobs is not None else None
-        r.phase, r.depth, r.chunk_start, r.slot = "waiting", 0, 0, -1
+        r.phase, r.depth, r.chunk_start, r.slot, r.block = "waiting", 0, 0, -1, None
         r.prompt_hidden = r.schedule = r.hidden = None
         r.remaining, r.finish_reason = 1.0, ""
 

@@ -26,7 +26,8 @@ class RequestSnapshots:
         """Whether the request decodes and its current token has run no loop yet: the
         point where :meth:`snapshot` may save it (no loop-2 reference is live)."""
         r = self._live(request_id)
-        return r.phase == "decode" and r.depth == 0
+        at_block_start = r.block is None or (len(r.block.tokens) == 1 and not r.block.verifying)
+        return r.phase == "decode" and r.depth == 0 and at_block_start
 
     def _identity(self) -> tuple[dict, dict]:
         if self._fingerprint is None:
@@ -160,6 +161,9 @@ class RequestSnapshots:
         r.slot = self._free_slots.pop()
         self._incarnations += 1
         r.incarnation = self._incarnations
+        replaying = r.replay is not None and len(r.output) < len(r.replay)
+        if self.speculation is not None and not replaying:  # saved at a block's start
+            self.speculation.start(r)
         self._requests[r.id] = r
         self._next_id += 1
         return r.id

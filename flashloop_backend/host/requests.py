@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashloop_backend.host.prompt_schedule import PromptSchedule
+from flashloop_backend.host.speculation import Block
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Request:
     incarnation: int = -1  # bumped for every new decode token
     replay: list[int] | None = None  # tokens produced before a preemption, fed back first
     replay_exits: list[int] | None = None  # and the depths at which they left
+    block: Block | None = None  # the speculation block decoding now (speculating engines)
 
     @property
     def position(self) -> int:  # absolute position of the current decode token

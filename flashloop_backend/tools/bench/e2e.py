@@ -12,6 +12,7 @@ import torch
 
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.host.speculation import SpeculationSettings
 from flashloop_backend.registry import Registry, resolve
 from flashloop_backend.tools.bench.timing import environment_record, require_cuda
 
@@ -124,15 +125,18 @@ def planned_runs(
     layer_ops: tuple[str, ...],
     backends: list[str],
     points: list[tuple[str, FlashLoopConfig]] | None,
-) -> list[tuple[str, str, str | None, FlashLoopConfig | None]]:
-    """(layer ops, backend entry, grid point name, its config) per measured run, in order:
-    a ``flashloop`` entry runs once per point when ``points`` are given, every other entry
-    once (point and config None)."""
+    speculate: bool = False,
+) -> list[tuple[str, str, str | None, FlashLoopConfig | None, bool]]:
+    """(layer ops, backend entry, grid point name, its config, speculating) per measured
+    run, in order: a ``flashloop`` entry runs once per point when ``points`` are given,
+    every other entry once (point and config None); with ``speculate`` each run is
+    followed by the same run speculating."""
     runs = []
     for variant in layer_ops:
         for entry in backends:
             named = points if points and entry.partition("+")[0] == "flashloop" else [(None, None)]
-            runs += [(variant, entry, point, cfg) for point, cfg in named]
+            for point, cfg in named:
+                runs += [(variant, entry, point, cfg, s) for s in (False, True)[: 1 + speculate]]
     return runs
 
 
@@ -151,6 +155,7 @@ def bench_end_to_end(
     layer_ops: tuple[str, ...] = ("fused",),
     passes: int = 1,
     points: list[tuple[str, FlashLoopConfig]] | None = None,
+    speculation: SpeculationSettings | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -170,7 +175,10 @@ def bench_end_to_end(
     ``prefill_latency_s`` the median over passes of a pass's slowest first token (each
     pass's figures are kept under ``passes``). ``points``: named configs (the grid's, by
     :func:`~flashloop_backend.tools.grid.point_name`) that the ``flashloop`` entries run one
-    after another in place of ``config``, each result named ``<entry> [<point>]``."""
+    after another in place of ``config``, each result named ``<entry> [<point>]``.
+    ``speculation``: each run again with greedy block speculation, named
+    ``<name> [speculate K]``, with its draft, verify and acceptance counts (with random
+    weights the drafts' acceptance says nothing about a trained model's)."""
     from flashloop_backend.host.engine import Engine
 
     checked = (
@@ -195,10 +203,12 @@ def bench_end_to_end(
     prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     warm_prompts = [p[: warmup_context or context] for p in prompts]
     results = {}
-    for variant, entry, point, point_config in planned_runs(layer_ops, backends, points):
+    runs = planned_runs(layer_ops, backends, points, speculation is not None)
+    for variant, entry, point, point_config, speculative in runs:
         model = models[variant][0]
         name = entry if variant == "fused" else f"{entry} [reference layers]"
         name += f" [{point}]" if point else ""
+        name += f" [speculate {speculation.block_size}]" if speculative else ""
         base, graphs = graph_variant(entry, concurrency, tokens_per_request)
         chosen = point_config or config or FlashLoopConfig()
         effective = chosen if base == "flashloop" else FlashLoopConfig()
@@ -216,6 +226,7 @@ def bench_end_to_end(
             # one decode slot per request: per-slot state (the sparse-decode references)
             # sized for the workload, not for a serving batch of 256
             max_slots=concurrency,
+            speculation=speculation if speculative else None,
         )
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
         # use, and a compile inside TTFT would say nothing about serving
@@ -266,6 +277,7 @@ def bench_end_to_end(
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": speedup,
             "layer_ops": variant,
+            "speculation": engine.speculation.counters() if engine.speculation else None,
             "grid_point": point,
             "point_config": point_config.model_dump(mode="json") if point_config else None,
         }

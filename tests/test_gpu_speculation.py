@@ -1,0 +1,58 @@
+"""Speculation on the H200: the embedded model in FP32 (so that batching a block's
+verification rows cannot flip an argmax through last-bit differences), dense and
+token-sparse prefill, draft rows replayed from CUDA graphs and verification rows eager:
+the tokens of plain greedy decoding."""
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig, embedded_model_path
+from flashloop_backend.capabilities import Capability, SupportRequest
+from flashloop_backend.host import Engine, SamplingParams, load_model, load_tokenizer
+from flashloop_backend.host.graphs import GraphSettings
+from flashloop_backend.host.speculation import SpeculationSettings
+from flashloop_backend.registry import Registry
+
+pytestmark = pytest.mark.gpu
+CONFIGS = {
+    "dense": FlashLoopConfig(),
+    "token_sparse_prefill": FlashLoopConfig.from_dict(
+        {
+            "token_sparse_prefill": {
+                "enabled": True,
+                "window_size": 64,
+                "retention": [1, 1, 0.75, 0.5],
+            }
+        }
+    ),
+}
+
+
+def _engine(model, config, speculation=None):
+    request = SupportRequest(
+        "cuda", torch.float32, 128, 16, 2, 2, frozenset({Capability.CUDA_GRAPHS})
+    )
+    backend = Registry.discover().create("flashloop", request, config)
+    graphs = GraphSettings(buckets=(1, 2), max_context=512)
+    return Engine(
+        model,
+        backend,
+        num_blocks=512,
+        prefill_chunk=128,
+        cuda_graphs=graphs,
+        speculation=speculation,
+    )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_speculation_on_the_gpu_gives_the_greedy_tokens(name):
+    model = load_model(embedded_model_path(), "cuda", torch.float32)
+    tokenizer = load_tokenizer(embedded_model_path())
+    text = "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0))\n"
+    prompts = [[256, *tokenizer.encode(text * 2).ids], [256, *tokenizer.encode("import os\n").ids]]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = _engine(model, CONFIGS[name]).generate(prompts, params)
+    engine = _engine(model, CONFIGS[name], SpeculationSettings(block_size=4))
+    speculative = engine.generate(prompts, params)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert engine.graphs.replays > 0 and engine.counters()["speculation_accepted"] > 0

@@ -1,0 +1,222 @@
+"""Self-speculative decoding with the loop-2 draft (issue 25): greedy block speculation
+outputs exactly the non-speculative greedy tokens for every feature combination the
+backend declares it verifies, alone and in mixed batches, through the graph runner's
+buffers, across a block cut short by max_new_tokens or EOS, a preemption mid-block and a
+cancellation; acceptance is counted right at every rejection position; what it does not
+support is refused at configuration time, naming it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.host.graphs import GraphSettings
+from flashloop_backend.host.speculation import Block, Speculation, SpeculationSettings
+from flashloop_backend.registry import Registry
+
+from .host_helpers import tiny_model
+from .test_feature_combinations import COMBINATION_IDS, COMBINATIONS, PROMPTS, REQUEST, _config
+
+SPEC = SpeculationSettings(block_size=4)
+VERIFIED = {"token_sparse_prefill"}  # the features the flashloop backend declares
+SUPPORTED = [
+    (flags, name)
+    for flags, name in zip(COMBINATIONS, COMBINATION_IDS, strict=True)
+    if {f for f, on in flags.items() if on} <= VERIFIED
+]
+GREEDY = SamplingParams(max_new_tokens=14, ignore_eos=True)
+
+
+def _engine(model, config, **kwargs):
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    return Engine(model, backend, num_blocks=240, block_size=4, prefill_chunk=16, **kwargs)
+
+
+@pytest.mark.parametrize("flags", [f for f, _ in SUPPORTED], ids=[n for _, n in SUPPORTED])
+def test_speculation_outputs_the_greedy_tokens(flags):
+    model, config = tiny_model(seed=7), _config(flags)
+    plain = _engine(model, config).generate(PROMPTS, GREEDY)
+    engine = _engine(model, config, speculation=SPEC, max_batch_tokens=24)
+    speculative = engine.generate(PROMPTS, GREEDY)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert [r.exit_depths for r in speculative] == [r.exit_depths for r in plain]
+    counts = engine.counters()
+    assert counts["speculation_blocks"] > len(PROMPTS)
+    assert 0 < counts["speculation_accepted"] < counts["speculation_drafted"]
+    assert (
+        counts["acceptance_rate"] == counts["speculation_accepted"] / counts["speculation_drafted"]
+    )
+    assert engine.pools()["free_blocks"] == engine.pools()["num_blocks"]
+
+
+def test_draft_rows_replay_through_the_graph_runner():
+    model, config = tiny_model(seed=7), _config(dict.fromkeys(VERIFIED, True))
+    plain = _engine(model, config).generate(PROMPTS[:2], GREEDY)
+    graphs = GraphSettings(buckets=(1, 2, 4), max_context=128, capture=False)
+    engine = _engine(model, config, speculation=SPEC, cuda_graphs=graphs)
+    speculative = engine.generate(PROMPTS[:2], GREEDY)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert engine.graphs.eager_steps > 0  # the draft rows ran on the graph buffers
+
+
+@pytest.mark.parametrize(
+    "flags", [f for f in COMBINATIONS if not {k for k, on in f.items() if on} <= VERIFIED]
+)
+def test_features_that_do_not_verify_speculative_rows_are_refused_by_name(flags):
+    with pytest.raises(ValueError, match="speculative decoding is not supported") as info:
+        _engine(tiny_model(), _config(flags), speculation=SPEC)
+    for name in ("sparse_decode_attention", "kv_residual_quantization"):
+        named = f"feature '{name}' does not verify speculative rows"
+        assert (named in str(info.value)) == flags[name]
+    assert "(features that do: ['token_sparse_prefill'])" in str(info.value)
+
+
+def test_a_model_that_exits_early_and_unsupported_requests_are_refused():
+    early = tiny_model(early_exit_threshold=0.5)
+    with pytest.raises(ValueError, match=r"exits early \(early_exit_threshold=0.5\)"):
+        _engine(early, _config({}), speculation=SPEC)
+    engine = _engine(tiny_model(), _config({}), speculation=SPEC)
+    cases = [
+        ({"forced": [1, 2]}, "['forced']"),
+        ({"keep_logprobs": True}, "['keep_logprobs']"),
+        ({"params": SamplingParams(temperature=0.7)}, "['temperature=0.7']"),
+    ]
+    for kwargs, named in cases:
+        with pytest.raises(ValueError, match="greedy and outputs tokens by the block") as info:
+            engine.add_request(PROMPTS[0], **kwargs)
+        assert named in str(info.value)
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        SpeculationSettings(block_size=1)
+    with pytest.raises(ValueError, match=r"draft_depth=1 is not built \(supported: \[2\]\)"):
+        SpeculationSettings(draft_depth=1)
+
+
+class _Lookup:
+    """A model whose coda predicts the token written in a state's first entry."""
+
+    def coda(self, hidden):
+        return torch.nn.functional.one_hot(hidden[:, 0].long(), 50).float()
+
+    def prelude(self, ids):
+        return torch.zeros(len(ids), 4)
+
+
+def _state(token: int) -> torch.Tensor:
+    return torch.tensor([[float(token), 0, 0, 0]])
+
+
+@pytest.mark.parametrize("rejected_at", [0, 1, 2, 3, None])
+def test_acceptance_stops_at_the_first_rejected_draft(rejected_at):
+    """Drafts 11, 12, 13, 14; the verifier agrees up to ``rejected_at`` and says 40 there.
+    The block outputs the agreed drafts, then the verifier's token (all four when none is
+    rejected)."""
+    spec = Speculation(SpeculationSettings(block_size=4), _Lookup(), loops=4)
+    r = dataclasses.make_dataclass("R", ["block", "depth", "hidden"])(None, 0, None)
+    r.block = Block(start=10, rows=4, tokens=[5])
+    for draft in (11, 12, 13, 14):  # each row: loop 1, then loop 2 drafts the next token
+        assert spec.advance(r, _state(0)) is None
+        assert spec.advance(r, _state(draft)) is None
+    assert r.block.tokens == [5, 11, 12, 13] and r.block.last_draft == 14
+    verified = [11, 12, 13, 14]
+    if rejected_at is not None:
+        verified[rejected_at] = 40
+    assert spec.advance(r, torch.zeros(4, 4)) is None  # loop 3
+    out = spec.advance(r, torch.cat([_state(t) for t in verified]))  # loop 4
+    accepted = 4 if rejected_at is None else rejected_at
+    assert out == verified[: accepted + (rejected_at is not None)]
+    assert (spec.accepted, spec.drafted, spec.blocks) == (accepted, 4, 1)
+
+
+def test_a_block_never_outputs_past_max_new_tokens_or_eos():
+    model, config = tiny_model(seed=3), _config({})
+    short = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = _engine(model, config).generate(PROMPTS, short)
+    speculative = _engine(model, config, speculation=SPEC).generate(PROMPTS, short)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    tokens = plain[1].output_token_ids
+    eos = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    model.config = dataclasses.replace(model.config, eos_token_id=eos)
+    until_eos = SamplingParams(max_new_tokens=6)
+    plain = _engine(model, config).generate([PROMPTS[1]], until_eos)[0]
+    spec = _engine(model, config, speculation=SPEC).generate([PROMPTS[1]], until_eos)[0]
+    assert spec.output_token_ids == plain.output_token_ids and spec.output_token_ids[-1] == eos
+    assert spec.finish_reason == plain.finish_reason == "eos"
+
+
+def test_preemption_and_cancellation_mid_block():
+    model, config = tiny_model(seed=7), _config({})
+    whole = _engine(model, config).generate([PROMPTS[1]], GREEDY)[0]
+    engine = _engine(model, config, speculation=SPEC)
+    baseline = engine.pools()
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    while engine.output_count(rid) < 3 or not engine._requests[rid].block.verifying:
+        engine.step()
+    assert not engine.at_token_boundary(rid)
+    engine.preempt(rid)
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert done[rid].output_token_ids == whole.output_token_ids
+    cancelled = engine.add_request(PROMPTS[0], GREEDY)
+    while engine.output_count(cancelled) < 2:
+        engine.step()
+    engine.cancel(cancelled)
+    assert engine.pools() == baseline
+
+
+def test_a_request_saved_at_a_block_start_continues_speculating_after_restore(tmp_path):
+    from flashloop_backend.host.snapshot import load_snapshot, save_snapshot
+
+    model, config = tiny_model(seed=7), _config({})
+    whole = _engine(model, config).generate([PROMPTS[1]], GREEDY)[0]
+    engine = _engine(model, config, speculation=SPEC)
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    while engine.output_count(rid) < 4 or not engine.at_token_boundary(rid):
+        engine.step()
+    save_snapshot(engine.snapshot(rid), tmp_path / "r.safetensors")
+    fresh = _engine(model, config, speculation=SPEC)
+    restored = fresh.restore(load_snapshot(tmp_path / "r.safetensors"))
+    done = {}
+    while fresh.has_unfinished():
+        done.update({r.request_id: r for r in fresh.step()})
+    assert done[restored].output_token_ids == whole.output_token_ids
+    assert fresh.counters()["speculation_blocks"] > 0
+
+
+def _generate(capsys, *extra):
+    import json
+
+    from flashloop_backend.cli.main import main
+
+    argv = ["generate", "--prompt", "def merge(a, b):", "--max-new-tokens", "24", "--json"]
+    try:
+        code = main([*argv, *extra])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_generate_speculate_outputs_the_tokens_of_plain_greedy(capsys):
+    _, plain, _ = _generate(capsys)
+    code, speculative, _ = _generate(capsys, "--speculate", "4")
+    assert code == 0 and speculative["output_token_ids"] == plain["output_token_ids"]
+    counts = speculative["speculation"]
+    assert counts["blocks"] >= 24 // 4 and counts["drafted"] >= counts["accepted"] > 0
+    assert speculative["acceptance_rate"] == counts["accepted"] / counts["drafted"]
+    assert "acceptance_rate" not in plain
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--config", "configs/sparse_decode.json"], "'sparse_decode_attention' does not verify"),
+        (["--temperature", "0.8"], "['temperature=0.8'] are not supported with it"),
+        (["--speculate", "1"], "1 must be an integer >= 2"),
+    ],
+)
+def test_generate_speculate_refuses_what_it_does_not_support(capsys, extra, fragment):
+    args = extra if "--speculate" in extra else ["--speculate", "4", *extra]
+    code, _, err = _generate(capsys, *args)
+    assert code == 2 and fragment in err and "Traceback" not in err
