@@ -180,23 +180,31 @@ def test_warm_up_meets_every_graph_bucket_up_to_the_largest_concurrency():
     assert warm_up_sizes([{"concurrency": None}]) == [2]  # eager host: no buckets
 
 
-def test_a_shared_prefix_workload_counts_hits_misses_and_computed_rows(model):
-    """Closed loop of 4 prompts that share their first 64 tokens, one in flight at a
-    time: the first misses and publishes, the other three reuse the 64 positions and
-    compute only their own rows (4 loops each)."""
+def _serve_shared_prefix(model, prompt_len: int, num_blocks: int) -> dict:
+    """Dense through the prefix cache: a closed loop of 4 prompts of ``prompt_len`` tokens
+    (2 new each) whose first 64 are shared, one in flight at a time."""
     config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
     variants = [v for v in variants_for(config, "torch") if v.name == "dense"]
     workloads = [
         {
             "name": "shared",
-            "arrivals": fixed_arrival_schedule(4, 1.0, [80], [2]),
+            "arrivals": fixed_arrival_schedule(4, 1.0, [prompt_len], [2]),
             "concurrency": 1,
             "shared_prefix": 64,
         }
     ]
+    quiet = lambda m: None  # noqa: E731
     (record,) = serve_variants(
-        model, _request(model), variants, workloads, 256, 16, log=lambda m: None, prefix_cache=True
+        model, _request(model), variants, workloads, num_blocks, 16, log=quiet, prefix_cache=True
     )
+    return record
+
+
+def test_a_shared_prefix_workload_counts_hits_misses_and_computed_rows(model):
+    """Closed loop of 4 prompts that share their first 64 tokens, one in flight at a
+    time: the first misses and publishes, the other three reuse the 64 positions and
+    compute only their own rows (4 loops each)."""
+    record = _serve_shared_prefix(model, prompt_len=80, num_blocks=256)
     assert record["completed"] == 4
     assert record["prefix"] == {"lookups": 4, "hits": 3, "misses": 1, "reused_tokens": 3 * 64}
     assert record["prompt_rows"] == (80 + 3 * 16) * 4
@@ -212,21 +220,8 @@ def test_the_bench_pool_keeps_the_cached_prefix_beside_the_requests(model, cache
     it was about to reuse, and every lookup misses."""
     from flashloop_backend.tools.bench.serving import pool_blocks
 
-    config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
-    variants = [v for v in variants_for(config, "torch") if v.name == "dense"]
-    workloads = [
-        {
-            "name": "shared",
-            "arrivals": fixed_arrival_schedule(4, 1.0, [130], [2]),
-            "concurrency": 1,
-            "shared_prefix": 64,
-        }
-    ]
     blocks = pool_blocks(1, 132, 16, model.config.total_ut_steps, cached) - 8
-    quiet = lambda m: None  # noqa: E731
-    (record,) = serve_variants(
-        model, _request(model), variants, workloads, blocks, 16, log=quiet, prefix_cache=True
-    )
+    record = _serve_shared_prefix(model, prompt_len=130, num_blocks=blocks)
     assert record["completed"] == 4 and record["prefix"]["hits"] == hits
 
 
