@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from flashloop_backend import FlashLoopConfig
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.graphs import GraphSettings
 from flashloop_backend.host.speculation import Block, Speculation, SpeculationSettings
@@ -19,7 +20,8 @@ from .host_helpers import tiny_model
 from .test_feature_combinations import COMBINATION_IDS, COMBINATIONS, PROMPTS, REQUEST, _config
 
 SPEC = SpeculationSettings(block_size=4)
-VERIFIED = {"token_sparse_prefill"}  # the features the flashloop backend declares
+# the features the flashloop backend declares (KV quantization under fixed_prompt)
+VERIFIED = {"token_sparse_prefill", "kv_residual_quantization"}
 SUPPORTED = [
     (flags, name)
     for flags, name in zip(COMBINATIONS, COMBINATION_IDS, strict=True)
@@ -66,10 +68,18 @@ def test_draft_rows_replay_through_the_graph_runner():
 def test_features_that_do_not_verify_speculative_rows_are_refused_by_name(flags):
     with pytest.raises(ValueError, match="speculative decoding is not supported") as info:
         _engine(tiny_model(), _config(flags), speculation=SPEC)
-    for name in ("sparse_decode_attention", "kv_residual_quantization"):
-        named = f"feature '{name}' does not verify speculative rows"
-        assert (named in str(info.value)) == flags[name]
-    assert "(features that do: ['token_sparse_prefill'])" in str(info.value)
+    message = str(info.value)
+    assert "feature 'sparse_decode_attention' does not verify speculative rows" in message
+    assert "(features that do: ['kv_residual_quantization', 'token_sparse_prefill'])" in message
+    assert "'kv_residual_quantization' does not" not in message
+
+
+def test_rolling_kv_quantization_is_refused_by_policy():
+    quantization = {"enabled": True, "policy": "rolling", "group_size": 16, "tail_size": 16}
+    rolling = FlashLoopConfig(kv_residual_quantization=quantization)
+    expected = r"policy 'rolling' does not verify speculative rows \(policies that do: \['fixed_prompt'\]\)"
+    with pytest.raises(ValueError, match=expected):
+        _engine(tiny_model(), rolling, speculation=SPEC)
 
 
 def test_a_model_that_exits_early_and_unsupported_requests_are_refused():

@@ -57,15 +57,17 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.CUDA_GRAPHS: "decode",
     Capability.ASYNC_SCHEDULING: None,
 }
-# Whether each feature's state serves speculative verification rows. Token-sparse prefill
-# shapes the prompt's KV only, which VERIFY rows read as decode rows do. The loop-2
-# references (one per live token) and the packed store's generated groups are built for
-# one decode row per request and step.
+# Whether each feature's state serves speculative verification rows (and under which KV
+# quantization policies). Token-sparse prefill shapes the prompt's KV only, and
+# `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. The loop-2
+# references (one per live token) and `rolling`'s generated groups are built for one
+# decode row per request and step.
 SPECULATION_SUPPORT = {
     "token_sparse_prefill": True,
     "sparse_decode_attention": False,
-    "kv_residual_quantization": False,
+    "kv_residual_quantization": True,
 }
+SPECULATION_POLICIES = ("fixed_prompt",)
 PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
@@ -216,11 +218,18 @@ class FlashLoopBackend(AttentionBackend):
 
     def speculation_blockers(self) -> list[str]:
         supported = sorted(name for name, ok in SPECULATION_SUPPORT.items() if ok)
-        return [
+        blockers = [
             f"feature {name!r} does not verify speculative rows (features that do: {supported})"
             for name in self.config.enabled_features()
             if not SPECULATION_SUPPORT[name]
         ]
+        quantization = self.config.kv_residual_quantization
+        if quantization.enabled and quantization.policy not in SPECULATION_POLICIES:
+            blockers.append(
+                f"kv_residual_quantization policy {quantization.policy!r} does not verify "
+                f"speculative rows (policies that do: {list(SPECULATION_POLICIES)})"
+            )
+        return blockers
 
     def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
         """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""

@@ -309,7 +309,7 @@ class Engine(RequestSnapshots):
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
         # host planning: which decode rows read which of the backend's own KV
-        decode = [g for g in groups if g.mode != RowMode.PREFILL]
+        decode = [g for g in groups if g.mode != RowMode.PREFILL for _ in range(g.count)]
         self.backend.plan(batch.view, [g.request_id for g in decode], [g.depth for g in decode])
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
