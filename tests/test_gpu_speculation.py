@@ -1,6 +1,6 @@
 """Speculation on the H200: the embedded model in FP32 (so that batching a block's
-verification rows cannot flip an argmax through last-bit differences), dense and
-token-sparse prefill, draft rows replayed from CUDA graphs and verification rows eager:
+verification rows cannot flip an argmax through last-bit differences), dense,
+token-sparse prefill and KV quantization (`fixed_prompt`, the packed readers), draft rows replayed from CUDA graphs and verification rows eager:
 the tokens of plain greedy decoding."""
 
 import pytest
@@ -14,16 +14,14 @@ from flashloop_backend.host.speculation import SpeculationSettings
 from flashloop_backend.registry import Registry
 
 pytestmark = pytest.mark.gpu
+SPARSE_PREFILL = {"enabled": True, "window_size": 64, "retention": [1, 1, 0.75, 0.5]}
+PACKED = {"enabled": True, "policy": "fixed_prompt", "group_size": 64}
 CONFIGS = {
     "dense": FlashLoopConfig(),
-    "token_sparse_prefill": FlashLoopConfig.from_dict(
-        {
-            "token_sparse_prefill": {
-                "enabled": True,
-                "window_size": 64,
-                "retention": [1, 1, 0.75, 0.5],
-            }
-        }
+    "token_sparse_prefill": FlashLoopConfig.from_dict({"token_sparse_prefill": SPARSE_PREFILL}),
+    "kv_residual_quantization": FlashLoopConfig.from_dict({"kv_residual_quantization": PACKED}),
+    "both": FlashLoopConfig.from_dict(
+        {"token_sparse_prefill": SPARSE_PREFILL, "kv_residual_quantization": PACKED}
     ),
 }
 
