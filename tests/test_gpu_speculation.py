@@ -1,7 +1,8 @@
-"""Speculation on the H200: the embedded model in FP32 (so that batching a block's
-verification rows cannot flip an argmax through last-bit differences), dense,
-token-sparse prefill and KV quantization (`fixed_prompt`, the packed readers), draft rows replayed from CUDA graphs and verification rows eager:
-the tokens of plain greedy decoding."""
+"""Speculation on the H200 gives the tokens of plain greedy decoding. The embedded model
+runs in FP32, so that batching a block's verification rows cannot flip an argmax through
+last-bit differences. Cases: dense, token-sparse prefill, KV quantization (`fixed_prompt`,
+the packed readers) and both; draft rows replay from CUDA graphs, verification rows run
+eagerly."""
 
 import pytest
 import torch
