@@ -2,7 +2,7 @@
 # H200 calls for issue 25 (self-speculative decoding), one stage per call:
 #   tests   the GPU tests: speculation from CUDA graphs gives the greedy tokens
 #           (tests/test_gpu_speculation.py)
-#   bench   decode with and without speculation (K=4 and 8), dense Triton from CUDA graphs,
+#   bench   decode with and without speculation (K=4, draft depth 1 and 2), dense Triton from CUDA graphs,
 #           8K x 1 and 32K x 1, 24 layers, random weights (acceptance is theirs, not a
 #           trained model's)
 set -uo pipefail
@@ -14,10 +14,11 @@ case "${1:?stage: tests or bench}" in
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculation.py \
       2>&1 | tee "$OUT/gpu_tests_speculation.log" | tail -3 ;;
   bench)
-    for k in 4 8; do
+    for depth in 1 2; do
       run flashloop-backend bench e2e --backends triton+graphs --contexts 8192,32768 \
-        --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate "$k" \
-        --out "$OUT/bench_e2e_speculate_k$k.json" 2>&1 | grep -E "e2e|error"
+        --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
+        --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_k4_d$depth.json" 2>&1 \
+        | grep -E "e2e|error"
     done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

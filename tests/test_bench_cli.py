@@ -29,6 +29,7 @@ def cli(*args):
         (("bench", "kernel", "--grid"), "--grid applies to bench e2e, not bench kernel"),
         (("bench", "serving", "--speculate", "4"), "--speculate applies to bench e2e, not"),
         (("bench", "e2e", "--speculate", "1"), "1 must be an integer >= 2"),
+        (("bench", "e2e", "--speculate", "2", "--draft-depth", "0"), "draft_depth=0 is not built"),
         (
             ("bench", "e2e", "--grid", "--config", "configs/sparse_decode.json"),
             "--grid needs a config that enables every feature",

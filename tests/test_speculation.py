@@ -35,11 +35,13 @@ def _engine(model, config, **kwargs):
     return Engine(model, backend, num_blocks=240, block_size=4, prefill_chunk=16, **kwargs)
 
 
+@pytest.mark.parametrize("draft_depth", [1, 2])
 @pytest.mark.parametrize("flags", [f for f, _ in SUPPORTED], ids=[n for _, n in SUPPORTED])
-def test_speculation_outputs_the_greedy_tokens(flags):
+def test_speculation_outputs_the_greedy_tokens(flags, draft_depth):
     model, config = tiny_model(seed=7), _config(flags)
     plain = _engine(model, config).generate(PROMPTS, GREEDY)
-    engine = _engine(model, config, speculation=SPEC, max_batch_tokens=24)
+    settings = SpeculationSettings(block_size=4, draft_depth=draft_depth)
+    engine = _engine(model, config, speculation=settings, max_batch_tokens=24)
     speculative = engine.generate(PROMPTS, GREEDY)
     assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
     assert [r.exit_depths for r in speculative] == [r.exit_depths for r in plain]
@@ -98,8 +100,8 @@ def test_a_model_that_exits_early_and_unsupported_requests_are_refused():
         assert named in str(info.value)
     with pytest.raises(ValueError, match="greater than or equal to 2"):
         SpeculationSettings(block_size=1)
-    with pytest.raises(ValueError, match=r"draft_depth=1 is not built \(supported: \[2\]\)"):
-        SpeculationSettings(draft_depth=1)
+    with pytest.raises(ValueError, match=r"draft_depth=3 is not built \(supported: \[1, 2\]\)"):
+        SpeculationSettings(draft_depth=3)
 
 
 class _Lookup:
@@ -224,6 +226,10 @@ def test_generate_speculate_outputs_the_tokens_of_plain_greedy(capsys):
         (["--config", "configs/sparse_decode.json"], "'sparse_decode_attention' does not verify"),
         (["--temperature", "0.8"], "['temperature=0.8'] are not supported with it"),
         (["--speculate", "1"], "1 must be an integer >= 2"),
+        (
+            ["--speculate", "3", "--draft-depth", "3"],
+            "draft_depth=3 is not built (supported: [1, 2])",
+        ),
     ],
 )
 def test_generate_speculate_refuses_what_it_does_not_support(capsys, extra, fragment):

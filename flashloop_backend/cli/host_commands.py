@@ -106,6 +106,19 @@ def _load(args: argparse.Namespace):
     return device, dtype, config, model, tokenizer
 
 
+def speculation_settings(block_size: int, draft_depth: int):
+    """``--speculate K --draft-depth D`` as settings; a value off the built ones exits 2
+    naming it."""
+    from pydantic import ValidationError
+
+    from flashloop_backend.host.speculation import SpeculationSettings
+
+    try:
+        return SpeculationSettings(block_size=block_size, draft_depth=draft_depth)
+    except ValidationError as exc:
+        raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
 def _setup(args: argparse.Namespace, log):
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -130,9 +143,7 @@ def _setup(args: argparse.Namespace, log):
     )
     speculation = None
     if getattr(args, "speculate", None):
-        from flashloop_backend.host.speculation import SpeculationSettings
-
-        speculation = SpeculationSettings(block_size=args.speculate)
+        speculation = speculation_settings(args.speculate, args.draft_depth)
     try:
         engine = Engine(
             model,
@@ -513,8 +524,14 @@ def add_commands(sub) -> None:
         "--speculate",
         type=at_least_two,
         metavar="K",
-        help="greedy self-speculation: draft K tokens at loop 2, verify them at loops 3-4 "
-        "together (the output equals the greedy output without it)",
+        help="greedy self-speculation: draft K tokens at loop 2 (--draft-depth), verify them "
+        "at the later loops together (the output equals the greedy output without it)",
+    )
+    gen.add_argument(
+        "--draft-depth",
+        type=positive_int,
+        default=2,
+        help="--speculate: loops a draft token runs before its guess (1 or 2; default 2)",
     )
     gen.add_argument("--snapshot", metavar="FILE", help="save the request here and stop")
     gen.add_argument(

@@ -184,6 +184,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from flashloop_backend.cli.host_commands import speculation_settings
     from flashloop_backend.config import FlashLoopConfig, load_config
     from flashloop_backend.registry import Registry
     from flashloop_backend.tools.bench.timing import environment_record, progress_log
@@ -262,9 +263,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--grid runs the flashloop backend; --backends {names} has none")
         speculation = None
         if args.speculate:
-            from flashloop_backend.host.speculation import SpeculationSettings
-
-            speculation = SpeculationSettings(block_size=args.speculate)
+            speculation = speculation_settings(args.speculate, args.draft_depth)
         record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
@@ -479,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=at_least_two,
         metavar="K",
         help="e2e: each backend again with greedy block speculation of K rows",
+    )
+    bench.add_argument(
+        "--draft-depth",
+        type=int,
+        default=2,
+        help="e2e --speculate: loops a draft token runs (1 or 2; default 2)",
     )
     bench.add_argument(
         "--passes",

@@ -1,14 +1,15 @@
-"""Self-speculative decoding with the loop-2 draft (RFC §6.2-6.4; issue 25).
+"""Self-speculative decoding with a shallow draft (RFC §6.2-6.4; issue 25).
 
 A looped model drafts for itself. A block starts at the request's last output token x0
 (position p) and holds ``rows`` positions p .. p+rows-1:
 
-1. Drafting: each row's token runs loops 1-2 as an ordinary decode row, and the coda of
-   its loop-2 hidden state drafts the next token (d1 .. d_rows), which becomes the next
-   row's token. Those rows write loop-1 and loop-2 KV like any decode token.
-2. Verification: all rows run loops 3-4 together as VERIFY rows (decode queries, each
-   with its own causal length), from their loop-2 states. The coda of each row's final
-   state is the model's own next token y1 .. y_rows.
+1. Drafting: each row's token runs the first ``draft_depth`` loops (1 or 2) as an
+   ordinary decode row, and the coda of that state drafts the next token (d1 .. d_rows),
+   which becomes the next row's token. Those rows write their loops' KV like any decode
+   token.
+2. Verification: all rows run the remaining loops together as VERIFY rows (decode
+   queries, each with its own causal length), from their draft states. The coda of each
+   row's final state is the model's own next token y1 .. y_rows.
 3. Greedy acceptance: the drafts equal to y, in order, are accepted (a of them). The
    block outputs d1 .. da, then y_{a+1} when a draft was rejected.
 
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import RowGroup
 
-DRAFT_DEPTHS = (2,)  # loops a draft token runs before its coda
+DRAFT_DEPTHS = (1, 2)  # loops a draft token runs before its coda
 
 
 class SpeculationSettings(BaseModel):

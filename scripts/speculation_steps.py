@@ -1,0 +1,85 @@
+"""Host steps and draft acceptance of greedy block speculation against plain greedy decoding
+on a trained model (CPU, FP32, dense). Speculation must give the same tokens; the record
+holds, per draft depth and block size, the acceptance rate and the engine steps the whole
+generation took (prefill steps included, the same for every run). Steps do not depend on
+the hardware; their time does, and is the GPU benchmark's (bench e2e --speculate).
+
+    python3 scripts/speculation_steps.py --model models/ouro-eval-bytes-20m --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashloop_backend import FlashLoopConfig  # noqa: E402
+from flashloop_backend.host import Engine, SamplingParams, load_model, load_tokenizer  # noqa: E402
+from flashloop_backend.host.speculation import SpeculationSettings  # noqa: E402
+from flashloop_backend.registry import Registry  # noqa: E402
+from flashloop_backend.tools.evaluation import heldout_text  # noqa: E402
+from flashloop_backend.tools.paths import record_path  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=192)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    model = load_model(args.model, "cpu", torch.float32)
+    tokenizer = load_tokenizer(args.model)
+    text = tokenizer.encode(heldout_text()[0]).ids
+    stride = len(text) // args.prompts
+    prompts = [text[i * stride : i * stride + args.prompt_tokens] for i in range(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    request = model.support_request(16)
+
+    def engine(speculation=None) -> Engine:
+        backend = Registry.discover().create("auto", request, FlashLoopConfig())
+        return Engine(model, backend, num_blocks=1024, prefill_chunk=256, speculation=speculation)
+
+    plain_engine = engine()
+    plain = [r.output_token_ids for r in plain_engine.generate(prompts, params)]
+    rows = []
+    for depth in (1, 2):
+        for block in (2, 4, 8):
+            spec = engine(SpeculationSettings(block_size=block, draft_depth=depth))
+            tokens = [r.output_token_ids for r in spec.generate(prompts, params)]
+            counts = spec.counters()
+            rows.append(
+                {
+                    "draft_depth": depth,
+                    "block_size": block,
+                    "same_tokens": tokens == plain,
+                    "acceptance_rate": counts["acceptance_rate"],
+                    "blocks": counts["speculation_blocks"],
+                    "steps": spec.steps,
+                    "steps_vs_plain": plain_engine.steps / spec.steps,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    record = {
+        "kind": "speculation_steps",
+        "model": record_path(args.model),
+        "prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "text": heldout_text()[1],
+        "plain_steps": plain_engine.steps,
+        "runs": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
