@@ -179,16 +179,12 @@ class Engine(RequestSnapshots):
         log-softmax before every output token."""
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         if self.speculation is not None:
-            unsupported = {
-                "forced": forced is not None,
-                "keep_logprobs": keep_logprobs,
-                f"temperature={params.temperature}": params.temperature > 0,
-            }
+            unsupported = {"forced": forced is not None, "keep_logprobs": keep_logprobs}
             named = [name for name, given in unsupported.items() if given]
             if named:
                 raise ValueError(
-                    f"speculative decoding is greedy and outputs tokens by the block: {named} "
-                    "are not supported with it"
+                    f"speculative decoding outputs tokens by the block: {named} are not "
+                    "supported with it"
                 )
         total = len(prompt) + params.max_new_tokens
         blocks = self.kv.blocks_needed(total)

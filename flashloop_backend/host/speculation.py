@@ -10,12 +10,14 @@ A looped model drafts for itself. A block starts at the request's last output to
 2. Verification: all rows run the remaining loops together as VERIFY rows (decode
    queries, each with its own causal length), from their draft states. The coda of each
    row's final state is the model's own next token y1 .. y_rows.
-3. Greedy acceptance: the drafts equal to y, in order, are accepted (a of them). The
-   block outputs d1 .. da, then y_{a+1} when a draft was rejected.
+3. Acceptance: greedy, the drafts equal to y, in order, are accepted (a of them), and the
+   block outputs d1 .. da, then y_{a+1} when a draft was rejected. Sampling (a seeded
+   temperature) uses the standard rejection rule instead (:func:`accept_sampled`).
 
 Rows past the last accepted one hold rejected tokens. Their KV lies beyond every later
 row's causal length until the next block overwrites those positions, so it is never read.
-With greedy decoding the output equals the non-speculative output.
+With greedy decoding the output equals the non-speculative output; with sampling every
+token follows the model's distribution, from a different random stream.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Block:
     tokens: list[int]
     drafted: list[torch.Tensor] = field(default_factory=list)
     last_draft: int | None = None
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # under sampling: q per draft
 
     @property
     def verifying(self) -> bool:
@@ -115,9 +118,9 @@ class Speculation:
         ):
             r.depth, r.hidden = r.depth + 1, out if block.verifying else out[0]
             return None
-        if not block.verifying:  # the row's loop-2 state drafts the next token
+        if not block.verifying:  # the row's draft state guesses the next token
             block.drafted.append(out[0])
-            draft = int(torch.argmax(self.model.coda(out[:1]), dim=-1).item())
+            draft = self._draft(r, self.model.coda(out[:1])[0])
             if len(block.tokens) < block.rows:
                 block.tokens.append(draft)
                 r.depth = 0
@@ -126,14 +129,56 @@ class Speculation:
                 block.last_draft = draft
                 r.depth, r.hidden = self.settings.draft_depth, torch.stack(block.drafted)
             return None
-        verified = torch.argmax(self.model.coda(out), dim=-1).tolist()
+        logits = self.model.coda(out)
         drafts = [*block.tokens[1:], block.last_draft]
-        accepted = 0
-        while accepted < block.rows and drafts[accepted] == verified[accepted]:
-            accepted += 1
+        if r.params.temperature > 0:
+            target = torch.softmax(logits / r.params.temperature, dim=-1)
+            tokens = accept_sampled(drafts, torch.stack(block.draft_probs), target, r.generator)
+        else:
+            tokens = accept_greedy(drafts, torch.argmax(logits, dim=-1).tolist())
+        accepted = len(tokens) if tokens == drafts else len(tokens) - 1
         self.blocks += 1
         self.drafted += block.rows
         self.accepted += accepted
-        if accepted == block.rows:
-            return drafts
-        return [*drafts[:accepted], verified[accepted]]
+        return tokens
+
+    def _draft(self, r, logits: torch.Tensor) -> int:
+        """The next draft from a row's draft-state logits [vocab]: the argmax, or under
+        sampling a draw from the tempered distribution (kept for the acceptance test)."""
+        if r.params.temperature <= 0:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits / r.params.temperature, dim=-1)
+        r.block.draft_probs.append(probs)
+        return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+
+def accept_greedy(drafts: list[int], verified: list[int]) -> list[int]:
+    """The drafts equal to the verifier's tokens, in order, then the verifier's token at
+    the first that differs (all drafts when none does)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+        accepted += 1
+    return drafts if accepted == len(drafts) else [*drafts[:accepted], verified[accepted]]
+
+
+def accept_sampled(
+    drafts: list[int], draft_probs: torch.Tensor, target: torch.Tensor, generator
+) -> list[int]:
+    """The standard rejection rule (speculative sampling): draft i, drawn from
+    ``draft_probs[i]`` [vocab], is accepted with probability min(1, p/q) under
+    ``target[i]`` [vocab]; at the first rejection a token is drawn from the normalised
+    excess max(0, p - q) instead, and the block ends. Every output token is then
+    distributed as the target says, whatever the drafts."""
+    out = []
+    for i, draft in enumerate(drafts):
+        p, q = target[i], draft_probs[i]
+        ratio = float(p[draft] / q[draft]) if q[draft] > 0 else 0.0
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u < ratio:
+            out.append(draft)
+            continue
+        excess = torch.clamp(p - q, min=0)
+        excess = excess if float(excess.sum()) > 0 else p
+        out.append(int(torch.multinomial(excess / excess.sum(), 1, generator=generator).item()))
+        return out
+    return out
