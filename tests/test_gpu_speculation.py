@@ -1,8 +1,8 @@
 """Speculation on the H200 gives the tokens of plain greedy decoding. The embedded model
 runs in FP32, so that batching a block's verification rows cannot flip an argmax through
 last-bit differences. Cases: dense, token-sparse prefill, KV quantization (`fixed_prompt`,
-the packed readers) and both; draft rows replay from CUDA graphs, verification rows run
-eagerly."""
+the packed readers), sparse decode (each row's own loop-2 reference) and all three. Draft
+rows replay from CUDA graphs; verification rows run eagerly."""
 
 import pytest
 import torch
@@ -17,12 +17,18 @@ from flashloop_backend.registry import Registry
 pytestmark = pytest.mark.gpu
 SPARSE_PREFILL = {"enabled": True, "window_size": 64, "retention": [1, 1, 0.75, 0.5]}
 PACKED = {"enabled": True, "policy": "fixed_prompt", "group_size": 64}
+SPARSE = {"enabled": True, "key_retention": 0.25}
 CONFIGS = {
     "dense": FlashLoopConfig(),
     "token_sparse_prefill": FlashLoopConfig.from_dict({"token_sparse_prefill": SPARSE_PREFILL}),
     "kv_residual_quantization": FlashLoopConfig.from_dict({"kv_residual_quantization": PACKED}),
-    "both": FlashLoopConfig.from_dict(
-        {"token_sparse_prefill": SPARSE_PREFILL, "kv_residual_quantization": PACKED}
+    "sparse_decode_attention": FlashLoopConfig.from_dict({"sparse_decode_attention": SPARSE}),
+    "all_on": FlashLoopConfig.from_dict(
+        {
+            "token_sparse_prefill": SPARSE_PREFILL,
+            "sparse_decode_attention": SPARSE,
+            "kv_residual_quantization": PACKED,
+        }
     ),
 }
 

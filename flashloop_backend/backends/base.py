@@ -156,6 +156,11 @@ class AttentionBackend(ABC):
         """A generated token of the request exited: one more final row."""
         return None
 
+    def retire_slot(self, slot: int) -> None:
+        """A token-state slot the request held besides its own (a speculation block's
+        later rows) goes back: whatever state it holds is never read again."""
+        return None
+
     def release(self, request_id: int, slot: int) -> None:
         """The request finished: return what it held (``slot``: its token-state slot, -1
         if it had none)."""

@@ -59,12 +59,13 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
 }
 # Whether each feature's state serves speculative verification rows (and under which KV
 # quantization policies). Token-sparse prefill shapes the prompt's KV only, and
-# `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. The loop-2
-# references (one per live token) and `rolling`'s generated groups are built for one
+# `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. Sparse
+# decode keeps one loop-2 reference per token-state slot and incarnation, and the host
+# gives every block row its own. `rolling` packs generated groups behind a BF16 tail, one
 # decode row per request and step.
 SPECULATION_SUPPORT = {
     "token_sparse_prefill": True,
-    "sparse_decode_attention": False,
+    "sparse_decode_attention": True,
     "kv_residual_quantization": True,
 }
 SPECULATION_POLICIES = ("fixed_prompt",)
@@ -314,6 +315,10 @@ class FlashLoopBackend(AttentionBackend):
     def token_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:
             self.packed.flush_tail(request_id, kv)
+
+    def retire_slot(self, slot: int) -> None:
+        if self.states is not None:
+            self.states.retire(slot)
 
     def release(self, request_id: int, slot: int) -> None:
         if self.packed is not None:

@@ -26,6 +26,9 @@ class RowGroup:
     slot: int = -1  # token-state slot of a decode token (-1: none)
     incarnation: int = -1  # which token occupies that slot
     span: tuple[int, ...] = ()  # the positions when they are not start, start+1, ...
+    # VERIFY rows: each row's own token-state slot and incarnation (else slot, incarnation)
+    row_slots: tuple[int, ...] = ()
+    row_incarnations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.span and (len(self.span) != self.count or self.span[0] != self.start):
@@ -33,6 +36,22 @@ class RowGroup:
                 f"row group span of {len(self.span)} positions from {self.span[0]} disagrees "
                 f"with start={self.start}, count={self.count}"
             )
+        per_row = (len(self.row_slots), len(self.row_incarnations))
+        if per_row != (0, 0) and per_row != (self.count, self.count):
+            raise ValueError(
+                f"row group of {self.count} rows has {per_row[0]} row slots and {per_row[1]} "
+                "row incarnations: give one of each per row, or none"
+            )
+
+    def token_slots(self) -> list[int]:
+        return list(self.row_slots) if self.row_slots else [self.slot] * self.count
+
+    def token_incarnations(self) -> list[int]:
+        return (
+            list(self.row_incarnations)
+            if self.row_incarnations
+            else [self.incarnation] * self.count
+        )
 
     def positions(self) -> list[int]:
         return list(self.span) if self.span else list(range(self.start, self.start + self.count))
@@ -79,8 +98,8 @@ def build_batch(
         depths += [group.depth] * group.count
         modes += [int(group.mode)] * group.count
         requests += [group.request_id] * group.count
-        token_slots += [group.slot] * group.count
-        incarnations += [group.incarnation] * group.count
+        token_slots += group.token_slots()
+        incarnations += group.token_incarnations()
         slots += kv.slots(group.request_id, group.depth, span)
     real = len(positions)
     pad = max(0, (pad_to or 0) - real)

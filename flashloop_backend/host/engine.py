@@ -153,6 +153,13 @@ class Engine(RequestSnapshots):
             if blockers:
                 raise ValueError("speculative decoding is not supported: " + "; ".join(blockers))
             self.speculation = Speculation(speculation, model, cfg.total_ut_steps)
+        # a speculating request's block rows each hold a token-state slot
+        self.slots_per_request = speculation.block_size if speculation else 1
+        if self.slots_per_request > max_slots:
+            raise ValueError(
+                f"max_slots={max_slots} is below the {self.slots_per_request} token-state "
+                "slots one speculating request holds (one per block row)"
+            )
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
         if cuda_graphs is not None:
@@ -333,7 +340,7 @@ class Engine(RequestSnapshots):
         for request in self._requests.values():
             if request.phase != "waiting":
                 continue
-            if not self._free_slots:
+            if len(self._free_slots) < self.slots_per_request:
                 break  # every token-state slot is taken: wait
             found = self.prefix_cache.lookup(request.prompt) if self.prefix_cache else (0, None)
             if self.prefix_cache is not None and self._prefix_in_flight(request, found[0]):
@@ -342,6 +349,9 @@ class Engine(RequestSnapshots):
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
             request.slot = self._free_slots.pop()
+            request.extra_slots = [
+                self._free_slots.pop() for _ in range(self.slots_per_request - 1)
+            ]
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
@@ -505,7 +515,7 @@ class Engine(RequestSnapshots):
             r.incarnation = self._incarnations
             replaying = r.replay is not None and len(r.output) < len(r.replay)
             if self.speculation is not None and not replaying:
-                self.speculation.start(r)
+                self.speculation.start(r, self._new_incarnations)
 
     def _emit_block(self, r: Request, tokens: list[int]) -> None:
         """Output a verified speculation block's tokens in order, stopping at the first
@@ -522,9 +532,13 @@ class Engine(RequestSnapshots):
                 return
         ids = upload(torch.tensor([tokens[-1]]), self.device)
         r.depth, r.hidden = 0, self.model.prelude(ids)[0]
-        self._incarnations += 1
-        r.incarnation = self._incarnations
-        self.speculation.start(r)
+        self.speculation.start(r, self._new_incarnations)
+
+    def _new_incarnations(self, count: int) -> list[int]:
+        """``count`` tokens never seen before (their reference state starts empty)."""
+        first = self._incarnations + 1
+        self._incarnations += count
+        return list(range(first, first + count))
 
     def _collect(self) -> list[GenerationResult]:
         return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]
@@ -573,6 +587,10 @@ class Engine(RequestSnapshots):
         self.backend.release(r.id, r.slot)
         if r.slot >= 0:
             self._free_slots.append(r.slot)
+        for slot in r.extra_slots:
+            self.backend.retire_slot(slot)
+            self._free_slots.append(slot)
+        r.extra_slots = []
 
     def cancel(self, request_id: int) -> GenerationResult:
         """Stop a waiting or running request between steps: everything it holds goes back

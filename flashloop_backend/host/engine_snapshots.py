@@ -137,8 +137,11 @@ class RequestSnapshots:
             raise SnapshotError("tensor 'prompt_active' goes with token-sparse prefill only")
         total = len(r.prompt) + params.max_new_tokens
         blocks = self._checked_blocks(snapshot, -(-total // self.kv.block_size))
-        if not self._free_slots:
-            raise OutOfBlocksError(f"no token-state slot is free (max_slots={self.max_slots})")
+        if len(self._free_slots) < self.slots_per_request:
+            raise OutOfBlocksError(
+                f"{self.slots_per_request} token-state slots are needed and "
+                f"{len(self._free_slots)} are free (max_slots={self.max_slots})"
+            )
         self.kv.reserve(r.id, total)  # atomic: nothing held when it raises
         try:
             self.backend.admit(r.id, len(r.prompt), params.max_new_tokens)
@@ -159,11 +162,12 @@ class RequestSnapshots:
             r.schedule = PromptSchedule(len(r.prompt), self.sparsity, loops, self.device)
             r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
         r.slot = self._free_slots.pop()
+        r.extra_slots = [self._free_slots.pop() for _ in range(self.slots_per_request - 1)]
         self._incarnations += 1
         r.incarnation = self._incarnations
         replaying = r.replay is not None and len(r.output) < len(r.replay)
         if self.speculation is not None and not replaying:  # saved at a block's start
-            self.speculation.start(r)
+            self.speculation.start(r, self._new_incarnations)
         self._requests[r.id] = r
         self._next_id += 1
         return r.id

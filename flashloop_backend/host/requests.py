@@ -59,6 +59,7 @@ class Request:
     replay: list[int] | None = None  # tokens produced before a preemption, fed back first
     replay_exits: list[int] | None = None  # and the depths at which they left
     block: Block | None = None  # the speculation block decoding now (speculating engines)
+    extra_slots: list[int] = field(default_factory=list)  # a block's rows after the first
 
     @property
     def position(self) -> int:  # absolute position of the current decode token

@@ -22,6 +22,7 @@ token follows the model's distribution, from a different random stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,8 @@ class Block:
     start: int
     rows: int
     tokens: list[int]
+    slots: tuple[int, ...]  # each row's token-state slot (its loop-2 reference lives there)
+    incarnations: tuple[int, ...]  # each row's token, new for every block
     drafted: list[torch.Tensor] = field(default_factory=list)
     last_draft: int | None = None
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # under sampling: q per draft
@@ -91,11 +94,16 @@ class Speculation:
             "acceptance_rate": rate,
         }
 
-    def start(self, r) -> None:
+    def start(self, r, incarnations: Callable[[int], list[int]]) -> None:
         """A new block at ``r``'s last output token (its hidden is that token's embedding);
-        never more rows than tokens the request may still output."""
-        rows = min(self.settings.block_size, r.params.max_new_tokens - len(r.output))
-        r.block = Block(start=r.position, rows=max(1, rows), tokens=[r.output[-1]])
+        never more rows than tokens the request may still output. Row i takes the
+        request's i-th token-state slot and a new incarnation (``incarnations(n)``), so a
+        reference a rejected row wrote is never read as another's."""
+        rows = max(1, min(self.settings.block_size, r.params.max_new_tokens - len(r.output)))
+        slots = (r.slot, *r.extra_slots)[:rows]
+        new = tuple(incarnations(rows))
+        r.block = Block(r.position, rows, [r.output[-1]], slots, new)
+        r.incarnation = new[0]
 
     def group(self, r) -> RowGroup:
         """The rows ``r`` runs this step: its drafting row, or every row of the block at the
@@ -103,10 +111,17 @@ class Speculation:
         block = r.block
         if block.verifying:
             return RowGroup(
-                r.id, RowMode.VERIFY, r.depth, block.start, block.rows, r.slot, r.incarnation
+                r.id,
+                RowMode.VERIFY,
+                r.depth,
+                block.start,
+                block.rows,
+                row_slots=block.slots,
+                row_incarnations=block.incarnations,
             )
         row = len(block.tokens) - 1
-        return RowGroup(r.id, RowMode.DECODE, r.depth, block.start + row, 1, r.slot, r.incarnation)
+        slot, incarnation = block.slots[row], block.incarnations[row]
+        return RowGroup(r.id, RowMode.DECODE, r.depth, block.start + row, 1, slot, incarnation)
 
     def advance(self, r, out: torch.Tensor) -> list[int] | None:
         """Take this step's output [rows, hidden] for ``r``; at the end of verification the
