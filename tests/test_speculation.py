@@ -17,7 +17,14 @@ from flashloop_backend.host.speculation import Block, Speculation, SpeculationSe
 from flashloop_backend.registry import Registry
 
 from .host_helpers import tiny_model
-from .test_feature_combinations import COMBINATION_IDS, COMBINATIONS, PROMPTS, REQUEST, _config
+from .test_feature_combinations import (
+    COMBINATION_IDS,
+    COMBINATIONS,
+    FEATURES,
+    PROMPTS,
+    REQUEST,
+    _config,
+)
 
 SPEC = SpeculationSettings(block_size=4)
 # the features the flashloop backend declares (KV quantization under fixed_prompt)
@@ -30,9 +37,9 @@ SUPPORTED = [
 GREEDY = SamplingParams(max_new_tokens=14, ignore_eos=True)
 
 
-def _engine(model, config, **kwargs):
+def _engine(model, config, num_blocks=240, **kwargs):
     backend = Registry.discover().create("flashloop", REQUEST, config)
-    return Engine(model, backend, num_blocks=240, block_size=4, prefill_chunk=16, **kwargs)
+    return Engine(model, backend, num_blocks=num_blocks, block_size=4, prefill_chunk=16, **kwargs)
 
 
 @pytest.mark.parametrize("draft_depth", [1, 2])
@@ -82,12 +89,40 @@ def test_a_feature_declared_not_to_verify_is_refused_by_name(monkeypatch):
     assert "(features that do: ['kv_residual_quantization', 'token_sparse_prefill'])" in message
 
 
-def test_rolling_kv_quantization_is_refused_by_policy():
-    quantization = {"enabled": True, "policy": "rolling", "group_size": 16, "tail_size": 16}
-    rolling = FlashLoopConfig(kv_residual_quantization=quantization)
-    expected = r"policy 'rolling' does not verify speculative rows \(policies that do: \['fixed_prompt'\]\)"
-    with pytest.raises(ValueError, match=expected):
-        _engine(tiny_model(), rolling, speculation=SPEC)
+ROLLING = {"enabled": True, "policy": "rolling", "group_size": 16, "tail_size": 16}
+
+
+@pytest.mark.parametrize("draft_depth", [1, 2])
+@pytest.mark.parametrize("others", [(), ("token_sparse_prefill", "sparse_decode_attention")])
+def test_rolling_kv_quantization_speculates_serial_aligned(others, draft_depth):
+    """``rolling`` packs a group of generated rows once enough are final, and packing is
+    lossy. Serial-aligned blocks end before the next flush, so every row reads what serial
+    decoding shows it: the greedy tokens across many flushes. ``block_boundary`` runs
+    blocks across flushes (execution-dependent) and completes."""
+    model = tiny_model(seed=7)
+    flags = dict.fromkeys(others, True)
+    config = FlashLoopConfig(**{n: FEATURES[n] for n in flags}, kv_residual_quantization=ROLLING)
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    plain = _engine(model, config, num_blocks=400).generate(PROMPTS, long)
+    aligned = SpeculationSettings(block_size=4, draft_depth=draft_depth)
+    engine = _engine(model, config, num_blocks=400, speculation=aligned)
+    ids = [engine.add_request(prompt, long) for prompt in PROMPTS]
+    done, cut = {}, 0
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+        for r in engine._requests.values():  # blocks fitted this step: none spans a flush
+            block = r.block
+            if block is not None and len(block.tokens) == 1 and r.depth == 1:
+                final = engine._request_kv(r).final_rows
+                limit = engine.backend.speculation_rows(r.id, final)
+                assert 1 <= block.rows <= limit
+                cut += block.rows < min(4, long.max_new_tokens - len(r.output))
+    assert [done[i].output_token_ids for i in ids] == [r.output_token_ids for r in plain]
+    assert cut > 0  # some blocks ended early at a flush
+    across = SpeculationSettings(block_size=4, draft_depth=draft_depth, rolling="block_boundary")
+    engine = _engine(model, config, num_blocks=400, speculation=across)
+    assert all(len(r.output_token_ids) == 60 for r in engine.generate(PROMPTS, long))
+    assert engine.pools()["free_blocks"] == engine.pools()["num_blocks"]
 
 
 def test_a_model_that_exits_early_and_unsupported_requests_are_refused():
@@ -231,7 +266,6 @@ def test_generate_speculate_outputs_the_tokens_of_plain_greedy(capsys):
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        (["--config", "configs/kv_quant_rolling.json"], "policy 'rolling' does not verify"),
         (["--speculate", "1"], "1 must be an integer >= 2"),
         (
             ["--speculate", "3", "--draft-depth", "3"],

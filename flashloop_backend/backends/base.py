@@ -156,6 +156,12 @@ class AttentionBackend(ABC):
         """A generated token of the request exited: one more final row."""
         return None
 
+    def speculation_rows(self, request_id: int, final_rows: int) -> int | None:
+        """The most rows a speculation block of the request may hold, starting when
+        ``final_rows`` of its rows are final: every row must read the KV that serial
+        decoding would show it (None: no limit)."""
+        return None
+
     def retire_slot(self, slot: int) -> None:
         """A token-state slot the request held besides its own (a speculation block's
         later rows) goes back: whatever state it holds is never read again."""

@@ -61,14 +61,14 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
 # quantization policies). Token-sparse prefill shapes the prompt's KV only, and
 # `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. Sparse
 # decode keeps one loop-2 reference per token-state slot and incarnation, and the host
-# gives every block row its own. `rolling` packs generated groups behind a BF16 tail, one
-# decode row per request and step.
+# gives every block row its own. `rolling` packs generated groups only between blocks,
+# from accepted rows, and blocks end before a flush (`speculation_rows`).
 SPECULATION_SUPPORT = {
     "token_sparse_prefill": True,
     "sparse_decode_attention": True,
     "kv_residual_quantization": True,
 }
-SPECULATION_POLICIES = ("fixed_prompt",)
+SPECULATION_POLICIES = ("fixed_prompt", "rolling")
 PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
@@ -315,6 +315,14 @@ class FlashLoopBackend(AttentionBackend):
     def token_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:
             self.packed.flush_tail(request_id, kv)
+
+    def speculation_rows(self, request_id: int, final_rows: int) -> int | None:
+        """``rolling`` packs a group once enough rows are final, and packing is lossy: a
+        row reads the packed rows serial decoding would have packed by its turn. A block
+        therefore ends before the next flush (serial-aligned)."""
+        if self.packed is None:
+            return None
+        return self.packed.rows_until_repacking(request_id, final_rows)
 
     def retire_slot(self, slot: int) -> None:
         if self.states is not None:

@@ -142,6 +142,13 @@ class PackedState:
         while kv.final_rows - self.packed_rows(sequence) >= self.tail_size + self.group_size:
             self.pack_rows(sequence, kv, self.packed_rows(sequence) + self.group_size)
 
+    def rows_until_repacking(self, sequence: int, final_rows: int) -> int | None:
+        """``rolling``: how many more rows can become final before the next flush changes
+        the packed rows (None: they never change after the prompt)."""
+        if self.policy != "rolling":
+            return None
+        return self.packed_rows(sequence) + self.tail_size + self.group_size - final_rows
+
     # ------------------------------------------------------------ per-batch metadata
     def plan(self, view: BatchView, sequences: list[int], depths: list[int]) -> None:
         """Reader metadata for ``view``'s decode rows (host planning step): ``sequences[i]``

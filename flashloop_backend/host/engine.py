@@ -406,6 +406,11 @@ class Engine(RequestSnapshots):
             if budget == 0:
                 break
             if r.phase == "decode" and r.block is not None:
+                if not r.block.sized:  # after the hand-over: the packing is current
+                    final = self._request_kv(r).final_rows
+                    aligned = self.speculation.settings.rolling == "serial_aligned"
+                    limit = self.backend.speculation_rows(r.id, final) if aligned else None
+                    self.speculation.fit(r, limit)
                 group = self.speculation.group(r)
                 if group.count > budget:
                     break

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -41,6 +42,11 @@ class SpeculationSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     block_size: int = Field(default=4, ge=2)
     draft_depth: int = 2
+    # KV quantization `rolling`: `serial_aligned` ends a block before the next flush, so
+    # every row reads the packed rows serial decoding shows it (the same tokens);
+    # `block_boundary` lets blocks run across it and packs between blocks (execution-
+    # dependent: rows may read BF16 where serial decoding reads packed values)
+    rolling: Literal["serial_aligned", "block_boundary"] = "serial_aligned"
 
     @field_validator("draft_depth")
     @classmethod
@@ -61,6 +67,7 @@ class Block:
     tokens: list[int]
     slots: tuple[int, ...]  # each row's token-state slot (its loop-2 reference lives there)
     incarnations: tuple[int, ...]  # each row's token, new for every block
+    sized: bool = False  # its rows were fitted to the backend's limit (at its first step)
     drafted: list[torch.Tensor] = field(default_factory=list)
     last_draft: int | None = None
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # under sampling: q per draft
@@ -104,6 +111,15 @@ class Speculation:
         new = tuple(incarnations(rows))
         r.block = Block(r.position, rows, [r.output[-1]], slots, new)
         r.incarnation = new[0]
+
+    def fit(self, r, limit: int | None) -> None:
+        """Before the block's first row runs: at most ``limit`` rows (the backend's
+        :meth:`speculation_rows`; None or less than one: as started)."""
+        block = r.block
+        if limit is not None and 1 <= limit < block.rows:
+            block.rows = limit
+            block.slots, block.incarnations = block.slots[:limit], block.incarnations[:limit]
+        block.sized = True
 
     def group(self, r) -> RowGroup:
         """The rows ``r`` runs this step: its drafting row, or every row of the block at the
