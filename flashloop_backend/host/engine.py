@@ -20,6 +20,7 @@ from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, Ou
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
+from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
 from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
@@ -33,7 +34,7 @@ from flashloop_backend.host.requests import (
     checked_params,
 )
 from flashloop_backend.host.sampling import choose_tokens, finish_reason
-from flashloop_backend.host.speculation import Speculation, SpeculationSettings
+from flashloop_backend.host.speculation import SpeculationSettings
 
 
 class _LayerAttention:
@@ -50,7 +51,7 @@ class _LayerAttention:
         return self.backend.forward(q, key_view, value_view, self.batch.view, layer=layer)
 
 
-class Engine(RequestSnapshots):
+class Engine(RequestSnapshots, SpeculativeDecoding):
     def __init__(
         self,
         model: OuroModel,
@@ -142,24 +143,7 @@ class Engine(RequestSnapshots):
                 packed_pages=packed_pages,
             )
         )
-        self.speculation = None
-        if speculation is not None:
-            blockers = backend.speculation_blockers()
-            if cfg.exits_early:
-                blockers.append(
-                    f"the model exits early (early_exit_threshold={cfg.early_exit_threshold}); "
-                    "speculation verifies every token at the last loop (threshold 1.0)"
-                )
-            if blockers:
-                raise ValueError("speculative decoding is not supported: " + "; ".join(blockers))
-            self.speculation = Speculation(speculation, model, cfg.total_ut_steps)
-        # a speculating request's block rows each hold a token-state slot
-        self.slots_per_request = speculation.block_size if speculation else 1
-        if self.slots_per_request > max_slots:
-            raise ValueError(
-                f"max_slots={max_slots} is below the {self.slots_per_request} token-state "
-                "slots one speculating request holds (one per block row)"
-            )
+        self._set_up_speculation(speculation, max_slots)
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
         if cuda_graphs is not None:
@@ -185,14 +169,7 @@ class Engine(RequestSnapshots):
         path (``max_new_tokens`` becomes its length); ``keep_logprobs`` records the FP32
         log-softmax before every output token."""
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
-        if self.speculation is not None:
-            unsupported = {"forced": forced is not None, "keep_logprobs": keep_logprobs}
-            named = [name for name, given in unsupported.items() if given]
-            if named:
-                raise ValueError(
-                    f"speculative decoding outputs tokens by the block: {named} are not "
-                    "supported with it"
-                )
+        self._check_speculative_request(forced, keep_logprobs)
         total = len(prompt) + params.max_new_tokens
         blocks = self.kv.blocks_needed(total)
         if blocks > self.kv.num_blocks:
@@ -406,12 +383,7 @@ class Engine(RequestSnapshots):
             if budget == 0:
                 break
             if r.phase == "decode" and r.block is not None:
-                if not r.block.sized:  # after the hand-over: the packing is current
-                    final = self._request_kv(r).final_rows
-                    aligned = self.speculation.settings.rolling == "serial_aligned"
-                    limit = self.backend.speculation_rows(r.id, final) if aligned else None
-                    self.speculation.fit(r, limit)
-                group = self.speculation.group(r)
+                group = self._block_group(r)
                 if group.count > budget:
                     break
                 groups.append(group)
@@ -521,29 +493,6 @@ class Engine(RequestSnapshots):
             replaying = r.replay is not None and len(r.output) < len(r.replay)
             if self.speculation is not None and not replaying:
                 self.speculation.start(r, self._new_incarnations)
-
-    def _emit_block(self, r: Request, tokens: list[int]) -> None:
-        """Output a verified speculation block's tokens in order, stopping at the first
-        that finishes the request; a request that goes on starts its next block."""
-        last = self.cfg.total_ut_steps - 1
-        for token in tokens:
-            r.output.append(token)
-            r.exit_depths.append(last)
-            self.tokens_generated += 1
-            self.backend.token_done(r.id, self._request_kv(r))
-            r.finish_reason = finish_reason(r, self.cfg.eos_token_id, self.detokenize)
-            if r.finish_reason:
-                r.phase, r.block = "done", None
-                return
-        ids = upload(torch.tensor([tokens[-1]]), self.device)
-        r.depth, r.hidden = 0, self.model.prelude(ids)[0]
-        self.speculation.start(r, self._new_incarnations)
-
-    def _new_incarnations(self, count: int) -> list[int]:
-        """``count`` tokens never seen before (their reference state starts empty)."""
-        first = self._incarnations + 1
-        self._incarnations += count
-        return list(range(first, first + count))
 
     def _collect(self) -> list[GenerationResult]:
         return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]
