@@ -1,5 +1,5 @@
 """Host steps and draft acceptance of greedy block speculation against plain greedy decoding
-on a trained model (CPU, FP32, dense). Speculation must give the same tokens; the record
+on a trained model (CPU, FP32; dense, or the features of ``--config``). Speculation must give the same tokens; the record
 holds, per draft depth and block size, the acceptance rate and the engine steps the whole
 generation took (prefill steps included, the same for every run). Steps do not depend on
 the hardware; their time does, and is the GPU benchmark's (bench e2e --speculate).
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashloop_backend import FlashLoopConfig  # noqa: E402
+from flashloop_backend.config import load_config  # noqa: E402
 from flashloop_backend.host import Engine, SamplingParams, load_model, load_tokenizer  # noqa: E402
 from flashloop_backend.host.speculation import SpeculationSettings  # noqa: E402
 from flashloop_backend.registry import Registry  # noqa: E402
@@ -33,8 +34,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=192)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--config", help="FlashLoop config file (default: every feature off)")
+    parser.add_argument("--blocks", default="2,4,8", help="block sizes K, comma-separated")
     parser.add_argument("--out")
     args = parser.parse_args()
+    config = load_config(args.config) if args.config else FlashLoopConfig()
     model = load_model(args.model, "cpu", torch.float32)
     tokenizer = load_tokenizer(args.model)
     text = tokenizer.encode(heldout_text()[0]).ids
@@ -44,14 +48,14 @@ def main() -> None:
     request = model.support_request(16)
 
     def engine(speculation=None) -> Engine:
-        backend = Registry.discover().create("auto", request, FlashLoopConfig())
+        backend = Registry.discover().create("flashloop", request, config)
         return Engine(model, backend, num_blocks=1024, prefill_chunk=256, speculation=speculation)
 
     plain_engine = engine()
     plain = [r.output_token_ids for r in plain_engine.generate(prompts, params)]
     rows = []
     for depth in (1, 2):
-        for block in (2, 4, 8):
+        for block in (int(k) for k in args.blocks.split(",")):
             spec = engine(SpeculationSettings(block_size=block, draft_depth=depth))
             tokens = [r.output_token_ids for r in spec.generate(prompts, params)]
             counts = spec.counters()
@@ -70,6 +74,7 @@ def main() -> None:
     record = {
         "kind": "speculation_steps",
         "model": record_path(args.model),
+        "config": config.model_dump(mode="json"),
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
