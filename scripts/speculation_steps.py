@@ -5,6 +5,10 @@ generation took (prefill steps included, the same for every run). Steps do not d
 the hardware; their time does, and is the GPU benchmark's (bench e2e --speculate).
 
     python3 scripts/speculation_steps.py --model models/ouro-eval-bytes-20m --out FILE
+
+Under KV quantization ``rolling`` (``--config configs/kv_quant_rolling.json``),
+``--rolling serial_aligned,block_boundary`` compares blocks that end before each flush
+with blocks that run across it (``first_difference`` says where tokens part).
 """
 
 from __future__ import annotations
@@ -36,12 +40,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--config", help="FlashLoop config file (default: every feature off)")
     parser.add_argument("--blocks", default="2,4,8", help="block sizes K, comma-separated")
+    parser.add_argument("--depths", default="1,2", help="draft depths, comma-separated")
+    parser.add_argument(
+        "--rolling",
+        default="serial_aligned",
+        help="KV quantization rolling: serial_aligned and/or block_boundary, comma-separated",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     config = load_config(args.config) if args.config else FlashLoopConfig()
     model = load_model(args.model, "cpu", torch.float32)
     tokenizer = load_tokenizer(args.model)
-    text = tokenizer.encode(heldout_text()[0]).ids
+    source, described = heldout_text()
+    text = tokenizer.encode(source).ids
     stride = len(text) // args.prompts
     prompts = [text[i * stride : i * stride + args.prompt_tokens] for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -54,23 +65,35 @@ def main() -> None:
     plain_engine = engine()
     plain = [r.output_token_ids for r in plain_engine.generate(prompts, params)]
     rows = []
-    for depth in (1, 2):
-        for block in (int(k) for k in args.blocks.split(",")):
-            spec = engine(SpeculationSettings(block_size=block, draft_depth=depth))
-            tokens = [r.output_token_ids for r in spec.generate(prompts, params)]
-            counts = spec.counters()
-            rows.append(
-                {
-                    "draft_depth": depth,
-                    "block_size": block,
-                    "same_tokens": tokens == plain,
-                    "acceptance_rate": counts["acceptance_rate"],
-                    "blocks": counts["speculation_blocks"],
-                    "steps": spec.steps,
-                    "steps_vs_plain": plain_engine.steps / spec.steps,
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+    sweep = [
+        (int(depth), int(block), rolling)
+        for depth in args.depths.split(",")
+        for block in args.blocks.split(",")
+        for rolling in args.rolling.split(",")
+    ]
+    for depth, block, rolling in sweep:
+        settings = SpeculationSettings(block_size=block, draft_depth=depth, rolling=rolling)
+        spec = engine(settings)
+        tokens = [r.output_token_ids for r in spec.generate(prompts, params)]
+        counts = spec.counters()
+        rows.append(
+            {
+                "draft_depth": depth,
+                "block_size": block,
+                "rolling": rolling,
+                "same_tokens": tokens == plain,
+                # per sequence, the first output token that differs from plain decoding
+                "first_difference": [
+                    next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+                    for x, y in zip(plain, tokens, strict=True)
+                ],
+                "acceptance_rate": counts["acceptance_rate"],
+                "blocks": counts["speculation_blocks"],
+                "steps": spec.steps,
+                "steps_vs_plain": plain_engine.steps / spec.steps,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
     record = {
         "kind": "speculation_steps",
         "model": record_path(args.model),
@@ -78,7 +101,7 @@ def main() -> None:
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
-        "text": heldout_text()[1],
+        "text": described,
         "plain_steps": plain_engine.steps,
         "runs": rows,
     }
