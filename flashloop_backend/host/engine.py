@@ -79,7 +79,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone.
         ``prefix_cache``: completed prompts publish their whole units and later prompts
         with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`).
-        ``speculation``: greedy block speculation with the loop-2 draft
+        ``speculation``: block speculation with a loop-1 or loop-2 draft
         (:mod:`~flashloop_backend.host.speculation`); refused, naming why, for a model that
         exits early or a backend whose features do not verify speculative rows."""
         cfg = model.config
@@ -382,17 +382,18 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         for r in self._requests.values():
             if budget == 0:
                 break
-            if r.phase == "decode" and r.block is not None:
-                group = self._block_group(r)
+            if r.phase == "decode":
+                group = (
+                    self._block_group(r)
+                    if r.block is not None
+                    else RowGroup(
+                        r.id, RowMode.DECODE, r.depth, r.position, 1, r.slot, r.incarnation
+                    )
+                )
                 if group.count > budget:
                     break
                 groups.append(group)
                 budget -= group.count
-            elif r.phase == "decode":
-                groups.append(
-                    RowGroup(r.id, RowMode.DECODE, r.depth, r.position, 1, r.slot, r.incarnation)
-                )
-                budget -= 1
             elif r.phase == "prefill":
                 count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
                 first, span = r.schedule.chunk(r.chunk_start, count)
@@ -488,11 +489,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         ids = upload(torch.tensor([r.output[-1] for r in going]), self.device)
         for r, hidden in zip(going, self.model.prelude(ids), strict=True):
             r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
-            self._incarnations += 1  # a new token: its reference state starts empty
-            r.incarnation = self._incarnations
-            replaying = r.replay is not None and len(r.output) < len(r.replay)
-            if self.speculation is not None and not replaying:
-                self.speculation.start(r, self._new_incarnations)
+            self._start_token(r)
 
     def _collect(self) -> list[GenerationResult]:
         return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]

@@ -163,11 +163,7 @@ class RequestSnapshots:
             r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
         r.slot = self._free_slots.pop()
         r.extra_slots = [self._free_slots.pop() for _ in range(self.slots_per_request - 1)]
-        self._incarnations += 1
-        r.incarnation = self._incarnations
-        replaying = r.replay is not None and len(r.output) < len(r.replay)
-        if self.speculation is not None and not replaying:  # saved at a block's start
-            self.speculation.start(r, self._new_incarnations)
+        self._start_token(r)  # saved at a token boundary (a block's start)
         self._requests[r.id] = r
         self._next_id += 1
         return r.id

@@ -77,6 +77,13 @@ class SpeculativeDecoding:
         r.depth, r.hidden = 0, self.model.prelude(ids)[0]
         self.speculation.start(r, self._new_incarnations)
 
+    def _start_token(self, r: Request) -> None:
+        """``r``'s next token starts its loops: a new incarnation (its reference state
+        starts empty) and, when speculating and not replaying, a new block."""
+        r.incarnation = self._new_incarnations(1)[0]
+        if self.speculation is not None and not r.replaying:
+            self.speculation.start(r, self._new_incarnations)
+
     def _new_incarnations(self, count: int) -> list[int]:
         """``count`` tokens never seen before (their reference state starts empty)."""
         first = self._incarnations + 1

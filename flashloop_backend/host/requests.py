@@ -65,6 +65,11 @@ class Request:
     def position(self) -> int:  # absolute position of the current decode token
         return len(self.prompt) + len(self.output) - 1
 
+    @property
+    def replaying(self) -> bool:
+        """Recomputing after a preemption: the next output is one it produced before."""
+        return self.replay is not None and len(self.output) < len(self.replay)
+
 
 def checked_params(
     prompt: list[int],

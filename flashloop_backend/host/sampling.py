@@ -24,7 +24,7 @@ def choose_tokens(
     for row, r in enumerate(requests):
         if r.logprobs is not None:
             r.logprobs.append(torch.log_softmax(logits[row], dim=-1).cpu())
-        if r.replay is not None and len(r.output) < len(r.replay):
+        if r.replaying:
             tokens.append(r.replay[len(r.output)])  # recomputing after a preemption
         elif r.forced is not None:
             tokens.append(r.forced[len(r.output)])
