@@ -309,3 +309,27 @@ def test_seeded_sampling_speculates_reproducibly_and_near_zero_temperature_is_gr
     greedy = _engine(model, config).generate(PROMPTS, GREEDY)
     sampled = _engine(model, config, speculation=SPEC).generate(PROMPTS, cold)
     assert [r.output_token_ids for r in sampled] == [r.output_token_ids for r in greedy]
+
+
+def test_slot_shortages_are_refused_by_count(tmp_path):
+    """A speculating request holds one token-state slot per block row: an engine with
+    fewer slots than a block's rows is refused, and a restore that finds too few free
+    slots is refused naming how many it needs, holding nothing."""
+    from flashloop_backend.host.kvcache import OutOfBlocksError
+    from flashloop_backend.host.snapshot import load_snapshot, save_snapshot
+
+    model, config = tiny_model(seed=7), _config({})
+    with pytest.raises(ValueError, match="max_slots=3 is below the 4 token-state slots"):
+        _engine(model, config, speculation=SPEC, max_slots=3)
+    saving = _engine(model, config, speculation=SPEC)
+    rid = saving.add_request(PROMPTS[1], GREEDY)
+    while saving.output_count(rid) < 2 or not saving.at_token_boundary(rid):
+        saving.step()
+    save_snapshot(saving.snapshot(rid), tmp_path / "r.safetensors")
+    busy = _engine(model, config, speculation=SPEC, max_slots=6)
+    busy.add_request(PROMPTS[0], GREEDY)
+    busy.step()  # admitted: 4 of its 6 slots are taken
+    before = busy.pools()
+    with pytest.raises(OutOfBlocksError, match="4 token-state slots are needed and 2 are free"):
+        busy.restore(load_snapshot(tmp_path / "r.safetensors"))
+    assert busy.pools() == before
