@@ -12,6 +12,8 @@ from flashloop_backend.tools.grid import (
     POLICIES,
     RETENTION_SCHEDULES,
     feature_grid,
+    point_name,
+    selected,
 )
 
 ALL_ON = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
@@ -116,3 +118,46 @@ def test_resume_needs_a_readable_out_record(tmp_path, capsys):
     bad.write_text("{not json")
     assert _eval(bad, "--resume") == EXIT_USAGE
     assert f"cannot resume {bad}: not a readable record" in capsys.readouterr().err
+
+
+def test_grid_points_choose_the_points_holding_every_text():
+    names = [point_name(label) for label, _ in feature_grid(ALL_ON)]
+    assert selected(names, None) == [True] * len(names)
+    chosen = selected(names, ["retention=[1, 1, 1, 0.75]", "policy=rolling"])
+    assert [n for n, c in zip(names, chosen, strict=True) if c] == [
+        f"sparse_decode_attention key_retention={r} + token_sparse_prefill retention="
+        "[1, 1, 1, 0.75] + kv_residual_quantization policy=rolling"
+        for r in KEY_RETENTIONS
+    ]
+    with pytest.raises(ValueError, match=r"\['retention=\[9\]'\] match no grid point"):
+        selected(names, ["policy=rolling", "retention=[9]"])
+    with pytest.raises(ValueError, match="no grid point holds all of"):
+        selected(names, ["key_retention=0.1", "key_retention=0.4"])
+
+
+ONE_POINT = ["--grid-points", "key_retention=0.4", "--grid-points", "[1, 1, 1, 0.75]"]
+
+
+def test_a_chosen_grid_run_keeps_the_points_it_resumes_and_adds_the_chosen(tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    argv = ["eval", "--config", "configs/all_on.json", "--grid", *SMALL_RUN, "--out", str(out)]
+    assert main([*argv, *ONE_POINT, "--grid-points", "policy=rolling"]) == 0
+    first = json.loads(out.read_text())["combinations"]
+    assert [point_name(c["features"]) for c in first] == [
+        "sparse_decode_attention key_retention=0.4 + token_sparse_prefill retention="
+        "[1, 1, 1, 0.75] + kv_residual_quantization policy=rolling"
+    ]
+    assert main([*argv, "--resume", *ONE_POINT, "--grid-points", "policy=fixed_prompt"]) == 0
+    both = json.loads(out.read_text())["combinations"]
+    # grid order: fixed_prompt before rolling; the first run's point kept as it was
+    assert [c["config"]["kv_residual_quantization"]["policy"] for c in both] == [
+        "fixed_prompt",
+        "rolling",
+    ]
+    assert both[1] == first[0]
+
+
+@pytest.mark.parametrize("command", [["eval"], ["bench", "e2e", "--backends", "flashloop"]])
+def test_grid_points_without_grid_are_refused(capsys, command):
+    assert main([*command, "--grid-points", "rolling"]) == EXIT_USAGE
+    assert "--grid-points chooses points of --grid" in capsys.readouterr().err

@@ -350,6 +350,8 @@ def _eval(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations and args.grid:
         raise ConfigError("--combinations and --grid are two runs: give one")
+    if args.grid_points and not args.grid:
+        raise ConfigError("--grid-points chooses points of --grid; give --grid")
     if args.combinations or args.grid:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
     with StageBars("eval") as bars:
@@ -417,7 +419,7 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     """``eval --combinations``: every on/off combination of the config's features;
     ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.grid.feature_grid`."""
     from flashloop_backend.tools.evaluation import evaluate, feature_combinations
-    from flashloop_backend.tools.grid import feature_grid, point_name
+    from flashloop_backend.tools.grid import feature_grid, point_name, selected
     from flashloop_backend.tools.paths import record_path
 
     param = next(model.parameters())
@@ -431,16 +433,27 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
     }
     try:
         combos = feature_grid(config) if args.grid else feature_combinations(config)
+        chosen = selected([point_name(f) for f, _ in combos], args.grid_points)
         done = _resumed(args, identity)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     records, dense_cache = [], {}
-    for i, (features, combo) in enumerate(combos, 1):
+
+    def write() -> None:  # after every combination: a long run loses nothing finished
+        if args.out:
+            record = {**identity, "device": str(param.device), "combinations": records}
+            record.pop("settings")  # each combination carries its own
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+    for i, ((features, combo), run) in enumerate(zip(combos, chosen, strict=True), 1):
         name = point_name(features)
         earlier = done.get(name)
         if earlier is not None and earlier["config"] == combo.model_dump(mode="json"):
             log(f"combination {i}/{len(combos)}: {name}: kept from {args.out}")
             records.append(earlier)
+            write()
+            continue
+        if not run:  # a finished point is kept above whatever --grid-points says
             continue
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
         with StageBars("eval") as bars:
@@ -463,10 +476,7 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         records.append(
             {"features": list(features), "config": combo.model_dump(mode="json"), **report}
         )
-        if args.out:  # written after every combination: a long run loses nothing finished
-            record = {**identity, "device": str(param.device), "combinations": records}
-            record.pop("settings")  # each combination carries its own
-            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        write()
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
@@ -589,6 +599,13 @@ def add_commands(sub) -> None:
         action="store_true",
         help="the quality grid: each feature alone at each setting (key retention, retention "
         "schedule, packing policy) and all on at every combination of them",
+    )
+    ev.add_argument(
+        "--grid-points",
+        action="append",
+        metavar="TEXT",
+        help="--grid: run only the points whose name holds TEXT (repeat: every TEXT), e.g. "
+        "'retention=[1, 1, 1, 0.75]'; points the resumed record holds are kept",
     )
     ev.add_argument(
         "--resume",

@@ -197,6 +197,8 @@ def _bench(args: argparse.Namespace) -> int:
             f"unknown backends {unknown or names}; installed: {registry.backend_names()}"
         )
     graphed = [n for n in names if "+" in n]
+    if args.grid_points and not args.grid:
+        raise ConfigError("--grid-points chooses points of --grid; give --grid")
     for flag, given in (("--grid", args.grid), ("--speculate", args.speculate)):
         if given and args.mode != "e2e":
             raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
@@ -251,12 +253,14 @@ def _bench(args: argparse.Namespace) -> int:
         )
     else:
         from flashloop_backend.tools.bench.e2e import bench_end_to_end
-        from flashloop_backend.tools.grid import feature_grid, point_name
+        from flashloop_backend.tools.grid import feature_grid, point_name, selected
 
         points = None
         if args.grid:  # every grid point but dense, which the first backend is
             try:
                 points = [(point_name(label), c) for label, c in feature_grid(config)[1:]]
+                chosen = selected([name for name, _ in points], args.grid_points)
+                points = [point for point, run in zip(points, chosen, strict=True) if run]
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             if not any(n.partition("+")[0] == "flashloop" for n in names):
@@ -472,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="e2e: the flashloop backend at every point of the quality grid (eval --grid) in "
         "place of --config's settings, which must enable every feature",
+    )
+    bench.add_argument(
+        "--grid-points",
+        action="append",
+        metavar="TEXT",
+        help="e2e --grid: only the points whose name holds TEXT (repeat: every TEXT)",
     )
     bench.add_argument(
         "--speculate",

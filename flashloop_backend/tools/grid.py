@@ -60,6 +60,20 @@ def point_name(label: tuple[str, ...] | list[str]) -> str:
     return " + ".join(label) or "dense"
 
 
+def selected(names: list[str], contains: list[str] | None) -> list[bool]:
+    """Whether each point name holds every text of ``contains`` (None or empty: every
+    point). A text that no point holds, or texts no point holds together, are refused."""
+    if not contains:
+        return [True] * len(names)
+    missing = [text for text in contains if not any(text in name for name in names)]
+    if missing:
+        raise ValueError(f"--grid-points {missing} match no grid point; the points are {names}")
+    chosen = [all(text in name for text in contains) for name in names]
+    if not any(chosen):
+        raise ValueError(f"no grid point holds all of --grid-points {contains}")
+    return chosen
+
+
 def finished_points(record: dict, identity: dict) -> dict[str, dict]:
     """The points of an earlier record to keep when a run resumes it, by
     :func:`point_name`. ``identity``: what must be the same for its figures to join this
