@@ -2,7 +2,8 @@
 runs in FP32, so that batching a block's verification rows cannot flip an argmax through
 last-bit differences. Cases: dense, token-sparse prefill, KV quantization (`fixed_prompt`,
 the packed readers), sparse decode (each row's own loop-2 reference) and all three. Draft
-rows replay from CUDA graphs; verification rows run eagerly."""
+and verification rows replay from CUDA graphs (a block of two requests' rows fits the
+largest bucket)."""
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def _engine(model, config, speculation=None):
         "cuda", torch.float32, 128, 16, 2, 2, frozenset({Capability.CUDA_GRAPHS})
     )
     backend = Registry.discover().create("flashloop", request, config)
-    graphs = GraphSettings(buckets=(1, 2), max_context=512)
+    graphs = GraphSettings(buckets=(1, 2, 4, 8), max_context=512)
     return Engine(
         model,
         backend,
@@ -61,3 +62,4 @@ def test_speculation_on_the_gpu_gives_the_greedy_tokens(name):
     speculative = engine.generate(prompts, params)
     assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
     assert engine.graphs.replays > 0 and engine.counters()["speculation_accepted"] > 0
+    assert not engine.graphs.fallbacks  # every draft and verification step replayed

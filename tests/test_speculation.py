@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig
+from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.graphs import GraphSettings
 from flashloop_backend.host.speculation import Block, Speculation, SpeculationSettings
@@ -64,14 +65,41 @@ def test_speculation_outputs_the_greedy_tokens(flags, draft_depth):
     assert engine.pools()["free_blocks"] == engine.pools()["num_blocks"]
 
 
-def test_draft_rows_replay_through_the_graph_runner():
-    model, config = tiny_model(seed=7), _config(dict.fromkeys(VERIFIED, True))
+@pytest.mark.parametrize("draft_depth", [1, 2])
+@pytest.mark.parametrize("flags", [{}, dict.fromkeys(VERIFIED, True)], ids=["dense", "all_on"])
+def test_draft_and_verification_rows_run_on_the_graph_buffers(flags, draft_depth):
+    model, config = tiny_model(seed=7), _config(flags)
     plain = _engine(model, config).generate(PROMPTS[:2], GREEDY)
-    graphs = GraphSettings(buckets=(1, 2, 4), max_context=128, capture=False)
-    engine = _engine(model, config, speculation=SPEC, cuda_graphs=graphs)
+    graphs = GraphSettings(buckets=(1, 2, 4, 8), max_context=128, capture=False)
+    settings = SpeculationSettings(block_size=4, draft_depth=draft_depth)
+    engine = _engine(model, config, speculation=settings, cuda_graphs=graphs)
+    served = []
+    run = engine.graphs.run
+
+    def recording(groups, hidden):
+        out = run(groups, hidden)
+        served.append((tuple(g.mode for g in groups), out is not None))
+        return out
+
+    engine.graphs.run = recording
     speculative = engine.generate(PROMPTS[:2], GREEDY)
     assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
-    assert engine.graphs.eager_steps > 0  # the draft rows ran on the graph buffers
+    # every step of generated rows ran on the graph buffers, verification steps included
+    assert all(ok for _, ok in served) and not engine.graphs.fallbacks
+    assert any(RowMode.VERIFY in modes for modes, _ in served)
+    assert any(RowMode.DECODE in modes for modes, _ in served)
+    if engine.backend.states is not None:
+        assert int(engine.backend.states.missing_reference) == 0
+
+
+def test_a_verification_block_wider_than_the_largest_bucket_runs_eagerly_and_says_why():
+    model, config = tiny_model(seed=7), _config({})
+    plain = _engine(model, config).generate(PROMPTS[:1], GREEDY)
+    graphs = GraphSettings(buckets=(1, 2), max_context=128, capture=False)
+    engine = _engine(model, config, speculation=SPEC, cuda_graphs=graphs)
+    speculative = engine.generate(PROMPTS[:1], GREEDY)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert engine.graphs.fallbacks["4 decode rows exceed the largest bucket 2"] > 0
 
 
 def test_a_feature_declared_not_to_verify_is_refused_by_name(monkeypatch):

@@ -22,7 +22,7 @@ from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
-from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
+from flashloop_backend.host.graphs import GRAPH_MODES, DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
 from flashloop_backend.host.model import OuroModel
 from flashloop_backend.host.prefix_cache import PrefixCache
@@ -274,7 +274,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                     f"to free them"
                 )
             return self._collect()
-        if self.graphs is not None and all(g.mode == RowMode.DECODE for g in groups):
+        if self.graphs is not None and all(g.mode in GRAPH_MODES for g in groups):
             out = self.graphs.run(groups, torch.cat([self._input_hidden(g) for g in groups]))
             if out is not None:
                 with torch.no_grad():

@@ -61,32 +61,37 @@ class GraphInputs:
         return views
 
     def fill(self, groups: list[RowGroup], kv: PagedKVCache, bucket: int) -> None:
-        """Write decode ``groups`` (one row each) and padding rows up to ``bucket``, then
-        start their copy to the device (queued on the current stream, so work launched
-        after this reads them)."""
+        """Write the rows of decode and verification ``groups`` (each row one position with
+        its own causal length, token-state slot and incarnation) and padding rows up to
+        ``bucket``, then start their copy to the device (queued on the current stream, so
+        work launched after this reads them)."""
         if self._copied is not None:  # the last step's copy may still read the host buffer
             self._copied.synchronize()  # (an event never recorded returns at once)
         host = self._host
-        for row, group in enumerate(groups):
+        row = 0
+        for group in groups:
             if group.depth >= kv.num_depths:
                 raise ValueError(f"row depth {group.depth} >= the cache's {kv.num_depths} planes")
-            host["positions"][row] = group.start
-            host["depths"][row] = group.depth
-            host["slots"][row] = group.slot
-            host["incarnations"][row] = group.incarnation
-            host["request_ids"][row] = group.request_id
-            host["window_ids"][row] = -1
-            host["kv_slots"][row] = kv.slots(group.request_id, group.depth, [group.start])[0]
-            host["context_lengths"][row] = group.start + 1
-            host["row_modes"][row] = int(group.mode)
             table = kv.table_tensor(group.request_id).numpy()
             if table.shape[1] > self.width:
                 raise ValueError(
                     f"a block table of {table.shape[1]} blocks exceeds the width {self.width}"
                 )
-            host["tables"][:, row, : table.shape[1]] = table
-            host["tables"][:, row, table.shape[1] :] = -1
-        pad = slice(len(groups), bucket)
+            positions = group.positions()
+            rows = slice(row, row + group.count)
+            host["positions"][rows] = positions
+            host["depths"][rows] = group.depth
+            host["slots"][rows] = group.token_slots()
+            host["incarnations"][rows] = group.token_incarnations()
+            host["request_ids"][rows] = group.request_id
+            host["window_ids"][rows] = -1
+            host["kv_slots"][rows] = kv.slots(group.request_id, group.depth, positions)
+            host["context_lengths"][rows] = [p + 1 for p in positions]
+            host["row_modes"][rows] = int(group.mode)
+            host["tables"][:, rows, : table.shape[1]] = table[:, None, :]
+            host["tables"][:, rows, table.shape[1] :] = -1
+            row += group.count
+        pad = slice(row, bucket)
         for name in INT64_FIELDS:
             host[name][pad] = PAD_VALUES.get(name, -1)
         host["context_lengths"][pad] = 0

@@ -1,7 +1,8 @@
 """CUDA-graph capture and replay of the host's decode traversal (RFC §6.7).
 
-A step whose rows are all generated tokens runs from a graph captured for its bucket, the
-smallest configured batch size that holds the rows. Every input the traversal reads lives
+A step whose rows are all generated tokens (decode rows, and speculative verification rows,
+several per request) runs from a graph captured for its bucket, the smallest configured
+batch size that holds the rows. Every input the traversal reads lives
 at a fixed address, allocated once for the largest bucket: the hidden states, the batch
 view (positions, depths, modes, slots, incarnations, lengths; block tables at a fixed
 width) and the KV write slots; the backend plans its own inputs (with KV quantization, the
@@ -48,6 +49,8 @@ from flashloop_backend.host.graph_inputs import GraphInputs
 from flashloop_backend.host.kvcache import PagedKVCache
 
 LOG = logging.getLogger(__name__)
+# verification rows are decode queries to every backend (each its own causal length)
+GRAPH_MODES = (RowMode.DECODE, RowMode.VERIFY)
 VIEW_FIELDS = (
     "positions",
     "depths",
@@ -163,12 +166,13 @@ class DecodeGraphs:
     # ------------------------------------------------------------ planning
     def _reason(self, groups: list[RowGroup]) -> str | None:
         """Why these rows cannot run from a graph (None: they can)."""
-        if any(g.mode != RowMode.DECODE or g.count != 1 for g in groups):
-            return "the step has non-decode rows"
-        if len(groups) > self.settings.buckets[-1]:
-            return (
-                f"{len(groups)} decode rows exceed the largest bucket {self.settings.buckets[-1]}"
-            )
+        if any(
+            g.mode not in GRAPH_MODES or (g.mode == RowMode.DECODE and g.count != 1) for g in groups
+        ):
+            return "the step has prefill rows"
+        rows = sum(g.count for g in groups)
+        if rows > self.settings.buckets[-1]:
+            return f"{rows} decode rows exceed the largest bucket {self.settings.buckets[-1]}"
         widest = max(self.kv.table_blocks(g.request_id) for g in groups)
         if widest > self.width:
             return (
@@ -186,22 +190,26 @@ class DecodeGraphs:
     def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:
         """Copy this step's rows into the fixed buffers (padding rows after them)."""
         self.inputs.fill(groups, self.kv, bucket)
-        self.hidden[: len(groups)].copy_(hidden)
-        if bucket > len(groups):
-            self.hidden[len(groups) : bucket].zero_()
+        rows = hidden.shape[0]
+        self.hidden[:rows].copy_(hidden)
+        if bucket > rows:
+            self.hidden[rows:bucket].zero_()
 
     # ------------------------------------------------------------ running
     def run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor | None:
-        """The traversal's output [rows, hidden] for decode ``groups`` with inputs ``hidden``
-        [rows, hidden]; None when these rows must run eagerly (reason in ``fallbacks``)."""
+        """The traversal's output [rows, hidden] for the decode and verification rows of
+        ``groups`` (in group order) with inputs ``hidden`` [rows, hidden]; None when these
+        rows must run eagerly (reason in ``fallbacks``)."""
         started = time.perf_counter()
         reason = self._reason(groups)
-        bucket = next((b for b in self.settings.buckets if b >= len(groups)), 0)
+        rows = sum(g.count for g in groups)
+        bucket = next((b for b in self.settings.buckets if b >= rows), 0)
         step = GraphStep()
         if reason is None:
-            pad = bucket - len(groups)
-            owners = [g.request_id for g in groups] + [None] * pad
-            step = self.backend.plan_graph_step(owners, [g.depth for g in groups] + [0] * pad)
+            pad = bucket - rows
+            owners = [g.request_id for g in groups for _ in range(g.count)] + [None] * pad
+            depths = [g.depth for g in groups for _ in range(g.count)] + [0] * pad
+            step = self.backend.plan_graph_step(owners, depths)
             reason = step.reason
         if reason is not None:
             if reason not in self.fallbacks:
@@ -217,7 +225,7 @@ class DecodeGraphs:
             # or the graph would replay the warm-up's plan instead of computing it.
             view = self._view(bucket, depths)
             self.backend.bind_graph_step(view, step)
-            batch = Batch(view, self.kv_slots[:bucket], tuple(groups), len(groups))
+            batch = Batch(view, self.kv_slots[:bucket], tuple(groups), rows)
             return self.traverse(self.hidden[:bucket], batch)
 
         # the depths present decide which ops the traversal launches (and so captures)
@@ -226,7 +234,7 @@ class DecodeGraphs:
         with torch.no_grad():
             if not self.settings.capture:
                 self.eager_steps += 1
-                return traverse()[: len(groups)]
+                return traverse()[:rows]
             if key in self.graphs:
                 graph, out = self.graphs[key]
                 if self._timed is None:
@@ -238,7 +246,7 @@ class DecodeGraphs:
                     end.record()
                     self._timed.append((key, start, end))
                 self.replays += 1
-                return out[: len(groups)].clone()  # the pool is shared: the next replay reuses it
+                return out[:rows].clone()  # the pool is shared: the next replay reuses it
             out = traverse()  # this step's result; compiles every kernel before the capture
             self.eager_steps += 1
             before = self.capture.reserved()
@@ -247,7 +255,7 @@ class DecodeGraphs:
                 static = traverse()
             self.graph_bytes += self.capture.reserved() - before
             self.graphs[key] = (graph, static)
-            return out[: len(groups)]
+            return out[:rows]
 
     def time_replays(self) -> None:
         """From now on, time every replay on the device (no host sync per step)."""

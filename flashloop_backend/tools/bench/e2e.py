@@ -109,7 +109,7 @@ def random_ouro(layers: int | None, block_size: int, fused: bool = True):
 
 def graph_variant(name: str, concurrency: int, max_context: int):
     """(backend name, GraphSettings or None) of a benchmark entry: ``name+graphs`` captures
-    buckets of powers of two up to ``concurrency`` for contexts up to ``max_context``."""
+    buckets of powers of two up to ``concurrency`` rows for contexts up to ``max_context``."""
     from flashloop_backend.host.graphs import GraphSettings
 
     base, _, suffix = name.partition("+")
@@ -209,7 +209,8 @@ def bench_end_to_end(
         name = entry if variant == "fused" else f"{entry} [reference layers]"
         name += f" [{point}]" if point else ""
         name += f" [speculate {speculation.block_size}]" if speculative else ""
-        base, graphs = graph_variant(entry, concurrency, tokens_per_request)
+        rows = concurrency * (speculation.block_size if speculative else 1)  # verify: a row each
+        base, graphs = graph_variant(entry, rows, tokens_per_request)
         chosen = point_config or config or FlashLoopConfig()
         effective = chosen if base == "flashloop" else FlashLoopConfig()
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
@@ -223,9 +224,9 @@ def bench_end_to_end(
             prefill_chunk=prefill_chunk,
             cuda_graphs=graphs,
             max_context=tokens_per_request,
-            # one decode slot per request: per-slot state (the sparse-decode references)
-            # sized for the workload, not for a serving batch of 256
-            max_slots=concurrency,
+            # one decode slot per request (per block row when speculating): per-slot state
+            # (the sparse-decode references) sized for the workload, not for a batch of 256
+            max_slots=concurrency * (speculation.block_size if speculative else 1),
             speculation=speculation if speculative else None,
         )
         # an untimed pass of the same workload first: Triton and FlashInfer compile on first
