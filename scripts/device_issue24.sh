@@ -9,7 +9,9 @@
 #           windows of 1,024 prefilled tokens per point, written after every point;
 #           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points
 #   speed   bench e2e --grid: dense Triton and FlashLoop at every grid point, 32K x 1, 24
-#           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`)
+#           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`);
+#           POINTS='text;text' keeps the points whose name holds every text
+#   profile where an all-on eval's time goes (py-spy stacks of a 64-window run)
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
 #           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
 set -uo pipefail
@@ -36,9 +38,26 @@ case "${1:?stage: train, grid, speed or adaptive}" in
       --passkey-contexts 512,1024,2048 \
       --out "$OUT/eval_combinations_exit${EXIT:-0.9}.json" 2>&1 | tail -12 ;;
   speed)
+    # POINTS='a;b': only the grid points whose name holds every text (--grid-points)
+    chosen=(); IFS=';' read -ra texts <<< "${POINTS:-}"
+    for t in "${texts[@]}"; do chosen+=(--grid-points "$t"); done
     run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
-      --config configs/all_on.json --grid --contexts 32768 --concurrency 1 --layers 24 \
-      --new-tokens 16 --warmup-context 4096 --out "$OUT/bench_e2e_grid_32k.json" 2>&1 \
-      | grep -E "e2e|error" ;;
+      --config configs/all_on.json --grid "${chosen[@]}" --contexts 32768 --concurrency 1 \
+      --layers 24 --new-tokens 16 --warmup-context 4096 --out "$OUT/bench_e2e_grid_32k.json" \
+      2>&1 | tee "$OUT/speed.log" | grep -E "e2e |Error" ;;
+  profile)
+    # where an all-on eval's time goes: py-spy stacks every 15 s of a 64-window run
+    # (py-spy's wheel in .tools/, carried beside .whl)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy-*.whl
+    run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" \
+      --config "${PROFILE_CONFIG:-configs/all_on.json}" --windows 64 --context 1024 \
+      --passkey-samples 0 > "$OUT/profile_eval.log" 2>&1 &
+    sleep 25
+    for _ in 1 2 3 4 5; do
+      pid=$(pgrep -f "python.*flashloop-backend eval" | head -1)
+      PYTHONPATH= /tmp/spy/bin/py-spy dump --pid "$pid" >> "$OUT/profile_eval_stacks.txt" 2>&1
+      sleep 15
+    done
+    kill %1 2>/dev/null; tail -c 300 "$OUT/profile_eval.log" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -18,7 +18,7 @@ case "${1:?stage: tests or bench}" in
       run flashloop-backend bench e2e --backends triton+graphs --contexts 8192,32768 \
         --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
         --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_k4_d$depth.json" 2>&1 \
-        | grep -E "e2e|error"
+        | tee -a "$OUT/bench_speculate.log" | grep -E "e2e |Error"
     done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

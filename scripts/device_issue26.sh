@@ -7,7 +7,8 @@
 #   prefix    bench serving with the prefix cache: 16 requests whose prompts share an 8K
 #             prefix, one in flight at a time (so a later request's TTFT is its own prompt's
 #             work, not a wait for the first), dense and all on, beside a plain closed loop;
-#             the record's ttft_first_and_later compares the later requests with the first
+#             the record's ttft_first_and_later compares the later requests with the first;
+#             VARIANTS=... runs other variants
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,8 +22,9 @@ case "${1:?stage: tests, snapshot or prefix}" in
       --context 32768 --layers 24) | tee "$OUT/profile_snapshot_all_on_32k.jsonl" ;;
   prefix)
     run flashloop-backend bench serving --backends triton+graphs --config configs/all_on.json \
-      --variants dense,token_sparse_prefill+sparse_decode_attention+kv_residual_quantization \
+      --variants "${VARIANTS:-dense,token_sparse_prefill+sparse_decode_attention+kv_residual_quantization}" \
       --contexts 8448 --concurrency 1 --new-tokens 16 --layers 24 --prefix-cache \
-      --shared-prefix 8192 --out "$OUT/bench_serving_prefix_8k.json" 2>&1 | grep -E "serving|error" ;;
+      --shared-prefix 8192 --out "$OUT/bench_serving_prefix_8k.json" 2>&1 \
+      | tee "$OUT/bench_prefix.log" | grep -E "serving |Error" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
