@@ -48,6 +48,36 @@ def test_teacher_forced_decode_equals_full_sequence_forward(embedded):
     torch.testing.assert_close(result.logprobs, full, atol=2e-4, rtol=1e-4)
 
 
+def test_rows_keeping_log_probs_beside_rows_that_do_not_each_get_their_own(embedded):
+    """A step's log-probs are read for the rows that keep them at once: each request still
+    gets its own row's, whichever rows beside it keep theirs."""
+    from flashloop_backend.host import SamplingParams
+
+    model, tokenizer = embedded
+    tokens = tokenizer.encode(TEXT[:90]).ids
+    contexts = [tokens[:40], tokens[10:35], tokens[30:70]]
+    backend = Registry.discover().create(
+        "torch", SupportRequest(head_dim=128, num_q_heads=2, num_kv_heads=2)
+    )
+    alone = [
+        Engine(model, backend).generate([c], forced=[tokens[70:78]], keep_logprobs=True)[0]
+        for c in contexts
+    ]
+    engine = Engine(model, backend)
+    params = SamplingParams(max_new_tokens=8)
+    ids = [
+        engine.add_request(c, params, forced=tokens[70:78], keep_logprobs=keep)
+        for c, keep in zip(contexts, (True, False, True), strict=True)
+    ]
+    done = {}
+    while engine.has_unfinished():
+        done |= {r.request_id: r for r in engine.step()}
+    assert done[ids[1]].logprobs is None
+    for index in (0, 2):
+        assert done[ids[index]].logprobs.shape == (8, alone[index].logprobs.shape[1])
+        torch.testing.assert_close(done[ids[index]].logprobs, alone[index].logprobs)
+
+
 def test_an_exit_threshold_applies_to_both_sides_and_records_where_tokens_left(embedded):
     """Ouro's exit rule on (the embedded model runs every loop by default): scored tokens
     leave at several depths, the same on both sides for dense vs dense, and the model's

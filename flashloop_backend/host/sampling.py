@@ -1,5 +1,6 @@
-"""Next tokens from final hidden states, many requests at a time: one coda call and one
-host read for every greedy row of a step (a read per row would be a host sync per row)."""
+"""Next tokens from final hidden states, many requests at a time: one coda call, one host
+read for every greedy row of a step and one for every row keeping log-probs (a read per
+row would be a host sync per row)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ def choose_tokens(
     keep log-probs get the FP32 log-softmax appended."""
     logits = model.coda(final_hidden)  # [N, vocab] FP32
     greedy = torch.argmax(logits, dim=-1).tolist()  # one host read for the whole step
+    keeping = [row for row, r in enumerate(requests) if r.logprobs is not None]
+    if keeping:  # one log-softmax and one host read for every row that keeps them
+        rows = torch.tensor(keeping, device=logits.device)
+        kept = torch.log_softmax(logits.index_select(0, rows), dim=-1).cpu()
+        for index, row in enumerate(keeping):
+            requests[row].logprobs.append(kept[index])
     tokens = []
     for row, r in enumerate(requests):
-        if r.logprobs is not None:
-            r.logprobs.append(torch.log_softmax(logits[row], dim=-1).cpu())
         if r.replaying:
             tokens.append(r.replay[len(r.output)])  # recomputing after a preemption
         elif r.forced is not None:
