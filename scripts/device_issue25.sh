@@ -5,11 +5,14 @@
 #   bench   decode with and without speculation (K=4, draft depth 1 and 2), dense Triton from CUDA graphs,
 #           8K x 1 and 32K x 1, 24 layers, random weights (acceptance is theirs, not a
 #           trained model's)
+#   trained the same on the evaluation model (models/ouro-eval-bytes-20m) prompted with
+#           held-out text, 1K and 4K x 1, dense and all on: the speedup with a trained
+#           model's acceptance
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-300}" "$@"; }
-case "${1:?stage: tests or bench}" in
+case "${1:?stage: tests, bench or trained}" in
   tests)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculation.py \
       2>&1 | tee "$OUT/gpu_tests_speculation.log" | tail -3 ;;
@@ -19,6 +22,16 @@ case "${1:?stage: tests or bench}" in
         --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
         --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_k4_d$depth.json" 2>&1 \
         | tee -a "$OUT/bench_speculate.log" | grep -E "e2e |Error"
+    done ;;
+  trained)
+    # the evaluation model on held-out text (its drafts accepted as on real text), dense and
+    # all on, plain and speculating from CUDA graphs; its 4,096-position limit caps the context
+    for depth in 1 2; do
+      run flashloop-backend bench e2e --model models/ouro-eval-bytes-20m \
+        --backends triton+graphs,flashloop+graphs --config configs/all_on.json \
+        --contexts 1024,3968 --concurrency 1 --new-tokens 64 --speculate 4 \
+        --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_trained_d$depth.json" 2>&1 \
+        | tee -a "$OUT/bench_speculate_trained.log" | grep -E "e2e |Error"
     done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -143,3 +143,34 @@ def test_a_grid_run_measures_the_flashloop_entries_at_every_point():
         ("flashloop", "p", False),
         ("flashloop", "p", True),
     ]
+
+
+EVAL_MODEL = "models/ouro-eval-bytes-20m"
+
+
+def test_checkpoint_prompts_are_consecutive_windows_of_the_held_out_text():
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.host.loader import load_tokenizer
+    from flashloop_backend.tools.bench.e2e import heldout_prompts
+    from flashloop_backend.tools.evaluation import heldout_text
+
+    tokenizer = load_tokenizer(EVAL_MODEL)
+    prompts, source = heldout_prompts(tokenizer, 300, 3)
+    text, described = heldout_text(limit_bytes=400_000)
+    assert source == described
+    assert [len(p) for p in prompts] == [300, 300, 300]
+    assert [t for p in prompts for t in p] == tokenizer.encode(text).ids[:900]
+    with pytest.raises(ConfigError, match=r"has \d+ tokens; 4 prompts of 10000000 need 40000000"):
+        heldout_prompts(tokenizer, 10_000_000, 4)
+
+
+def test_a_checkpoint_runs_its_own_layers_and_only_in_e2e(capsys):
+    from flashloop_backend.cli.main import EXIT_USAGE, main
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.e2e import bench_end_to_end
+
+    with pytest.raises(ConfigError, match=r"layers=2: a checkpoint \(.*\) runs its own layers"):
+        bench_end_to_end(["triton"], 64, 1, layers=2, checkpoint=EVAL_MODEL)
+    argv = ["bench", "serving", "--backends", "triton", "--model", EVAL_MODEL]
+    assert main(argv) == EXIT_USAGE
+    assert "--model applies to bench e2e, not bench serving" in capsys.readouterr().err

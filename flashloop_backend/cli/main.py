@@ -199,7 +199,8 @@ def _bench(args: argparse.Namespace) -> int:
     graphed = [n for n in names if "+" in n]
     if args.grid_points and not args.grid:
         raise ConfigError("--grid-points chooses points of --grid; give --grid")
-    for flag, given in (("--grid", args.grid), ("--speculate", args.speculate)):
+    e2e_only = (("--grid", args.grid), ("--speculate", args.speculate), ("--model", args.model))
+    for flag, given in e2e_only:
         if given and args.mode != "e2e":
             raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
     if graphed and args.mode not in ("e2e", "serving"):
@@ -285,6 +286,7 @@ def _bench(args: argparse.Namespace) -> int:
                     passes=args.passes,
                     points=points,
                     speculation=speculation,
+                    checkpoint=args.model,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -476,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="e2e: the flashloop backend at every point of the quality grid (eval --grid) in "
         "place of --config's settings, which must enable every feature",
+    )
+    bench.add_argument(
+        "--model",
+        help="e2e: a trained checkpoint directory in place of Ouro-1.4B's shapes with random "
+        "weights, prompted with held-out text (speculation then accepts as on real text)",
     )
     bench.add_argument(
         "--grid-points",

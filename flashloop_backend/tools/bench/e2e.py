@@ -1,5 +1,6 @@
 """``bench e2e``: prefill, TTFT and TPOT end to end through the host on Ouro-1.4B shapes
-with random weights, every backend in one process."""
+with random weights (or a trained checkpoint on held-out text), every backend in one
+process."""
 
 from __future__ import annotations
 
@@ -107,6 +108,42 @@ def random_ouro(layers: int | None, block_size: int, fused: bool = True):
     return model, request
 
 
+def heldout_prompts(tokenizer, context: int, concurrency: int) -> tuple[list[list[int]], str]:
+    """``concurrency`` prompts of ``context`` tokens, consecutive windows of the held-out
+    text, and that text's description."""
+    from flashloop_backend.tools.evaluation import heldout_text
+
+    text, source = heldout_text(limit_bytes=max(400_000, 8 * context * concurrency))
+    tokens = tokenizer.encode(text).ids
+    if len(tokens) < context * concurrency:
+        raise ConfigError(
+            f"the held-out text ({source}) has {len(tokens)} tokens; {concurrency} prompts "
+            f"of {context} need {context * concurrency}"
+        )
+    return [tokens[i * context : (i + 1) * context] for i in range(concurrency)], source
+
+
+def checkpoint_workload(
+    directory: str, block_size: int, context: int, concurrency: int, fused: bool = True
+):
+    """A trained checkpoint in BF16 on the GPU, its support request, and prompts from the
+    held-out text (:func:`heldout_prompts`: a trained model's drafts are accepted as on
+    real text) with that text's description."""
+    from flashloop_backend.host.config import ModelError
+    from flashloop_backend.host.loader import load_model, load_tokenizer
+
+    device = require_cuda()
+    try:
+        model = load_model(directory, device, torch.bfloat16).eval()
+        tokenizer = load_tokenizer(directory)
+    except ModelError as exc:
+        raise ConfigError(f"cannot load model {directory!r}: {exc}") from None
+    if fused:
+        model.fuse_projections()
+    prompts, source = heldout_prompts(tokenizer, context, concurrency)
+    return model, model.support_request(block_size), prompts, source
+
+
 def graph_variant(name: str, concurrency: int, max_context: int):
     """(backend name, GraphSettings or None) of a benchmark entry: ``name+graphs`` captures
     buckets of powers of two up to ``concurrency`` rows for contexts up to ``max_context``."""
@@ -156,6 +193,7 @@ def bench_end_to_end(
     passes: int = 1,
     points: list[tuple[str, FlashLoopConfig]] | None = None,
     speculation: SpeculationSettings | None = None,
+    checkpoint: str | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -178,7 +216,9 @@ def bench_end_to_end(
     after another in place of ``config``, each result named ``<entry> [<point>]``.
     ``speculation``: each run again with greedy block speculation, named
     ``<name> [speculate K]``, with its draft, verify and acceptance counts (with random
-    weights the drafts' acceptance says nothing about a trained model's)."""
+    weights the drafts' acceptance says nothing about a trained model's). ``checkpoint``:
+    a trained model's directory in place of the random Ouro-1.4B shapes, prompted with
+    windows of the held-out text (its own layers: not with ``layers``)."""
     from flashloop_backend.host.engine import Engine
 
     checked = (
@@ -194,13 +234,30 @@ def bench_end_to_end(
     unknown = [v for v in layer_ops if v not in ("fused", "reference")]
     if not layer_ops or unknown:
         raise ConfigError(f"layer_ops {list(layer_ops)}: each must be 'fused' or 'reference'")
-    models = {v: random_ouro(layers, block_size, fused=v == "fused") for v in layer_ops}
+    if checkpoint is not None and layers is not None:
+        raise ConfigError(f"layers={layers}: a checkpoint ({checkpoint}) runs its own layers")
+    if checkpoint is None:
+        models = {v: random_ouro(layers, block_size, fused=v == "fused") for v in layer_ops}
+        cfg = models[layer_ops[0]][0].config
+        prompts = [
+            torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)
+        ]
+        described = "Ouro-1.4B shapes, random bf16 weights" + (
+            f", {layers} layers" if layers else ""
+        )
+    else:
+        models = {}
+        for v in layer_ops:
+            model, request, prompts, source = checkpoint_workload(
+                checkpoint, block_size, context, concurrency, fused=v == "fused"
+            )
+            models[v] = (model, request)
+        described = f"{checkpoint} (bf16), prompts from {source}"
     model, request = models[layer_ops[0]]
     cfg = model.config
     registry = Registry.discover()
     tokens_per_request = context + new_tokens
     num_blocks = concurrency * math.ceil(tokens_per_request / block_size) * cfg.total_ut_steps + 8
-    prompts = [torch.randint(0, cfg.vocab_size, (context,)).tolist() for _ in range(concurrency)]
     warm_prompts = [p[: warmup_context or context] for p in prompts]
     results = {}
     runs = planned_runs(layer_ops, backends, points, speculation is not None)
@@ -294,7 +351,7 @@ def bench_end_to_end(
     return {
         "kind": "end_to_end_host",
         "environment": environment_record(),
-        "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
+        "model": described,
         "context": context,
         "concurrency": concurrency,
         "new_tokens": new_tokens,
