@@ -7,7 +7,8 @@
 #           join them with cat)
 #   grid    eval --grid on that model (MODEL=models/ouro-eval-bytes-20m): 256 held-out
 #           windows of 1,024 prefilled tokens per point, written after every point;
-#           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points
+#           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points;
+#           POINTS='text;text' runs only the points whose name holds every text
 #   speed   bench e2e --grid: dense Triton and FlashLoop at every grid point, 32K x 1, 24
 #           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`);
 #           POINTS='text;text' keeps the points whose name holds every text
@@ -18,6 +19,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" "$@"; }
+# POINTS='a;b' (grid, speed): only the grid points whose name holds every text (--grid-points)
+chosen=(); IFS=';' read -ra texts <<< "${POINTS:-}"
+for t in "${texts[@]}"; do chosen+=(--grid-points "$t"); done
 case "${1:?stage: train, grid, speed or adaptive}" in
   train)
     run python3 scripts/train_embedded.py --out "$OUT/model" --seconds 400 --layers 6 \
@@ -30,17 +34,14 @@ case "${1:?stage: train, grid, speed or adaptive}" in
     # RESUME=record: carry on from an earlier run's record (its finished points are kept)
     [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/eval_grid.json" && chmod u+w "$OUT/eval_grid.json"
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
-      --grid --windows 256 --context 1024 --passkey-contexts 512,1024,2048 --resume \
-      --out "$OUT/eval_grid.json" 2>&1 | tail -40 ;;
+      --grid "${chosen[@]}" --windows 256 --context 1024 --passkey-contexts 512,1024,2048 \
+      --resume --out "$OUT/eval_grid.json" 2>&1 | tee "$OUT/grid.log" | tail -40 ;;
   adaptive)
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
       --combinations --exit-threshold "${EXIT:-0.9}" --windows 256 --context 1024 \
       --passkey-contexts 512,1024,2048 \
       --out "$OUT/eval_combinations_exit${EXIT:-0.9}.json" 2>&1 | tail -12 ;;
   speed)
-    # POINTS='a;b': only the grid points whose name holds every text (--grid-points)
-    chosen=(); IFS=';' read -ra texts <<< "${POINTS:-}"
-    for t in "${texts[@]}"; do chosen+=(--grid-points "$t"); done
     run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
       --config configs/all_on.json --grid "${chosen[@]}" --contexts 32768 --concurrency 1 \
       --layers 24 --new-tokens 16 --warmup-context 4096 --out "$OUT/bench_e2e_grid_32k.json" \
