@@ -2,9 +2,9 @@
 # H200 calls for issue 25 (self-speculative decoding), one stage per call:
 #   tests   the GPU tests: speculation from CUDA graphs gives the greedy tokens
 #           (tests/test_gpu_speculation.py)
-#   bench   decode with and without speculation (K=4, draft depth 1 and 2), dense Triton from CUDA graphs,
-#           8K x 1 and 32K x 1, 24 layers, random weights (acceptance is theirs, not a
-#           trained model's)
+#   bench   decode with and without speculation (K=4, draft depth 1 and 2), dense Triton and
+#           all on from CUDA graphs, 8K x 1 and 32K x 1, 24 layers, random weights (the step
+#           cost: their acceptance is not a trained model's)
 #   trained the same on the evaluation model (models/ouro-eval-bytes-20m) prompted with
 #           held-out text, 1K and 4K x 1, dense and all on: the speedup with a trained
 #           model's acceptance
@@ -18,7 +18,8 @@ case "${1:?stage: tests, bench or trained}" in
       2>&1 | tee "$OUT/gpu_tests_speculation.log" | tail -3 ;;
   bench)
     for depth in 1 2; do
-      run flashloop-backend bench e2e --backends triton+graphs --contexts 8192,32768 \
+      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+        --config configs/all_on.json --contexts 8192,32768 \
         --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
         --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_k4_d$depth.json" 2>&1 \
         | tee -a "$OUT/bench_speculate.log" | grep -E "e2e |Error"
