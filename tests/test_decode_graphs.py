@@ -38,7 +38,7 @@ def test_graph_buffers_give_the_eager_tokens(flags):
     assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
     stats = engine.graphs.stats()
     assert stats["eager_steps"] > 0  # decode-only steps went through the fixed buffers
-    assert set(stats["fallbacks"]) <= {"the step has non-decode rows"}
+    assert set(stats["fallbacks"]) <= {"the step has prefill rows"}
 
 
 def test_steps_beyond_the_buckets_or_capacity_run_eagerly_with_a_reason(caplog):

@@ -63,7 +63,7 @@ def test_replay_equals_eager_on_its_buffers(name, config):
         if label == "replay":
             stats = engine.graphs.stats()
             assert stats["replays"] > 0 and stats["graphs"], stats
-            assert set(stats["fallbacks"]) <= {"the step has non-decode rows"}, stats
+            assert set(stats["fallbacks"]) <= {"the step has prefill rows"}, stats
     (tokens, logprobs), (eager_tokens, eager_logprobs) = runs["replay"], runs["buffers"]
     assert tokens == eager_tokens, ("replay vs eager on the same buffers", tokens, eager_tokens)
     diff = (logprobs - eager_logprobs).abs().max().item()

@@ -166,9 +166,7 @@ class DecodeGraphs:
     # ------------------------------------------------------------ planning
     def _reason(self, groups: list[RowGroup]) -> str | None:
         """Why these rows cannot run from a graph (None: they can)."""
-        if any(
-            g.mode not in GRAPH_MODES or (g.mode == RowMode.DECODE and g.count != 1) for g in groups
-        ):
+        if any(g.mode not in GRAPH_MODES for g in groups):
             return "the step has prefill rows"
         rows = sum(g.count for g in groups)
         if rows > self.settings.buckets[-1]:
