@@ -772,3 +772,39 @@ def test_a_reused_sequence_id_gets_fresh_graph_metadata(rng):
         assert torch.equal(graph.tables[0, depth, : pages.numel()], pages)
         rows = expected.maps[0, depth]
         assert torch.equal(graph.maps[0, depth, : rows.numel()], rows)
+
+
+def test_shared_rows_are_held_by_every_holder_and_freed_by_the_last(rng):
+    """A sequence starts from another's first whole groups without copying them: it
+    reconstructs their values, appends its own rows after them, and a page returns to the
+    pool only when its last holder (owner, adopter or share) gives it back."""
+    keys, values = _versions(rng, 48), _versions(rng, 48)
+    store = PackedKVStore(40, L, H, D, G)
+    store.encode(1, keys, values)
+    assert store.share(1, 0) is None and store.share(9, 32) is None
+    shared = store.share(1, 40)  # rounded down to whole groups
+    assert shared.rows == 32 and [len(level) for level in shared.pages] == [2] * 4
+    assert store.adopt(2, shared, 20) == 16  # at most what it asks, in whole groups
+    more_k, more_v = _versions(rng, 32), _versions(rng, 32)
+    store.append(2, [k[16:] for k in more_k], [v[16:] for v in more_v])
+    assert store.sequences[2].rows == 32
+    for depth in (0, 3):
+        mine, theirs = store.reconstruct(2, depth, 1), store.reconstruct(1, depth, 1)
+        torch.testing.assert_close(mine[0][:16], theirs[0][:16], atol=0, rtol=0)
+        assert not torch.equal(mine[0][16:], theirs[0][16:32])  # its own rows after them
+    assert store.accounting()["pages_used"] == 4 * 3 + 4 * 1  # sequence 1's 12, 2's own 4
+    with pytest.raises(ValueError, match="sequence 2 is already stored"):
+        store.adopt(2, shared, 16)
+    store.release(1)  # the share and sequence 2 still hold its first two groups
+    assert store.accounting()["pages_used"] == 4 * 2 + 4
+    store.drop(shared)  # sequence 2 still holds the first group
+    assert store.accounting()["pages_used"] == 4 + 4
+    store.release(2)
+    assert store.accounting()["pages_used"] == 0 and store.unreserved_pages() == 40
+
+
+def test_a_sequence_with_a_compact_level_shares_nothing(rng):
+    active = [torch.ones(32, dtype=torch.bool)] * 3 + [torch.arange(32) % 2 == 0]
+    store = PackedKVStore(16, L, H, D, G)
+    store.encode(1, _versions(rng, 32), _versions(rng, 32), active)
+    assert store.share(1, 32) is None

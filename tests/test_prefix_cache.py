@@ -121,32 +121,57 @@ def test_prompts_arriving_together_wait_for_a_shared_prefix_in_flight():
     ]
 
 
-def test_a_request_waiting_for_packed_pages_evicts_no_cached_prefix():
-    """Cached prefixes hold BF16 blocks only: a request short of packed pages waits
-    without emptying the cache, and shares the prefix once pages are free."""
+def test_a_prompt_repeating_a_packed_prefix_starts_from_its_pages():
+    """Once a published prompt is packed, a later prompt that repeats it holds the same
+    packed pages instead of packing its own copy: it needs no page for them (it runs
+    while the rest of the pool is taken) and makes the tokens it makes alone."""
     model, config = tiny_model(seed=9), COMBINATIONS[3][1]  # KV quantization alone
     engine = lifecycle_engine(model, config, True, 200)
     _rows(engine, [*SHARED, 5, 6, 7])
-    pages = engine.backend.packed.store
-    hold = engine.add_request([1, 2, 3] * 30, SamplingParams(max_new_tokens=30))
-    while not engine.has_first_token(hold):
+    store = engine.backend.packed.store
+    assert engine.pools()["prefix_entries_packed"] == 1
+    used = store.accounting()["pages_used"]
+    assert used > 0  # the cache holds the packed prefix: no request runs
+    published = engine.prefix_cache.lookup([*SHARED, 1])[1].packed.pages
+    store.reserve(-1, store.unreserved_pages())  # another sequence takes the rest
+    repeat = engine.add_request([*SHARED, 9, 9], PARAMS)
+    while not engine.has_first_token(repeat):
         engine.step()
-    free = pages.unreserved_pages()
-    pages.reserve(-1, free)  # another sequence takes the rest of the packed pool
-    waiting = engine.add_request([*SHARED, 9, 9], PARAMS)
-    for _ in range(3):
-        engine.step()
-    assert engine.output_count(waiting) == 0 and engine.pools()["prefix_entries"] == 2
-    pages.unreserve(-1)
+    engine.step()  # the hand-over: its prompt is packed by now
+    assert engine.prefix_counters()["prefix_hits"] == 1  # nothing was evicted for it
+    held = store.sequences[repeat].pages
+    assert all(
+        tuple(level[: len(shared)]) == shared for level, shared in zip(held, published, strict=True)
+    )
+    assert store.accounting()["pages_used"] == used  # the same pages, none new
     done = {}
     while engine.has_unfinished():
         done.update({r.request_id: r for r in engine.step()})
-    assert engine.prefix_counters()["prefix_hits"] == 1
+    store.unreserve(-1)
     lone = lifecycle_engine(model, config, False, 200)
     assert (
-        done[waiting].output_token_ids
+        done[repeat].output_token_ids
         == lone.generate([[*SHARED, 9, 9]], PARAMS)[0].output_token_ids
     )
+    engine.prefix_cache.clear()
+    assert store.accounting()["pages_used"] == 0  # every hold given back
+
+
+def test_a_request_short_of_packed_pages_evicts_cached_packed_prefixes():
+    """A prompt that shares nothing and finds the packed pool short evicts cached prefixes
+    that hold packed pages (least recently used first) and runs on the pages they free."""
+    model, config = tiny_model(seed=9), COMBINATIONS[3][1]
+    engine = lifecycle_engine(model, config, True, 200)
+    _rows(engine, [*SHARED, 5, 6, 7])
+    store = engine.backend.packed.store
+    store.reserve(-1, store.unreserved_pages())
+    other = [3, 1, 4, 1, 5, 9, 2, 6] * 9
+    tokens, _ = _rows(engine, other)
+    assert engine.prefix_counters()["prefix_hits"] == 0
+    lone = lifecycle_engine(model, config, False, 200)
+    assert tokens == lone.generate([other], PARAMS)[0].output_token_ids
+    assert engine.pools()["prefix_entries"] == 1  # the new prompt's own entry; SHARED's is gone
+    assert engine.prefix_cache.lookup([*SHARED, 1])[1] is None
 
 
 def test_blocks_two_entries_share_count_as_held_by_the_cache_alone():

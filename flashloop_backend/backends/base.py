@@ -141,9 +141,28 @@ class AttentionBackend(ABC):
         backend stores no packed KV."""
         return 0, 0
 
-    def admit(self, request_id: int, prompt_length: int, max_new_tokens: int) -> None:
+    def admit(
+        self,
+        request_id: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        shared: object | None = None,
+        shared_rows: int = 0,
+    ) -> None:
         """Reserve what the request will need (raises ``OutOfPackedPagesError`` when short;
-        nothing is held then)."""
+        nothing is held then). ``shared``: a :meth:`share_prompt` hold of an earlier
+        prompt whose first ``shared_rows`` rows this prompt repeats (its prefix reuse): the
+        backend may start the request's stored KV from them instead of storing its own."""
+        return None
+
+    def share_prompt(self, request_id: int, rows: int) -> object | None:
+        """After :meth:`prompt_done`: hold the first ``rows`` rows of the request's stored
+        prompt for later requests to start from (None: nothing to share). The holder gives
+        it back with :meth:`drop_shared`."""
+        return None
+
+    def drop_shared(self, shared: object) -> None:
+        """Give back a hold of :meth:`share_prompt`."""
         return None
 
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:

@@ -35,7 +35,7 @@ from flashloop_backend.kernels.ops import (
     SourceInputs,
     over_packed,
 )
-from flashloop_backend.kv.store import PackedKVStore, encoding_descriptor
+from flashloop_backend.kv.store import PackedKVStore, SharedRows, encoding_descriptor
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
@@ -303,10 +303,30 @@ class FlashLoopBackend(AttentionBackend):
         needed = self.packed.pages_needed(prompt_length, max_new_tokens, loops)
         return needed, self.packed.store.num_pages
 
-    def admit(self, request_id: int, prompt_length: int, max_new_tokens: int) -> None:
+    def admit(
+        self,
+        request_id: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        shared: object | None = None,
+        shared_rows: int = 0,
+    ) -> None:
         if self.packed is not None:
+            adopted = 0
+            if isinstance(shared, SharedRows):  # never more than its own prompt would pack
+                adopted = min(shared_rows, shared.rows, self.packed.prompt_rows(prompt_length))
+                adopted = adopted // self.packed.group_size * self.packed.group_size
             loops = self.config.num_loops
-            self.packed.reserve(request_id, prompt_length, max_new_tokens, loops)
+            self.packed.reserve(request_id, prompt_length, max_new_tokens, loops, adopted)
+            if adopted:
+                self.packed.store.adopt(request_id, shared, adopted)
+
+    def share_prompt(self, request_id: int, rows: int) -> object | None:
+        return None if self.packed is None else self.packed.store.share(request_id, rows)
+
+    def drop_shared(self, shared: object) -> None:
+        if self.packed is not None and isinstance(shared, SharedRows):
+            self.packed.store.drop(shared)
 
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:

@@ -91,10 +91,19 @@ class PackedState:
             prompt_length, max_new_tokens, depths, self.group_size, self.policy, self.tail_size
         )
 
-    def reserve(self, sequence: int, prompt_length: int, max_new_tokens: int, depths: int) -> None:
-        """Hold every page the request can need (raises ``OutOfPackedPagesError`` when the
+    def reserve(
+        self,
+        sequence: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        depths: int,
+        adopted_rows: int = 0,
+    ) -> None:
+        """Hold every page the request can need but those of ``adopted_rows`` (whole groups
+        it starts from another prompt's pages) (raises ``OutOfPackedPagesError`` when the
         pool's unreserved pages are short; nothing is taken then)."""
-        self.store.reserve(sequence, self.pages_needed(prompt_length, max_new_tokens, depths))
+        needed = self.pages_needed(prompt_length, max_new_tokens, depths)
+        self.store.reserve(sequence, needed - depths * (adopted_rows // self.group_size))
 
     def release(self, sequence: int) -> None:
         """Return the sequence's pages and what remains of its reservation."""
@@ -131,6 +140,7 @@ class PackedState:
         for stop in range(self.packed_rows(sequence) + chunk, end, chunk):
             self.pack_rows(sequence, kv, stop)
         self.pack_rows(sequence, kv, end)
+        kv.drop(self.packed_rows(sequence))  # rows adopted from another prompt included
         if self.policy != "rolling":
             self.store.unreserve(sequence)
 

@@ -121,7 +121,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         self.prefix_cache = None
         if prefix_cache:
             window = self.sparsity.window_size if self.sparsity is not None else None
-            self.prefix_cache = PrefixCache(self.kv, window)
+            self.prefix_cache = PrefixCache(self.kv, window, backend.drop_shared)
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         # Prompts whose first token is out, handed to the backend (KV quantization packs
@@ -311,6 +311,11 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         for r in self._prompts_to_hand_over:
             if r.id in self._requests:
                 self.backend.prompt_done(r.id, self._request_kv(r))
+                entry, r.published = r.published, None
+                if entry is not None:  # later prompts may start from its stored rows too
+                    shared = self.backend.share_prompt(r.id, len(entry.tokens))
+                    if shared is not None:
+                        self.prefix_cache.attach_packed(entry, shared)
         self._prompts_to_hand_over.clear()
 
     def _admit(self) -> None:
@@ -356,15 +361,16 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         reused, entry = found
         while True:
             shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
+            packed = entry.packed if entry else None
             try:
                 self.kv.reserve(request.id, len(request.prompt) + new, shared)
-                self.backend.admit(request.id, len(request.prompt), new)
+                self.backend.admit(request.id, len(request.prompt), new, packed, reused)
                 break
             except (OutOfBlocksError, OutOfPackedPagesError) as exc:
                 self.kv.release(request.id)
-                # cached prefixes hold BF16 blocks only: evicting frees no packed page
-                short_of_blocks = isinstance(exc, OutOfBlocksError)
-                if not (short_of_blocks and self.prefix_cache and self.prefix_cache.evict_one()):
+                # cached prefixes hold BF16 blocks, and packed rows once their prompt packed
+                short_of_pages = isinstance(exc, OutOfPackedPagesError)
+                if not (self.prefix_cache and self.prefix_cache.evict_one(packed=short_of_pages)):
                     return None
                 reused, entry = self.prefix_cache.lookup(request.prompt)  # it may have gone
         active = None
@@ -431,7 +437,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                     r.depth, r.chunk_start = r.depth + 1, 0
                     if r.depth == loops:  # prompt done: its last token predicts the first output
                         if self.prefix_cache is not None:
-                            self.prefix_cache.publish(r.prompt, r.id, r.schedule.history())
+                            r.published = self.prefix_cache.publish(
+                                r.prompt, r.id, r.schedule.history()
+                            )
                         if self.on_prompt_done is not None:
                             self.on_prompt_done(self, r)
                         self._prompts_to_hand_over.append(r)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +29,18 @@ class _Entry:
     active: torch.Tensor | None  # [depths, len(tokens)] bool: rows that ran each depth
     last_used: int
     keys: int = 0  # lookup keys that still lead here
+    packed: object | None = None  # the backend's hold of the prompt's stored (packed) rows
 
 
 class PrefixCache:
-    def __init__(self, kv: PagedKVCache, window_size: int | None) -> None:
-        self.kv = kv
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        window_size: int | None,
+        drop_packed: Callable[[object], None] | None = None,
+    ) -> None:
+        """``drop_packed``: gives back an entry's hold of packed rows when it is dropped."""
+        self.kv, self.drop_packed = kv, drop_packed
         self.unit = math.lcm(kv.block_size, window_size or 1)
         self._by_key: dict[tuple[int, int], tuple[_Entry, int]] = {}  # (hash, length)
         self._entries: list[_Entry] = []
@@ -85,12 +93,15 @@ class PrefixCache:
     def shared_blocks(self, entry: _Entry, length: int) -> list[list[int]]:
         return [plane[: length // self.kv.block_size] for plane in entry.blocks]
 
-    def publish(self, prompt: list[int], request_id: int, active: torch.Tensor | None) -> None:
+    def publish(
+        self, prompt: list[int], request_id: int, active: torch.Tensor | None
+    ) -> _Entry | None:
         """Publish the whole units of a prompt that has run every depth (its blocks then
-        hold their final KV). ``active`` [depths, len(prompt)] bool or None (all ran)."""
+        hold their final KV). ``active`` [depths, len(prompt)] bool or None (all ran).
+        Returns the entry (None: no whole unit)."""
         length = len(prompt) // self.unit * self.unit
         if not length:
-            return
+            return None
         blocks = [
             self.kv.block_table(request_id, depth)[: length // self.kv.block_size]
             for depth in range(self.kv.num_depths)
@@ -109,11 +120,23 @@ class PrefixCache:
                 if old[0].keys == 0:  # no lookup reaches it any more
                     self._drop(old[0])
         self._entries.append(entry)
+        return entry
 
-    def evict_one(self) -> bool:
+    def attach_packed(self, entry: _Entry, packed: object) -> None:
+        """The backend's hold of the entry's stored rows, once its prompt is packed (given
+        straight back when the entry is gone already)."""
+        if any(e is entry for e in self._entries):
+            entry.packed = packed
+        elif self.drop_packed is not None:
+            self.drop_packed(packed)
+
+    def evict_one(self, packed: bool = False) -> bool:
         """Drop the least recently used entry that frees a block (one no running request
-        shares); False when no entry would."""
-        freeing = [e for e in self._entries if self._cache_only(e)]
+        shares), or with ``packed`` one that holds packed rows; False when no entry would."""
+        if packed:
+            freeing = [e for e in self._entries if e.packed is not None]
+        else:
+            freeing = [e for e in self._entries if self._cache_only(e)]
         if not freeing:
             return False
         entry = min(freeing, key=lambda e: e.last_used)
@@ -135,6 +158,9 @@ class PrefixCache:
     def _drop(self, entry: _Entry) -> None:
         self._entries.remove(entry)
         self.kv.give_back([b for plane in entry.blocks for b in plane])
+        if entry.packed is not None and self.drop_packed is not None:
+            self.drop_packed(entry.packed)
+            entry.packed = None
 
     def held(self) -> dict[str, int]:
         """Entries, distinct blocks they hold, and those no request holds (every holder an
@@ -143,6 +169,7 @@ class PrefixCache:
         only = sum(self.kv.holders(b) == n for b, n in refs.items())
         return {
             "prefix_entries": len(self._entries),
+            "prefix_entries_packed": sum(e.packed is not None for e in self._entries),
             "prefix_blocks": len(refs),
             "prefix_blocks_cache_only": only,
         }

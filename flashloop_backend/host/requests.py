@@ -60,6 +60,7 @@ class Request:
     replay_exits: list[int] | None = None  # and the depths at which they left
     block: Block | None = None  # the speculation block decoding now (speculating engines)
     extra_slots: list[int] = field(default_factory=list)  # a block's rows after the first
+    published: object | None = None  # its prefix-cache entry, until its prompt is handed over
 
     @property
     def position(self) -> int:  # absolute position of the current decode token

@@ -91,6 +91,15 @@ class OutOfPackedPagesError(MemoryError):
     """The packed pool cannot give a sequence the pages it asks for; nothing was taken."""
 
 
+@dataclass(frozen=True)
+class SharedRows:
+    """The first ``rows`` rows of a stored sequence (whole groups of dense levels), held
+    for other sequences to start from: ``pages`` [level] -> the page of each group."""
+
+    rows: int
+    pages: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class SequenceLevels:
     """Where one sequence's levels live: pages per level and compact maps."""
@@ -145,6 +154,7 @@ class PackedKVStore:
         self.v_scale = torch.zeros_like(self.v_min)
         self._free = list(range(num_pages - 1, -1, -1))
         self._reserved: dict[int, int] = {}  # sequence -> free pages held for its appends
+        self._holders: dict[int, int] = {}  # page -> its holders, for pages held by several
         self.sequences: dict[int, SequenceLevels] = {}
         self._appends = 0
 
@@ -182,12 +192,61 @@ class PackedKVStore:
         return self._reserved.pop(sequence, 0)
 
     def release(self, sequence: int) -> None:
-        """Return the sequence's pages and what remains of its reservation."""
+        """Return the sequence's pages (those another holder shares stay) and what remains
+        of its reservation."""
         self.unreserve(sequence)
         levels = self.sequences.pop(sequence, None)
         if levels is not None:
             for pages in levels.pages:
-                self._free.extend(pages)
+                self._give_back(pages)
+
+    def _give_back(self, pages) -> None:
+        for page in pages:
+            holders = self._holders.pop(page, 1) - 1
+            if holders:
+                self._holders[page] = holders
+            else:
+                self._free.append(page)
+
+    def _hold(self, pages) -> None:
+        for page in pages:
+            self._holders[page] = self._holders.get(page, 1) + 1
+
+    def share(self, sequence: int, rows: int) -> SharedRows | None:
+        """Hold the sequence's first ``rows`` rows (rounded down to whole groups) for other
+        sequences to start from; None when it stores none or a level is compact (a compact
+        level's pages follow its appends, not groups, so a prefix of them depends on what
+        was appended with it). :meth:`drop` gives the hold back."""
+        levels = self.sequences.get(sequence)
+        rows = 0 if levels is None else min(rows, levels.rows) // self.group_size * self.group_size
+        if not rows or any(m is not None for m in levels.host_maps):
+            return None
+        groups = rows // self.group_size
+        pages = tuple(tuple(level[:groups]) for level in levels.pages)
+        self._hold(page for level in pages for page in level)
+        return SharedRows(rows, pages)
+
+    def drop(self, shared: SharedRows) -> None:
+        """Give back a hold of :meth:`share` (a page nothing else holds returns to the pool)."""
+        self._give_back(page for level in shared.pages for page in level)
+
+    def adopt(self, sequence: int, shared: SharedRows, rows: int) -> int:
+        """Start a new sequence with the first ``rows`` rows (rounded down to whole groups,
+        at most ``shared.rows``) of ``shared``, held, not copied. Returns the rows adopted
+        (0: none, nothing stored)."""
+        if sequence in self.sequences:
+            raise ValueError(f"sequence {sequence} is already stored; release it first")
+        groups = min(rows, shared.rows) // self.group_size
+        if not groups:
+            return 0
+        pages = [list(level[:groups]) for level in shared.pages]
+        self._hold(page for level in pages for page in level)
+        levels = SequenceLevels(groups * self.group_size, pages, [None] * len(pages))
+        levels.host_maps = [None] * len(pages)
+        self._appends += 1
+        levels.version = self._appends
+        self.sequences[sequence] = levels
+        return levels.rows
 
     def export_sequence(self, sequence: int) -> dict[str, torch.Tensor]:
         """The sequence's stored levels as CPU tensors, the input of :meth:`import_sequence`
@@ -478,13 +537,14 @@ class PackedKVStore:
         page_params = sum(t[0].numel() * t.element_size() for t in params)
         page_bytes = page_payload + page_params
         sequences = list(self.sequences.values())
-        used = sum(len(p) for s in sequences for p in s.pages)
+        used = self.num_pages - len(self._free)  # a page several hold counts once
         stored_maps = [m for s in sequences for m in s.maps if m is not None]
         maps = sum(m.numel() * m.element_size() for m in stored_maps)
         tokens = sum(s.rows for s in sequences)
         depths = max((len(s.pages) for s in sequences), default=0)
         pages_by_depth = [
-            sum(len(s.pages[d]) for s in sequences if d < len(s.pages)) for d in range(depths)
+            len({p for s in sequences if d < len(s.pages) for p in s.pages[d]})
+            for d in range(depths)
         ]
         per_depth = [pages * page_bytes for pages in pages_by_depth]
         steady = used * page_bytes + maps
