@@ -803,8 +803,32 @@ def test_shared_rows_are_held_by_every_holder_and_freed_by_the_last(rng):
     assert store.accounting()["pages_used"] == 0 and store.unreserved_pages() == 40
 
 
-def test_a_sequence_with_a_compact_level_shares_nothing(rng):
-    active = [torch.ones(32, dtype=torch.bool)] * 3 + [torch.arange(32) % 2 == 0]
-    store = PackedKVStore(16, L, H, D, G)
-    store.encode(1, _versions(rng, 32), _versions(rng, 32), active)
-    assert store.share(1, 32) is None
+def test_a_compact_level_is_shared_only_whole_up_to_an_append_boundary(rng):
+    """A compact level's pages follow its appends: rows that ended an append are shared
+    with their map, and an adopter takes all of them or none; what it appends after them
+    starts fresh pages and leaves the shared rows as they were."""
+
+    def active(rows, offset):
+        return [torch.ones(rows, dtype=torch.bool)] * 3 + [(torch.arange(rows) + offset) % 3 == 0]
+
+    keys, values = _versions(rng, 64), _versions(rng, 64)
+    store = PackedKVStore(40, L, H, D, G)
+    store.encode(1, [k[:32] for k in keys], [v[:32] for v in values], active(32, 0))
+    store.append(1, [k[32:] for k in keys], [v[32:] for v in values], active(32, 32))
+    assert store.share(1, 48) is None  # inside the second append: its pages hold both sides
+    shared = store.share(1, 40)  # rounded down to 32: the first append's end
+    assert shared.rows == 32 and shared.compact and shared.maps[:3] == (None, None, None)
+    assert store.adoptable(shared, 16) == 0 and store.adopt(2, shared, 16) == 0
+    assert 2 not in store.sequences
+    assert store.adopt(2, shared, 40) == 32
+    own_k, own_v = _versions(rng, 32), _versions(rng, 32)
+    store.append(2, own_k, own_v, active(32, 1))
+    for depth in range(4):
+        mine, theirs = store.reconstruct(2, depth, 0), store.reconstruct(1, depth, 0)
+        torch.testing.assert_close(mine[0][:32], theirs[0][:32], atol=0, rtol=0)
+        torch.testing.assert_close(mine[1][:32], theirs[1][:32], atol=0, rtol=0)
+    assert torch.equal(store.sequences[2].host_maps[3][:32], store.sequences[1].host_maps[3][:32])
+    store.release(1)
+    store.drop(shared)
+    store.release(2)
+    assert store.accounting()["pages_used"] == 0

@@ -121,19 +121,28 @@ def test_prompts_arriving_together_wait_for_a_shared_prefix_in_flight():
     ]
 
 
-def test_a_prompt_repeating_a_packed_prefix_starts_from_its_pages():
+PACKED = [(f, c) for f, c in COMBINATIONS if c.kv_residual_quantization.enabled]
+
+
+@pytest.mark.parametrize(("features", "config"), PACKED, ids=["+".join(f) for f, _ in PACKED])
+def test_a_prompt_repeating_a_packed_prefix_starts_from_its_pages(features, config):
     """Once a published prompt is packed, a later prompt that repeats it holds the same
-    packed pages instead of packing its own copy: it needs no page for them (it runs
-    while the rest of the pool is taken) and makes the tokens it makes alone."""
-    model, config = tiny_model(seed=9), COMBINATIONS[3][1]  # KV quantization alone
+    packed pages (compact levels included, in whole packing chunks) instead of packing
+    its own copy, and makes the tokens it makes alone. Under ``fixed_prompt`` it needs no
+    page for them: it runs while the rest of the pool is taken."""
+    model = tiny_model(seed=9)
     engine = lifecycle_engine(model, config, True, 200)
+    # appends of 16 rows: a compact level's whole chunks (shareable) fit these prompts
+    engine.backend.packed.chunk_rows = 16
     _rows(engine, [*SHARED, 5, 6, 7])
     store = engine.backend.packed.store
     assert engine.pools()["prefix_entries_packed"] == 1
     used = store.accounting()["pages_used"]
     assert used > 0  # the cache holds the packed prefix: no request runs
     published = engine.prefix_cache.lookup([*SHARED, 1])[1].packed.pages
-    store.reserve(-1, store.unreserved_pages())  # another sequence takes the rest
+    fixed = config.kv_residual_quantization.policy == "fixed_prompt"
+    if fixed:
+        store.reserve(-1, store.unreserved_pages())  # another sequence takes the rest
     repeat = engine.add_request([*SHARED, 9, 9], PARAMS)
     while not engine.has_first_token(repeat):
         engine.step()
@@ -143,18 +152,32 @@ def test_a_prompt_repeating_a_packed_prefix_starts_from_its_pages():
     assert all(
         tuple(level[: len(shared)]) == shared for level, shared in zip(held, published, strict=True)
     )
-    assert store.accounting()["pages_used"] == used  # the same pages, none new
+    if fixed:
+        assert store.accounting()["pages_used"] == used  # the same pages, none new
     done = {}
     while engine.has_unfinished():
         done.update({r.request_id: r for r in engine.step()})
     store.unreserve(-1)
     lone = lifecycle_engine(model, config, False, 200)
+    lone.backend.packed.chunk_rows = 16
     assert (
         done[repeat].output_token_ids
         == lone.generate([[*SHARED, 9, 9]], PARAMS)[0].output_token_ids
     )
     engine.prefix_cache.clear()
     assert store.accounting()["pages_used"] == 0  # every hold given back
+
+
+def test_a_compact_prefix_shares_only_whole_packing_chunks():
+    """Token-sparse prefill leaves compact levels, whose pages follow the packing's
+    appends: with appends of 4096 rows a 64-row prefix shares no packed page (its BF16
+    blocks only), and with appends of 16 rows it shares them all."""
+    config = COMBINATIONS[-2][1]  # all on
+    for chunk, packed in ((4096, 0), (16, 1)):
+        engine = lifecycle_engine(tiny_model(seed=9), config, True, 200)
+        engine.backend.packed.chunk_rows = chunk
+        _rows(engine, [*SHARED, 5, 6, 7])
+        assert engine.pools()["prefix_entries_packed"] == packed
 
 
 def test_a_request_short_of_packed_pages_evicts_cached_packed_prefixes():

@@ -314,15 +314,18 @@ class FlashLoopBackend(AttentionBackend):
         if self.packed is not None:
             adopted = 0
             if isinstance(shared, SharedRows):  # never more than its own prompt would pack
-                adopted = min(shared_rows, shared.rows, self.packed.prompt_rows(prompt_length))
-                adopted = adopted // self.packed.group_size * self.packed.group_size
+                rows = min(shared_rows, self.packed.prompt_rows(prompt_length))
+                adopted = self.packed.store.adoptable(shared, rows)
             loops = self.config.num_loops
             self.packed.reserve(request_id, prompt_length, max_new_tokens, loops, adopted)
             if adopted:
                 self.packed.store.adopt(request_id, shared, adopted)
 
     def share_prompt(self, request_id: int, rows: int) -> object | None:
-        return None if self.packed is None else self.packed.store.share(request_id, rows)
+        if self.packed is None:
+            return None
+        rows = self.packed.shareable_rows(request_id, rows)
+        return self.packed.store.share(request_id, rows) if rows else None
 
     def drop_shared(self, shared: object) -> None:
         if self.packed is not None and isinstance(shared, SharedRows):

@@ -43,6 +43,7 @@ class PackedState:
     def __init__(self, store: PackedKVStore, write: Callable, policy: str, tail_size: int) -> None:
         self.store, self.write = store, write
         self.policy, self.tail_size = policy, tail_size
+        self.chunk_rows = PACK_CHUNK_ROWS  # rows per append of a prompt's packing
         self._planned: tuple[BatchView, LevelMetadata] | None = None
         self._ordered: LevelMetadata | None = None
         self._graph: _GraphInputs | None = None
@@ -129,15 +130,31 @@ class PackedState:
         self.store.append_rows(sequence, rows, kv.active(start, end), write=self.write)
         kv.drop(end)
 
-    def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int = PACK_CHUNK_ROWS) -> None:
+    def shareable_rows(self, sequence: int, rows: int) -> int:
+        """Of the sequence's first ``rows`` rows, those other prompts may start from: whole
+        groups, and with a compact level whole chunks (where every prompt's packing ends an
+        append, so the pages hold what a prompt packing them itself would write)."""
+        entry = self.store.sequences.get(sequence)
+        if entry is None:
+            return 0
+        rows = min(rows, entry.rows) // self.group_size * self.group_size
+        if any(m is not None for m in entry.host_maps):
+            rows = rows // self.chunk_rows * self.chunk_rows
+        return rows
+
+    def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int | None = None) -> None:
         """Encode a completed prompt's whole groups at every depth (all but the BF16 tail
         under ``rolling``), ``chunk`` rows at a time so the conversion peak stays bounded.
         ``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
         the pages taken (compact levels take fewer) goes back to the pool."""
+        chunk = self.chunk_rows if chunk is None else chunk
         if chunk <= 0 or chunk % self.group_size:
             raise ValueError(f"chunk={chunk} must be a multiple of group_size={self.group_size}")
         end = self.prompt_rows(kv.prompt_length)
-        for stop in range(self.packed_rows(sequence) + chunk, end, chunk):
+        # appends end at multiples of the chunk from row 0 whatever the prompt's length: a
+        # compact level's pages (which follow its appends) of those rows are then the same
+        # in every prompt that starts with them, so they can be shared
+        for stop in range(self.packed_rows(sequence) // chunk * chunk + chunk, end, chunk):
             self.pack_rows(sequence, kv, stop)
         self.pack_rows(sequence, kv, end)
         kv.drop(self.packed_rows(sequence))  # rows adopted from another prompt included

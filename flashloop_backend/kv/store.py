@@ -93,11 +93,18 @@ class OutOfPackedPagesError(MemoryError):
 
 @dataclass(frozen=True)
 class SharedRows:
-    """The first ``rows`` rows of a stored sequence (whole groups of dense levels), held
-    for other sequences to start from: ``pages`` [level] -> the page of each group."""
+    """The first ``rows`` rows of a stored sequence, held for other sequences to start
+    from: ``pages`` [level] -> its pages of those rows, ``maps`` [level] -> the compact
+    level's [rows] int32 map on the host (None: dense). A compact level's rows are shared
+    only whole: the pages of its appends up to ``rows``."""
 
     rows: int
     pages: tuple[tuple[int, ...], ...]
+    maps: tuple[torch.Tensor | None, ...]
+
+    @property
+    def compact(self) -> bool:
+        return any(m is not None for m in self.maps)
 
 
 @dataclass
@@ -110,6 +117,8 @@ class SequenceLevels:
     # the same maps on the host: per-batch reader metadata is planned there every step
     host_maps: list[torch.Tensor | None] = field(default_factory=list)
     version: int = 0  # the store's append count at this entry's last append (unique)
+    # rows after each append -> every level's page count then (where a prefix may be shared)
+    marks: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PackedKVStore:
@@ -213,40 +222,58 @@ class PackedKVStore:
             self._holders[page] = self._holders.get(page, 1) + 1
 
     def share(self, sequence: int, rows: int) -> SharedRows | None:
-        """Hold the sequence's first ``rows`` rows (rounded down to whole groups) for other
-        sequences to start from; None when it stores none or a level is compact (a compact
-        level's pages follow its appends, not groups, so a prefix of them depends on what
-        was appended with it). :meth:`drop` gives the hold back."""
+        """Hold the sequence's first ``rows`` rows for other sequences to start from: whole
+        groups of dense levels; with a compact level, exactly the rows of its appends up to
+        ``rows`` (a compact level's pages follow its appends, so only rows that ended an
+        append are shared; None otherwise, or when none are stored). :meth:`drop` gives
+        the hold back."""
         levels = self.sequences.get(sequence)
-        rows = 0 if levels is None else min(rows, levels.rows) // self.group_size * self.group_size
-        if not rows or any(m is not None for m in levels.host_maps):
+        if levels is None:
             return None
-        groups = rows // self.group_size
-        pages = tuple(tuple(level[:groups]) for level in levels.pages)
+        compact = any(m is not None for m in levels.host_maps)
+        rows = min(rows, levels.rows) // self.group_size * self.group_size
+        if not rows or (compact and rows not in levels.marks):
+            return None
+        counts = levels.marks.get(rows) or [rows // self.group_size] * len(levels.pages)
+        pages = tuple(tuple(level[:n]) for level, n in zip(levels.pages, counts, strict=True))
+        maps = tuple(None if m is None else m[:rows].clone() for m in levels.host_maps)
         self._hold(page for level in pages for page in level)
-        return SharedRows(rows, pages)
+        return SharedRows(rows, pages, maps)
 
     def drop(self, shared: SharedRows) -> None:
         """Give back a hold of :meth:`share` (a page nothing else holds returns to the pool)."""
         self._give_back(page for level in shared.pages for page in level)
 
+    def adoptable(self, shared: SharedRows, rows: int) -> int:
+        """The rows of ``shared`` a sequence that may adopt ``rows`` of them takes: whole
+        groups, all of them or (with a compact level) none unless it takes all."""
+        rows = min(rows, shared.rows) // self.group_size * self.group_size
+        return 0 if shared.compact and rows != shared.rows else rows
+
     def adopt(self, sequence: int, shared: SharedRows, rows: int) -> int:
-        """Start a new sequence with the first ``rows`` rows (rounded down to whole groups,
-        at most ``shared.rows``) of ``shared``, held, not copied. Returns the rows adopted
-        (0: none, nothing stored)."""
+        """Start a new sequence with :meth:`adoptable` rows of ``shared``, held, not
+        copied. Returns the rows adopted (0: none, nothing stored)."""
         if sequence in self.sequences:
             raise ValueError(f"sequence {sequence} is already stored; release it first")
-        groups = min(rows, shared.rows) // self.group_size
-        if not groups:
+        rows = self.adoptable(shared, rows)
+        if not rows:
             return 0
-        pages = [list(level[:groups]) for level in shared.pages]
+        groups = rows // self.group_size
+        pages = [
+            list(level if m is not None else level[:groups])
+            for level, m in zip(shared.pages, shared.maps, strict=True)
+        ]
         self._hold(page for level in pages for page in level)
-        levels = SequenceLevels(groups * self.group_size, pages, [None] * len(pages))
-        levels.host_maps = [None] * len(pages)
+        device = self.k_codes.device
+        maps = [None if m is None else m.to(device) for m in shared.maps]
+        levels = SequenceLevels(
+            rows, pages, maps, [None if m is None else m.clone() for m in shared.maps]
+        )
+        levels.marks[rows] = [len(level) for level in pages]
         self._appends += 1
         levels.version = self._appends
         self.sequences[sequence] = levels
-        return levels.rows
+        return rows
 
     def export_sequence(self, sequence: int) -> dict[str, torch.Tensor]:
         """The sequence's stored levels as CPU tensors, the input of :meth:`import_sequence`
@@ -412,6 +439,7 @@ class PackedKVStore:
                 levels, depth, pages[depth], presents[depth], rows, depth_rows.device
             )
         levels.rows += rows
+        levels.marks[levels.rows] = [len(level) for level in levels.pages]
         self._appends += 1
         levels.version = self._appends
         self.sequences[sequence] = levels
