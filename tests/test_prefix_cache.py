@@ -180,6 +180,56 @@ def test_a_compact_prefix_shares_only_whole_packing_chunks():
         assert engine.pools()["prefix_entries_packed"] == packed
 
 
+def test_a_packed_shortage_evicts_no_entry_whose_pages_a_request_still_holds():
+    """Evicting for packed pages drops only entries whose pages nothing else holds: while
+    the prompt that packed them runs, its entry stays (dropping it would free nothing),
+    and once that prompt has finished the entry gives way."""
+    model, config = tiny_model(seed=9), COMBINATIONS[3][1]  # KV quantization alone
+    engine = lifecycle_engine(model, config, True, 200)
+    store = engine.backend.packed.store
+    first = engine.add_request([*SHARED, 5, 6, 7], SamplingParams(max_new_tokens=12))
+    while not engine.has_first_token(first):
+        engine.step()
+    engine.step()  # handed over: the entry holds its packed rows
+    assert engine.pools()["prefix_entries_packed"] == 1
+    store.reserve(-1, store.unreserved_pages())
+    other = [3, 1, 4, 1, 5, 9, 2, 6] * 9
+    waiting = engine.add_request(other, PARAMS)
+    engine.step()
+    assert engine.output_count(waiting) == 0 and engine.pools()["prefix_entries_packed"] == 1
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    assert engine.prefix_cache.lookup([*SHARED, 1])[1] is None  # evicted once it freed pages
+    lone = lifecycle_engine(model, config, False, 200)
+    assert done[waiting].output_token_ids == lone.generate([other], PARAMS)[0].output_token_ids
+
+
+def test_a_restored_request_short_of_packed_pages_evicts_cached_prefixes():
+    """A request that adopted a cached prefix's pages, saved and cancelled, is restored
+    onto pages of its own: with the rest of the pool taken, the cached prefix gives way."""
+    model, config = tiny_model(seed=9), COMBINATIONS[3][1]
+    engine = lifecycle_engine(model, config, True, 200)
+    _rows(engine, [*SHARED, 5, 6, 7])
+    store = engine.backend.packed.store
+    store.reserve(-1, store.unreserved_pages())
+    repeat = engine.add_request([*SHARED, 9, 9], PARAMS)
+    while engine.output_count(repeat) < 2:
+        engine.step()
+    snapshot = engine.snapshot(repeat)
+    engine.cancel(repeat)
+    restored = engine.restore(snapshot)
+    assert engine.pools()["prefix_entries_packed"] == 0  # it gave its pages way
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r for r in engine.step()})
+    lone = lifecycle_engine(model, config, False, 200)
+    assert (
+        done[restored].output_token_ids
+        == lone.generate([[*SHARED, 9, 9]], PARAMS)[0].output_token_ids
+    )
+
+
 def test_a_request_short_of_packed_pages_evicts_cached_packed_prefixes():
     """A prompt that shares nothing and finds the packed pool short evicts cached prefixes
     that hold packed pages (least recently used first) and runs on the pages they free."""

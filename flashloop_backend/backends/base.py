@@ -165,6 +165,11 @@ class AttentionBackend(ABC):
         """Give back a hold of :meth:`share_prompt`."""
         return None
 
+    def frees_on_drop(self, shared: object) -> bool:
+        """Whether giving back this hold would return storage to the pool (something only
+        it holds)."""
+        return False
+
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         """The request's prompt ran every loop and its first token is out: its rows are
         final. The host calls it when the next step starts, before any of the request's

@@ -331,6 +331,11 @@ class FlashLoopBackend(AttentionBackend):
         if self.packed is not None and isinstance(shared, SharedRows):
             self.packed.store.drop(shared)
 
+    def frees_on_drop(self, shared: object) -> bool:
+        if self.packed is None or not isinstance(shared, SharedRows):
+            return False
+        return self.packed.store.frees_on_drop(shared)
+
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:
             self.packed.pack_prompt(request_id, kv)

@@ -121,7 +121,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         self.prefix_cache = None
         if prefix_cache:
             window = self.sparsity.window_size if self.sparsity is not None else None
-            self.prefix_cache = PrefixCache(self.kv, window, backend.drop_shared)
+            self.prefix_cache = PrefixCache(
+                self.kv, window, backend.drop_shared, backend.frees_on_drop
+            )
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         # Prompts whose first token is out, handed to the backend (KV quantization packs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from flashloop_backend.backends.base import OutOfPackedPagesError
 from flashloop_backend.host.kvcache import OutOfBlocksError
 from flashloop_backend.host.prompt_schedule import PromptSchedule
 from flashloop_backend.host.requests import Request, SamplingParams, checked_params
@@ -142,16 +143,16 @@ class RequestSnapshots:
                 f"{self.slots_per_request} token-state slots are needed and "
                 f"{len(self._free_slots)} are free (max_slots={self.max_slots})"
             )
-        self.kv.reserve(r.id, total)  # atomic: nothing held when it raises
-        try:
-            self.backend.admit(r.id, len(r.prompt), params.max_new_tokens)
-            self.backend.import_request(
-                r.id, {k: t for k, t in tensors.items() if "." in k and not k.startswith("bf16.")}
-            )
-        except BaseException:
-            self.kv.release(r.id)
-            self.backend.release(r.id, -1)
-            raise
+        stored = {k: t for k, t in tensors.items() if "." in k and not k.startswith("bf16.")}
+        while True:
+            try:
+                self._reserve_restored(r, total, params.max_new_tokens, stored)
+                break
+            except (OutOfBlocksError, OutOfPackedPagesError) as exc:
+                # cached prefixes give way to it, as to an admitted request
+                cache, pages = self.prefix_cache, isinstance(exc, OutOfPackedPagesError)
+                if cache is None or not cache.evict_one(packed=pages):
+                    raise
         self._write_blocks(r.id, snapshot.manifest["bf16_first_block"], *blocks)
         r.output, r.exit_depths = list(saved["output"]), list(saved["exit_depths"])
         r.forced = None if forced is None else list(forced)
@@ -167,6 +168,18 @@ class RequestSnapshots:
         self._requests[r.id] = r
         self._next_id += 1
         return r.id
+
+    def _reserve_restored(self, r: Request, total: int, new: int, stored: dict) -> None:
+        """Blocks and pages for a restored request, its stored KV imported; atomic:
+        nothing held when it raises."""
+        self.kv.reserve(r.id, total)
+        try:
+            self.backend.admit(r.id, len(r.prompt), new)
+            self.backend.import_request(r.id, stored)
+        except BaseException:
+            self.kv.release(r.id)
+            self.backend.release(r.id, -1)
+            raise
 
     def _checked_blocks(self, snapshot: RequestSnapshot, per_plane: int):
         """The snapshot's BF16 blocks (keys, values), checked against the pools and the

@@ -38,9 +38,12 @@ class PrefixCache:
         kv: PagedKVCache,
         window_size: int | None,
         drop_packed: Callable[[object], None] | None = None,
+        frees_on_drop: Callable[[object], bool] | None = None,
     ) -> None:
-        """``drop_packed``: gives back an entry's hold of packed rows when it is dropped."""
+        """``drop_packed``: gives back an entry's hold of packed rows when it is dropped;
+        ``frees_on_drop``: whether that would return a packed page to the pool."""
         self.kv, self.drop_packed = kv, drop_packed
+        self.frees_on_drop = frees_on_drop or (lambda _: False)
         self.unit = math.lcm(kv.block_size, window_size or 1)
         self._by_key: dict[tuple[int, int], tuple[_Entry, int]] = {}  # (hash, length)
         self._entries: list[_Entry] = []
@@ -132,9 +135,11 @@ class PrefixCache:
 
     def evict_one(self, packed: bool = False) -> bool:
         """Drop the least recently used entry that frees a block (one no running request
-        shares), or with ``packed`` one that holds packed rows; False when no entry would."""
+        shares), or with ``packed`` a packed page; False when no entry would."""
         if packed:
-            freeing = [e for e in self._entries if e.packed is not None]
+            freeing = [
+                e for e in self._entries if e.packed is not None and self.frees_on_drop(e.packed)
+            ]
         else:
             freeing = [e for e in self._entries if self._cache_only(e)]
         if not freeing:

@@ -244,6 +244,10 @@ class PackedKVStore:
         """Give back a hold of :meth:`share` (a page nothing else holds returns to the pool)."""
         self._give_back(page for level in shared.pages for page in level)
 
+    def frees_on_drop(self, shared: SharedRows) -> bool:
+        """Whether :meth:`drop` would return a page to the pool (one only this hold has)."""
+        return any(self._holders.get(p, 1) == 1 for level in shared.pages for p in level)
+
     def adoptable(self, shared: SharedRows, rows: int) -> int:
         """The rows of ``shared`` a sequence that may adopt ``rows`` of them takes: whole
         groups, all of them or (with a compact level) none unless it takes all."""
@@ -566,6 +570,7 @@ class PackedKVStore:
         page_bytes = page_payload + page_params
         sequences = list(self.sequences.values())
         used = self.num_pages - len(self._free)  # a page several hold counts once
+        held = len({p for s in sequences for level in s.pages for p in level})
         stored_maps = [m for s in sequences for m in s.maps if m is not None]
         maps = sum(m.numel() * m.element_size() for m in stored_maps)
         tokens = sum(s.rows for s in sequences)
@@ -575,13 +580,14 @@ class PackedKVStore:
             for d in range(depths)
         ]
         per_depth = [pages * page_bytes for pages in pages_by_depth]
-        steady = used * page_bytes + maps
+        steady = held * page_bytes + maps  # what sequences hold (per depth adds up to it)
         return {
             "pages_used": used,
+            "pages_held_by_shares_only": used - held,  # a prefix cache's holds, no sequence
             "pages_reserved": sum(self._reserved.values()),
             "pages_total": self.num_pages,
-            "payload_bytes": used * page_payload,
-            "param_bytes": used * page_params,
+            "payload_bytes": held * page_payload,
+            "param_bytes": held * page_params,
             "map_bytes": maps,
             "steady_bytes": steady,
             "logical_tokens": tokens,
