@@ -332,15 +332,23 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
             schedule = self._reserve(request, found)
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
-            request.slot = self._free_slots.pop()
-            request.extra_slots = [
-                self._free_slots.pop() for _ in range(self.slots_per_request - 1)
-            ]
+            self._take_slots(request)
             ids = torch.tensor(request.prompt, device=self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
             request.schedule = schedule
             request.phase = "prefill"
+
+    def _take_slots(self, r: Request) -> None:
+        """The request's token-state slot and, speculating, one more per block row."""
+        r.slot = self._free_slots.pop()
+        r.extra_slots = [self._free_slots.pop() for _ in range(self.slots_per_request - 1)]
+
+    def _evict_for(self, short: OutOfBlocksError | OutOfPackedPagesError) -> bool:
+        """Drop a cached prefix that frees what ``short`` says is missing (cached prefixes
+        hold BF16 blocks, and packed rows once their prompt packed); False when none would."""
+        pages = isinstance(short, OutOfPackedPagesError)
+        return self.prefix_cache is not None and self.prefix_cache.evict_one(packed=pages)
 
     def _prefix_in_flight(self, request: Request, cached: int) -> bool:
         """Whether a prompt still prefilling shares more whole units with ``request``'s
@@ -370,9 +378,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 break
             except (OutOfBlocksError, OutOfPackedPagesError) as exc:
                 self.kv.release(request.id)
-                # cached prefixes hold BF16 blocks, and packed rows once their prompt packed
-                short_of_pages = isinstance(exc, OutOfPackedPagesError)
-                if not (self.prefix_cache and self.prefix_cache.evict_one(packed=short_of_pages)):
+                if not self._evict_for(exc):
                     return None
                 reused, entry = self.prefix_cache.lookup(request.prompt)  # it may have gone
         active = None

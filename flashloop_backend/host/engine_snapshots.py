@@ -149,9 +149,7 @@ class RequestSnapshots:
                 self._reserve_restored(r, total, params.max_new_tokens, stored)
                 break
             except (OutOfBlocksError, OutOfPackedPagesError) as exc:
-                # cached prefixes give way to it, as to an admitted request
-                cache, pages = self.prefix_cache, isinstance(exc, OutOfPackedPagesError)
-                if cache is None or not cache.evict_one(packed=pages):
+                if not self._evict_for(exc):  # cached prefixes give way, as on admission
                     raise
         self._write_blocks(r.id, snapshot.manifest["bf16_first_block"], *blocks)
         r.output, r.exit_depths = list(saved["output"]), list(saved["exit_depths"])
@@ -162,8 +160,7 @@ class RequestSnapshots:
         if self.sparsity is not None:
             r.schedule = PromptSchedule(len(r.prompt), self.sparsity, loops, self.device)
             r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
-        r.slot = self._free_slots.pop()
-        r.extra_slots = [self._free_slots.pop() for _ in range(self.slots_per_request - 1)]
+        self._take_slots(r)
         self._start_token(r)  # saved at a token boundary (a block's start)
         self._requests[r.id] = r
         self._next_id += 1
