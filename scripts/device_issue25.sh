@@ -17,7 +17,7 @@ case "${1:?stage: tests, bench or trained}" in
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculation.py \
       2>&1 | tee "$OUT/gpu_tests_speculation.log" | tail -3 ;;
   bench)
-    for depth in 1 2; do
+    for depth in ${DEPTHS:-1 2}; do
       run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
         --config configs/all_on.json --contexts 8192,32768 \
         --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
@@ -27,7 +27,7 @@ case "${1:?stage: tests, bench or trained}" in
   trained)
     # the evaluation model on held-out text (its drafts accepted as on real text), dense and
     # all on, plain and speculating from CUDA graphs; its 4,096-position limit caps the context
-    for depth in 1 2; do
+    for depth in ${DEPTHS:-1 2}; do
       run flashloop-backend bench e2e --model models/ouro-eval-bytes-20m \
         --backends triton+graphs,flashloop+graphs --config configs/all_on.json \
         --contexts 1024,3968 --concurrency 1 --new-tokens 64 --speculate 4 \
