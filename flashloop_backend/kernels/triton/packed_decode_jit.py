@@ -20,6 +20,10 @@ import triton
 import triton.language as tl
 
 from flashloop_backend.kernels.triton.nibbles_jit import exact_nibbles
+from flashloop_backend.kernels.triton.specialization import (
+    PACKED_SPLIT_METADATA,
+    SCALAR_PER_ROW,
+)
 from flashloop_backend.kv.levels import LevelKind
 
 COMPACT = tl.constexpr(int(LevelKind.COMPACT))
@@ -222,7 +226,7 @@ def _compact_values(
     return tl.sum(p[None, None, :] * values, axis=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PACKED_SPLIT_METADATA, do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def packed_decode_split_kernel(
     q_ptr,
     kc_ptr,

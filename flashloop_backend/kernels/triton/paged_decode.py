@@ -99,7 +99,7 @@ def merge_splits(
         contrib.stride(0),
         contrib.stride(1),
         mass.stride(0),
-        NUM_SPLITS=splits,
+        splits,
         SPLITS_PAD=max(2, next_pow2(splits)),
         HEAD_DIM=head_dim,
         STORE_LSE=lse is not None,

@@ -4,8 +4,14 @@
 import triton
 import triton.language as tl
 
+from flashloop_backend.kernels.triton.specialization import (
+    MERGE_SPLITS_METADATA,
+    PAGED_SPLIT_METADATA,
+    SCALAR_PER_ROW,
+)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PAGED_SPLIT_METADATA, do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def paged_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -144,7 +150,7 @@ def paged_attention_split_kernel(
     tl.store(part_sum_ptr + stat_off, l_i, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_SPLITS_METADATA)
 def merge_splits_kernel(
     part_out_ptr,
     part_max_ptr,
@@ -167,7 +173,7 @@ def merge_splits_kernel(
     stride_cr,
     stride_ch,
     stride_sr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STORE_LSE: tl.constexpr,
@@ -179,7 +185,7 @@ def merge_splits_kernel(
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < num_splits
     m = tl.load(
         part_max_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=float("-inf")
     )

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from flashloop_backend.kernels.triton.specialization import SCALAR_PER_ROW
+
 
 @triton.jit
 def _order_key(logit):
@@ -161,7 +163,7 @@ def _bracket_threshold(
     return threshold, (count - higher).to(tl.int32), ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_statistics_kernel(
     logits_ptr,
     lse_ptr,

@@ -19,6 +19,7 @@ from flashloop_backend.kernels.triton.select_jit import (
     compact_selected,
     take_selected,
 )
+from flashloop_backend.kernels.triton.specialization import SCALAR_PER_ROW
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _kth_largest_one(keys, valid, rank):
     return answer
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_bracket_kernel(
     logits_ptr,
     lengths_ptr,
@@ -95,7 +96,7 @@ def select_bracket_kernel(
     tl.store(counter_ptr + pair, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_candidates_kernel(
     logits_ptr,
     lengths_ptr,
@@ -170,7 +171,7 @@ def _split_counts(logits_row, length, chunk, num_splits, threshold, SPLITS_PAD, 
     return greater, ties
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_threshold_kernel(
     logits_ptr,
     lengths_ptr,
@@ -237,7 +238,7 @@ def select_threshold_kernel(
     tl.store(offsets_ptr + (pair * num_splits + s) * 2 + 1, ties_before, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_compact_kernel(
     logits_ptr,
     lse_ptr,
@@ -308,7 +309,7 @@ def select_compact_kernel(
         tl.store(idx_row + pos, -1, mask=pos < fill_last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def source_values_kernel(
     logits_ptr,
     lse_ptr,
@@ -431,7 +432,7 @@ def source_values_kernel(
     tl.store(part_contrib_ptr + part, acc_sel, mask=in_group[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_finish_kernel(
     part_mass_ptr,
     part_contrib_ptr,
