@@ -246,9 +246,10 @@ class FlashLoopBackend(AttentionBackend):
                 f"num_loops={self.config.num_loops} differs from the model's "
                 f"total_ut_steps={c.loops}"
             )
-        self.reserve_state(
-            c.max_slots, c.num_layers, c.num_heads, c.head_dim, c.max_context, c.device
-        )
+        # the selection bucket holds what a source selects from the span its readers cover
+        # (graph rows read block tables of the full width), not from max_context itself
+        span = self.reader_span(c.max_context, c.block_size)
+        self.reserve_state(c.max_slots, c.num_layers, c.num_heads, c.head_dim, span, c.device)
         quant = self.config.kv_residual_quantization
         if not quant.enabled:
             return
@@ -261,6 +262,18 @@ class FlashLoopBackend(AttentionBackend):
             c.num_blocks, c.block_size, c.loops, quant.group_size, quant.policy, quant.tail_size
         )
         self.reserve_packed(pages, c.num_layers, c.num_kv_heads, c.head_dim, c.device)
+
+    def reader_span(self, context: int, block_size: int = 1) -> int:
+        """Positions the loop-2 source reads for a row whose block table spans ``context``
+        positions: whole KV blocks of ``block_size``, and under KV quantization whole
+        packed groups (``packed_span``). The source checks its ``k_bucket`` against K of
+        this span (``check_bucket``: it reads no row lengths on the host), which exceeds K
+        of ``context`` whenever the rounding adds positions."""
+        span = -(-context // block_size) * block_size
+        quant = self.config.kv_residual_quantization
+        if quant.enabled:
+            span = -(-span // quant.group_size) * quant.group_size
+        return span
 
     def reserve_packed(
         self,
@@ -289,7 +302,9 @@ class FlashLoopBackend(AttentionBackend):
         max_context: int,
         device: torch.device | str,
     ) -> None:
-        """Allocate the loop-2 reference store (sparse decode only): one slot per live token."""
+        """Allocate the loop-2 reference store (sparse decode only): one slot per live token,
+        its selection bucket sized for sources over ``max_context`` positions (the readers'
+        span: :meth:`reader_span`)."""
         if not self.config.sparse_decode_attention.enabled:
             return
         bucket = key_bucket(self.config.sparse_decode_attention.key_retention, max_context)
@@ -399,6 +414,16 @@ class FlashLoopBackend(AttentionBackend):
             self.packed.plan(view, request_ids, depths)
 
     def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
+        states = self.states
+        # graph rows read tables of ``max_context`` positions; the runner reserves its
+        # inputs when it is built, before any step has written a reference
+        if states is not None:
+            span = self.reader_span(max_context)
+            key_retention = self.config.sparse_decode_attention.key_retention
+            if key_bucket(key_retention, span) > states.k_bucket:
+                _, layers, heads, head_dim = states.output.shape
+                device = states.indices.device
+                self.reserve_state(states.num_slots, layers, heads, head_dim, span, device)
         if self.packed is not None:
             self.packed.reserve_graph_inputs(rows, max_context, self.config.num_loops)
 
