@@ -395,7 +395,7 @@ def _dense_kernels() -> bool:
             4,
         )
     for lse, correct in ((False, False), (True, False), (False, True)):
-        shape = dict(NUM_SPLITS=17, SPLITS_PAD=32, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
+        shape = dict(SPLITS_PAD=32, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
         merge = {"out_ptr": "*bf16"}
         ok &= _compile(
             f"merge_splits STORE_LSE={lse} CORRECT={correct}",
