@@ -53,3 +53,27 @@ def test_the_census_sees_a_constexpr_change(rng):
     keys = list(census["merge_splits_kernel"])
     assert len(keys) == 2
     assert set(varying_arguments(keys)) == {"SPLITS_PAD"}
+
+
+def test_every_unspecialized_argument_names_a_parameter_of_its_kernel():
+    """A name in ``do_not_specialize`` that the kernel lacks is silently ignored by Triton."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import flashloop_backend.kernels.triton as package
+
+    checked = 0
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.endswith("_jit"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, kernel in vars(module).items():
+            if not isinstance(kernel, InterpretedFunction):
+                continue
+            for option in ("do_not_specialize", "do_not_specialize_on_alignment"):
+                listed = set(kernel.kwargs.get(option) or ())
+                assert listed <= set(kernel.arg_names), f"{name}.{option}: {listed}"
+                checked += bool(listed)
+    assert checked >= 8

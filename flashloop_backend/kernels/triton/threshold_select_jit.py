@@ -432,7 +432,7 @@ def source_values_kernel(
     tl.store(part_contrib_ptr + part, acc_sel, mask=in_group[:, None])
 
 
-@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
+@triton.jit
 def select_finish_kernel(
     part_mass_ptr,
     part_contrib_ptr,
