@@ -249,7 +249,7 @@ def test_graph_metadata_reads_what_the_per_batch_plan_reads(monkeypatch):
 
 def test_replays_are_timed_per_graph_key_when_asked():
     """After ``time_replays`` every replay is bracketed by the capture's events and
-    ``replay_ms`` reports each key's median and count."""
+    ``replay_ms`` reports each key's median, mean, max, total and count."""
     import time
 
     from .graph_recorder import RecordingCapture
@@ -277,6 +277,9 @@ def test_replays_are_timed_per_graph_key_when_asked():
     timed = engine.graphs.replay_ms()
     assert sum(t["replays"] for t in timed.values()) == engine.graphs.replays > 0
     assert all(t["median_ms"] > 0 for t in timed.values())
+    for t in timed.values():
+        assert t["max_ms"] >= t["median_ms"] and t["max_ms"] >= t["mean_ms"] > 0
+        assert t["total_ms"] == pytest.approx(t["mean_ms"] * t["replays"])
     assert any("sparse_correction" in key for key in timed)  # keys name the launched ops
 
 
