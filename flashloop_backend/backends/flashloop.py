@@ -268,7 +268,7 @@ class FlashLoopBackend(AttentionBackend):
         positions: whole KV blocks of ``block_size``, and under KV quantization whole
         packed groups (``packed_span``). The source checks its ``k_bucket`` against K of
         this span (``check_bucket``: it reads no row lengths on the host), which exceeds K
-        of ``context`` whenever the rounding adds positions."""
+        of ``context`` when the added positions add a selected key."""
         span = -(-context // block_size) * block_size
         quant = self.config.kv_residual_quantization
         if quant.enabled:
