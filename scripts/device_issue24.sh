@@ -12,6 +12,11 @@
 #   speed   bench e2e --grid: dense Triton and FlashLoop at every grid point, 32K x 1, 24
 #           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`);
 #           POINTS='text;text' keeps the points whose name holds every text
+#   grids   the grid stage's points in parallel processes on the one GPU (the 20M model
+#           leaves it mostly idle): PARTS='a;b|c;d' gives each process the points whose
+#           name holds every text of its group; each resumes RESUME, and their records
+#           merge into $OUT/eval_grid.json (scripts/merge_eval_records.py); ADAPTIVE=1 runs
+#           the adaptive stage beside them
 #   profile where an all-on eval's time goes (py-spy stacks of a 64-window run)
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
 #           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
@@ -36,6 +41,24 @@ case "${1:?stage: train, grid, speed or adaptive}" in
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
       --grid "${chosen[@]}" --windows 256 --context 1024 --passkey-contexts 512,1024,2048 \
       --resume --out "$OUT/eval_grid.json" 2>&1 | tee "$OUT/grid.log" | tail -40 ;;
+  grids)
+    mkdir -p "$OUT/parts"; pids=(); i=0
+    IFS='|' read -ra groups <<< "${PARTS:?PARTS='a;b|c;d'}"
+    for group in "${groups[@]}"; do
+      part=(); IFS=';' read -ra texts <<< "$group"
+      for t in "${texts[@]}"; do part+=(--grid-points "$t"); done
+      [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/parts/$i.json" && chmod u+w "$OUT/parts/$i.json"
+      run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" \
+        --config configs/all_on.json --grid "${part[@]}" --windows 256 --context 1024 \
+        --passkey-contexts 512,1024,2048 --resume --out "$OUT/parts/$i.json" \
+        > "$OUT/parts/$i.log" 2>&1 &
+      pids+=($!); i=$((i + 1))
+    done
+    [ "${ADAPTIVE:-0}" = 1 ] && { bash "$0" adaptive > "$OUT/parts/adaptive.log" 2>&1 & pids+=($!); }
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    python3 scripts/merge_eval_records.py "$OUT/eval_grid.json" "$OUT"/parts/[0-9]*.json
+    for log in "$OUT"/parts/*.log; do echo "== $log"; tail -c 400 "$log"; echo; done
+    tar -czf "$OUT/grid_logs.tar.gz" -C "$OUT/parts" . && rm -r "$OUT/parts" ;;
   adaptive)
     run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
       --combinations --exit-threshold "${EXIT:-0.9}" --windows 256 --context 1024 \

@@ -89,3 +89,32 @@ def finished_points(record: dict, identity: dict) -> dict[str, dict]:
                 f"cannot resume: the record's {key} is {have!r}, this run's is {want!r}"
             )
     return {point_name(r["features"]): r for r in record.get("combinations", [])}
+
+
+def merge_records(records: list[dict]) -> dict:
+    """One grid record from several runs of the same grid (parallel processes, each over
+    some of the points): the identity fields must agree (the first that differs is named),
+    each point is taken once in the grid's order, and a point two runs hold with different
+    figures is refused by name rather than one of them chosen."""
+    if not records:
+        raise ValueError("nothing to merge: give at least one record")
+    first = records[0]
+    if first.get("kind") != "eval_grid":
+        raise ValueError(f"merging joins eval --grid records; the first is {first.get('kind')!r}")
+    identity = {k: v for k, v in first.items() if k not in ("device", "combinations")}
+    identity["settings"] = next(iter(first.get("combinations", [])), {}).get("settings")
+    points: dict[str, dict] = {}
+    for record in records:
+        for name, point in finished_points(record, identity).items():
+            if name in points and points[name] != point:
+                raise ValueError(f"the records disagree on point {name!r}: run it once")
+            points.setdefault(name, point)
+    order = [
+        point_name(label) for label, _ in feature_grid(FlashLoopConfig.from_dict(first["config"]))
+    ]
+    unknown = sorted(set(points) - set(order))
+    if unknown:
+        raise ValueError(f"points {unknown} are not in the grid of the records' config")
+    identity.pop("settings")
+    merged = [points[name] for name in order if name in points]
+    return {**identity, "device": first.get("device"), "combinations": merged}
