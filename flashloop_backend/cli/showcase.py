@@ -21,8 +21,8 @@ from flashloop_backend.registry import Registry
 from flashloop_backend.tools.evaluation import EvalSettings, evaluate, heldout_text
 
 ALL_ON = FlashLoopConfig(
-    token_sparse_prefill={"enabled": True, "window_size": 64, "retention": [1, 1, 0.75, 0.5]},
-    sparse_decode_attention={"enabled": True, "key_retention": 0.25},
+    token_sparse_prefill={"enabled": True, "window_size": 64, "retention": [1, 1, 1, 0.75]},
+    sparse_decode_attention={"enabled": True, "key_retention": 0.1},
     kv_residual_quantization={"enabled": True, "policy": "fixed_prompt", "group_size": 64},
 )
 QUICK_EVAL = EvalSettings(
