@@ -209,6 +209,12 @@ class AttentionBackend(ABC):
         drafted tokens whose KV a rejection leaves unread (none: it can)."""
         return []
 
+    def tensor_parallel_blockers(self) -> list[str]:
+        """Why this backend cannot serve one rank's share of the heads under tensor
+        parallelism, its state split with its heads and nothing exchanged between ranks
+        (none: it can)."""
+        return []
+
     # ------------------------------------------------------------ CUDA graphs
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""

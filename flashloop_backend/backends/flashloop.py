@@ -69,6 +69,14 @@ SPECULATION_SUPPORT = {
     "kv_residual_quantization": True,
 }
 SPECULATION_POLICIES = ("fixed_prompt", "rolling")
+# Whether each feature's state splits with the heads under tensor parallelism: token
+# selection reads the hidden state every rank holds whole, top-K keys and loop-2
+# references are per head, packed pages per KV head, so no rank needs another's state.
+TENSOR_PARALLEL_SUPPORT = {
+    "token_sparse_prefill": True,
+    "sparse_decode_attention": True,
+    "kv_residual_quantization": True,
+}
 PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
@@ -231,6 +239,15 @@ class FlashLoopBackend(AttentionBackend):
                 f"speculative rows (policies that do: {list(SPECULATION_POLICIES)})"
             )
         return blockers
+
+    def tensor_parallel_blockers(self) -> list[str]:
+        supported = sorted(name for name, ok in TENSOR_PARALLEL_SUPPORT.items() if ok)
+        return [
+            f"feature {name!r} does not split over tensor-parallel ranks (features that do: "
+            f"{supported})"
+            for name in self.config.enabled_features()
+            if not TENSOR_PARALLEL_SUPPORT[name]
+        ]
 
     def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
         """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""

@@ -99,7 +99,7 @@ def _load(args: argparse.Namespace):
     device, dtype = _pick_device(args.device)
     config = load_config(args.config)
     try:
-        model = load_model(args.model, device, dtype)
+        model = load_model(args.model, device, dtype, getattr(args, "tensor_parallel", None))
         tokenizer = load_tokenizer(args.model)
     except ModelError as exc:
         raise ConfigError(f"cannot load model {args.model!r}: {exc}") from None
@@ -252,6 +252,8 @@ def _generate(args: argparse.Namespace) -> int:
     from flashloop_backend.host.snapshot import SnapshotError, load_snapshot
 
     _check_generate_args(args)
+    if args.tp > 1 and getattr(args, "tensor_parallel", None) is None:
+        return _generate_tensor_parallel(args)
     snapshot = None
     if args.restore is not None:  # a bad file is refused before the model loads
         try:
@@ -302,6 +304,8 @@ def _generate(args: argparse.Namespace) -> int:
             "backend": selection.info.selected_backend,
             "seconds": seconds,
         }
+        if args.tp > 1:
+            record["tensor_parallel"] = args.tp
         if args.snapshot is not None:
             record["snapshot"] = args.snapshot
             record["snapshot_bytes"] = saved_bytes
@@ -322,6 +326,56 @@ def _generate(args: argparse.Namespace) -> int:
                 f"({counts['acceptance_rate']:.0%}) in {counts['speculation_blocks']} blocks]"
             )
     return 0
+
+
+def _generate_tensor_parallel(args: argparse.Namespace) -> int:
+    """``generate --tp R``: R ranks, each with its share of the heads, run the request
+    together; rank 0 prints. What would refuse the run in every rank is refused here."""
+    import random
+
+    from flashloop_backend.host.config import ModelError, OuroConfig
+    from flashloop_backend.host.tensor_parallel import run_ranks, shard_reasons
+
+    if args.snapshot is not None or args.restore is not None:
+        raise ConfigError(
+            "--tp with --snapshot or --restore: a snapshot holds one engine with every head; "
+            "save and restore without --tp"
+        )
+    device, _ = _pick_device(args.device)
+    try:
+        cfg = OuroConfig.from_file(Path(args.model) / "config.json")
+    except (ModelError, OSError) as exc:
+        raise ConfigError(f"cannot load model {args.model!r}: {exc}") from None
+    reasons = shard_reasons(cfg, args.tp)
+    if reasons:
+        raise ConfigError(f"--tp {args.tp}: {'; '.join(reasons)}")
+    if (args.temperature or 0.0) > 0 and args.seed is None:
+        args.seed = random.randrange(2**31)  # every rank must draw the same tokens
+    try:
+        return run_ranks(args.tp, _generate_rank, (vars(args),), device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _generate_rank(tp, arguments: dict) -> int:
+    """One rank of ``generate --tp``: the same run on this rank's heads; only rank 0
+    writes the result."""
+    import os
+
+    from flashloop_backend.cli.main import EXIT_UNSERVABLE, EXIT_USAGE
+
+    args = argparse.Namespace(**arguments, tensor_parallel=tp)
+    errors = sys.stderr
+    if tp.rank:  # output, logs and progress bars come from rank 0 alone
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    try:
+        return _generate(args)
+    except UnservableError as exc:
+        print(f"error (rank {tp.rank}): {exc}", file=errors)
+        return EXIT_UNSERVABLE
+    except ConfigError as exc:
+        print(f"error (rank {tp.rank}): {exc}", file=errors)
+        return EXIT_USAGE
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -542,6 +596,14 @@ def add_commands(sub) -> None:
         type=positive_int,
         default=2,
         help="--speculate: loops a draft token runs before its guess (1 or 2; default 2)",
+    )
+    gen.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        metavar="R",
+        help="tensor parallel: split the heads over R ranks (processes joined by gloo on "
+        "the CPU, NCCL on R GPUs); greedy tokens equal the single-engine run's",
     )
     gen.add_argument("--snapshot", metavar="FILE", help="save the request here and stop")
     gen.add_argument(

@@ -89,6 +89,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
             raise ValueError(
                 f"max_context={max_context} must lie in [1, max_position_embeddings={limit}]"
             )
+        if getattr(model, "tensor_parallel", None) is not None:
+            blockers = backend.tensor_parallel_blockers()
+            if blockers:
+                raise ValueError("; ".join(blockers))
         param = next(model.parameters())
         self.model, self.backend, self.cfg = model, backend, cfg
         self.device, self.dtype = param.device, param.dtype

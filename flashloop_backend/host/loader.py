@@ -11,6 +11,7 @@ import torch
 
 from flashloop_backend.host.config import ModelError, OuroConfig
 from flashloop_backend.host.model import OuroModel
+from flashloop_backend.host.tensor_parallel import TensorParallel, shard_config, shard_state
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -114,19 +115,31 @@ def check_weights(cfg: OuroConfig, weights: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(
-    directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    directory: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tensor_parallel: TensorParallel | None = None,
 ) -> OuroModel:
+    """The checkpoint in ``directory`` on ``device`` in ``dtype``, projections fused;
+    with ``tensor_parallel``, only that rank's heads and MLP channels."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelError(f"model directory {str(directory)!r} does not exist")
     cfg = OuroConfig.from_file(directory / "config.json")
     weights = read_weights(directory)
     check_weights(cfg, weights)
+    state = {k: v.to(dtype) for k, v in weights.items() if k in expected_shapes(cfg)}
+    if tensor_parallel is not None:
+        try:
+            state = shard_state(cfg, state, tensor_parallel)
+            cfg = shard_config(cfg, tensor_parallel.world_size)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
     with torch.device("meta"):
         model = OuroModel(cfg)
-    state = {k: v.to(dtype) for k, v in weights.items() if k in expected_shapes(cfg)}
     model.load_state_dict(state, assign=True)
     model = model.to(device=device).eval()
+    model.tensor_parallel = tensor_parallel
     model.fuse_projections()
     return model
 

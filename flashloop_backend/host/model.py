@@ -144,6 +144,8 @@ class OuroModel(nn.Module):
         # fused projections and the layer kernels (on CUDA); False: the reference path
         self.fused = False
         self.model = OuroBackbone(cfg)
+        # this rank's share of the heads (host/tensor_parallel.py); None: the whole model
+        self.tensor_parallel = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def fuse_projections(self) -> None:
@@ -197,12 +199,17 @@ class OuroModel(nn.Module):
             attn = attn.reshape(attn.shape[0], -1)
             o_proj = layer.self_attn.o_proj
             attn = linear(attn, o_proj.weight) if self.fused else o_proj(attn)
+            if self.tensor_parallel is not None:  # row-parallel o_proj: partial sums
+                attn = self.tensor_parallel.all_reduce(attn)
             norm_2, post = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
             h, x = add_rms_norm(h, attn, norm_2, post, eps, kernels)
             last = index + 1 == len(layers)
             after = self.model.norm if last else layers[index + 1].input_layernorm
+            mlp = layer.mlp(x)
+            if self.tensor_parallel is not None:  # row-parallel down_proj: partial sums
+                mlp = self.tensor_parallel.all_reduce(mlp)
             h, x = add_rms_norm(
-                h, layer.mlp(x), layer.post_attention_layernorm_2.weight, after.weight, eps, kernels
+                h, mlp, layer.post_attention_layernorm_2.weight, after.weight, eps, kernels
             )
         return x
 
