@@ -81,8 +81,8 @@ def test_a_fused_model_is_refused_before_sharding():
         shard_model(model, TensorParallel(0, 2))
 
 
-def _rank_tokens(tp, out_path: str) -> int:
-    model = shard_model(tiny_model(seed=7, **FOUR_KV_HEADS), tp)
+def _rank_tokens(tp, out_path: str, overrides: dict) -> int:
+    model = shard_model(tiny_model(seed=7, **overrides), tp)
     combinations = zip(COMBINATION_IDS, COMBINATIONS, strict=True)
     tokens = {name: _tokens(model, _config(flags)) for name, flags in combinations}
     if tp.rank == 0:
@@ -91,12 +91,16 @@ def _rank_tokens(tp, out_path: str) -> int:
     return 0
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ranks_give_one_engines_greedy_tokens_for_every_combination(tmp_path, world_size):
+# 2 ranks: grouped-query heads (4 query heads over 2 KV heads), each rank a whole group;
+# 4 ranks: one query and one KV head each
+@pytest.mark.parametrize(("world_size", "overrides"), [(2, {}), (4, FOUR_KV_HEADS)])
+def test_ranks_give_one_engines_greedy_tokens_for_every_combination(
+    tmp_path, world_size, overrides
+):
     out = tmp_path / "tokens.json"
-    assert run_ranks(world_size, _rank_tokens, (str(out),), "cpu") == 0
+    assert run_ranks(world_size, _rank_tokens, (str(out), overrides), "cpu") == 0
     ranks = json.loads(out.read_text())
-    model = tiny_model(seed=7, **FOUR_KV_HEADS)
+    model = tiny_model(seed=7, **overrides)
     for name, flags in zip(COMBINATION_IDS, COMBINATIONS, strict=True):
         assert ranks[name] == _tokens(model, _config(flags)), name
 
