@@ -30,6 +30,11 @@ class RequestSnapshots:
         at_block_start = r.block is None or (len(r.block.tokens) == 1 and not r.block.verifying)
         return r.phase == "decode" and r.depth == 0 and at_block_start
 
+    def snapshot_identity(self) -> tuple[dict, dict]:
+        """(identity, geometry) a snapshot must carry to be restored here: the manifest
+        fields :func:`~flashloop_backend.host.snapshot.check_matches` compares."""
+        return self._identity()
+
     def _identity(self) -> tuple[dict, dict]:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
