@@ -78,15 +78,16 @@ class RequestSnapshots:
             tensors["prompt_active"] = torch.stack(r.schedule.active_history).cpu()
         if r.logprobs:
             tensors["logprobs"] = torch.stack(r.logprobs).cpu()
-        request = {
-            "prompt": r.prompt,
-            "output": r.output,
-            "exit_depths": r.exit_depths,
+        copied = lambda v: None if v is None else list(v)  # noqa: E731 - the request runs on
+        request = {  # copies: the running request's later tokens must not reach the manifest
+            "prompt": list(r.prompt),
+            "output": list(r.output),
+            "exit_depths": list(r.exit_depths),
             "params": {**vars(r.params), "stop": list(r.params.stop)},
-            "forced": r.forced,
+            "forced": copied(r.forced),
             "keep_logprobs": r.logprobs is not None,
-            "replay": r.replay,
-            "replay_exits": r.replay_exits,
+            "replay": copied(r.replay),
+            "replay_exits": copied(r.replay_exits),
         }
         manifest = {
             "format": SNAPSHOT_FORMAT,

@@ -8,6 +8,7 @@ then restores the request. Serialization is the snapshot's (``Engine.snapshot`` 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 import uuid
@@ -145,8 +146,9 @@ class Producer:
         )
         metadata = self.agent.get_agent_metadata()
         generation = uuid.uuid4().hex[:16]
+        manifest = json.loads(json.dumps(snapshot.manifest))  # portable, P's own copy
         descriptor = HandoffDescriptor(
-            PD_FORMAT, generation, snapshot.manifest, entries, self.agent.name, metadata
+            PD_FORMAT, generation, manifest, entries, self.agent.name, metadata
         )
         self.exports[descriptor.generation] = _Export(descriptor, tensors, registrations)
         self.timings[descriptor.generation] = {"export_s": time.perf_counter() - start}
