@@ -286,6 +286,7 @@ def _generate_pd(args: argparse.Namespace) -> int:
         if p_engine.output_count(rid) is None:  # finished at its first token: nothing to hand
             result, record = done[0], {"transport": "nixl", "handoff": "none (finished on P)"}
         else:
+            p_engine.hand_over_prompts()  # packing the prompt is P's prefill, not the handoff
             descriptor = producer.export(p_engine, rid)
             d_rid = consumer.receive(descriptor)
             producer.settle(descriptor.generation)
