@@ -247,9 +247,86 @@ def _run_one(engine, submit, prompt_rows: int, args, label: str):
         raise ConfigError(str(exc)) from None
 
 
+def _generate_pd(args: argparse.Namespace) -> int:
+    """``generate --pd nixl``: a producer engine prefills and makes the first token, hands
+    the request over NIXL to a consumer engine (same model, config and backend, two agents
+    in this process), which makes the rest (docs/pd_handoff.md)."""
+    from flashloop_backend.host.engine import SamplingParams
+    from flashloop_backend.host.generation import run_with_progress
+    from flashloop_backend.host.kvcache import OutOfBlocksError
+    from flashloop_backend.host.snapshot import SnapshotError
+
+    taken = [f"--{n}" for n in ("snapshot", "restore", "speculate") if getattr(args, n, None)]
+    taken += ["--tp"] if args.tp > 1 else []
+    if taken or args.prompt is None:
+        raise ConfigError(f"--pd runs one --prompt through a handoff; leave out {taken}")
+    try:
+        from flashloop_backend.host import pd_handoff as pd
+
+        producer_agent, consumer_agent = pd.nixl_agent("P"), pd.nixl_agent("D")
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    p_engine, tokenizer, selection = _setup(args, log)
+    d_engine, _, _ = _setup(args, lambda msg: None)
+    producer, consumer = pd.Producer(producer_agent), pd.Consumer(consumer_agent, d_engine)
+    producer.connect(consumer_agent.get_agent_metadata())
+    prompt = _encode(tokenizer, p_engine, args.prompt)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, seed=args.seed
+    )
+    for engine in (p_engine, d_engine):  # the model fingerprint is computed once, not timed
+        engine.snapshot_identity()
+    start = time.perf_counter()
+    try:
+        rid = p_engine.add_request(prompt, params)
+        while p_engine.output_count(rid) is not None and not (
+            p_engine.has_first_token(rid) and p_engine.at_token_boundary(rid)
+        ):
+            done = p_engine.step()
+        if p_engine.output_count(rid) is None:  # finished at its first token: nothing to hand
+            result, record = done[0], {"transport": "nixl", "handoff": "none (finished on P)"}
+        else:
+            p_engine.hand_over_prompts()  # packing the prompt is P's prefill, not the handoff
+            descriptor = producer.export(p_engine, rid)
+            d_rid = consumer.receive(descriptor)
+            producer.settle(descriptor.generation)
+            p_engine.cancel(rid)  # D acknowledged: P's copy of the request ends
+            timings = consumer.timings[descriptor.generation]
+            record = pd.handoff_record(descriptor, producer.timings[descriptor.generation], timings)
+            result = run_with_progress(d_engine, [d_rid], 0, args.max_new_tokens, "generate")[0]
+    except (ValueError, OutOfBlocksError, SnapshotError, pd.HandoffError) as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        producer.close()
+        consumer.close()
+    seconds = time.perf_counter() - start
+    tokens, loops = result.output_token_ids, p_engine.cfg.total_ut_steps
+    if args.json:
+        record = {
+            "prompt_token_ids": result.prompt_token_ids,
+            "output_token_ids": tokens,
+            "output_text": tokenizer.decode(tokens),
+            "finish_reason": result.finish_reason,
+            "exit_depths": [loops - 1, *result.exit_depths][: len(tokens)],
+            "backend": selection.info.selected_backend,
+            "seconds": seconds,
+            "pd": record,
+        }
+        print(json.dumps(record))
+    else:
+        print(args.prompt + tokenizer.decode(tokens))
+        moved = record.get("transferred_bytes", {}).get("total", 0)
+        log(f"[{len(tokens)} tokens, {seconds:.2f} s, handed over P -> D: {moved} bytes]")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from flashloop_backend.host.engine import SamplingParams
     from flashloop_backend.host.snapshot import SnapshotError, load_snapshot
+
+    if getattr(args, "pd", None):
+        return _generate_pd(args)
 
     _check_generate_args(args)
     if args.tp > 1 and getattr(args, "tensor_parallel", None) is None:
@@ -616,6 +693,11 @@ def add_commands(sub) -> None:
         "--restore",
         metavar="FILE",
         help="continue a saved request for --max-new-tokens more tokens",
+    )
+    gen.add_argument(
+        "--pd",
+        choices=["nixl"],
+        help="prefill in one engine, hand the request over NIXL, decode in another",
     )
     gen.set_defaults(handler=_generate)
     ev = sub.add_parser(

@@ -30,6 +30,11 @@ class RequestSnapshots:
         at_block_start = r.block is None or (len(r.block.tokens) == 1 and not r.block.verifying)
         return r.phase == "decode" and r.depth == 0 and at_block_start
 
+    def snapshot_identity(self) -> tuple[dict, dict]:
+        """(identity, geometry) a snapshot must carry to be restored here: the manifest
+        fields :func:`~flashloop_backend.host.snapshot.check_matches` compares."""
+        return self._identity()
+
     def _identity(self) -> tuple[dict, dict]:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
@@ -73,15 +78,16 @@ class RequestSnapshots:
             tensors["prompt_active"] = torch.stack(r.schedule.active_history).cpu()
         if r.logprobs:
             tensors["logprobs"] = torch.stack(r.logprobs).cpu()
-        request = {
-            "prompt": r.prompt,
-            "output": r.output,
-            "exit_depths": r.exit_depths,
+        copied = lambda v: None if v is None else list(v)  # noqa: E731 - the request runs on
+        request = {  # copies: the running request's later tokens must not reach the manifest
+            "prompt": list(r.prompt),
+            "output": list(r.output),
+            "exit_depths": list(r.exit_depths),
             "params": {**vars(r.params), "stop": list(r.params.stop)},
-            "forced": r.forced,
+            "forced": copied(r.forced),
             "keep_logprobs": r.logprobs is not None,
-            "replay": r.replay,
-            "replay_exits": r.replay_exits,
+            "replay": copied(r.replay),
+            "replay_exits": copied(r.replay_exits),
         }
         manifest = {
             "format": SNAPSHOT_FORMAT,
