@@ -78,16 +78,15 @@ class RequestSnapshots:
             tensors["prompt_active"] = torch.stack(r.schedule.active_history).cpu()
         if r.logprobs:
             tensors["logprobs"] = torch.stack(r.logprobs).cpu()
-        copied = lambda v: None if v is None else list(v)  # noqa: E731 - the request runs on
         request = {  # copies: the running request's later tokens must not reach the manifest
             "prompt": list(r.prompt),
             "output": list(r.output),
             "exit_depths": list(r.exit_depths),
             "params": {**vars(r.params), "stop": list(r.params.stop)},
-            "forced": copied(r.forced),
+            "forced": _copied(r.forced),
             "keep_logprobs": r.logprobs is not None,
-            "replay": copied(r.replay),
-            "replay_exits": copied(r.replay_exits),
+            "replay": _copied(r.replay),
+            "replay_exits": _copied(r.replay_exits),
         }
         manifest = {
             "format": SNAPSHOT_FORMAT,
@@ -213,6 +212,10 @@ class RequestSnapshots:
         index = index.to(self.device)
         self.kv.key_pool[index] = keys.to(self.device, self.kv.key_pool.dtype)
         self.kv.value_pool[index] = values.to(self.device, self.kv.value_pool.dtype)
+
+
+def _copied(tokens: list[int] | None) -> list[int] | None:
+    return None if tokens is None else list(tokens)
 
 
 def _bytes_by_part(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
