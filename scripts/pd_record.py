@@ -1,5 +1,6 @@
 """Transferred bytes, handoff latency and NIXL registered bytes of a PD handoff on the
-embedded model: for dense and for --config (all on), a prompt of --context tokens of the
+model (--model, the embedded one by default): for dense and for --config (all on), a
+prompt of --context tokens of the
 held-out text is prefilled by a producer engine to its first token, handed over NIXL
 (UCX, host memory, two agents in this process) to a consumer engine, which makes
 --new-tokens more (packing the completed prompt, which P's next step would do, is timed
@@ -8,6 +9,8 @@ one JSON record.
 
     python3 scripts/pd_record.py --config configs/all_on.json --context 1000 \\
         --out results/issue27/pd_handoff_cpu.json
+    python3 scripts/pd_record.py --model models/ouro-eval-bytes-20m --device cuda \\
+        --out $OUT/pd_handoff_h200.json
 """
 
 import argparse
@@ -15,6 +18,8 @@ import json
 import platform
 import time
 from pathlib import Path
+
+import torch
 
 from flashloop_backend.config import load_config
 from flashloop_backend.host.embedded import embedded_model_path
@@ -67,9 +72,14 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--out", default="results/issue27/pd_handoff_cpu.json")
+    parser.add_argument("--model", default=str(embedded_model_path()), help="checkpoint dir")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: BF16 engines on the GPU"
+    )
     args = parser.parse_args()
-    model = load_model(embedded_model_path(), "cpu")
-    tokenizer = load_tokenizer(embedded_model_path())
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = load_model(args.model, args.device, dtype)
+    tokenizer = load_tokenizer(args.model)
     text, source = heldout_text()
     prompt = tokenizer.encode(text).ids[: args.context]
     producer, consumer_agent = Producer(nixl_agent("P")), nixl_agent("D")
@@ -80,7 +90,11 @@ def main() -> int:
     }
     producer.close()
     record = {
-        "what": "PD handoff over NIXL (UCX, DRAM to DRAM, one process), embedded model, CPU",
+        "what": "PD handoff over NIXL (UCX, one process): the snapshot stages through host "
+        "memory, so the ranges move DRAM to DRAM on either device",
+        "model": args.model,
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
         "config": args.config,
         "prompt_tokens": len(prompt),
         "text_source": source,
