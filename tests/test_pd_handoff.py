@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from flashloop_backend import FlashLoopConfig
-from flashloop_backend.host import SamplingParams
+from flashloop_backend.host import Engine, SamplingParams, load_model
+from flashloop_backend.host.embedded import embedded_model_path
 from flashloop_backend.host.kvcache import OutOfBlocksError
 from flashloop_backend.host.pd_handoff import Consumer, HandoffError, Producer, nixl_agent
 from flashloop_backend.host.snapshot import SnapshotError
+from flashloop_backend.registry import Registry
 
 from .host_helpers import tiny_model
 from .test_feature_combinations import COMBINATION_IDS, COMBINATIONS, _config, _engine
@@ -116,15 +118,34 @@ def test_payload_metadata_and_prompt_hidden_arrive_unchanged(sides):
     assert _bytes(d_engine._live(d_rid).hidden) == _bytes(p_engine._live(rid).hidden)
 
 
+def _embedded_engine(model, config, **kwargs):
+    request = model.support_request(4)
+    backend = Registry.discover().create("flashloop", request, config)
+    return Engine(model, backend, num_blocks=240, block_size=4, prefill_chunk=16, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(embedded_model_path(), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "embedded"])
 @pytest.mark.parametrize("flags", COMBINATIONS, ids=COMBINATION_IDS)
-def test_p_to_d_gives_the_tokens_of_one_engine(sides, flags):
+def test_p_to_d_gives_the_tokens_of_one_engine(sides, flags, model_name, request):
     producer, consumer = sides
-    model, config = tiny_model(seed=7), _config(flags)
+    if model_name == "tiny":
+        model, engine = tiny_model(seed=7), _engine
+    else:  # the embedded model's own shapes (2 heads of 128), as `generate --pd` runs it
+        model, engine = request.getfixturevalue("embedded"), _embedded_engine
+    config = _config(flags)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    whole = _engine(model, config).generate([PROMPT], params)[0]
-    p_engine, rid = _prefilled(model, config)
+    whole = engine(model, config).generate([PROMPT], params)[0]
+    p_engine = engine(model, config)
+    rid = p_engine.add_request(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while not (p_engine.has_first_token(rid) and p_engine.at_token_boundary(rid)):
+        p_engine.step()
     descriptor = producer.export(p_engine, rid)
-    d_engine = _engine(model, config)
+    d_engine = engine(model, config)
     d_rid = consumer(d_engine).receive(descriptor, timeout_s=30)
     assert producer.settle(descriptor.generation) == "ack"
     p_engine.cancel(rid)

@@ -105,6 +105,31 @@ def test_ranks_give_one_engines_greedy_tokens_for_every_combination(
         assert ranks[name] == _tokens(model, _config(flags)), name
 
 
+def _rank_embedded_tokens(tp, out_path: str) -> int:
+    from flashloop_backend.host.embedded import embedded_model_path
+    from flashloop_backend.host.loader import load_model
+
+    model = load_model(embedded_model_path(), "cpu", torch.float32, tp)
+    combinations = zip(COMBINATION_IDS, COMBINATIONS, strict=True)
+    tokens = {name: _tokens(model, _config(flags)) for name, flags in combinations}
+    if tp.rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(tokens, handle)
+    return 0
+
+
+def test_two_ranks_give_the_embedded_models_tokens_for_every_combination(tmp_path):
+    from flashloop_backend.host.embedded import embedded_model_path
+    from flashloop_backend.host.loader import load_model
+
+    out = tmp_path / "tokens.json"
+    assert run_ranks(2, _rank_embedded_tokens, (str(out),), "cpu") == 0
+    ranks = json.loads(out.read_text())
+    model = load_model(embedded_model_path(), "cpu", torch.float32)
+    for name, flags in zip(COMBINATION_IDS, COMBINATIONS, strict=True):
+        assert ranks[name] == _tokens(model, _config(flags)), name
+
+
 def _failing_rank(tp) -> int:
     if tp.rank == 1:
         raise RuntimeError("rank 1 cannot start")
