@@ -28,6 +28,20 @@ def test_info_json_reports_truthful_capabilities(capsys):
     assert report["effective_config"]["kernels"]["dense_attention"] == "torch_reference"
 
 
+def test_info_reports_which_features_serve_speculation_and_tensor_parallel(capsys, monkeypatch):
+    from flashloop_backend.backends import flashloop
+
+    declared = dict(flashloop.TENSOR_PARALLEL_SUPPORT, kv_residual_quantization=False)
+    monkeypatch.setattr(flashloop, "TENSOR_PARALLEL_SUPPORT", declared)
+    assert main(["info", "--json"]) == 0
+    support = json.loads(capsys.readouterr().out)["feature_support"]
+    assert support["tensor_parallel"] == declared
+    assert support["speculation"] == flashloop.SPECULATION_SUPPORT
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "  tensor_parallel: token_sparse_prefill, sparse_decode_attention\n" in text
+
+
 def test_info_text_mentions_choice(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

@@ -77,6 +77,17 @@ TENSOR_PARALLEL_SUPPORT = {
     "sparse_decode_attention": True,
     "kv_residual_quantization": True,
 }
+
+
+def feature_support() -> dict[str, dict[str, bool]]:
+    """Which features serve speculative verification rows and which split over
+    tensor-parallel ranks (``info`` reports it; the engine refuses the rest by name)."""
+    return {
+        "speculation": dict(SPECULATION_SUPPORT),
+        "tensor_parallel": dict(TENSOR_PARALLEL_SUPPORT),
+    }
+
+
 PACKED_VERSION = {
     OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
     OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,

@@ -20,6 +20,7 @@ EXIT_UNSERVABLE = 3
 
 
 def _info(args: argparse.Namespace) -> int:
+    from flashloop_backend.backends.flashloop import feature_support
     from flashloop_backend.capabilities import Capability, SupportRequest
     from flashloop_backend.config import load_config
     from flashloop_backend.registry import AUTO, Registry, resolve
@@ -39,6 +40,7 @@ def _info(args: argparse.Namespace) -> int:
         "backends": _backend_rows(registry, config),
         "kernels": _kernel_rows(registry),
         "load_failures": [f.reason() for f in registry.failures.values()],
+        "feature_support": feature_support(),
     }
     try:
         auto = registry.select_backend(AUTO, request, config)
@@ -153,6 +155,9 @@ def _print_text(report: dict) -> None:
             print(f"  {name}: NOT LOADED — {row['reason']}")
             continue
         print(f"  {name} {row['version']} (priority {row['priority']}): {', '.join(row['ops'])}")
+    print("\nflashloop features serve:")
+    for mode, features in report["feature_support"].items():
+        print(f"  {mode}: {', '.join(f for f, ok in features.items() if ok) or '-'}")
     auto = report["auto"]
     print(f"\nauto picks: {auto['selected']} — {auto['reason']}")
     for name, reasons in auto["rejected"].items():
