@@ -140,6 +140,8 @@ def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
     )
     log(
         f"(c) teacher-forced through the decode path, {QUICK_EVAL.windows} held-out windows of "
-        f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens"
+        f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens; all on is "
+        "configs/all_on.json, chosen on the 20M evaluation model (docs/flashloop.md: within "
+        "every budget there); this small embedded model loses more at key retention 0.10"
     )
     return {"rows": rows, "quality": quality}
