@@ -73,13 +73,21 @@ def sides(agents):
     assert not p_agent.live and not d_agent.live
 
 
-def _prefilled(model, config, new=6, **kwargs):
-    """P's engine with the prompt prefilled and its first token made, at a boundary."""
-    engine = _engine(model, config, **kwargs)
+def _prefilled(model, config, new=6, build=None, **kwargs):
+    """P's engine (``build``, default the tiny models' ``_engine``) with the prompt
+    prefilled and its first token made, at a boundary."""
+    engine = (build or _engine)(model, config, **kwargs)
     rid = engine.add_request(PROMPT, SamplingParams(max_new_tokens=new, ignore_eos=True))
     while not (engine.has_first_token(rid) and engine.at_token_boundary(rid)):
         engine.step()
     return engine, rid
+
+
+def _handed_over(producer):
+    """All on, tiny model: P prefilled and exported, and an empty D engine beside it."""
+    model = tiny_model(seed=3)
+    p_engine, rid = _prefilled(model, ALL_ON)
+    return p_engine, rid, producer.export(p_engine, rid), _engine(model, ALL_ON)
 
 
 def _finish(engine, rid):
@@ -140,10 +148,7 @@ def test_p_to_d_gives_the_tokens_of_one_engine(sides, flags, model_name, request
     config = _config(flags)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     whole = engine(model, config).generate([PROMPT], params)[0]
-    p_engine = engine(model, config)
-    rid = p_engine.add_request(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    while not (p_engine.has_first_token(rid) and p_engine.at_token_boundary(rid)):
-        p_engine.step()
+    p_engine, rid = _prefilled(model, config, build=engine)
     descriptor = producer.export(p_engine, rid)
     d_engine = engine(model, config)
     d_rid = consumer(d_engine).receive(descriptor, timeout_s=30)
@@ -156,10 +161,7 @@ def test_p_to_d_gives_the_tokens_of_one_engine(sides, flags, model_name, request
 
 def test_a_partial_transfer_never_activates_and_leaks_nothing(sides):
     producer, consumer = sides
-    model = tiny_model(seed=3)
-    p_engine, rid = _prefilled(model, ALL_ON)
-    descriptor = producer.export(p_engine, rid)
-    d_engine = _engine(model, ALL_ON)
+    _, _, descriptor, d_engine = _handed_over(producer)
     transfer = consumer(d_engine).begin(descriptor)
     transfer.start({e.name for e in descriptor.tensors} - {"hidden"})
     transfer.wait(30)
@@ -196,10 +198,7 @@ def test_producer_steps_during_the_transfer_do_not_change_what_d_receives(sides)
 @pytest.mark.parametrize("side", ["consumer", "producer"])
 def test_cancelling_mid_transfer_releases_everything_and_activates_nothing(sides, side):
     producer, consumer = sides
-    model = tiny_model(seed=3)
-    p_engine, rid = _prefilled(model, ALL_ON)
-    descriptor = producer.export(p_engine, rid)
-    d_engine = _engine(model, ALL_ON)
+    p_engine, rid, descriptor, d_engine = _handed_over(producer)
     d_side = consumer(d_engine)
     transfer = d_side.begin(descriptor)
     transfer.start()
@@ -227,10 +226,7 @@ def test_cancelling_mid_transfer_releases_everything_and_activates_nothing(sides
 
 def test_a_failed_activation_leaks_nothing_and_activates_nothing(sides):
     producer, consumer = sides
-    model = tiny_model(seed=3)
-    p_engine, rid = _prefilled(model, ALL_ON)
-    descriptor = producer.export(p_engine, rid)
-    d_engine = _engine(model, ALL_ON)
+    _, _, descriptor, d_engine = _handed_over(producer)
     transfer = consumer(d_engine).begin(descriptor)
     transfer.start()
     transfer.wait(30)
@@ -248,10 +244,7 @@ def test_a_failed_activation_leaks_nothing_and_activates_nothing(sides):
 
 def test_a_consumer_too_small_is_refused_before_any_byte_moves(sides):
     producer, consumer = sides
-    model = tiny_model(seed=3)
-    p_engine, rid = _prefilled(model, ALL_ON)
-    descriptor = producer.export(p_engine, rid)
-    d_engine = _engine(model, ALL_ON)
+    _, _, descriptor, d_engine = _handed_over(producer)
     kv = d_engine.kv  # all but 8 blocks taken
     kv.reserve(999, (kv.free_blocks - 8) // kv.num_depths * kv.block_size)
     d_side = consumer(d_engine)

@@ -81,14 +81,18 @@ def test_a_fused_model_is_refused_before_sharding():
         shard_model(model, TensorParallel(0, 2))
 
 
-def _rank_tokens(tp, out_path: str, overrides: dict) -> int:
-    model = shard_model(tiny_model(seed=7, **overrides), tp)
+def _write_rank_tokens(tp, model, out_path: str) -> int:
+    """Every combination's tokens on this rank's shard; rank 0 writes them."""
     combinations = zip(COMBINATION_IDS, COMBINATIONS, strict=True)
     tokens = {name: _tokens(model, _config(flags)) for name, flags in combinations}
     if tp.rank == 0:
         with open(out_path, "w") as handle:
             json.dump(tokens, handle)
     return 0
+
+
+def _rank_tokens(tp, out_path: str, overrides: dict) -> int:
+    return _write_rank_tokens(tp, shard_model(tiny_model(seed=7, **overrides), tp), out_path)
 
 
 # 2 ranks: grouped-query heads (4 query heads over 2 KV heads), each rank a whole group;
@@ -110,12 +114,7 @@ def _rank_embedded_tokens(tp, out_path: str) -> int:
     from flashloop_backend.host.loader import load_model
 
     model = load_model(embedded_model_path(), "cpu", torch.float32, tp)
-    combinations = zip(COMBINATION_IDS, COMBINATIONS, strict=True)
-    tokens = {name: _tokens(model, _config(flags)) for name, flags in combinations}
-    if tp.rank == 0:
-        with open(out_path, "w") as handle:
-            json.dump(tokens, handle)
-    return 0
+    return _write_rank_tokens(tp, model, out_path)
 
 
 def test_two_ranks_give_the_embedded_models_tokens_for_every_combination(tmp_path):
