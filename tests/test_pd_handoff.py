@@ -321,3 +321,15 @@ def test_generate_pd_refuses_what_it_does_not_combine_with(capsys, tmp_path):
     code = main(["generate", "--prompt", "a", "--pd", "nixl", "--tp", "2"])
     assert code == 2
     assert "leave out ['--tp']" in capsys.readouterr().err
+
+
+def test_without_nixl_generate_pd_names_the_package_and_the_install_command(capsys, monkeypatch):
+    import sys
+
+    from flashloop_backend.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # import of it raises ImportError
+    assert main(["generate", "--prompt", "a", "--pd", "nixl"]) == 2
+    err = capsys.readouterr().err
+    assert "PD handoff needs the nixl package" in err
+    assert 'pip install --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"' in err

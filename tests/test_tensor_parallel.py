@@ -184,3 +184,9 @@ def test_a_feature_that_does_not_split_is_refused_when_the_engine_is_built(monke
         _tokens(model, config)
     model.tensor_parallel = None  # the whole model on one engine is not refused
     assert len(_tokens(model, config)) == len(PROMPTS)
+
+
+def test_ranks_on_gpus_need_one_gpu_each(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="--tp 2 on cuda needs 2 GPUs; this machine has 1"):
+        run_ranks(2, _failing_rank, (), "cuda")
