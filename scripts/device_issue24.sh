@@ -15,8 +15,10 @@
 #   grids   the grid stage's points in parallel processes on the one GPU (the 20M model
 #           leaves it mostly idle): PARTS='a;b|c;d' gives each process the points whose
 #           name holds every text of its group; each resumes RESUME, and their records
-#           merge into $OUT/eval_grid.json (scripts/merge_eval_records.py); ADAPTIVE=1 runs
-#           the adaptive stage beside them
+#           merge into $OUT/eval_grid.json (scripts/merge_eval_records.py); ADAPTIVE_PARTS
+#           (same form, e.g. 'token_sparse_prefill|!token_sparse_prefill') runs the adaptive
+#           stage's combinations in parallel parts beside them
+#   exitspeed  TTFT and TPOT with and without Ouro's exit rule (bench e2e --exit-threshold)
 #   profile where an all-on eval's time goes (py-spy stacks of a 64-window run)
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike
 #           (--exit-threshold ${EXIT:-0.9}), exit-depth histograms in the record
@@ -42,33 +44,47 @@ case "${1:?stage: train, grid, speed or adaptive}" in
       --grid "${chosen[@]}" --windows 256 --context 1024 --passkey-contexts 512,1024,2048 \
       --resume --out "$OUT/eval_grid.json" 2>&1 | tee "$OUT/grid.log" | tail -40 ;;
   grids)
-    mkdir -p "$OUT/parts"; pids=(); i=0
-    IFS='|' read -ra groups <<< "${PARTS:?PARTS='a;b|c;d'}"
-    for group in "${groups[@]}"; do
-      part=(); IFS=';' read -ra texts <<< "$group"
-      for t in "${texts[@]}"; do part+=(--grid-points "$t"); done
-      [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/parts/$i.json" && chmod u+w "$OUT/parts/$i.json"
-      run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" \
-        --config configs/all_on.json --grid "${part[@]}" --windows 256 --context 1024 \
-        --passkey-contexts 512,1024,2048 --resume --out "$OUT/parts/$i.json" \
-        > "$OUT/parts/$i.log" 2>&1 &
-      pids+=($!); i=$((i + 1))
-    done
-    [ "${ADAPTIVE:-0}" = 1 ] && { bash "$0" adaptive > "$OUT/parts/adaptive.log" 2>&1 & pids+=($!); }
+    # eval_parts NAME FLAGS PARTS: one eval process per '|'-separated group of PARTS (each
+    # with the points whose name holds every ';'-separated text of its group, '!text': not
+    # that text), each resuming RESUME, their records merged into $OUT/NAME.json
+    eval_parts() {
+      local name=$1 flags=$2 i=0 group part texts t
+      mkdir -p "$OUT/parts/$name"; IFS='|' read -ra groups <<< "$3"
+      for group in "${groups[@]}"; do
+        part=(); IFS=';' read -ra texts <<< "$group"
+        for t in "${texts[@]}"; do part+=(--grid-points "$t"); done
+        [ -n "${RESUME:-}" ] && [ "$name" = eval_grid ] && cp "$RESUME" "$OUT/parts/$name/$i.json" \
+          && chmod u+w "$OUT/parts/$name/$i.json"
+        # shellcheck disable=SC2086  # FLAGS holds several words
+        run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" \
+          --config configs/all_on.json $flags "${part[@]}" --windows 256 --context 1024 \
+          --passkey-contexts 512,1024,2048 --resume --out "$OUT/parts/$name/$i.json" \
+          > "$OUT/parts/$name/$i.log" 2>&1 &
+        pids+=($!); i=$((i + 1))
+      done
+    }
+    pids=()
+    [ -n "${PARTS:-}" ] && eval_parts eval_grid --grid "$PARTS"
+    # ADAPTIVE_PARTS: the combinations with Ouro's exit rule on (--exit-threshold ${EXIT:-0.9})
+    [ -n "${ADAPTIVE_PARTS:-}" ] && eval_parts "eval_combinations_exit${EXIT:-0.9}" \
+      "--combinations --exit-threshold ${EXIT:-0.9}" "$ADAPTIVE_PARTS"
     for pid in "${pids[@]}"; do wait "$pid"; done
-    python3 scripts/merge_eval_records.py "$OUT/eval_grid.json" "$OUT"/parts/[0-9]*.json
-    for log in "$OUT"/parts/*.log; do echo "== $log"; tail -c 400 "$log"; echo; done
+    for dir in "$OUT"/parts/*/; do
+      python3 scripts/merge_eval_records.py "$OUT/$(basename "$dir").json" "$dir"[0-9]*.json
+    done
+    for log in "$OUT"/parts/*/*.log; do echo "== $log"; tail -c 400 "$log"; echo; done
     tar -czf "$OUT/grid_logs.tar.gz" -C "$OUT/parts" . && rm -r "$OUT/parts" ;;
-  adaptive)
-    run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" --config configs/all_on.json \
-      --combinations --exit-threshold "${EXIT:-0.9}" --windows 256 --context 1024 \
-      --passkey-contexts 512,1024,2048 \
-      --out "$OUT/eval_combinations_exit${EXIT:-0.9}.json" 2>&1 | tail -12 ;;
-  speed)
-    run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
-      --config configs/all_on.json --grid "${chosen[@]}" --contexts 32768 --concurrency 1 \
-      --layers 24 --new-tokens 16 --warmup-context 4096 --out "$OUT/bench_e2e_grid_32k.json" \
-      2>&1 | tee "$OUT/speed.log" | grep -E "e2e |Error" ;;
+  exitspeed)
+    # latency under Ouro's exit rule: the evaluation model on held-out text, dense Triton
+    # and all on from CUDA graphs, fixed depth and with the rule (--exit-threshold EXIT)
+    for threshold in none "${EXIT:-0.9}"; do
+      rule=(); [ "$threshold" != none ] && rule=(--exit-threshold "$threshold")
+      run flashloop-backend bench e2e --model "${MODEL:?MODEL=checkpoint dir}" \
+        --backends triton+graphs,flashloop+graphs --config configs/all_on.json \
+        --contexts 1024,3968 --concurrency 1,16 --new-tokens 64 --passes 3 "${rule[@]}" \
+        --out "$OUT/bench_e2e_exit_$threshold.json" 2>&1 | tee -a "$OUT/exitspeed.log" \
+        | grep -E "e2e |Error"
+    done ;;
   profile)
     # where an all-on eval's time goes: py-spy stacks every 15 s of a 64-window run
     # (py-spy's wheel in .tools/, carried beside .whl)

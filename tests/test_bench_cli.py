@@ -120,6 +120,26 @@ def test_the_timed_workload_probes_the_hand_over_step():
     assert probe["peak_before_bytes"] == probe["hand_over_step_peak_bytes"] == 0  # on CPU
 
 
+def test_the_timed_workload_counts_exits_per_loop():
+    """Every generated token that ran loops is counted once, at the loop it left after."""
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.host import Engine
+    from flashloop_backend.registry import Registry
+    from flashloop_backend.tools.bench.e2e import _timed_workload
+
+    from .test_host_engine import early_exit_model
+
+    request = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+    backend = Registry.discover().create("torch", request)
+    engine = Engine(early_exit_model(), backend, num_blocks=96, block_size=4)
+    exits = [0] * 4
+    prompts = [[(3 * i + 2) % 61 for i in range(n)] for n in (12, 20)]
+    ids, _, done, _ = _timed_workload(engine, prompts, 9, exits=exits)
+    assert set(done) == set(ids)
+    assert sum(exits) == 2 * 8  # the first token comes from the prompt's loops
+    assert sum(1 for n in exits[:-1] if n) >= 2  # this model's tokens leave early
+
+
 def test_a_grid_run_measures_the_flashloop_entries_at_every_point():
     from flashloop_backend import FlashLoopConfig
     from flashloop_backend.tools.bench.e2e import planned_runs
@@ -174,3 +194,27 @@ def test_a_checkpoint_runs_its_own_layers_and_only_in_e2e(capsys):
     argv = ["bench", "serving", "--backends", "triton", "--model", EVAL_MODEL]
     assert main(argv) == EXIT_USAGE
     assert "--model applies to bench e2e, not bench serving" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({}, r"exit_threshold=0.9 needs a trained checkpoint \(--model\)"),
+        ({"checkpoint": EVAL_MODEL, "exit_threshold": 1.5}, r"exit_threshold=1.5 must be in"),
+        ({"checkpoint": EVAL_MODEL, "exit_threshold": 0.0}, r"exit_threshold=0.0 must be in"),
+    ],
+)
+def test_the_exit_rule_needs_a_checkpoint_and_a_threshold_in_range(kwargs, fragment):
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.e2e import bench_end_to_end
+
+    kwargs = {"exit_threshold": 0.9, **kwargs}
+    with pytest.raises(ConfigError, match=fragment):
+        bench_end_to_end(["triton"], 64, 1, **kwargs)
+
+
+def test_the_exit_rule_applies_to_bench_e2e_only(capsys):
+    from flashloop_backend.cli.main import EXIT_USAGE, main
+
+    assert main(["bench", "serving", "--exit-threshold", "0.9"]) == EXIT_USAGE
+    assert "--exit-threshold applies to bench e2e, not bench serving" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from flashloop_backend.tools.grid import (
     KEY_RETENTIONS,
     POLICIES,
     RETENTION_SCHEDULES,
+    feature_combinations,
     feature_grid,
     point_name,
     selected,
@@ -93,6 +94,15 @@ def test_a_resumed_run_keeps_the_finished_points_and_runs_the_rest(tmp_path, cap
     assert last == first_run
 
 
+def test_combinations_run_only_the_chosen_points(tmp_path):
+    out = tmp_path / "combinations.json"
+    assert _eval(out, "--grid-points", "!token_sparse_prefill", "--grid-points", "kv_res") == 0
+    assert [c["features"] for c in json.loads(out.read_text())["combinations"]] == [
+        ["kv_residual_quantization"],
+        ["sparse_decode_attention", "kv_residual_quantization"],
+    ]
+
+
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
@@ -131,8 +141,30 @@ def test_grid_points_choose_the_points_holding_every_text():
     ]
     with pytest.raises(ValueError, match=r"\['retention=\[9\]'\] match no grid point"):
         selected(names, ["policy=rolling", "retention=[9]"])
-    with pytest.raises(ValueError, match="no grid point holds all of"):
+    with pytest.raises(ValueError, match="no grid point satisfies all of"):
         selected(names, ["key_retention=0.1", "key_retention=0.4"])
+
+
+def test_grid_points_written_with_a_bang_exclude_the_points_holding_the_text():
+    names = [point_name(label) for label, _ in feature_combinations(ALL_ON)]
+    chosen = selected(names, ["!token_sparse_prefill"])
+    assert [n for n, c in zip(names, chosen, strict=True) if c] == [
+        "dense",
+        "sparse_decode_attention",
+        "kv_residual_quantization",
+        "sparse_decode_attention + kv_residual_quantization",
+    ]
+    both = selected(names, ["kv_residual", "!sparse_decode"])
+    assert [n for n, c in zip(names, both, strict=True) if c] == [
+        "kv_residual_quantization",
+        "token_sparse_prefill + kv_residual_quantization",
+    ]
+    with pytest.raises(ValueError, match=r"\['nothing'\] match no grid point"):
+        selected(names, ["!nothing"])
+    with pytest.raises(ValueError, match="'!' needs the text to exclude"):
+        selected(names, ["!"])
+    with pytest.raises(ValueError, match="no grid point satisfies all of"):
+        selected(names, ["dense", "!dense"])
 
 
 ONE_POINT = ["--grid-points", "key_retention=0.4", "--grid-points", "[1, 1, 1, 0.75]"]

@@ -177,7 +177,7 @@ def test_all_features_on_evaluate_with_recycled_slots(embedded):
 
 
 def test_feature_combinations_cover_every_subset_with_the_config_settings():
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     config = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
     combos = feature_combinations(config)

@@ -135,7 +135,7 @@ def test_routable_ops_cover_every_route_of_every_combination():
     decode row can take (any depth, reference ready or not) must be in that set, and every
     route of any row in the full set; prefill ops are left out of the decode set."""
     from flashloop_backend.dispatch import ROUTE_CODES, routable_ops, route_rows
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     M = RowMode
     modes = [M.DECODE, M.VERIFY, M.PREFILL, M.INACTIVE, M.PAD] * 4
@@ -247,7 +247,7 @@ def test_cuda_graphs_requirement_binds_decode_ops_only():
     from flashloop_backend.backends.flashloop import FlashLoopSpec
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.dispatch import decode_route_ops, prefill_route_ops
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     request = REQUEST.with_required({Capability.CUDA_GRAPHS})
     for _, config in feature_combinations(_all_on()):
@@ -262,7 +262,7 @@ def test_routable_ops_by_decode_depth_cover_every_route_at_that_depth():
     """``decode_depths`` narrows the launched ops to those a decode row at one of these
     depths can take (reference ready or not), for every combination."""
     from flashloop_backend.dispatch import ROUTE_CODES, routable_ops, route_rows
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     code_to_op = {code: op for op, code in ROUTE_CODES.items()}
     for _, config in feature_combinations(_all_on()):

@@ -95,7 +95,7 @@ def _all_on_combinations() -> list:
     import json
     from pathlib import Path
 
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     path = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"
     combos = feature_combinations(FlashLoopConfig.from_dict(json.loads(path.read_text())))

@@ -15,7 +15,7 @@ from flashloop_backend.capabilities import Capability, SupportRequest
 from flashloop_backend.host import Engine, SamplingParams, load_model, load_tokenizer
 from flashloop_backend.host.graphs import GraphSettings
 from flashloop_backend.registry import Registry
-from flashloop_backend.tools.evaluation import feature_combinations
+from flashloop_backend.tools.grid import feature_combinations
 
 pytestmark = pytest.mark.gpu
 ALL_ON = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"

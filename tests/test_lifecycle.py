@@ -13,7 +13,7 @@ from flashloop_backend import FlashLoopConfig
 from flashloop_backend.capabilities import SupportRequest
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.registry import Registry
-from flashloop_backend.tools.evaluation import feature_combinations
+from flashloop_backend.tools.grid import feature_combinations
 
 from .host_helpers import tiny_model
 

@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from flashloop_backend import FlashLoopConfig
-from flashloop_backend.tools.grid import feature_grid, merge_records, point_name
+from flashloop_backend.tools.grid import (
+    feature_combinations,
+    feature_grid,
+    merge_records,
+    point_name,
+)
 
 ALL_ON = FlashLoopConfig.from_dict(json.load(open("configs/all_on.json")))
 GRID = feature_grid(ALL_ON)
@@ -63,12 +68,28 @@ def test_a_point_two_parts_disagree_on_is_refused_by_name():
         merge_records([_record([7], kl=0.5), _record([7], kl=0.6)])
 
 
-def test_nothing_or_a_combinations_record_is_refused():
+def test_nothing_or_a_record_of_another_kind_is_refused():
     with pytest.raises(ValueError, match="give at least one record"):
         merge_records([])
-    combinations = dict(_record([0]), kind="eval_combinations")
-    with pytest.raises(ValueError, match="the first is 'eval_combinations'"):
-        merge_records([combinations])
+    bench = dict(_record([0]), kind="end_to_end_host")
+    with pytest.raises(ValueError, match="the first is 'end_to_end_host'"):
+        merge_records([bench])
+
+
+def test_combinations_parts_join_in_their_order():
+    combos = feature_combinations(ALL_ON)
+
+    def part(indices, points=combos):
+        chosen = [
+            {"features": list(points[i][0]), "config": points[i][1].model_dump(mode="json")}
+            for i in indices
+        ]
+        return dict(_record([]), kind="eval_combinations", combinations=chosen)
+
+    merged = merge_records([part([0, 7, 3]), part([0, 5])])
+    assert _names(merged) == [point_name(combos[i][0]) for i in (0, 3, 5, 7)]
+    with pytest.raises(ValueError, match="are not in the eval_combinations of the records'"):
+        merge_records([part([0]), part([20], points=GRID)])
 
 
 def test_the_script_writes_the_merge_and_refuses_a_missing_part(tmp_path):

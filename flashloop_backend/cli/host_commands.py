@@ -481,8 +481,10 @@ def _eval(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     if args.combinations and args.grid:
         raise ConfigError("--combinations and --grid are two runs: give one")
-    if args.grid_points and not args.grid:
-        raise ConfigError("--grid-points chooses points of --grid; give --grid")
+    if args.grid_points and not (args.grid or args.combinations):
+        raise ConfigError(
+            "--grid-points chooses points of --grid or --combinations; give one of them"
+        )
     if args.combinations or args.grid:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
     with StageBars("eval") as bars:
@@ -549,8 +551,13 @@ def _resumed(args, identity: dict) -> dict[str, dict]:
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
     """``eval --combinations``: every on/off combination of the config's features;
     ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.grid.feature_grid`."""
-    from flashloop_backend.tools.evaluation import evaluate, feature_combinations
-    from flashloop_backend.tools.grid import feature_grid, point_name, selected
+    from flashloop_backend.tools.evaluation import evaluate
+    from flashloop_backend.tools.grid import (
+        feature_combinations,
+        feature_grid,
+        point_name,
+        selected,
+    )
     from flashloop_backend.tools.paths import record_path
 
     param = next(model.parameters())
@@ -748,8 +755,9 @@ def add_commands(sub) -> None:
         "--grid-points",
         action="append",
         metavar="TEXT",
-        help="--grid: run only the points whose name holds TEXT (repeat: every TEXT), e.g. "
-        "'retention=[1, 1, 1, 0.75]'; points the resumed record holds are kept",
+        help="--grid / --combinations: run only the points whose name holds TEXT (repeat: "
+        "every TEXT; '!TEXT': not that text), e.g. 'retention=[1, 1, 1, 0.75]' or "
+        "'!token_sparse_prefill'; points the resumed record holds are kept",
     )
     ev.add_argument(
         "--resume",

@@ -204,7 +204,12 @@ def _bench(args: argparse.Namespace) -> int:
     graphed = [n for n in names if "+" in n]
     if args.grid_points and not args.grid:
         raise ConfigError("--grid-points chooses points of --grid; give --grid")
-    e2e_only = (("--grid", args.grid), ("--speculate", args.speculate), ("--model", args.model))
+    e2e_only = (
+        ("--grid", args.grid),
+        ("--speculate", args.speculate),
+        ("--model", args.model),
+        ("--exit-threshold", args.exit_threshold),
+    )
     for flag, given in e2e_only:
         if given and args.mode != "e2e":
             raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
@@ -292,6 +297,7 @@ def _bench(args: argparse.Namespace) -> int:
                     points=points,
                     speculation=speculation,
                     checkpoint=args.model,
+                    exit_threshold=args.exit_threshold,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -506,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="e2e --speculate: loops a draft token runs (1 or 2; default 2)",
+    )
+    bench.add_argument(
+        "--exit-threshold",
+        type=float,
+        metavar="P",
+        help="e2e --model: tokens leave by Ouro's exit rule at threshold P in (0, 1], every "
+        "backend alike; each result counts the tokens that left after each loop",
     )
     bench.add_argument(
         "--passes",

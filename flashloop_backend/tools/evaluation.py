@@ -166,21 +166,6 @@ def _passkey_prompts(filler: list[int], encode, settings: EvalSettings, rng: ran
     return prompts, keys, cells
 
 
-def feature_combinations(config: FlashLoopConfig) -> list[tuple[tuple[str, ...], FlashLoopConfig]]:
-    """Every on/off combination of the features ``config`` enables, each with those
-    features' settings from ``config`` (the others off), dense first, all on last."""
-    enabled = config.enabled_features()
-    if not enabled:
-        raise ValueError("--combinations needs a config that enables at least one feature")
-    base = config.model_dump(mode="json")
-    out = []
-    for mask in range(1 << len(enabled)):
-        chosen = tuple(name for bit, name in enumerate(enabled) if mask >> bit & 1)
-        data = {k: v for k, v in base.items() if k not in enabled or k in chosen}
-        out.append((chosen, FlashLoopConfig.from_dict(data)))
-    return sorted(out, key=lambda item: len(item[0]))
-
-
 def _stage(progress, name: str, engine: Engine, tokens: int):
     """An engine progress callback reporting the ``tokens`` a stage generates or scores
     under ``name`` (None without ``progress``)."""

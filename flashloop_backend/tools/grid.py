@@ -61,16 +61,23 @@ def point_name(label: tuple[str, ...] | list[str]) -> str:
 
 
 def selected(names: list[str], contains: list[str] | None) -> list[bool]:
-    """Whether each point name holds every text of ``contains`` (None or empty: every
-    point). A text that no point holds, or texts no point holds together, are refused."""
+    """Whether each point name holds every text of ``contains`` and none of its texts
+    written ``!TEXT`` (None or empty: every point). A text that no point holds, or texts
+    no point satisfies together, are refused."""
     if not contains:
         return [True] * len(names)
-    missing = [text for text in contains if not any(text in name for name in names)]
+    wanted = [t for t in contains if not t.startswith("!")]
+    unwanted = [t[1:] for t in contains if t.startswith("!")]
+    if "" in unwanted:
+        raise ValueError("--grid-points '!' needs the text to exclude, e.g. '!token_sparse'")
+    missing = [t for t in wanted + unwanted if not any(t in name for name in names)]
     if missing:
         raise ValueError(f"--grid-points {missing} match no grid point; the points are {names}")
-    chosen = [all(text in name for text in contains) for name in names]
+    chosen = [
+        all(t in name for t in wanted) and not any(t in name for t in unwanted) for name in names
+    ]
     if not any(chosen):
-        raise ValueError(f"no grid point holds all of --grid-points {contains}")
+        raise ValueError(f"no grid point satisfies all of --grid-points {contains}")
     return chosen
 
 
@@ -91,16 +98,39 @@ def finished_points(record: dict, identity: dict) -> dict[str, dict]:
     return {point_name(r["features"]): r for r in record.get("combinations", [])}
 
 
+def feature_combinations(config: FlashLoopConfig) -> list[tuple[tuple[str, ...], FlashLoopConfig]]:
+    """Every on/off combination of the features ``config`` enables (``eval
+    --combinations``), each with those features' settings from ``config`` (the others
+    off), dense first, all on last."""
+    enabled = config.enabled_features()
+    if not enabled:
+        raise ValueError("--combinations needs a config that enables at least one feature")
+    base = config.model_dump(mode="json")
+    out = []
+    for mask in range(1 << len(enabled)):
+        chosen = tuple(name for bit, name in enumerate(enabled) if mask >> bit & 1)
+        data = {k: v for k, v in base.items() if k not in enabled or k in chosen}
+        out.append((chosen, FlashLoopConfig.from_dict(data)))
+    return sorted(out, key=lambda item: len(item[0]))
+
+
+_POINTS_BY_KIND = {"eval_grid": feature_grid, "eval_combinations": feature_combinations}
+
+
 def merge_records(records: list[dict]) -> dict:
-    """One grid record from several runs of the same grid (parallel processes, each over
+    """One grid (or combinations) record from several runs of the same grid (parallel processes, each over
     some of the points): the identity fields must agree (the first that differs is named),
     each point is taken once in the grid's order, and a point two runs hold with different
     figures is refused by name rather than one of them chosen."""
     if not records:
         raise ValueError("nothing to merge: give at least one record")
     first = records[0]
-    if first.get("kind") != "eval_grid":
-        raise ValueError(f"merging joins eval --grid records; the first is {first.get('kind')!r}")
+    points_of = _POINTS_BY_KIND.get(first.get("kind"))
+    if points_of is None:
+        raise ValueError(
+            f"merging joins eval --grid or --combinations records ({sorted(_POINTS_BY_KIND)}); "
+            f"the first is {first.get('kind')!r}"
+        )
     identity = {k: v for k, v in first.items() if k not in ("device", "combinations")}
     identity["settings"] = next(iter(first.get("combinations", [])), {}).get("settings")
     points: dict[str, dict] = {}
@@ -110,11 +140,11 @@ def merge_records(records: list[dict]) -> dict:
                 raise ValueError(f"the records disagree on point {name!r}: run it once")
             points.setdefault(name, point)
     order = [
-        point_name(label) for label, _ in feature_grid(FlashLoopConfig.from_dict(first["config"]))
+        point_name(label) for label, _ in points_of(FlashLoopConfig.from_dict(first["config"]))
     ]
     unknown = sorted(set(points) - set(order))
     if unknown:
-        raise ValueError(f"points {unknown} are not in the grid of the records' config")
+        raise ValueError(f"points {unknown} are not in the {first['kind']} of the records' config")
     identity.pop("settings")
     merged = [points[name] for name in order if name in points]
     return {**identity, "device": first.get("device"), "combinations": merged}

@@ -4,6 +4,7 @@ process."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -35,8 +36,9 @@ def ouro_1p4b_shapes(layers: int | None = None):
     )
 
 
-def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None):
+def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None, exits=None):
     """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
+    ``exits`` (a list of zeros, one per loop) counts the tokens that left after each loop.
     ``probe`` (an empty dict) receives, for the step that follows every request's first
     token (the host hands completed prompts to the backend, which packs them, when that
     step starts): ``tokens`` and ``kv_bytes`` held after it (``Engine.kv_held``: one host
@@ -73,6 +75,8 @@ def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None):
                 first[rid] = now
         for f in finished:
             done[f.request_id] = now
+            for depth in f.exit_depths if exits is not None else ():
+                exits[depth] += 1
         if hand_over_step:
             tokens, held = engine.kv_held()
             probe.update(
@@ -194,6 +198,7 @@ def bench_end_to_end(
     points: list[tuple[str, FlashLoopConfig]] | None = None,
     speculation: SpeculationSettings | None = None,
     checkpoint: str | None = None,
+    exit_threshold: float | None = None,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -218,7 +223,9 @@ def bench_end_to_end(
     ``<name> [speculate K]``, with its draft, verify and acceptance counts (with random
     weights the drafts' acceptance says nothing about a trained model's). ``checkpoint``:
     a trained model's directory in place of the random Ouro-1.4B shapes, prompted with
-    windows of the held-out text (its own layers: not with ``layers``)."""
+    windows of the held-out text (its own layers: not with ``layers``). ``exit_threshold``:
+    the checkpoint's tokens leave by Ouro's exit rule at that threshold, for every backend
+    alike (each result counts its exits per loop under ``exit_depths``)."""
     from flashloop_backend.host.engine import Engine
 
     checked = (
@@ -236,6 +243,13 @@ def bench_end_to_end(
         raise ConfigError(f"layer_ops {list(layer_ops)}: each must be 'fused' or 'reference'")
     if checkpoint is not None and layers is not None:
         raise ConfigError(f"layers={layers}: a checkpoint ({checkpoint}) runs its own layers")
+    if exit_threshold is not None and checkpoint is None:
+        raise ConfigError(
+            f"exit_threshold={exit_threshold} needs a trained checkpoint (--model): the exit "
+            "gate of random weights decides nothing a served model would"
+        )
+    if exit_threshold is not None and not 0 < exit_threshold <= 1:
+        raise ConfigError(f"exit_threshold={exit_threshold} must be in (0, 1]")
     if checkpoint is None:
         models = {v: random_ouro(layers, block_size, fused=v == "fused") for v in layer_ops}
         cfg = models[layer_ops[0]][0].config
@@ -251,6 +265,10 @@ def bench_end_to_end(
             model, request, prompts, source = checkpoint_workload(
                 checkpoint, block_size, context, concurrency, fused=v == "fused"
             )
+            if exit_threshold is not None:
+                model.config = dataclasses.replace(
+                    model.config, early_exit_threshold=exit_threshold
+                )
             models[v] = (model, request)
         described = f"{checkpoint} (bf16), prompts from {source}"
     model, request = models[layer_ops[0]]
@@ -297,8 +315,9 @@ def bench_end_to_end(
             engine.graphs.time_replays()
         probe: dict = {}
         ttft, tpot, total, per_pass = [], [], 0.0, []
+        exits = [0] * cfg.total_ut_steps
         for _ in range(passes):
-            ids, first, done, seconds = _timed_workload(engine, prompts, new_tokens, probe)
+            ids, first, done, seconds = _timed_workload(engine, prompts, new_tokens, probe, exits)
             firsts = [first[i] for i in ids]
             ttft += firsts
             tpot += [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
@@ -336,6 +355,7 @@ def bench_end_to_end(
             "prefill_speedup_vs_first": speedup,
             "layer_ops": variant,
             "speculation": engine.speculation.counters() if engine.speculation else None,
+            "exit_depths": exits,
             "grid_point": point,
             "point_config": point_config.model_dump(mode="json") if point_config else None,
         }
@@ -360,6 +380,7 @@ def bench_end_to_end(
         "max_slots": concurrency,
         "warmup_context": warmup_context or context,
         "passes": passes,
+        "exit_threshold": exit_threshold,
         "method": f"{passes} timed pass(es) after an untimed warm-up pass (prompts cut to "
         "warmup_context) per backend, same process",
         "config": (config or FlashLoopConfig()).model_dump(mode="json"),

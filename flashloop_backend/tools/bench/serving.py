@@ -80,7 +80,7 @@ def variants_for(config, baseline: str = "flashinfer") -> list[Variant]:
     and kernels without any FlashLoop feature: what the features' figures sit on); then
     each feature of ``config`` alone and cumulatively (in the config's feature order)."""
     from flashloop_backend.config import FlashLoopConfig
-    from flashloop_backend.tools.evaluation import feature_combinations
+    from flashloop_backend.tools.grid import feature_combinations
 
     combos = dict(feature_combinations(config))
     enabled = config.enabled_features()
