@@ -57,7 +57,7 @@ case "${1:?stage: train, grid, speed or adaptive}" in
           && chmod u+w "$OUT/parts/$name/$i.json"
         # shellcheck disable=SC2086  # FLAGS holds several words
         run flashloop-backend eval --model "${MODEL:?MODEL=checkpoint dir}" \
-          --config configs/all_on.json $flags "${part[@]}" --windows 256 --context 1024 \
+          --config "${CONFIG:-configs/all_on.json}" $flags "${part[@]}" --windows 256 --context 1024 \
           --passkey-contexts 512,1024,2048 --resume --out "$OUT/parts/$name/$i.json" \
           > "$OUT/parts/$name/$i.log" 2>&1 &
         pids+=($!); i=$((i + 1))

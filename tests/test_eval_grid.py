@@ -94,6 +94,31 @@ def test_a_resumed_run_keeps_the_finished_points_and_runs_the_rest(tmp_path, cap
     assert last == first_run
 
 
+def test_a_resumed_run_stopped_early_keeps_the_points_it_had_not_reached(tmp_path, monkeypatch):
+    import flashloop_backend.tools.evaluation as evaluation
+
+    out = tmp_path / "combinations.json"
+    assert _eval(out) == 0
+    whole = json.loads(out.read_text())["combinations"]
+    out.write_text(
+        json.dumps(dict(json.loads(out.read_text()), combinations=[whole[0], *whole[3:]]))
+    )
+    real, calls = evaluation.evaluate, []
+
+    def stops_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the device call's time limit
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", stops_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        _eval(out, "--resume")
+    kept = json.loads(out.read_text())["combinations"]
+    assert [c["features"] for c in kept] == [c["features"] for c in [*whole[:2], *whole[3:]]]
+    assert kept[3:] == whole[4:]  # as they were
+
+
 def test_combinations_run_only_the_chosen_points(tmp_path):
     out = tmp_path / "combinations.json"
     assert _eval(out, "--grid-points", "!token_sparse_prefill", "--grid-points", "kv_res") == 0

@@ -575,21 +575,26 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         done = _resumed(args, identity)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    records, dense_cache = [], {}
+    # the resumed points are kept from the start: a run stopped before it reaches them in
+    # the grid's order still writes them
+    kept = {
+        point_name(features): done[point_name(features)]
+        for features, combo in combos
+        if done.get(point_name(features), {}).get("config") == combo.model_dump(mode="json")
+    }
+    by_name, dense_cache = dict(kept), {}
 
     def write() -> None:  # after every combination: a long run loses nothing finished
         if args.out:
-            record = {**identity, "device": str(param.device), "combinations": records}
+            ordered = [by_name[point_name(f)] for f, _ in combos if point_name(f) in by_name]
+            record = {**identity, "device": str(param.device), "combinations": ordered}
             record.pop("settings")  # each combination carries its own
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
     for i, ((features, combo), run) in enumerate(zip(combos, chosen, strict=True), 1):
         name = point_name(features)
-        earlier = done.get(name)
-        if earlier is not None and earlier["config"] == combo.model_dump(mode="json"):
+        if name in kept:
             log(f"combination {i}/{len(combos)}: {name}: kept from {args.out}")
-            records.append(earlier)
-            write()
             continue
         if not run:  # a finished point is kept above whatever --grid-points says
             continue
@@ -611,10 +616,13 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
                 raise
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        records.append(
-            {"features": list(features), "config": combo.model_dump(mode="json"), **report}
-        )
+        by_name[name] = {
+            "features": list(features),
+            "config": combo.model_dump(mode="json"),
+            **report,
+        }
         write()
+    records = [by_name[point_name(f)] for f, _ in combos if point_name(f) in by_name]
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
