@@ -18,8 +18,8 @@ case "${1:?stage: tests, bench or trained}" in
       2>&1 | tee "$OUT/gpu_tests_speculation.log" | tail -3 ;;
   bench)
     for depth in ${DEPTHS:-1 2}; do
-      run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
-        --config configs/all_on.json --contexts 8192,32768 \
+      run flashloop-backend bench e2e --backends "${BACKENDS:-triton+graphs,flashloop+graphs}" \
+        --config configs/all_on.json --contexts "${CONTEXTS:-8192,32768}" \
         --concurrency 1 --layers 24 --new-tokens 32 --warmup-context 2048 --speculate 4 \
         --draft-depth "$depth" --out "$OUT/bench_e2e_speculate_k4_d$depth.json" 2>&1 \
         | tee -a "$OUT/bench_speculate.log" | grep -E "e2e |Error"
