@@ -17,7 +17,8 @@
 #           name holds every text of its group; each resumes RESUME, and their records
 #           merge into $OUT/eval_grid.json (scripts/merge_eval_records.py); ADAPTIVE_PARTS
 #           (same form, e.g. 'token_sparse_prefill|!token_sparse_prefill') runs the adaptive
-#           stage's combinations in parallel parts beside them
+#           stage's combinations in parallel parts beside them; CONFIG replaces
+#           configs/all_on.json as the base config (a resumed record's own, when it changed)
 #   exitspeed  TTFT and TPOT with and without Ouro's exit rule (bench e2e --exit-threshold)
 #   profile where an all-on eval's time goes (py-spy stacks of a 64-window run)
 #   adaptive  eval --combinations with Ouro's exit rule on for dense and FlashLoop alike

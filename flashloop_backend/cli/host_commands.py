@@ -577,17 +577,19 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         raise ConfigError(str(exc)) from None
     # the resumed points are kept from the start: a run stopped before it reaches them in
     # the grid's order still writes them
-    kept = {
-        point_name(features): done[point_name(features)]
-        for features, combo in combos
-        if done.get(point_name(features), {}).get("config") == combo.model_dump(mode="json")
-    }
-    by_name, dense_cache = dict(kept), {}
+    by_name, dense_cache = {}, {}
+    for features, combo in combos:
+        earlier = done.get(point_name(features))
+        if earlier is not None and earlier["config"] == combo.model_dump(mode="json"):
+            by_name[point_name(features)] = earlier
+    kept = set(by_name)
+
+    def in_order() -> list[dict]:
+        return [by_name[point_name(f)] for f, _ in combos if point_name(f) in by_name]
 
     def write() -> None:  # after every combination: a long run loses nothing finished
         if args.out:
-            ordered = [by_name[point_name(f)] for f, _ in combos if point_name(f) in by_name]
-            record = {**identity, "device": str(param.device), "combinations": ordered}
+            record = {**identity, "device": str(param.device), "combinations": in_order()}
             record.pop("settings")  # each combination carries its own
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -622,7 +624,7 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
             **report,
         }
         write()
-    records = [by_name[point_name(f)] for f, _ in combos if point_name(f) in by_name]
+    records = in_order()
     if args.json:
         print(json.dumps(records, indent=2))
         return 0

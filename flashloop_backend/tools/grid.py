@@ -118,10 +118,10 @@ _POINTS_BY_KIND = {"eval_grid": feature_grid, "eval_combinations": feature_combi
 
 
 def merge_records(records: list[dict]) -> dict:
-    """One grid (or combinations) record from several runs of the same grid (parallel processes, each over
-    some of the points): the identity fields must agree (the first that differs is named),
-    each point is taken once in the grid's order, and a point two runs hold with different
-    figures is refused by name rather than one of them chosen."""
+    """One grid (or combinations) record from several runs of the same grid (parallel
+    processes, each over some of the points): the identity fields must agree (the first
+    that differs is named), each point is taken once in the grid's order, and a point two
+    runs hold with different figures is refused by name rather than one of them chosen."""
     if not records:
         raise ValueError("nothing to merge: give at least one record")
     first = records[0]
