@@ -247,6 +247,23 @@ def _run_one(engine, submit, prompt_rows: int, args, label: str):
         raise ConfigError(str(exc)) from None
 
 
+def _generated_record(result, tokenizer, selection, loops, seconds, before=0, finish=None) -> dict:
+    """``generate --json``'s fields for the output tokens from index ``before`` on."""
+    tokens = result.output_token_ids[before:]
+    # output token i comes from the loop the state before it left: the prompt's last token
+    # runs every loop, each generated one until its exit
+    exits = [loops - 1, *result.exit_depths][: len(result.output_token_ids)][before:]
+    return {
+        "prompt_token_ids": result.prompt_token_ids,
+        "output_token_ids": tokens,
+        "output_text": tokenizer.decode(tokens),
+        "finish_reason": finish or result.finish_reason,
+        "exit_depths": exits,
+        "backend": selection.info.selected_backend,
+        "seconds": seconds,
+    }
+
+
 def _generate_pd(args: argparse.Namespace) -> int:
     """``generate --pd nixl``: a producer engine prefills and makes the first token, hands
     the request over NIXL to a consumer engine (same model, config and backend, two agents
@@ -301,19 +318,11 @@ def _generate_pd(args: argparse.Namespace) -> int:
         producer.close()
         consumer.close()
     seconds = time.perf_counter() - start
-    tokens, loops = result.output_token_ids, p_engine.cfg.total_ut_steps
+    tokens = result.output_token_ids
     if args.json:
-        record = {
-            "prompt_token_ids": result.prompt_token_ids,
-            "output_token_ids": tokens,
-            "output_text": tokenizer.decode(tokens),
-            "finish_reason": result.finish_reason,
-            "exit_depths": [loops - 1, *result.exit_depths][: len(tokens)],
-            "backend": selection.info.selected_backend,
-            "seconds": seconds,
-            "pd": record,
-        }
-        print(json.dumps(record))
+        loops = p_engine.cfg.total_ut_steps
+        generated = _generated_record(result, tokenizer, selection, loops, seconds)
+        print(json.dumps({**generated, "pd": record}))
     else:
         print(args.prompt + tokenizer.decode(tokens))
         moved = record.get("transferred_bytes", {}).get("total", 0)
@@ -366,21 +375,10 @@ def _generate(args: argparse.Namespace) -> int:
     result, saved_bytes = _run_one(engine, submit, rows, args, "generate")
     seconds = time.perf_counter() - start
     tokens = result.output_token_ids[before:]
-    # output token i comes from the loop the state before it left: the prompt's last token
-    # runs every loop, each generated one until its exit
-    loops = engine.cfg.total_ut_steps
-    exits = [loops - 1, *result.exit_depths][: len(result.output_token_ids)][before:]
     finish = "snapshot" if args.snapshot is not None else result.finish_reason
     if args.json:
-        record = {
-            "prompt_token_ids": result.prompt_token_ids,
-            "output_token_ids": tokens,
-            "output_text": tokenizer.decode(tokens),
-            "finish_reason": finish,
-            "exit_depths": exits,
-            "backend": selection.info.selected_backend,
-            "seconds": seconds,
-        }
+        loops = engine.cfg.total_ut_steps
+        record = _generated_record(result, tokenizer, selection, loops, seconds, before, finish)
         if args.tp > 1:
             record["tensor_parallel"] = args.tp
         if args.snapshot is not None:
