@@ -369,13 +369,20 @@ def _dense_kernels() -> bool:
         "v_ptr": "*bf16",
         "tables_ptr": "*i32",
         "lengths_ptr": "*i32",
+        "spans_ptr": "*i32",
         "idx_ptr": "*i32",
         "tile_start_ptr": "*i32",
         "num_tiles_ptr": "*i32",
     }
     ok = True
-    for logits, values in ((False, True), (True, True), (True, False)):
+    for logits, values, rows in (
+        (False, True, 1),
+        (True, True, 1),
+        (True, False, 1),
+        (False, True, 4),
+    ):
         shape = dict(
+            ROWS=rows,
             GROUP=1,
             GROUP_PAD=16,
             HEAD_DIM=128,
@@ -387,7 +394,7 @@ def _dense_kernels() -> bool:
             READ_VALUES=values,
         )
         ok &= _compile(
-            f"paged_attention STORE_LOGITS={logits} READ_VALUES={values}",
+            f"paged_attention STORE_LOGITS={logits} READ_VALUES={values} ROWS={rows}",
             paged_attention_split_kernel,
             paged,
             {"scale"},

@@ -198,6 +198,12 @@ def test_batch_shapes_are_checked():
               "incarnations", "request_ids", "window_ids", "context_lengths", "block_tables")}  # fmt: skip
     with pytest.raises(ValueError, match=r"decode_bound=3 must lie in \[0, rows=2\]"):
         BatchView(**fields, decode_bound=3)
+    assert view.verify_rows == 1  # no verification group
+    verify = RowGroup(0, RowMode.VERIFY, 1, 31, 3, row_slots=(0, 1, 2), row_incarnations=(0,) * 3)
+    assert build_batch([groups[0], verify], kv, "cpu").view.verify_rows == 3
+    for bad, fragment in ((0, "verify_rows=0 must be >= 1"), (True, "verify_rows=True must be")):
+        with pytest.raises(ValueError, match=fragment):
+            BatchView(**fields, verify_rows=bad)
     with pytest.raises(ValueError, match=r"decode_depths=\[-1\] must be depths >= 0"):
         BatchView(**fields, decode_depths=frozenset({-1}))
     with pytest.raises(ValueError, match=r"prefill_depths=\[-2, 1\] must be depths >= 0"):

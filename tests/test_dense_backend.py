@@ -75,6 +75,49 @@ def test_rows_run_on_their_kernel_and_match_the_reference(rng, decode_only, deco
         torch.testing.assert_close(out[r : r + 1], ref)
 
 
+class SpanSpy(Spy):
+    """A decode kernel declaring ``grouped_verify_rows``: records the spans it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[list[int] | None, int]] = []
+
+    def __call__(self, q, kc, vc, tables, lengths, scale=None, row_spans=None, max_span=1):
+        self.spans.append((None if row_spans is None else row_spans.tolist(), max_span))
+        return super().__call__(q, kc, vc, tables, lengths, scale)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "not_declared"])
+def test_verification_groups_reach_a_kernel_that_declares_grouped_rows(rng, declared):
+    from dataclasses import replace
+
+    from flashloop_backend.capabilities import Capability
+
+    decode = SpanSpy()
+    capabilities = SUPPORT.capabilities | ({Capability.GROUPED_VERIFY_ROWS} if declared else set())
+    impl = KernelImpl(OpName.DENSE_ATTENTION, decode, replace(SUPPORT, capabilities=capabilities))
+    prefill_impl = KernelImpl(OpName.DENSE_PREFILL, Spy(), SUPPORT)
+    backend = DenseBackend(impl, prefill_impl, frozenset(), SelectionInfo("t", "t", "t"))
+    M = RowMode
+    modes = [M.VERIFY] * 3 + [M.DECODE, M.PAD]
+    tables = torch.randint(0, 12, (4, len(modes), 3), generator=rng, dtype=torch.int32)
+    view = _view(modes, [1] * 5, [5, 6, 7, 2, 0], tables)
+    fields = {k: getattr(view, k) for k in view.__dataclass_fields__}
+    fields.update(decode_only=True, request_ids=torch.tensor([3, 3, 3, 4, -1]), verify_rows=3)
+    view = type(view)(**fields)
+    kc, vc = torch.randn(2, 12, 4, 2, 16, generator=rng)
+    q = torch.randn(len(modes), 4, 16, generator=rng)
+    out = backend.forward(q, kc, vc, view)
+    assert decode.spans == ([([3, 0, 0, 1, 1], 3)] if declared else [(None, 1)])
+    for r in range(4):
+        table = view.block_tables[1, r : r + 1]
+        ref = paged_attention(q[r : r + 1], kc, vc, table, view.context_lengths[r : r + 1])
+        torch.testing.assert_close(out[r : r + 1], ref)
+    single = type(view)(**{**fields, "verify_rows": 1})
+    backend.forward(q, kc, vc, single)
+    assert decode.spans[-1] == (None, 1)  # no group of several rows: nothing to group
+
+
 def test_dense_backends_report_both_kernels():
     registry = Registry.discover()
     choices = registry.backends["torch"].kernel_choices(REQUEST, FlashLoopConfig(), registry)

@@ -34,11 +34,11 @@ CONFIGS = {
 }
 
 
-def _engine(model, config, speculation=None):
+def _engine(model, config, speculation=None, backend_name="flashloop"):
     request = SupportRequest(
         "cuda", torch.float32, 128, 16, 2, 2, frozenset({Capability.CUDA_GRAPHS})
     )
-    backend = Registry.discover().create("flashloop", request, config)
+    backend = Registry.discover().create(backend_name, request, config)
     graphs = GraphSettings(buckets=(1, 2, 4, 8), max_context=512)
     return Engine(
         model,
@@ -63,3 +63,20 @@ def test_speculation_on_the_gpu_gives_the_greedy_tokens(name):
     assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
     assert engine.graphs.replays > 0 and engine.counters()["speculation_accepted"] > 0
     assert not engine.graphs.fallbacks  # every draft and verification step replayed
+
+
+def test_grouped_verification_rows_on_triton_give_the_greedy_tokens():
+    """The dense Triton backend computes each block's verification rows in one program
+    (grouped_verify_rows); two requests verify in one step."""
+    model = load_model(embedded_model_path(), "cuda", torch.float32)
+    tokenizer = load_tokenizer(embedded_model_path())
+    text = "class Stack:\n    def push(self, item):\n        self.items.append(item)\n"
+    prompts = [[256, *tokenizer.encode(text * 3).ids], [256, *tokenizer.encode(text).ids]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = _engine(model, FlashLoopConfig(), backend_name="triton").generate(prompts, params)
+    engine = _engine(model, FlashLoopConfig(), SpeculationSettings(block_size=4), "triton")
+    assert Capability.GROUPED_VERIFY_ROWS in engine.backend.impl.support.capabilities
+    speculative = engine.generate(prompts, params)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert engine.graphs.verify_rows == 4 and engine.counters()["speculation_accepted"] > 0
+    assert not engine.graphs.fallbacks

@@ -37,6 +37,54 @@ def test_matches_reference(dtype, hq, hkv, splits, use_dot, rng):
     assert torch.equal(out[3], torch.zeros_like(out[3]))  # padding row: finite zeros
 
 
+def _verify_case(rng, hq, hkv, dtype, dim=16, block=16):
+    """Two verification groups (4 and 2 rows, each sharing one table, lengths one apart),
+    a single decode row and a padding row between them."""
+    kc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    vc = torch.randn(12, block, hkv, dim, generator=rng).to(DEVICE, dtype)
+    q = torch.randn(8, hq, dim, generator=rng).to(DEVICE, dtype)
+    first, second, single = [3, 5, 7, 1], [0, 2, 4, 6], [11, 10, 8, 9]
+    tables = torch.tensor([first] * 4 + [single, [9, 9, 9, 9]] + [second] * 2, dtype=torch.int32)
+    lengths = torch.tensor([46, 47, 48, 49, 17, 0, 31, 32], dtype=torch.int32)
+    spans = torch.tensor([4, 0, 0, 0, 1, 1, 2, 0], dtype=torch.int32)
+    return q, kc, vc, tables.to(DEVICE), lengths.to(DEVICE), spans.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("use_dot", [False, True], ids=["reduce", "dot"])
+def test_rows_in_spans_match_the_per_row_reference(dtype, hq, hkv, splits, use_dot, rng):
+    q, kc, vc, tables, lengths, spans = _verify_case(rng, hq, hkv, dtype)
+    tuning = DecodeTuning(use_dot=use_dot, keys_per_iter=32)
+    out = paged_attention_triton(
+        q, kc, vc, tables, lengths, num_splits=splits, tuning=tuning, row_spans=spans, max_span=4
+    )
+    ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(out[5], torch.zeros_like(out[5]))  # padding row: finite zeros
+
+
+@pytest.mark.parametrize(
+    ("spans", "max_span", "logits", "fragment"),
+    [
+        (None, 4, False, "max_span=4 needs row_spans"),
+        ("ok", 0, False, "max_span=0 must be >= 1"),
+        ("short", 4, False, r"row_spans must be \[rows=8\] int32; got \(7,\)"),
+        ("int64", 4, False, "torch.int64"),
+        ("ok", 4, True, "give max_span=1 with logits"),
+    ],
+)
+def test_row_spans_are_checked(spans, max_span, logits, fragment, rng):
+    q, kc, vc, tables, lengths, good = _verify_case(rng, 2, 2, torch.float32)
+    given = {"ok": good, "short": good[:7], "int64": good.long(), None: None}[spans]
+    stats = torch.zeros(8, 2, 64, device=DEVICE) if logits else None
+    with pytest.raises(ValueError, match=fragment):
+        paged_attention_triton(
+            q, kc, vc, tables, lengths, row_spans=given, max_span=max_span, logits=stats
+        )
+
+
 def test_strided_layer_view_and_small_blocks(rng):
     pool = torch.randn(10, 3, 4, 2, 16, generator=rng).to(DEVICE)  # [blocks, layers, bs, H, D]
     layer_k, layer_v = pool[:, 1], pool[:, 2]

@@ -72,15 +72,22 @@ def test_every_op_but_the_kv_write_has_an_inputs_class():
 @pytest.mark.parametrize("cls", list(PROTOCOL), ids=lambda c: c.__name__)
 def test_inputs_call_the_implementation_in_the_protocols_order(cls):
     inputs, named = _sentinels(cls)
-    seen = []
+    seen, keywords = [], []
 
-    def fn(*args):
+    def fn(*args, **kwargs):
         seen.append(args)
+        keywords.append(kwargs)
         return ("out", "indices", "mass", "output", "contribution")
 
     inputs.call(fn)
     expected = [named[name] for name in _argument_names(PROTOCOL[cls].__call__)]
     assert list(seen[0]) == expected
+    # verification groups travel by keyword, to a kernel declaring grouped_verify_rows only
+    grouped = {"row_spans": "<row_spans>", "max_span": "<max_span>"}
+    assert keywords[0] == (grouped if cls is PagedInputs else {})
+    if cls is PagedInputs:
+        dataclasses.replace(inputs, row_spans=None).call(fn)
+        assert keywords[1] == {} and list(seen[1]) == expected
 
 
 def test_an_impl_refuses_another_ops_inputs_and_the_kv_write_takes_none():

@@ -60,3 +60,23 @@ def test_stable_and_inverse_round_trips(modes):
     restored = gathered[part.inverse.clamp(min=0)]
     mask = part.inverse >= 0
     assert torch.equal(restored[mask], values[mask])
+
+
+def test_verify_spans_mark_each_verification_group_at_its_first_row():
+    from flashloop_backend.dispatch import verify_spans
+
+    M = RowMode
+    modes = [M.VERIFY] * 3 + [M.DECODE, M.VERIFY, M.VERIFY, M.VERIFY, M.VERIFY, M.PAD, M.VERIFY]
+    requests = [7, 7, 7, 8, 9, 9, 4, 4, 5, 5]
+    depths = [2, 2, 2, 0, 1, 1, 1, 3, 0, 0]
+    spans = verify_spans(
+        torch.tensor([int(m) for m in modes], dtype=torch.int8),
+        torch.tensor(requests),
+        torch.tensor(depths),
+    )
+    # request 7's three rows; 9's two; 4's rows sit at two depths (two groups of one);
+    # a row after a padding row starts its own group
+    assert spans.dtype == torch.int32
+    assert spans.tolist() == [3, 0, 0, 1, 2, 0, 1, 1, 1, 1]
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert verify_spans(empty.to(torch.int8), empty, empty).tolist() == []

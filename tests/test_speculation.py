@@ -88,6 +88,13 @@ def test_draft_and_verification_rows_run_on_the_graph_buffers(flags, draft_depth
     assert all(ok for _, ok in served) and not engine.graphs.fallbacks
     assert any(RowMode.VERIFY in modes for modes, _ in served)
     assert any(RowMode.DECODE in modes for modes, _ in served)
+    # a graph's view allows the block's verification group where the bucket holds it
+    assert [engine.graphs._view(b, frozenset({1})).verify_rows for b in (1, 2, 4, 8)] == [
+        1,
+        2,
+        4,
+        4,
+    ]
     if engine.backend.states is not None:
         assert int(engine.backend.states.missing_reference) == 0
 

@@ -22,7 +22,7 @@ from flashloop_backend.capabilities import (
     not_supported_reasons,
 )
 from flashloop_backend.config import FlashLoopConfig
-from flashloop_backend.dispatch import BatchView, RowMode
+from flashloop_backend.dispatch import BatchView, RowMode, verify_spans
 from flashloop_backend.kernels.ops import KernelImpl, OpName, PagedInputs
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
@@ -165,7 +165,8 @@ class DenseBackend(AttentionBackend):
         traversal passes the same tensors, so a planning kernel plans once too)."""
         one_kernel = self.prefill_impl.fn is self.impl.fn
         if self._plan is None or self._plan.view is not view:
-            self._plan = _DensePlan.of(view, one_kernel)
+            grouped = Capability.GROUPED_VERIFY_ROWS in self.impl.support.capabilities
+            self._plan = _DensePlan.of(view, one_kernel, grouped and not one_kernel)
         plan = self._plan
         out = None
         if plan.prefill_lengths is not None:
@@ -175,7 +176,16 @@ class DenseBackend(AttentionBackend):
             )
         if plan.decode_lengths is not None:
             dense = self.impl(
-                PagedInputs(q, key_cache, value_cache, plan.tables, plan.decode_lengths, scale)
+                PagedInputs(
+                    q,
+                    key_cache,
+                    value_cache,
+                    plan.tables,
+                    plan.decode_lengths,
+                    scale,
+                    plan.row_spans,
+                    view.verify_rows,
+                )
             )
             out = dense if out is None else torch.where(plan.decode_rows[:, None, None], dense, out)
         return torch.zeros_like(q) if out is None else out
@@ -186,16 +196,28 @@ class _DensePlan:
     """What the dense backend derives from a view once: tables [R, MB] int32 of each row's
     own depth plane; the lengths [R] int32 each kernel sees (rows it does not serve at 0),
     None for a kernel not launched; decode_rows [R] bool picks the decode kernel's rows
-    where both run. With one kernel for every row, its lengths are ``prefill_lengths``."""
+    where both run. With one kernel for every row, its lengths are ``prefill_lengths``.
+    row_spans [R] int32 (:func:`verify_spans`): the verification groups the decode kernel
+    computes together, when it declares ``grouped_verify_rows`` and the view may hold a
+    group of several rows (else None)."""
 
     view: BatchView
     tables: torch.Tensor
     prefill_lengths: torch.Tensor | None
     decode_lengths: torch.Tensor | None
     decode_rows: torch.Tensor | None
+    row_spans: torch.Tensor | None = None
 
     @staticmethod
-    def of(view: BatchView, one_kernel: bool) -> _DensePlan:
+    def of(view: BatchView, one_kernel: bool, grouped: bool = False) -> _DensePlan:
+        plan = _DensePlan._rows(view, one_kernel)
+        if grouped and view.verify_rows > 1 and plan.decode_lengths is not None:
+            spans = verify_spans(view.row_modes, view.request_ids, view.depths)
+            plan = replace(plan, row_spans=spans)
+        return plan
+
+    @staticmethod
+    def _rows(view: BatchView, one_kernel: bool) -> _DensePlan:
         tables, lengths = view.row_block_tables(), view.context_lengths
         if view.decode_only:  # DECODE, VERIFY or PAD rows: padding already has length 0
             if one_kernel:

@@ -57,6 +57,13 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.CUDA_GRAPHS: "decode",
     Capability.ASYNC_SCHEDULING: None,
 }
+# Capabilities this backend does not deliver whatever its kernels declare: its packed and
+# sparse reads take verification rows one at a time, so it passes no groups on.
+NOT_DELIVERED = {
+    Capability.GROUPED_VERIFY_ROWS: "required capability grouped_verify_rows: the flashloop "
+    "backend reads verification rows one at a time (its packed and sparse kernels have no "
+    "grouped form)"
+}
 # Whether each feature's state serves speculative verification rows (and under which KV
 # quantization policies). Token-sparse prefill shapes the prompt's KV only, and
 # `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. Sparse
@@ -115,7 +122,7 @@ class FlashLoopSpec(BackendSpec):
     ) -> dict[OpName, tuple[str, frozenset[Capability]]]:
         """op -> (why it is needed, capabilities its kernel must declare)."""
         needs = {r.op: (r.feature, r.capabilities) for r in required_ops(config)}
-        for cap in request.required:
+        for cap in request.required - NOT_DELIVERED.keys():
             ops = CAPABILITY_OPS[cap]
             if ops == "decode":
                 ops = tuple(sorted(decode_route_ops(config), key=lambda o: o.value))
@@ -153,7 +160,7 @@ class FlashLoopSpec(BackendSpec):
         base = SupportRequest.default(env)
         base = SupportRequest(device, base.dtype if device == "cuda" else torch.float32)
         delivered = set()
-        for cap in Capability:
+        for cap in set(Capability) - NOT_DELIVERED.keys():
             _, reasons = self._choose(base.with_required({cap}), config, registry)
             if not reasons:
                 delivered.add(cap)
@@ -165,7 +172,7 @@ class FlashLoopSpec(BackendSpec):
         _, reasons = self._choose(
             request.with_required(config_capabilities(config)), config, registry
         )
-        return reasons
+        return [NOT_DELIVERED[c] for c in sorted(request.required & NOT_DELIVERED.keys())] + reasons
 
     def kernel_choices(
         self, request: SupportRequest, config: FlashLoopConfig, registry: Registry

@@ -14,6 +14,8 @@ class Capability(str, Enum):
     PACKED_KV_READ = "packed_kv_read"  # reads INT4 base + residual KV directly
     GRAPH_SAFE_SPARSE = "graph_safe_sparse"  # sparse paths capture into CUDA graphs
     DEVICE_POSITIONS = "device_positions"  # positions/depths stay on the device, no host reads
+    # one program computes a verification group's rows, reading their shared keys once
+    GROUPED_VERIFY_ROWS = "grouped_verify_rows"
     # vllm-rlt's existing BackendCapabilities flags
     PACKED_PREFILL = "packed_prefill"
     CUDA_GRAPHS = "cuda_graphs"

@@ -1,7 +1,7 @@
 """Batch views, the stable row partition and segment routing."""
 
 from flashloop_backend.dispatch.batch import BatchView, RowMode
-from flashloop_backend.dispatch.partition import RowPartition, partition_rows
+from flashloop_backend.dispatch.partition import RowPartition, partition_rows, verify_spans
 from flashloop_backend.dispatch.router import (
     NOT_ROUTED,
     REFERENCE_DEPTH,
@@ -35,5 +35,6 @@ __all__ = [
     "required_ops",
     "routable_ops",
     "route_rows",
+    "verify_spans",
     "with_references",
 ]

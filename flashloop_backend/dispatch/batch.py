@@ -40,6 +40,8 @@ class BatchView:
     those depths can route to are not launched (None: any depth).
     prefill_depths (host-known): the loop depths of the PREFILL rows, likewise for the
     prefill ops (None: any depth).
+    verify_rows (host-known): no VERIFY group (consecutive VERIFY rows of one request and
+    depth) has more rows, so a kernel may compute a group's rows together (1: none does).
 
     A backend plans a view once and reuses the plan for every layer (keyed by identity):
     build a new view for every submission, and for every CUDA-graph capture.
@@ -58,6 +60,7 @@ class BatchView:
     decode_bound: int | None = None
     decode_depths: frozenset[int] | None = None
     prefill_depths: frozenset[int] | None = None
+    verify_rows: int = 1
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
@@ -79,6 +82,10 @@ class BatchView:
                 f"block_tables must be [depth_planes, rows={rows}, max_blocks]; "
                 f"got {tuple(self.block_tables.shape)}"
             )
+        if isinstance(self.verify_rows, bool) or not isinstance(self.verify_rows, int):
+            raise ValueError(f"verify_rows={self.verify_rows!r} must be an integer >= 1")
+        if self.verify_rows < 1:
+            raise ValueError(f"verify_rows={self.verify_rows} must be >= 1")
         if self.decode_bound is not None and not 0 <= self.decode_bound <= rows:
             raise ValueError(f"decode_bound={self.decode_bound} must lie in [0, rows={rows}]")
         for name, depths in (("decode", self.decode_depths), ("prefill", self.prefill_depths)):

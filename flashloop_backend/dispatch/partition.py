@@ -60,3 +60,20 @@ def partition_rows(row_modes: torch.Tensor) -> RowPartition:
     order = torch.empty_like(rows).scatter_(0, destination, rows)
     inverse = torch.where(is_rest, torch.full_like(destination, -1), destination)
     return RowPartition(order, inverse, num_decode, num_kept)
+
+
+def verify_spans(
+    row_modes: torch.Tensor, request_ids: torch.Tensor, depths: torch.Tensor
+) -> torch.Tensor:
+    """[R] int32: at the first row of each verification group (consecutive VERIFY rows of
+    one request and depth, which share that request's table at that depth) the group's
+    row count, 0 at its other rows, 1 at every other row. Fixed-size device ops only (no
+    host synchronisation), so it plans inside a CUDA graph too."""
+    verify = row_modes == RowMode.VERIFY
+    follows = torch.zeros_like(verify)
+    same = (request_ids[1:] == request_ids[:-1]) & (depths[1:] == depths[:-1])
+    follows[1:] = verify[1:] & verify[:-1] & same
+    leads = ~follows
+    group = torch.cumsum(leads.to(torch.int64), 0) - 1
+    sizes = torch.zeros_like(group).scatter_add_(0, group, torch.ones_like(group))
+    return torch.where(leads, sizes[group], 0).to(torch.int32)

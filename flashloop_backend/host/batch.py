@@ -146,5 +146,6 @@ def build_batch(
             g.depth for g in groups if g.mode in (RowMode.DECODE, RowMode.VERIFY)
         ),
         prefill_depths=frozenset(g.depth for g in groups if g.mode == RowMode.PREFILL),
+        verify_rows=max([g.count for g in groups if g.mode == RowMode.VERIFY] or [1]),
     )
     return Batch(view, slot_t, tuple(groups), real)

@@ -161,6 +161,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 self.max_context,
                 self._traverse,
                 graph_capture,
+                verify_rows=speculation.block_size if self.speculation is not None else 1,
             )
 
     # ------------------------------------------------------------ requests

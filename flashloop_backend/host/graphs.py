@@ -134,6 +134,7 @@ class DecodeGraphs:
         max_context: int,
         traverse: Traverse,
         capture=None,
+        verify_rows: int = 1,
     ) -> None:
         blockers = backend.graph_blockers()
         if settings.capture and capture is None and blockers:  # a CUDA capture
@@ -147,6 +148,9 @@ class DecodeGraphs:
             capture = CudaCapture(device)
         self.capture = capture
         self.settings, self.kv, self.backend, self.traverse = settings, kv, backend, traverse
+        # a graph serves plain decode and verification steps alike: its views allow the
+        # largest verification group (the speculation block) that fits the bucket
+        self.verify_rows = verify_rows
         self.max_context = settings.max_context or max_context
         self.width = math.ceil(self.max_context / kv.block_size)
         rows = settings.buckets[-1]
@@ -182,7 +186,11 @@ class DecodeGraphs:
     def _view(self, bucket: int, depths: frozenset[int]) -> BatchView:
         fields = {name: tensor[:bucket] for name, tensor in self.fields.items()}
         return BatchView(
-            **fields, block_tables=self.tables[:, :bucket], decode_only=True, decode_depths=depths
+            **fields,
+            block_tables=self.tables[:, :bucket],
+            decode_only=True,
+            decode_depths=depths,
+            verify_rows=min(self.verify_rows, bucket),
         )
 
     def _fill(self, groups: list[RowGroup], hidden: torch.Tensor, bucket: int) -> None:

@@ -217,7 +217,11 @@ class PagedInputs:
     (:class:`PagedAttention`).
 
     q [R, Hq, D]; key_cache, value_cache [NB, BS, Hkv, D]; block_tables [R, MB] int32;
-    context_lengths [R] int32 (0: a padding row, output zero); scale None: 1 / sqrt(D)."""
+    context_lengths [R] int32 (0: a padding row, output zero); scale None: 1 / sqrt(D).
+    row_spans [R] int32 (``dense_attention`` of an implementation declaring
+    ``grouped_verify_rows``): rows r .. r + row_spans[r] - 1 form one verification group
+    sharing row r's table, at most ``max_span`` rows; 0 for a row inside an earlier group.
+    The output is the same; the implementation may read the group's keys once."""
 
     q: torch.Tensor
     key_cache: torch.Tensor
@@ -225,17 +229,15 @@ class PagedInputs:
     block_tables: torch.Tensor
     context_lengths: torch.Tensor
     scale: float | None = None
+    row_spans: torch.Tensor | None = None
+    max_span: int = 1
 
     def call(self, fn: PagedAttention) -> torch.Tensor:
         """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
-        return fn(
-            self.q,
-            self.key_cache,
-            self.value_cache,
-            self.block_tables,
-            self.context_lengths,
-            self.scale,
-        )
+        paged = (self.q, self.key_cache, self.value_cache, self.block_tables, self.context_lengths)
+        if self.row_spans is None:
+            return fn(*paged, self.scale)
+        return fn(*paged, self.scale, row_spans=self.row_spans, max_span=self.max_span)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,9 +138,15 @@ SPARSE_SUPPORT = Support(
 )
 
 
+# the decode kernel computes the rows of a verification group together (row_spans)
+DENSE_ATTENTION_SUPPORT = dataclasses.replace(
+    SUPPORT, capabilities=SUPPORT.capabilities | {Capability.GROUPED_VERIFY_ROWS}
+)
+
+
 def provider() -> KernelProvider:
     impl = {
-        OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, _paged, SUPPORT),
+        OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, _paged, DENSE_ATTENTION_SUPPORT),
         # the tiled kernel serves both: prefill rows of one sequence share each K/V tile,
         # where the decode kernel would re-read the context once per row
         OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, _sparse_prefill, SUPPORT),

@@ -108,6 +108,31 @@ def merge_splits(
     return out
 
 
+def _checked_spans(
+    row_spans: torch.Tensor | None,
+    max_span: int,
+    rows: int,
+    device: torch.device,
+    logits: torch.Tensor | None,
+) -> int:
+    """Rows one program computes: 1 without ``row_spans``, else ``max_span``."""
+    if row_spans is None:
+        if max_span != 1:
+            raise ValueError(f"max_span={max_span} needs row_spans (without them it is 1)")
+        return 1
+    if max_span < 1:
+        raise ValueError(f"max_span={max_span} must be >= 1")
+    if row_spans.shape != (rows,) or row_spans.dtype != torch.int32:
+        raise ValueError(
+            f"row_spans must be [rows={rows}] int32; got {tuple(row_spans.shape)} {row_spans.dtype}"
+        )
+    if row_spans.device != device:
+        raise ValueError(f"row_spans is on {row_spans.device}, q on {device}")
+    if logits is not None and max_span > 1:
+        raise ValueError("logits are stored one row per program: give max_span=1 with logits")
+    return max_span
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -121,6 +146,8 @@ def paged_attention_triton(
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     read_values: bool = True,
+    row_spans: torch.Tensor | None = None,
+    max_span: int = 1,
 ) -> torch.Tensor:
     """Per-row causal paged attention, the ``PagedAttention`` contract (see ``ops.py``).
 
@@ -131,6 +158,12 @@ def paged_attention_triton(
     every visible key's scaled logit (other entries untouched) and ``lse`` [R, Hq] FP32 the
     natural-log log-sum-exp. ``read_values`` False reads the keys only: ``logits`` and
     ``lse`` as above, the returned output zeros.
+
+    ``row_spans`` [R] int32 with ``max_span`` > 1 (verification rows): one program computes
+    ``row_spans[r]`` consecutive rows from row r (at most ``max_span``), reading the keys
+    they share once; the caller guarantees that those rows use row r's block table up to
+    their lengths, that every row lies in exactly one span, and that a row inside an
+    earlier span has span 0. The output is the per-row attention as without spans.
     """
     from flashloop_backend.kernels.triton.paged_decode_jit import paged_attention_split_kernel
 
@@ -140,6 +173,7 @@ def paged_attention_triton(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the triton kernel")
+    rows_per_program = _checked_spans(row_spans, max_span, rows, q.device, logits)
     out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     if rows == 0:
         return out
@@ -150,7 +184,7 @@ def paged_attention_triton(
     )
     blocks_per_split = math.ceil(max_blocks / splits)
     group = num_q_heads // num_kv_heads
-    group_pad = next_pow2(group)
+    group_pad = next_pow2(group * rows_per_program)
     if tuning.use_dot:
         group_pad = max(16, group_pad)  # tensor-core tiles need M >= 16
     pages = max(1, tuning.keys_per_iter // block_size)
@@ -163,6 +197,7 @@ def paged_attention_triton(
         value_cache,
         block_tables,
         context_lengths,
+        row_spans if row_spans is not None else context_lengths,
         part_out,
         part_max,
         part_sum,
@@ -196,6 +231,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STORE_LOGITS=logits is not None,
         READ_VALUES=read_values,
+        ROWS=rows_per_program,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )

@@ -18,6 +18,7 @@ def paged_attention_split_kernel(
     v_ptr,
     tables_ptr,
     lengths_ptr,
+    spans_ptr,
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -49,8 +50,15 @@ def paged_attention_split_kernel(
     DOT_PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     READ_VALUES: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """One (row, kv head, split): online softmax over this split's pages, FP32 state.
+
+    ROWS > 1: the program of a row whose span (``spans_ptr``) is s >= 1 computes rows
+    row .. row + s - 1 (s <= ROWS) from the leading row's block table, their query heads
+    stacked in one tile of GROUP_PAD >= ROWS * GROUP rows, so the keys the rows share
+    are read once; a row of span 0 lies inside an earlier span and its program stores
+    nothing. Each row still sees only the keys before its own length.
 
     USE_DOT computes QK and PV with tensor-core dots (query heads padded to GROUP_PAD >= 16,
     P rounded to the KV dtype, FP32 accumulation); otherwise with FP32 broadcast-reduce.
@@ -59,18 +67,33 @@ def paged_attention_split_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    length = tl.load(lengths_ptr + row)
+
+    # ---- the query heads of this KV group, of every row the program computes:
+    # [GROUP_PAD, HEAD_DIM] (tile row m is row + m // GROUP, query head m % GROUP)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    if ROWS == 1:
+        q_heads = kv_head * GROUP + g
+        q_mask = g < GROUP
+        length = tl.load(lengths_ptr + row)
+        q_row_off = row.to(tl.int64) * stride_qr
+        part_row_off = row.to(tl.int64) * stride_pr
+        stat_row_off = row.to(tl.int64) * stride_mr
+    else:
+        span = tl.load(spans_ptr + row)
+        q_rows = row + g // GROUP
+        q_heads = kv_head * GROUP + g % GROUP
+        q_mask = (g < ROWS * GROUP) & (g // GROUP < span)
+        row_lengths = tl.load(lengths_ptr + q_rows, mask=q_mask, other=0)
+        length = tl.max(row_lengths, axis=0)
+        q_row_off = q_rows.to(tl.int64)[:, None] * stride_qr
+        part_row_off = q_rows.to(tl.int64)[:, None] * stride_pr
+        stat_row_off = q_rows.to(tl.int64) * stride_mr
     num_pages = tl.cdiv(length, BLOCK_SIZE)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, num_pages)
-
-    # ---- load the query heads of this KV group: [GROUP_PAD, HEAD_DIM] in FP32
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    q_heads = kv_head * GROUP + g
-    q_mask = g < GROUP
     q = tl.load(
-        q_ptr + row.to(tl.int64) * stride_qr + q_heads[:, None] * stride_qh + d[None, :],
+        q_ptr + q_row_off + q_heads[:, None] * stride_qh + d[None, :],
         mask=q_mask[:, None],
         other=0.0,
     )
@@ -103,7 +126,10 @@ def paged_attention_split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, N]
         else:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-        s = tl.where(visible[None, :], s, float("-inf"))
+        if ROWS == 1:
+            s = tl.where(visible[None, :], s, float("-inf"))
+        else:  # each row's own causal length
+            s = tl.where(visible[None, :] & (pos[None, :] < row_lengths[:, None]), s, float("-inf"))
         if STORE_LOGITS:  # selection statistics: every visible key's scaled logit, once
             logits_row = logits_ptr + row.to(tl.int64) * stride_lr
             if GROUP == 1:
@@ -141,11 +167,9 @@ def paged_attention_split_kernel(
         m_i = m_new
 
     # ---- store this split's unnormalised partial state
-    out_off = (
-        row.to(tl.int64) * stride_pr + q_heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-    )
+    out_off = part_row_off + q_heads[:, None] * stride_ph + split * stride_ps + d[None, :]
     tl.store(part_out_ptr + out_off, acc, mask=q_mask[:, None])
-    stat_off = row.to(tl.int64) * stride_mr + q_heads * stride_mh + split
+    stat_off = stat_row_off + q_heads * stride_mh + split
     tl.store(part_max_ptr + stat_off, m_i, mask=q_mask)
     tl.store(part_sum_ptr + stat_off, l_i, mask=q_mask)
 
