@@ -179,8 +179,11 @@ def paged_attention_triton(
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     max_blocks = block_tables.shape[1]
+    # a grouped launch sizes its splits for the groups that work, not for every row: at
+    # most one program in rows_per_program leads a group of that many rows
+    working = math.ceil(rows / rows_per_program)
     splits = num_splits or _num_splits(
-        rows, num_kv_heads, max_blocks * block_size, q.device, tuning.programs_per_sm
+        working, num_kv_heads, max_blocks * block_size, q.device, tuning.programs_per_sm
     )
     blocks_per_split = math.ceil(max_blocks / splits)
     group = num_q_heads // num_kv_heads
