@@ -6,12 +6,12 @@ import triton.language as tl
 
 from flashloop_backend.kernels.triton.specialization import (
     MERGE_SPLITS_METADATA,
+    PAGED_PER_ROW,
     PAGED_SPLIT_METADATA,
-    SCALAR_PER_ROW,
 )
 
 
-@triton.jit(do_not_specialize=PAGED_SPLIT_METADATA, do_not_specialize_on_alignment=SCALAR_PER_ROW)
+@triton.jit(do_not_specialize=PAGED_SPLIT_METADATA, do_not_specialize_on_alignment=PAGED_PER_ROW)
 def paged_attention_split_kernel(
     q_ptr,
     k_ptr,

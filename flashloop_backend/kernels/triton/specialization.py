@@ -18,6 +18,9 @@ from contextlib import contextmanager
 
 # pointers read one scalar per row: their alignment never widens a load
 SCALAR_PER_ROW = ["lengths_ptr"]
+# the paged decode kernel's verification spans, read like the lengths (and the lengths
+# themselves stand in for them when there are none)
+PAGED_PER_ROW = [*SCALAR_PER_ROW, "spans_ptr"]
 # the split count (a mask bound, a loop trip count) and the strides of the [R, H, S] split
 # state buffers, which follow it; per kernel, since argument names differ in meaning
 MERGE_SPLITS_METADATA = ["num_splits", "stride_mr", "stride_mh", "stride_lr", "stride_sr"]
