@@ -9,6 +9,8 @@ the hardware; their time does, and is the GPU benchmark's (bench e2e --speculate
 Under KV quantization ``rolling`` (``--config configs/kv_quant_rolling.json``),
 ``--rolling serial_aligned,block_boundary`` compares blocks that end before each flush
 with blocks that run across it (``first_difference`` says where tokens part).
+``--confidences 0,0.5`` sweeps the draft confidence (a draft less probable ends its
+block's drafting; ``stopped`` counts the blocks it ended).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main() -> None:
         default="serial_aligned",
         help="KV quantization rolling: serial_aligned and/or block_boundary, comma-separated",
     )
+    parser.add_argument(
+        "--confidences", default="0", help="draft confidences in [0, 1), comma-separated"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     config = load_config(args.config) if args.config else FlashLoopConfig()
@@ -66,13 +71,16 @@ def main() -> None:
     plain = [r.output_token_ids for r in plain_engine.generate(prompts, params)]
     rows = []
     sweep = [
-        (int(depth), int(block), rolling)
+        (int(depth), int(block), rolling, float(confidence))
         for depth in args.depths.split(",")
         for block in args.blocks.split(",")
         for rolling in args.rolling.split(",")
+        for confidence in args.confidences.split(",")
     ]
-    for depth, block, rolling in sweep:
-        settings = SpeculationSettings(block_size=block, draft_depth=depth, rolling=rolling)
+    for depth, block, rolling, confidence in sweep:
+        settings = SpeculationSettings(
+            block_size=block, draft_depth=depth, rolling=rolling, draft_confidence=confidence
+        )
         spec = engine(settings)
         tokens = [r.output_token_ids for r in spec.generate(prompts, params)]
         counts = spec.counters()
@@ -81,6 +89,7 @@ def main() -> None:
                 "draft_depth": depth,
                 "block_size": block,
                 "rolling": rolling,
+                "draft_confidence": confidence,
                 "same_tokens": tokens == plain,
                 # per sequence, the first output token that differs from plain decoding
                 "first_difference": [
@@ -89,6 +98,8 @@ def main() -> None:
                 ],
                 "acceptance_rate": counts["acceptance_rate"],
                 "blocks": counts["speculation_blocks"],
+                "stopped": counts["speculation_stopped"],
+                "rows": counts["speculation_rows"],
                 "steps": spec.steps,
                 "steps_vs_plain": plain_engine.steps / spec.steps,
             }

@@ -31,6 +31,15 @@ def cli(*args):
         (("bench", "e2e", "--speculate", "1"), "1 must be an integer >= 2"),
         (("bench", "e2e", "--speculate", "2", "--draft-depth", "0"), "draft_depth=0 is not built"),
         (
+            ("bench", "e2e", "--speculate", "2", "--draft-confidence", "-0.5"),
+            "draft_confidence=-0.5: Input should be greater than or equal to 0",
+        ),
+        (("bench", "e2e", "--draft-confidence", "0.5"), "--draft-confidence applies with"),
+        (
+            ("bench", "kernel", "--draft-confidence", "0.5"),
+            "--draft-confidence applies to bench e2e",
+        ),
+        (
             ("bench", "e2e", "--grid", "--config", "configs/sparse_decode.json"),
             "--grid needs a config that enables every feature",
         ),

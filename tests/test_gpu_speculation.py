@@ -67,7 +67,8 @@ def test_speculation_on_the_gpu_gives_the_greedy_tokens(name):
 
 def test_grouped_verification_rows_on_triton_give_the_greedy_tokens():
     """The dense Triton backend computes each block's verification rows in one program
-    (grouped_verify_rows); two requests verify in one step."""
+    (grouped_verify_rows); two requests verify in one step. With a draft confidence the
+    blocks stop at unsure drafts, so the groups hold 1 to 4 rows."""
     model = load_model(embedded_model_path(), "cuda", torch.float32)
     tokenizer = load_tokenizer(embedded_model_path())
     text = "class Stack:\n    def push(self, item):\n        self.items.append(item)\n"
@@ -80,3 +81,8 @@ def test_grouped_verification_rows_on_triton_give_the_greedy_tokens():
     assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
     assert engine.graphs.verify_rows == 4 and engine.counters()["speculation_accepted"] > 0
     assert not engine.graphs.fallbacks
+    unsure = SpeculationSettings(block_size=4, draft_confidence=0.8)
+    engine = _engine(model, FlashLoopConfig(), unsure, "triton")
+    speculative = engine.generate(prompts, params)
+    assert [r.output_token_ids for r in speculative] == [r.output_token_ids for r in plain]
+    assert engine.counters()["speculation_stopped"] > 0 and not engine.graphs.fallbacks

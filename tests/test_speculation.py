@@ -177,20 +177,31 @@ def test_a_model_that_exits_early_and_unsupported_requests_are_refused():
         SpeculationSettings(block_size=1)
     with pytest.raises(ValueError, match=r"draft_depth=3 is not built \(supported: \[1, 2\]\)"):
         SpeculationSettings(draft_depth=3)
+    for confidence, bound in ((1.0, "less than 1"), (-0.1, "greater than or equal to 0")):
+        with pytest.raises(ValueError, match=f"draft_confidence\n.*{bound}"):
+            SpeculationSettings(draft_confidence=confidence)
 
 
 class _Lookup:
-    """A model whose coda predicts the token written in a state's first entry."""
+    """A model whose coda predicts the token written in a state's first entry, with
+    logit 1 + the state's second entry (0: probability e / (e + 49) = 0.053)."""
 
     def coda(self, hidden):
-        return torch.nn.functional.one_hot(hidden[:, 0].long(), 50).float()
+        return torch.nn.functional.one_hot(hidden[:, 0].long(), 50).float() * (1 + hidden[:, 1:2])
 
     def prelude(self, ids):
         return torch.zeros(len(ids), 4)
 
 
-def _state(token: int) -> torch.Tensor:
-    return torch.tensor([[float(token), 0, 0, 0]])
+def _state(token: int, sure: bool = False) -> torch.Tensor:
+    """A draft state: ``sure`` makes the token's probability 0.998 (logit 11)."""
+    return torch.tensor([[float(token), 10.0 if sure else 0.0, 0, 0]])
+
+
+def _request():
+    return dataclasses.make_dataclass("R", ["block", "depth", "hidden", "params", "id"])(
+        None, 0, None, SamplingParams(), 0
+    )
 
 
 @pytest.mark.parametrize("rejected_at", [0, 1, 2, 3, None])
@@ -199,9 +210,7 @@ def test_acceptance_stops_at_the_first_rejected_draft(rejected_at):
     The block outputs the agreed drafts, then the verifier's token (all four when none is
     rejected)."""
     spec = Speculation(SpeculationSettings(block_size=4), _Lookup(), loops=4)
-    r = dataclasses.make_dataclass("R", ["block", "depth", "hidden", "params"])(
-        None, 0, None, SamplingParams()
-    )
+    r = _request()
     r.block = Block(start=10, rows=4, tokens=[5], slots=(0, 1, 2, 3), incarnations=(1, 2, 3, 4))
     for draft in (11, 12, 13, 14):  # each row: loop 1, then loop 2 drafts the next token
         assert spec.advance(r, _state(0)) is None
@@ -215,6 +224,71 @@ def test_acceptance_stops_at_the_first_rejected_draft(rejected_at):
     accepted = 4 if rejected_at is None else rejected_at
     assert out == verified[: accepted + (rejected_at is not None)]
     assert (spec.accepted, spec.drafted, spec.blocks) == (accepted, 4, 1)
+
+
+@pytest.mark.parametrize("unsure_at", [0, 1, 2, 3, None])
+def test_an_unsure_draft_ends_its_blocks_drafting(unsure_at):
+    """Drafts 11, 12, 13, 14 at depth 1 with draft confidence 0.5: the first draft below
+    it (probability 0.053 against 0.998) is the block's last, so the block verifies the
+    rows drafted so far, in their own slots; an unsure last draft changes nothing."""
+    spec = Speculation(
+        SpeculationSettings(block_size=4, draft_depth=1, draft_confidence=0.5), _Lookup(), loops=4
+    )
+    r = _request()
+    r.block = Block(start=10, rows=4, tokens=[5], slots=(0, 1, 2, 3), incarnations=(1, 2, 3, 4))
+    drafts = iter((11, 12, 13, 14))
+    while not r.block.verifying:
+        draft = next(drafts)
+        assert spec.advance(r, _state(draft, sure=draft - 11 != unsure_at)) is None
+    rows = 4 if unsure_at is None else unsure_at + 1
+    assert r.block.tokens == [5, 11, 12, 13][:rows] and r.block.last_draft == 11 + rows - 1
+    assert (r.block.rows, r.block.slots, r.block.incarnations) == (
+        rows,
+        (0, 1, 2, 3)[:rows],
+        (1, 2, 3, 4)[:rows],
+    )
+    assert r.depth == 1 and r.hidden.shape == (rows, 4)
+    group = spec.group(r)
+    assert group.mode == RowMode.VERIFY and (group.count, group.row_slots) == (
+        rows,
+        (0, 1, 2, 3)[:rows],
+    )
+    verified = [11, 12, 13, 14][:rows]
+    for _ in (2, 3):
+        assert spec.advance(r, torch.zeros(rows, 4)) is None  # loops 2 and 3
+    out = spec.advance(r, torch.cat([_state(t) for t in verified]))  # loop 4
+    assert out == verified
+    stopped = int(unsure_at is not None and unsure_at < 3)
+    assert spec.counters()["speculation_stopped"] == stopped
+    assert (spec.accepted, spec.drafted, spec.blocks) == (rows, rows, 1)
+
+
+@pytest.mark.parametrize("flags", [{}, dict.fromkeys(VERIFIED, True)], ids=["dense", "all_on"])
+def test_draft_confidence_keeps_the_greedy_tokens_and_stops_blocks(flags):
+    """Blocks of every length 1 .. K (so verification groups of each size) and the greedy
+    tokens of plain decoding, on the graph buffers; more blocks, fewer rows drafted."""
+    model, config = tiny_model(seed=7), _config(flags)
+    plain = _engine(model, config).generate(PROMPTS[:2], GREEDY)
+    graphs = GraphSettings(buckets=(1, 2, 4, 8), max_context=128, capture=False)
+    counts = {}
+    for confidence in (0.0, 0.3):
+        settings = SpeculationSettings(block_size=4, draft_depth=1, draft_confidence=confidence)
+        engine = _engine(model, config, speculation=settings, cuda_graphs=graphs)
+        sizes = []
+
+        def group(r, sizes=sizes, group=engine.speculation.group):
+            if r.block.verifying:
+                sizes.append(r.block.rows)
+            return group(r)
+
+        engine.speculation.group = group
+        out = engine.generate(PROMPTS[:2], GREEDY)
+        assert [r.output_token_ids for r in out] == [r.output_token_ids for r in plain]
+        assert not engine.graphs.fallbacks
+        counts[confidence] = engine.counters()
+    assert set(sizes) == {1, 2, 3, 4}
+    assert counts[0.0]["speculation_stopped"] == 0 < counts[0.3]["speculation_stopped"]
+    assert counts[0.3]["speculation_rows"] < counts[0.0]["speculation_rows"]
 
 
 def test_a_block_never_outputs_past_max_new_tokens_or_eos():
@@ -306,12 +380,18 @@ def test_generate_speculate_outputs_the_tokens_of_plain_greedy(capsys):
             ["--speculate", "3", "--draft-depth", "3"],
             "draft_depth=3 is not built (supported: [1, 2])",
         ),
+        (["--draft-confidence", "1.5"], "draft_confidence=1.5: Input should be less than 1"),
     ],
 )
 def test_generate_speculate_refuses_what_it_does_not_support(capsys, extra, fragment):
     args = extra if "--speculate" in extra else ["--speculate", "4", *extra]
     code, _, err = _generate(capsys, *args)
     assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_draft_confidence_without_speculation_is_refused(capsys):
+    code, _, err = _generate(capsys, "--draft-confidence", "0.5")
+    assert code == 2 and "--draft-confidence applies with --speculate K" in err
 
 
 def test_the_rejection_rule_outputs_the_target_distribution():

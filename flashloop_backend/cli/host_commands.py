@@ -106,17 +106,31 @@ def _load(args: argparse.Namespace):
     return device, dtype, config, model, tokenizer
 
 
-def speculation_settings(block_size: int, draft_depth: int):
-    """``--speculate K --draft-depth D`` as settings; a value off the built ones exits 2
-    naming it."""
+def speculation_from_args(args: argparse.Namespace):
+    """``--speculate K --draft-depth D --draft-confidence P`` as settings (None without
+    ``--speculate``); a value off the allowed ones exits 2 naming it, and so does
+    ``--draft-confidence`` without ``--speculate``."""
     from pydantic import ValidationError
 
     from flashloop_backend.host.speculation import SpeculationSettings
 
+    confidence = getattr(args, "draft_confidence", None)
+    if not args.speculate:
+        if confidence is not None:
+            raise ConfigError("--draft-confidence applies with --speculate K")
+        return None
+    given = {"block_size": args.speculate, "draft_depth": args.draft_depth}
+    if confidence is not None:
+        given["draft_confidence"] = confidence
     try:
-        return SpeculationSettings(block_size=block_size, draft_depth=draft_depth)
+        return SpeculationSettings(**given)
     except ValidationError as exc:
-        raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        error = exc.errors()[0]
+        field, message = error["loc"][0], error["msg"].removeprefix("Value error, ")
+        named = (
+            message if message.startswith(f"{field}=") else f"{field}={error['input']}: {message}"
+        )
+        raise ConfigError(named) from None
 
 
 def _setup(args: argparse.Namespace, log):
@@ -141,9 +155,7 @@ def _setup(args: argparse.Namespace, log):
         f"effective config digest {effective.digest()}: features {features}; "
         f"kernels {dict(effective.kernels)}"
     )
-    speculation = None
-    if getattr(args, "speculate", None):
-        speculation = speculation_settings(args.speculate, args.draft_depth)
+    speculation = speculation_from_args(args) if hasattr(args, "speculate") else None
     try:
         engine = Engine(
             model,
@@ -688,6 +700,13 @@ def add_commands(sub) -> None:
         type=positive_int,
         default=2,
         help="--speculate: loops a draft token runs before its guess (1 or 2; default 2)",
+    )
+    gen.add_argument(
+        "--draft-confidence",
+        type=float,
+        metavar="P",
+        help="--speculate: a draft less probable than P (in [0, 1)) ends its block's "
+        "drafting, so its rows are verified at once (default 0: K rows every block)",
     )
     gen.add_argument(
         "--tp",

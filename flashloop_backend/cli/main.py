@@ -189,7 +189,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from flashloop_backend.cli.host_commands import speculation_settings
+    from flashloop_backend.cli.host_commands import speculation_from_args
     from flashloop_backend.config import FlashLoopConfig, load_config
     from flashloop_backend.registry import Registry
     from flashloop_backend.tools.bench.timing import environment_record, progress_log
@@ -207,6 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
     e2e_only = (
         ("--grid", args.grid),
         ("--speculate", args.speculate),
+        ("--draft-confidence", args.draft_confidence),
         ("--model", args.model),
         ("--exit-threshold", args.exit_threshold),
     )
@@ -276,9 +277,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(str(exc)) from None
             if not any(n.partition("+")[0] == "flashloop" for n in names):
                 raise ConfigError(f"--grid runs the flashloop backend; --backends {names} has none")
-        speculation = None
-        if args.speculate:
-            speculation = speculation_settings(args.speculate, args.draft_depth)
+        speculation = speculation_from_args(args)
         record = {"kind": "end_to_end_host", "runs": [], "environment": environment_record()}
         for ctx in args.contexts:
             for conc in args.concurrency:
@@ -512,6 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="e2e --speculate: loops a draft token runs (1 or 2; default 2)",
+    )
+    bench.add_argument(
+        "--draft-confidence",
+        type=float,
+        metavar="P",
+        help="e2e --speculate: a draft less probable than P ends its block's drafting "
+        "(default 0: K rows every block)",
     )
     bench.add_argument(
         "--exit-threshold",

@@ -6,7 +6,8 @@ A looped model drafts for itself. A block starts at the request's last output to
 1. Drafting: each row's token runs the first ``draft_depth`` loops (1 or 2) as an
    ordinary decode row, and the coda of that state drafts the next token (d1 .. d_rows),
    which becomes the next row's token. Those rows write their loops' KV like any decode
-   token.
+   token. With ``draft_confidence`` c > 0, a draft whose probability under the draft
+   distribution is below c is the block's last: the block ends at the row that drafted it.
 2. Verification: all rows run the remaining loops together as VERIFY rows (decode
    queries, each with its own causal length), from their draft states. The coda of each
    row's final state is the model's own next token y1 .. y_rows.
@@ -36,12 +37,16 @@ DRAFT_DEPTHS = (1, 2)  # loops a draft token runs before its coda
 
 
 class SpeculationSettings(BaseModel):
-    """Block speculation: ``block_size`` rows per block (k), drafted at ``draft_depth``
-    loops and verified at the rest."""
+    """Block speculation: at most ``block_size`` rows per block (k), drafted at
+    ``draft_depth`` loops and verified at the rest; drafting stops at a draft less
+    probable than ``draft_confidence`` (0: every block drafts its k rows)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     block_size: int = Field(default=4, ge=2)
     draft_depth: int = 2
+    # a draft this unlikely is probably rejected, and every row drafted after it with it:
+    # verifying at once spends no more draft steps on them
+    draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
     # KV quantization `rolling`: `serial_aligned` ends a block before the next flush, so
     # every row reads the packed rows serial decoding shows it (the same tokens);
     # `block_boundary` lets blocks run across it and packs between blocks (execution-
@@ -80,7 +85,8 @@ class Block:
 class Speculation:
     """The speculating host's side of a request's decode: which rows run next, and what
     a block outputs once verified. Counters: blocks verified, tokens drafted, drafts
-    accepted, rows run (drafting and verification)."""
+    accepted, rows run (drafting and verification), blocks whose drafting stopped at an
+    unsure draft before ``block_size`` rows."""
 
     def __init__(self, settings: SpeculationSettings, model, loops: int) -> None:
         if loops <= settings.draft_depth:
@@ -89,7 +95,7 @@ class Speculation:
                 f"{loops}-loop model"
             )
         self.settings, self.model, self.loops = settings, model, loops
-        self.blocks = self.drafted = self.accepted = self.rows_run = 0
+        self.blocks = self.drafted = self.accepted = self.rows_run = self.stopped = 0
 
     def counters(self) -> dict[str, int | float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
@@ -98,6 +104,7 @@ class Speculation:
             "speculation_drafted": self.drafted,
             "speculation_accepted": self.accepted,
             "speculation_rows": self.rows_run,
+            "speculation_stopped": self.stopped,
             "acceptance_rate": rate,
         }
 
@@ -151,7 +158,9 @@ class Speculation:
             return None
         if not block.verifying:  # the row's draft state guesses the next token
             block.drafted.append(out[0])
-            draft = self._draft(r, self.model.coda(out[:1])[0])
+            draft, probability = self._draft(r, self.model.coda(out[:1])[0])
+            if len(block.tokens) < block.rows and probability < self.settings.draft_confidence:
+                self._stop_drafting(block)
             if len(block.tokens) < block.rows:
                 block.tokens.append(draft)
                 r.depth = 0
@@ -173,14 +182,32 @@ class Speculation:
         self.accepted += accepted
         return tokens
 
-    def _draft(self, r, logits: torch.Tensor) -> int:
-        """The next draft from a row's draft-state logits [vocab]: the argmax, or under
-        sampling a draw from the tempered distribution (kept for the acceptance test)."""
+    def _stop_drafting(self, block: Block) -> None:
+        """End ``block`` at the rows drafted so far (their slots and incarnations stay)."""
+        block.rows = len(block.tokens)
+        block.slots, block.incarnations = (
+            block.slots[: block.rows],
+            block.incarnations[: block.rows],
+        )
+        self.stopped += 1
+
+    def _draft(self, r, logits: torch.Tensor) -> tuple[int, float]:
+        """The next draft from a row's draft-state logits [vocab] and its probability under
+        the draft distribution: the argmax (probability at temperature 1), or under
+        sampling a draw from the tempered distribution (kept for the acceptance test).
+        The probability is computed only when ``draft_confidence`` asks for it (else 1)."""
+        wanted = self.settings.draft_confidence > 0
         if r.params.temperature <= 0:
-            return int(torch.argmax(logits).item())
+            if not wanted:
+                return int(torch.argmax(logits).item()), 1.0
+            probability, draft = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            # one host read for both (a vocabulary index is exact in FP32)
+            probability, draft = torch.stack((probability, draft.float())).tolist()
+            return int(draft), probability
         probs = torch.softmax(logits / r.params.temperature, dim=-1)
         r.block.draft_probs.append(probs)
-        return int(torch.multinomial(probs, 1, generator=r.generator).item())
+        draft = int(torch.multinomial(probs, 1, generator=r.generator).item())
+        return draft, float(probs[draft].item()) if wanted else 1.0
 
 
 def accept_greedy(drafts: list[int], verified: list[int]) -> list[int]:

@@ -381,6 +381,7 @@ def bench_end_to_end(
         "warmup_context": warmup_context or context,
         "passes": passes,
         "exit_threshold": exit_threshold,
+        "speculation": speculation.model_dump() if speculation else None,
         "method": f"{passes} timed pass(es) after an untimed warm-up pass (prompts cut to "
         "warmup_context) per backend, same process",
         "config": (config or FlashLoopConfig()).model_dump(mode="json"),
