@@ -20,7 +20,7 @@ from flashloop_backend.host.progress import StageBars
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from flashloop_backend.tools.evaluation import EvalSettings, evaluate, heldout_text
+    from flashloop_backend.tools.evaluation import EvalSettings, heldout_text
     from flashloop_backend.tools.paths import record_path
 
     device, dtype, config, model, tokenizer = load_from_args(args)
@@ -51,22 +51,7 @@ def _eval(args: argparse.Namespace) -> int:
         )
     if args.combinations or args.grid:
         return _eval_combinations(args, model, tokenizer, text, source, config, settings, log)
-    with StageBars("eval") as bars:
-        try:
-            report = evaluate(
-                model,
-                tokenizer,
-                text,
-                config,
-                backend=args.backend,
-                settings=settings,
-                block_size=args.block_size,
-                progress=bars.update,
-            )
-        except UnservableError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    report = _evaluated(args, model, tokenizer, text, config, settings)
     report.update(
         model=record_path(args.model), text_source=source, device=device, dtype=str(dtype)
     )
@@ -87,6 +72,30 @@ def _eval(args: argparse.Namespace) -> int:
         )
         print(f"passkey {report['passkey_accuracy']}")
     return 0
+
+
+def _evaluated(args, model, tokenizer, text, config, settings, dense_cache=None) -> dict:
+    """One config's evaluation report, with progress bars; a value the evaluation refuses
+    exits 2 naming it (an unservable config exits 3)."""
+    from flashloop_backend.tools.evaluation import evaluate
+
+    with StageBars("eval") as bars:
+        try:
+            return evaluate(
+                model,
+                tokenizer,
+                text,
+                config,
+                backend=args.backend,
+                settings=settings,
+                block_size=args.block_size,
+                progress=bars.update,
+                dense_cache=dense_cache,
+            )
+        except UnservableError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _passkey_mean(cells: dict[str, float]) -> float:
@@ -115,7 +124,6 @@ def _resumed(args, identity: dict) -> dict[str, dict]:
 def _eval_combinations(args, model, tokenizer, text, source, config, settings, log) -> int:
     """``eval --combinations``: every on/off combination of the config's features;
     ``eval --grid``: the quality grid of :func:`~flashloop_backend.tools.grid.feature_grid`."""
-    from flashloop_backend.tools.evaluation import evaluate
     from flashloop_backend.tools.grid import (
         feature_combinations,
         feature_grid,
@@ -165,23 +173,7 @@ def _eval_combinations(args, model, tokenizer, text, source, config, settings, l
         if not run:  # a finished point is kept above whatever --grid-points says
             continue
         log(f"combination {i}/{len(combos)}: {' + '.join(features) or 'dense (all off)'}")
-        with StageBars("eval") as bars:
-            try:
-                report = evaluate(
-                    model,
-                    tokenizer,
-                    text,
-                    combo,
-                    backend=args.backend,
-                    settings=settings,
-                    block_size=args.block_size,
-                    progress=bars.update,
-                    dense_cache=dense_cache,
-                )
-            except UnservableError:
-                raise
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+        report = _evaluated(args, model, tokenizer, text, combo, settings, dense_cache)
         by_name[name] = {
             "features": list(features),
             "config": combo.model_dump(mode="json"),
