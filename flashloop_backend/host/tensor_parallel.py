@@ -140,7 +140,11 @@ def _rank_entry(rank, world_size, init_method, backend, target, args, errors) ->
         raise
     finally:
         torch.distributed.destroy_process_group()
-    raise SystemExit(code or 0)
+    # leave without the interpreter's teardown: the process group's transport threads may
+    # still be alive there, and destroying them aborts a rank that has already succeeded
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def run_ranks(world_size: int, target: Callable[..., int], args: tuple, device: str) -> int:
