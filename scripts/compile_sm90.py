@@ -22,12 +22,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 # pointer types of the packed-KV kernels' arguments (others default to *fp32)
 STORE = {
-    "kc_ptr": "*u8",
-    "vc_ptr": "*u8",
-    "kmin_ptr": "*fp16",
-    "kscale_ptr": "*fp16",
-    "vmin_ptr": "*fp16",
-    "vscale_ptr": "*fp16",
+    "codes_ptr": "*u8",
+    "halves_ptr": "*fp16",
     "level_tables_ptr": "*i32",
     "level_maps_ptr": "*i32",
     "level_kinds_ptr": "*i32",
@@ -80,82 +76,66 @@ def _compile(
 
 
 def main() -> int:
-    from flashloop_backend.kernels.triton.packed_decode import (
-        DEFAULT_TUNING,
-        rows_per_step,
-        warps_for,
-    )
+    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING, TAIL_ROWS
     from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
-    from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
-    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
-
-    ok = True
-    for levels in (1, 2, 4):
-        registered = rows_per_step(DEFAULT_TUNING, 64, levels)  # 64-row groups
-        variants = [(False, False, registered), (True, False, registered), (False, False, 16)]
-        if levels == 4:  # the streamed loop 3-4 correction (selected positions only)
-            variants.append((False, True, registered))
-        for logits, selected, rows in variants:
-            shape = dict(
-                GROUP_Q=1,
-                HEAD_DIM=128,
-                GROUP=64,
-                BLOCK_SIZE=16,
-                LEVELS=levels,
-                STORE_LOGITS=logits,
-                ROWS=rows,
-                SELECTED=selected,
-                HALF=DEFAULT_TUNING.half_products and not (logits or selected),
-                ASM=True,
-            )
-            ok &= _compile(
-                f"packed_decode LEVELS={levels} STORE_LOGITS={logits} SELECTED={selected} "
-                f"ROWS={rows}",
-                packed_decode_split_kernel,
-                STORE,
-                {"scale"},
-                shape,
-                warps_for(DEFAULT_TUNING, levels),
-            )
-    for levels in (1, 4):
-        shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels, BLOCK_N=32)
-        ok &= _compile(
-            f"packed_gather LEVELS={levels}", packed_gather_kernel, STORE, set(), shape, 4
-        )
     from flashloop_backend.kernels.triton.packed_selected_jit import packed_selected_split_kernel
     from flashloop_backend.kernels.triton.packed_sparse import (
         BLOCK_N,
+        PAGE_WINDOW,
         SELECTED_WARPS,
-        V_BY_CHANNEL_BELOW,
     )
+    from flashloop_backend.kernels.triton.select_jit import select_statistics_kernel
 
-    # the registered launch at two levels (V by channel) and four (V as rows), and the
-    # 32 x 4 one bench packed times
-    for levels, block_n, warps in (
-        (2, BLOCK_N, SELECTED_WARPS),
-        (4, BLOCK_N, SELECTED_WARPS),
-        (4, 32, 4),
-    ):
-        for from_logits in (False, True):
-            shape = dict(
-                GROUP_Q=1,
-                HEAD_DIM=128,
-                GROUP=64,
-                BLOCK_SIZE=16,
-                LEVELS=levels,
-                BLOCK_N=block_n,
-                FROM_LOGITS=from_logits,
-                V_BY_CHANNEL=levels < V_BY_CHANNEL_BELOW,
-            )
-            ok &= _compile(
-                f"packed_selected LEVELS={levels} BLOCK_N={block_n} warps={warps} "
-                f"FROM_LOGITS={from_logits}",
-                packed_selected_split_kernel,
-                SELECTED,
-                {"scale"},
-                shape,
-                warps,
-            )
+    ok = True
+    # the streaming reader: plain reads of dense levels at 1, 2 and 4 levels, the loop-2
+    # read with logits, and 4 levels with compact ones from level 3 (token-sparse depths)
+    for levels, logits, compact_from in ((1, False, 1), (2, False, 2), (4, False, 4),
+                                         (2, True, 2), (4, False, 3)):  # fmt: skip
+        shape = dict(
+            GROUP_Q=1,
+            HEAD_DIM=128,
+            GROUP=64,
+            BLOCK_SIZE=16,
+            LEVELS=levels,
+            LEVELS_PAD=max(2, 1 << (levels - 1).bit_length()),
+            COMPACT_FROM=compact_from,
+            TAIL=TAIL_ROWS,
+            STORE_LOGITS=logits,
+            HALF=DEFAULT_TUNING.half_products and not logits,
+            ASM=True,
+        )
+        ok &= _compile(
+            f"packed_decode LEVELS={levels} STORE_LOGITS={logits} COMPACT_FROM={compact_from}",
+            packed_decode_split_kernel,
+            STORE,
+            {"scale"},
+            shape,
+            DEFAULT_TUNING.num_warps,
+        )
+    # the selected-key kernel: the loop-2 contribution (two levels, from logits) and the
+    # loop 3-4 corrections (three and four levels, a compact fourth)
+    for levels, from_logits, compact_from in ((2, True, 2), (3, False, 3), (4, False, 3)):
+        shape = dict(
+            GROUP_Q=1,
+            HEAD_DIM=128,
+            GROUP=64,
+            BLOCK_SIZE=16,
+            LEVELS=levels,
+            LP=max(2, 1 << (levels - 1).bit_length()),
+            BLOCK_N=BLOCK_N,
+            NPW=PAGE_WINDOW,
+            COMPACT_FROM=compact_from,
+            FROM_LOGITS=from_logits,
+            ASM=True,
+        )
+        ok &= _compile(
+            f"packed_selected LEVELS={levels} FROM_LOGITS={from_logits}",
+            packed_selected_split_kernel,
+            SELECTED,
+            {"scale"},
+            shape,
+            SELECTED_WARPS,
+        )
     select = {
         "logits_ptr": "*fp32",
         "lse_ptr": "*fp32",
@@ -434,11 +414,11 @@ def _dense_kernels() -> bool:
     encode = dict(STORE, k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i32", slots_ptr="*i32")
     encode["blocks_ptr"] = "*i64"
     encode["pages_ptr"] = "*i32"
-    for channels in (128, 64):  # the whole head (the default) and blocks of 64 channels
-        shape = dict(HEAD_DIM=128, CHANNELS=channels, GROUP=64, EXACT=True)
+    for group in (64, 16):  # two V groups per row of 128 channels, and eight
+        shape = dict(HEAD_DIM=128, GROUP=group, EXACT=True)
         warps = DEFAULT_ENCODE.num_warps
         ok &= _compile(
-            f"encode_level CHANNELS={channels}", encode_level_kernel, encode, set(), shape, warps
+            f"encode_level GROUP={group}", encode_level_kernel, encode, set(), shape, warps
         )
     return ok
 

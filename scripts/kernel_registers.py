@@ -6,7 +6,7 @@ divisibility hints): a static check of the reader's register pressure, which
 decides its occupancy (255 registers: at most 8 warps per SM) and its local-memory spill
 traffic. Launch-shape timings belong to ``flashloop-backend bench packed`` on the H200.
 
-    python3 scripts/kernel_registers.py [--levels 1,2,3,4] [--rows 64,32,16] [--warps 1,2,4]
+    python3 scripts/kernel_registers.py [--levels 1,2,3,4] [--warps 2,4,8]
         [--kernel decode|selected]
 """
 
@@ -32,26 +32,22 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 def usage(
-    levels: int, rows: int, warps: int, kernel: str = "decode", by_channel: bool | None = None
+    levels: int, warps: int, kernel: str = "decode", block_n: int = 16, page_window: int = 16
 ) -> dict[str, int]:
-    """ptxas -v figures of one variant (Ouro-1.4B shapes): the packed reader
-    (``decode``, ``rows`` per step) or the selected-key kernel of the loop 3-4 correction
-    (``selected``, ``rows`` positions per step; V read by channel as registered for the
-    level count, or as ``by_channel`` says)."""
+    """ptxas -v figures of one variant (Ouro-1.4B shapes): the packed reader (``decode``)
+    or the selected-key kernel of the loop 3-4 correction (``selected``, ``block_n`` keys
+    within ``page_window`` pages a block)."""
     if kernel == "decode":  # the wrapper's own launch, specialized as at run time
         fn, args, kwargs = packed_launch(levels)
-        compiled = compile_launch(fn, args, {**kwargs, "ROWS": rows, "num_warps": warps})
+        compiled = compile_launch(fn, args, {**kwargs, "num_warps": warps})
     else:
         from flashloop_backend.kernels.triton.packed_selected_jit import (
             packed_selected_split_kernel as fn,
         )
-        from flashloop_backend.kernels.triton.packed_sparse import V_BY_CHANNEL_BELOW
-
-        if by_channel is None:
-            by_channel = levels < V_BY_CHANNEL_BELOW
 
         shape = dict(GROUP_Q=1, HEAD_DIM=128, GROUP=64, BLOCK_SIZE=16, LEVELS=levels,
-                     BLOCK_N=rows, FROM_LOGITS=False, V_BY_CHANNEL=by_channel)  # fmt: skip
+                     LP=max(2, 1 << (levels - 1).bit_length()), BLOCK_N=block_n,
+                     NPW=page_window, COMPACT_FROM=levels, FROM_LOGITS=False, ASM=True)  # fmt: skip
         compiled = triton.compile(ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape),
                                   target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
@@ -72,19 +68,17 @@ def usage(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,2,3,4")
-    parser.add_argument("--rows", default="64,32,16")
-    parser.add_argument("--warps", default="1,2,4")
+    parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--kernel", choices=["decode", "selected"], default="decode",
                         help="decode: the packed reader; selected: the loop 3-4 correction's "
-                        "selected-key kernel (--rows: positions per step)")  # fmt: skip
+                        "selected-key kernel")  # fmt: skip
     args = parser.parse_args()
-    print(f"{args.kernel}: levels rows warps registers spill_stores_B spill_loads_B")
+    print(f"{args.kernel}: levels warps registers spill_stores_B spill_loads_B")
     for levels in map(int, args.levels.split(",")):
-        for rows in map(int, args.rows.split(",")):
-            for warps in map(int, args.warps.split(",")):
-                u = usage(levels, rows, warps, args.kernel)
-                print(f"{levels:6d} {rows:4d} {warps:5d} {u['registers']:9d} "
-                      f"{u['spill_store_bytes']:14d} {u['spill_load_bytes']:13d}", flush=True)  # fmt: skip
+        for warps in map(int, args.warps.split(",")):
+            u = usage(levels, warps, args.kernel)
+            print(f"{levels:6d} {warps:5d} {u['registers']:9d} "
+                  f"{u['spill_store_bytes']:14d} {u['spill_load_bytes']:13d}", flush=True)  # fmt: skip
     return 0
 
 

@@ -12,8 +12,8 @@ together (fewer launches, more FP32 scratch; the pages are the same). Writers
 ``kernels/triton/encode.py``), and ``chain``, the store's torch chain with the Triton
 quantizer (the design before it); on CPU only the chain with the torch quantizer runs
 (tiny shapes: a smoke run). ``--encode-launches`` times the fused writer at each launch
-``CHANNELS:WARPS:REGISTERS`` (0 channels: the whole head; 0 registers: no cap), e.g.
-``0:16:0,64:16:64,64:8:128``; the default is the registered launch."""
+``WARPS:REGISTERS`` (0 registers: no cap), e.g.
+``16:0,16:64,8:128``; the default is the registered launch."""
 
 import argparse
 import functools
@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument("--layers-per-pass", default="1", help="layers encoded together, swept")
     parser.add_argument("--writers", default="fused,chain", help="level writers, compared")
     parser.add_argument(
-        "--encode-launches", default="", help="fused writer launches CHANNELS:WARPS:REGISTERS"
+        "--encode-launches", default="", help="fused writer launches WARPS:REGISTERS"
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="ops listed")
@@ -126,11 +126,9 @@ def main() -> int:
 
         try:
             fields = [[int(x) for x in item.split(":")] for item in args.encode_launches.split(",")]
-            launches = [EncodeTuning(c or None, w, r or None) for c, w, r in fields]
+            launches = [EncodeTuning(w, r or None) for w, r in fields]
         except ValueError:
-            parser.error(
-                f"--encode-launches {args.encode_launches!r}: CHANNELS:WARPS:REGISTERS,..."
-            )
+            parser.error(f"--encode-launches {args.encode_launches!r}: WARPS:REGISTERS,...")
     runs = [("fused", 1, launch) for launch in launches] if "fused" in writers else []
     runs += [("chain", passes, None) for passes in passes_list if "chain" in writers]
     for writer, passes, launch in runs:  # compiles each writer's kernels
@@ -151,9 +149,7 @@ def main() -> int:
             ]
             key = f"{writer}_chunk_{chunk or 'whole'}" + (f"_layers_{passes}" * (writer == "chain"))
             if launch is not None:
-                key += (
-                    f"_launch_{launch.channels or 0}:{launch.num_warps}:{launch.max_registers or 0}"
-                )
+                key += f"_launch_{launch.num_warps}:{launch.max_registers or 0}"
             record["seconds"][key] = sorted(times)[len(times) // 2]
             print(
                 f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "

@@ -99,6 +99,7 @@ def packed_launch(levels: int, context: int = 8192, half_products: bool = True):
         torch.full((1, levels, context), -1, dtype=torch.int32),
         torch.full((1, levels), int(LevelKind.DENSE), dtype=torch.int32),
         torch.full((1,), context, dtype=torch.int32),
+        levels,  # every level dense: no compact path
     )
     tuning = PackedTuning(half_products=half_products)
     with Launches(jit, paged_jit) as launches:

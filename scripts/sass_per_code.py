@@ -57,9 +57,9 @@ def disassemble(compiled) -> str:
 def packed_reader(levels: int, context: int = 8192, half_products: bool = True) -> dict:
     """The packed reader of a graph step, one row whose whole ``context`` is packed."""
     fn, args, kwargs = packed_launch(levels, context, half_products)
-    rows, warps = kwargs["ROWS"], kwargs["num_warps"]
+    rows, warps = kwargs["GROUP"], kwargs["num_warps"]
     text = sass(fn, args, kwargs)
-    # one step: ROWS rows of K and V codes (128 channels each) at every level
+    # one step: a group's rows of K and V codes (128 channels each) at every level
     name = f"packed_decode{'' if half_products else ' fp32'} LEVELS={levels}"
     return _record(name, text, warps, rows * 128 * 2 * levels, 0.5, packed=True)
 
@@ -78,10 +78,10 @@ def bf16_reader(context: int = 8192) -> dict:
     return _record("paged_attention BF16", text, kwargs["num_warps"], keys * 256, 2)
 
 
-def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int = 2) -> dict:
+def selected_keys(levels: int, block_n: int = 16, page_window: int = 16, warps: int = 4) -> dict:
     """The packed selected-key kernel of the loop 3-4 correction (``packed_sparse.py``),
-    compiled for Ouro-1.4B shapes: its main loop is the run-time loop over the levels, each
-    step converting ``block_n`` keys' K and V codes of one level."""
+    compiled for Ouro-1.4B shapes, dense levels: its main loop takes ``block_n`` keys, each
+    with K and V codes at every level."""
     from compile_sm90 import SELECTED, TARGET, _signature
     from triton.compiler import ASTSource
 
@@ -95,17 +95,20 @@ def selected_keys(levels: int, by_channel: bool, block_n: int = 16, warps: int =
         GROUP=64,
         BLOCK_SIZE=16,
         LEVELS=levels,
+        LP=max(2, 1 << (levels - 1).bit_length()),
         BLOCK_N=block_n,
+        NPW=page_window,
+        COMPACT_FROM=levels,
         FROM_LOGITS=False,
-        V_BY_CHANNEL=by_channel,
+        ASM=True,
     )
     source = ASTSource(fn, _signature(fn, SELECTED, {"scale"}, shape), shape)
     text = disassemble(triton.compile(source, target=TARGET, options={"num_warps": warps}))
     loops = innermost_loops(text)[:1]
     instructions = loops[0]["instructions"]
-    codes = block_n * 256  # K and V codes of block_n keys at one level
+    codes = block_n * 256 * levels  # K and V codes of block_n keys at every level
     return {
-        "kernel": f"packed_selected LEVELS={levels} V {'by channel' if by_channel else 'rows'}",
+        "kernel": f"packed_selected LEVELS={levels} BLOCK_N={block_n} NPW={page_window}",
         "warps": warps,
         "elements_per_iteration": codes,
         "main_loop_instructions": instructions,
@@ -149,7 +152,7 @@ def main() -> int:
     parser.add_argument("--levels", default="1,2,4")
     parser.add_argument("--json")
     parser.add_argument(
-        "--selected", action="store_true", help="also the selected-key kernel, V both ways"
+        "--selected", action="store_true", help="also the selected-key kernel at 3 and 4 levels"
     )
     args = parser.parse_args()
     records = [bf16_reader()] + [
@@ -158,7 +161,7 @@ def main() -> int:
         for n in args.levels.split(",")
     ]
     if args.selected:
-        records += [selected_keys(3, by_channel) for by_channel in (False, True)]
+        records += [selected_keys(levels) for levels in (3, 4)]
     for r in records:
         print(
             f"{r['kernel']:24s} warps={r['warps']} loop={r['main_loop_instructions']} instr, "

@@ -87,24 +87,3 @@ def test_host_reading_packed_references_do_not_claim_async_scheduling():
                                registry.env, "cpu")  # fmt: skip
     assert Capability.ASYNC_SCHEDULING in plain
     assert Capability.ASYNC_SCHEDULING not in packed and Capability.PACKED_KV_READ in packed
-
-
-def test_the_streamed_correction_is_chosen_by_override_only():
-    """On a simulated H200 the gather design stays the automatic choice for the packed
-    correction; the committed override config names the streamed design."""
-    import json
-    from pathlib import Path
-
-    import torch
-
-    from flashloop_backend.capabilities import Environment
-
-    registry = Registry.discover(Environment(True, (9, 0), "NVIDIA H200"))
-    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 16, 16)
-    configs = Path(__file__).resolve().parents[1] / "configs"
-    chosen = {
-        name: resolve(FlashLoopConfig.from_dict(json.loads((configs / name).read_text())),
-                      "flashloop", request, registry).kernels["packed_sparse_correction"]
-        for name in ("all_on.json", "all_on_streamed_correction.json")
-    }  # fmt: skip
-    assert chosen == {"all_on.json": "triton", "all_on_streamed_correction.json": "triton_streamed"}

@@ -129,7 +129,6 @@ def _in_tree_functions():
         (OpName.PACKED_DECODE, packed_decode_triton),
         (OpName.PACKED_SOURCE, packed_sparse.packed_dense_source_triton),
         (OpName.PACKED_CORRECTION, packed_sparse.packed_sparse_correction_triton),
-        (OpName.PACKED_CORRECTION, packed_sparse.packed_streamed_correction_triton),
     ]
     return [(op, fn) for op, fn in found if op in OP_INPUTS]
 

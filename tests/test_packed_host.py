@@ -119,7 +119,7 @@ def test_effective_config_carries_the_encoding_descriptor():
     )  # fmt: skip
     assert plain.kv_encoding is None
     assert (
-        packed.kv_encoding["version"] == 2 and packed.kv_encoding["window_policy"] == "fixed_prompt"
+        packed.kv_encoding["version"] == 3 and packed.kv_encoding["window_policy"] == "fixed_prompt"
     )
     assert "16 token rows" in packed.kv_encoding["k_groups"]
     assert both.kv_encoding["token_sparse_depths"].startswith("compact")

@@ -85,7 +85,7 @@ def test_store_errors_name_the_problem(rng):
     assert len(store._free) == 2 and not store.sequences  # nothing taken by the failure
     with pytest.raises(ValueError, match="head_dim=24 must be a multiple"):
         PackedKVStore(2, L, H, 24, G)
-    assert encoding_descriptor(64, "rolling", 64, True)["version"] == 2
+    assert encoding_descriptor(64, "rolling", 64, True)["version"] == 3
 
 
 def test_reserved_pages_are_drawn_by_their_sequence_only(rng):
@@ -150,17 +150,14 @@ def _attention(q, k, v, length):
     return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), v[:length])
 
 
-# (group size, rows per step): a whole group per step, or two steps per group
-STEPPING = [(G, None), (32, None), (32, 16)]
-STEPPING_IDS = [f"group{g}_rows{r or g}" for g, r in STEPPING]
+# group sizes: two V groups per row of D = 32 channels, or one
+GROUPS = [G, 32]
 
 
 @pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
-@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_decode_matches_reconstruction_plus_bf16_tail(
-    dtype, group, rows_per_step, half, rng
-):
+def test_packed_decode_matches_reconstruction_plus_bf16_tail(dtype, group, half, rng):
     from flashloop_backend.kernels.triton.packed_decode import (
         PLAIN_READ_TOLERANCE,
         PackedTuning,
@@ -187,7 +184,7 @@ def test_packed_decode_matches_reconstruction_plus_bf16_tail(
     meta = level_metadata(store, sequences, depths, DEVICE)
     got = packed_decode_triton(
         q.to(DEVICE, dtype), store, layer, meta, cache_k.to(DEVICE, dtype), cache_v.to(DEVICE, dtype),
-        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, half_products=half),
+        tables.int().to(DEVICE), lengths.int().to(DEVICE), tuning=PackedTuning(half_products=half),
     )  # fmt: skip
     assert torch.equal(got[4].float().cpu(), torch.zeros(H, D))
     for i, (sequence, depth) in enumerate(zip(sequences[:4], depths[:4], strict=True)):
@@ -223,8 +220,8 @@ def _sparse_case(rng, group: int = G):
 
 
 @pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
-@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
-def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_step, half, rng):
+@pytest.mark.parametrize("group", GROUPS)
+def test_torch_reference_reader_agrees_with_the_triton_reader(group, half, rng):
     from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
     from flashloop_backend.kernels.triton.packed_decode import (
         PLAIN_READ_TOLERANCE,
@@ -233,30 +230,10 @@ def test_torch_reference_reader_agrees_with_the_triton_reader(group, rows_per_st
     )
 
     args, lengths = _sparse_case(rng, group)
-    tuning = PackedTuning(
-        rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step, half_products=half
-    )
+    tuning = PackedTuning(half_products=half)
     tol = PLAIN_READ_TOLERANCE if half else 2e-5
     torch.testing.assert_close(packed_decode_reference(*args, lengths),
                                packed_decode_triton(*args, lengths, tuning=tuning), atol=tol, rtol=tol)  # fmt: skip
-
-
-@pytest.mark.parametrize("rows", [8, 24, 48])
-@pytest.mark.parametrize(("levels", "field"), [(2, "rows_per_step"), (3, "deep_rows_per_step")])
-def test_rows_per_step_not_a_power_of_two_from_16_is_refused_by_name(rows, levels, field):
-    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, rows_per_step
-
-    with pytest.raises(ValueError, match=f"{field}={rows} must be a power of two >= 16"):
-        rows_per_step(PackedTuning(**{field: rows}), 32, levels)
-
-
-def test_rows_per_step_follows_the_level_count_and_caps_at_the_group():
-    from flashloop_backend.kernels.triton.packed_decode import PackedTuning, rows_per_step
-
-    tuning = PackedTuning(rows_per_step=16, deep_rows_per_step=32)
-    assert [rows_per_step(tuning, 64, levels) for levels in (1, 2, 3, 4)] == [16, 16, 32, 32]
-    assert rows_per_step(tuning, 16, 3) == 16  # a smaller group is read whole
-    assert rows_per_step(PackedTuning(rows_per_step=None, deep_rows_per_step=None), 64, 4) == 64
 
 
 @pytest.mark.parametrize("layers_per_pass", [2, 3])
@@ -276,17 +253,17 @@ def test_encoding_several_layers_per_pass_writes_the_same_pages(rng, layers_per_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("channels", [None, 16], ids=["whole_heads", "channel_blocks"])
-def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype, channels):
+@pytest.mark.parametrize("group", GROUPS)
+def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype, group):
     """``encode_levels_triton`` (one kernel per level, reconstruction re-read from the
     pages already written) against the torch chain: dense levels, compact ones with a
     padded last page, a compact level of one row, a compact level of none, two appends;
-    each program over a whole head or over blocks of G channels."""
+    V groups of half a row or a whole row."""
     import functools
 
     from flashloop_backend.kernels.triton import encode
 
-    tuning = encode.EncodeTuning(channels=channels, num_warps=4)
+    tuning = encode.EncodeTuning(num_warps=4)
     encode_levels_triton = functools.partial(encode.encode_levels_triton, tuning=tuning)
 
     rows = 32
@@ -295,7 +272,7 @@ def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype,
     one_row[5] = True
     sparse = [*dense[:2], torch.arange(rows) % 3 == 0, one_row]
     nothing = [*dense[:3], torch.zeros(rows, dtype=torch.bool)]
-    stores = [PackedKVStore(48, L, H, D, G, device=DEVICE) for _ in range(4)]
+    stores = [PackedKVStore(48, L, H, D, group, device=DEVICE) for _ in range(4)]
     for active in (dense, sparse, nothing):
         keys, values = ([x.to(DEVICE, dtype) for x in _versions(rng, rows)] for _ in range(2))
         marks = [a.to(DEVICE) for a in active]
@@ -334,27 +311,21 @@ def test_a_refused_append_takes_no_page_nor_reservation(rng):
     """Rows that do not fit the pools are refused by name before any page is taken; a
     writer that refuses its input (here the Triton writer, whose tiles need power-of-two
     groups) gives back the pages and the reservation it was handed."""
-    import functools
 
-    from flashloop_backend.kernels.triton.encode import EncodeTuning, encode_levels_triton
+    from flashloop_backend.kernels.triton.encode import encode_levels_triton
 
     keys, values = ([x.to(DEVICE) for x in _versions(rng, 32)] for _ in range(2))
     store = PackedKVStore(24, L, H, D, G, device=DEVICE)
     with pytest.raises(ValueError, match=r"must be \[L, Hkv, D\] = \[2, 2, 32\].*got \[1, 2, 32\]"):
         store.append(0, [k[:, :1] for k in keys], [v[:, :1] for v in values])
-    odd = PackedKVStore(24, L, H, 24, 12, device=DEVICE)  # group 12, head_dim 24
+    odd = PackedKVStore(24, L, H, 96, 12, device=DEVICE)  # group 12, head_dim 96
     odd.reserve(0, 8)
     free = list(odd._free)
-    with pytest.raises(ValueError, match="group_size=12 and head_dim=24 must be powers of two"):
-        odd.append(0, [k[:24, ..., :24] for k in keys], [v[:24, ..., :24] for v in values],
-                   write=encode_levels_triton)  # fmt: skip
+    wide = [torch.cat([k[:24]] * 3, dim=-1) for k in keys]
+    with pytest.raises(ValueError, match="group_size=12 and head_dim=96 must be powers of two"):
+        odd.append(0, wide, wide, write=encode_levels_triton)
     assert odd._free == free and odd.unreserved_pages() == 24 - 8
     elsewhere = [k.to("meta") for k in keys]  # rows on another device than the pools
-    bad_launch = EncodeTuning(channels=8)  # below the group: a block would split V groups
-    with pytest.raises(ValueError, match=r"EncodeTuning\.channels=8 must be a power of two"):
-        store.append(
-            0, keys, values, write=functools.partial(encode_levels_triton, tuning=bad_launch)
-        )
     with pytest.raises(ValueError, match=f"depth 0: K/V on meta, the store on {DEVICE}"):
         store.append(0, elsewhere, elsewhere, write=encode_levels_triton)
     for bad in (store, odd):
@@ -531,7 +502,10 @@ def test_a_mixed_batch_plans_packed_metadata_for_its_decode_rows_only(rng):
 def test_triton_packed_source_matches_the_reference_statistics(rng, sample, block_n):
     from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
-    from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
+    from flashloop_backend.kernels.triton.packed_sparse import (
+        SELECTED_READ_TOLERANCE,
+        packed_dense_source_triton,
+    )
 
     args, lengths = _sparse_case(rng)
     ref = packed_dense_source(*args, lengths, 0.25, 16)
@@ -540,48 +514,37 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample, bloc
     for name, r, g in zip(
         ("out", "indices", "mass", "output", "contribution"), ref, got, strict=True
     ):
-        if name == "indices":  # the reference orders by probability, the kernel by position
-            r, g = r.sort(-1).values, g.sort(-1).values
+        if name == "indices":  # both in position order, unused slots last
             assert torch.equal(r, g), name
-        else:
-            torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5, msg=name)
+        else:  # the contribution sums the selected keys' values in FP16 products
+            tol = SELECTED_READ_TOLERANCE if name == "contribution" else 2e-5
+            torch.testing.assert_close(g, r, atol=tol, rtol=tol, msg=name)
     assert (got[1] >= 0).sum(-1).tolist() == [[10, 10], [13, 13], [8, 8]]  # ceil(0.25 T)
 
 
-@pytest.mark.parametrize(("group", "rows_per_step"), STEPPING, ids=STEPPING_IDS)
-def test_streamed_correction_equals_the_reference_and_the_gather_design(group, rows_per_step, rng):
-    """The correction's second design (the reader over whole pages, unselected logits
-    masked) gives the reference correction over dense and compact levels and BF16 tails,
-    with unused (-1) slots; a row with no selected key (only a row routed elsewhere has
-    none) gives output - contribution in every implementation, the reference included."""
+@pytest.mark.parametrize("group", GROUPS)
+def test_a_row_without_selected_keys_gives_output_minus_contribution(group, rng):
+    """The packed correction over dense and compact levels and BF16 tails, with unused
+    (-1) slots, gives the reference correction; a row with no selected key (only a row
+    routed elsewhere has none) gives output - contribution in every implementation, the
+    reference included."""
     from flashloop_backend.kernels.torch_ref.packed import (
         packed_dense_source,
         packed_sparse_correction,
     )
-    from flashloop_backend.kernels.triton.packed_decode import PackedTuning
-    from flashloop_backend.kernels.triton.packed_sparse import (
-        packed_sparse_correction_triton,
-        packed_streamed_correction_triton,
-    )
+    from flashloop_backend.kernels.triton.packed_sparse import packed_sparse_correction_triton
 
     args, lengths = _sparse_case(rng, group)
     _, indices, mass, output, contribution = packed_dense_source(*args, lengths, 0.25, 16)
     assert (indices < 0).any() and (indices >= 0).all(-1).logical_not().all()
-    tuning = PackedTuning(rows_per_step=rows_per_step, deep_rows_per_step=rows_per_step)
-    state = (indices, mass, output, contribution)
-    streamed = packed_streamed_correction_triton(*args, *state, tuning=tuning)
-    reference = packed_sparse_correction(*args, *state)
-    torch.testing.assert_close(streamed, reference, atol=2e-5, rtol=2e-5)
     unselected = indices.clone()
     unselected[2] = -1
-    state = (unselected, mass, output, contribution)
-    streamed = packed_streamed_correction_triton(*args, *state, tuning=tuning)
-    torch.testing.assert_close(
-        streamed, packed_sparse_correction_triton(*args, *state), atol=2e-5, rtol=2e-5
-    )
-    reference = packed_sparse_correction(*args, *state)
-    torch.testing.assert_close(streamed, reference, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(streamed[2], output[2] - contribution[2], atol=2e-5, rtol=2e-5)
+    for chosen in (indices, unselected):
+        state = (chosen, mass, output, contribution)
+        got = packed_sparse_correction_triton(*args, *state)
+        reference = packed_sparse_correction(*args, *state)
+        torch.testing.assert_close(got, reference, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got[2], output[2] - contribution[2], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("block_n", [32, 16])
@@ -591,57 +554,30 @@ def test_triton_packed_correction_reads_only_the_selected_keys_like_the_referenc
         packed_sparse_correction,
     )
     from flashloop_backend.kernels.triton.packed_sparse import (
-        packed_gather,
+        SELECTED_READ_TOLERANCE,
         packed_sparse_correction_triton,
     )
 
     args, lengths = _sparse_case(rng)
     _, indices, mass, output, contribution = packed_dense_source(*args, lengths, 0.25, 16)
     state = (indices, mass, output, contribution)
+    tol = SELECTED_READ_TOLERANCE
     torch.testing.assert_close(packed_sparse_correction_triton(*args, *state, block_n=block_n),
-                               packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip
-    # the gather reconstructs exactly the reference history at the chosen positions
-    q, store, layer, meta, cache_k, cache_v, tables = args
-    keys, values = packed_gather(store, layer, meta, cache_k, cache_v, tables, indices, q.dtype)
-    from flashloop_backend.kernels.torch_ref.packed import packed_history
-
-    hist_k, hist_v = packed_history(store, layer, meta, cache_k, cache_v, tables, q.dtype)
-    for r in range(3):
-        for h in range(H):
-            chosen = indices[r, h][indices[r, h] >= 0].long()
-            n = chosen.numel()
-            torch.testing.assert_close(keys[r, h, :n], hist_k[r, chosen, h], atol=1e-6, rtol=1e-6)
-            torch.testing.assert_close(values[r, h, :n], hist_v[r, chosen, h], atol=1e-6, rtol=1e-6)
-            assert not keys[r, h, n:].any()  # -1: zeros
+                               packed_sparse_correction(*args, *state), atol=tol, rtol=tol)  # fmt: skip
 
 
 def test_packed_sparse_wrappers_name_bad_inputs(rng):
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
-    from flashloop_backend.kernels.triton.packed_sparse import (
-        packed_dense_source_triton,
-        packed_gather,
-    )
+    from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
 
     args, lengths = _sparse_case(rng)
     q, store, layer, meta, cache_k, cache_v, tables = args
     positions = torch.zeros(3, H, 4, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="positions must be int32"):
-        packed_gather(store, layer, meta, cache_k, cache_v, tables, positions, q.dtype)
-    with pytest.raises(ValueError, match="do not fit the store"):
-        packed_gather(store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
-                      positions.int(), q.dtype)  # fmt: skip
     with pytest.raises(ValueError, match="k_bucket=4 cannot hold the 16 keys selected from 64"):
         packed_dense_source_triton(*args, lengths, 0.25, 4)
     short = torch.empty(3, H, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"logits must be \[3, 2, >= 64\]"):
         packed_decode_triton(*args, lengths, logits=short, lse=torch.empty(3, H, device=DEVICE))
-    marks = torch.ones(3, H, 64, dtype=torch.uint8, device=DEVICE)
-    for bad in (marks.bool(), marks[:, :, :16], marks.transpose(0, 2).contiguous().transpose(0, 2)):
-        with pytest.raises(ValueError, match=r"selected must be uint8 \[3, 2, >= 64\]"):
-            packed_decode_triton(*args, lengths, selected=bad)
-    with pytest.raises(ValueError, match="without logits"):
-        packed_decode_triton(*args, lengths, logits=torch.empty(3, H, 64, device=DEVICE),
-                             lse=torch.empty(3, H, device=DEVICE), selected=marks)  # fmt: skip
     from flashloop_backend.kernels.triton.packed_sparse import packed_selected_parts
 
     with pytest.raises(ValueError, match=r"indices must be int32 \[3, 2, Kb\]; got torch.int64"):
@@ -650,6 +586,8 @@ def test_packed_sparse_wrappers_name_bad_inputs(rng):
         packed_selected_parts(*args, positions.int(), 1.0, block_n=8)
     with pytest.raises(ValueError, match="num_warps=3 must be one of 1, 2, 4, 8"):
         packed_selected_parts(*args, positions.int(), 1.0, num_warps=3)
+    with pytest.raises(ValueError, match="page_window=8 must be 16 or 32"):
+        packed_selected_parts(*args, positions.int(), 1.0, page_window=8)
     with pytest.raises(ValueError, match="does not fit the store"):
         packed_selected_parts(q, store, layer, meta, cache_k[:, :, :1], cache_v[:, :, :1], tables,
                               positions.int(), 1.0)  # fmt: skip
@@ -693,18 +631,19 @@ def test_triton_packed_selected_keys_split_over_programs(rng, monkeypatch):
         packed_dense_source,
         packed_sparse_correction,
     )
-    from flashloop_backend.kernels.triton import packed_sparse, sparse_decode
+    from flashloop_backend.kernels.triton import packed_sparse
     from flashloop_backend.kernels.triton.dense_source import SelectTuning
 
-    monkeypatch.setattr(sparse_decode, "KEYS_PER_SPLIT_MIN", 4)
+    monkeypatch.setattr(packed_sparse, "KEYS_PER_SPLIT", 4)
     args, lengths = _sparse_case(rng)
     ref = packed_dense_source(*args, lengths, 0.25, 16)
     small = SelectTuning(sample=16, candidates=16, block=16)
     got = packed_sparse.packed_dense_source_triton(*args, lengths, 0.25, 16, tuning=small)
-    torch.testing.assert_close(got[4], ref[4], atol=2e-5, rtol=2e-5, msg="contribution")
+    tol = packed_sparse.SELECTED_READ_TOLERANCE
+    torch.testing.assert_close(got[4], ref[4], atol=tol, rtol=tol, msg="contribution")
     state = ref[1:]
     torch.testing.assert_close(packed_sparse.packed_sparse_correction_triton(*args, *state),
-                               packed_sparse_correction(*args, *state), atol=2e-5, rtol=2e-5)  # fmt: skip
+                               packed_sparse_correction(*args, *state), atol=tol, rtol=tol)  # fmt: skip
 
 
 def test_torch_reference_reader_refuses_metadata_for_fewer_rows_than_queries(rng):

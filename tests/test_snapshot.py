@@ -188,10 +188,10 @@ def test_a_request_the_pools_cannot_hold_is_refused_and_takes_nothing(saved):
 def test_a_damaged_packed_tensor_is_refused_and_gives_back_what_was_taken(saved):
     model, path = saved
     snapshot = load_snapshot(path)
-    snapshot.tensors["packed.level1.k_min"] = snapshot.tensors["packed.level1.k_min"][:, :1]
+    snapshot.tensors["packed.level1.blocks"] = snapshot.tensors["packed.level1.blocks"][:, :1]
     engine = _engine(model, ALL_ON)
     before = engine.pools()
-    with pytest.raises(ValueError, match=r"packed tensor 'level1\.k_min' must be torch\.float16"):
+    with pytest.raises(ValueError, match=r"packed tensor 'level1\.blocks' must be torch\.uint8"):
         engine.restore(snapshot)
     assert engine.pools() == before
 

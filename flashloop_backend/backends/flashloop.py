@@ -326,7 +326,23 @@ class FlashLoopBackend(AttentionBackend):
             num_pages, num_layers, num_kv_heads, head_dim, quant.group_size, device
         )
         write = self.kernels[OpName.PACKED_KV_WRITE].impl.fn
-        self.packed = PackedState(store, write, quant.policy, quant.tail_size)
+        self.packed = PackedState(
+            store, write, quant.policy, quant.tail_size, self.first_compact_level()
+        )
+
+    def first_compact_level(self) -> int:
+        """The first packed level this configuration can store compact: a token-sparse
+        depth that keeps fewer than all rows, or (``rolling``, which packs generated rows)
+        any deeper level, where a token that exited early has no residual."""
+        depths = self.config.num_loops
+        first = depths
+        sparse = self.config.token_sparse_prefill
+        if sparse.enabled:
+            ratios = sparse.retention
+            first = next((d for d in range(1, len(ratios)) if ratios[d] < 1), depths)
+        if self.config.kv_residual_quantization.policy == "rolling":
+            first = 1
+        return first
 
     def reserve_state(
         self,

@@ -24,6 +24,7 @@ from flashloop_backend.backends.base import GraphStep, RequestKV
 from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kv.levels import (
     LevelMetadata,
+    first_compact,
     level_metadata,
     level_version,
     level_widths,
@@ -40,9 +41,19 @@ PACK_CHUNK_ROWS = 4096
 
 
 class PackedState:
-    def __init__(self, store: PackedKVStore, write: Callable, policy: str, tail_size: int) -> None:
+    def __init__(
+        self,
+        store: PackedKVStore,
+        write: Callable,
+        policy: str,
+        tail_size: int,
+        compact_from: int = 1,
+    ) -> None:
+        """``compact_from``: the first level the configuration can make compact (the graph
+        buffers' kernels read the levels below it as dense only)."""
         self.store, self.write = store, write
         self.policy, self.tail_size = policy, tail_size
+        self.compact_from = compact_from
         self.chunk_rows = PACK_CHUNK_ROWS  # rows per append of a prompt's packing
         self._planned: tuple[BatchView, LevelMetadata] | None = None
         self._ordered: LevelMetadata | None = None
@@ -207,7 +218,7 @@ class PackedState:
 
     # ------------------------------------------------------------ graph metadata
     def reserve_graph_inputs(self, rows: int, max_context: int, depths: int) -> None:
-        self._graph = _GraphInputs(self.store, rows, max_context, depths)
+        self._graph = _GraphInputs(self.store, rows, max_context, depths, self.compact_from)
 
     def plan_graph_step(self, sequences: list[int | None], depths: list[int]) -> GraphStep:
         if self._graph is None:
@@ -228,8 +239,10 @@ class _GraphInputs:
     buffers last held them; per step only the kinds (which levels the row's depth reads)
     and packed lengths."""
 
-    def __init__(self, store: PackedKVStore, rows: int, max_context: int, depths: int) -> None:
-        device = store.k_codes.device
+    def __init__(
+        self, store: PackedKVStore, rows: int, max_context: int, depths: int, compact_from: int
+    ) -> None:
+        device = store.blocks.device
         self.store, self.packed_rows = store, max_context
         self.pages = max(1, -(-max_context // store.group_size))
         self.meta = LevelMetadata(
@@ -237,6 +250,7 @@ class _GraphInputs:
             torch.full((rows, depths, self.packed_rows), -1, dtype=torch.int32, device=device),
             torch.zeros((rows, depths), dtype=torch.int32, device=device),
             torch.zeros((rows,), dtype=torch.int32, device=device),
+            compact_from,
         )
         self.versions: list[int | None] = [None] * rows  # the entry version each row holds
 
@@ -258,6 +272,11 @@ class _GraphInputs:
                 self.versions[row] = version
         all_levels = self.meta.num_levels
         kinds = [row_kinds(e, d, all_levels) for e, d in zip(entries, depths, strict=True)]
+        if kinds and first_compact(torch.tensor(kinds)) < self.meta.compact_from:
+            raise RuntimeError(
+                f"a row reads level {first_compact(torch.tensor(kinds))} as compact; the graph "
+                f"buffers' kernels read levels below {self.meta.compact_from} as dense only"
+            )
         bucket = len(sequences)
         self.meta.kinds[:bucket].copy_(torch.tensor(kinds, dtype=torch.int32))
         packed = torch.tensor([row_packed(e) for e in entries], dtype=torch.int32)

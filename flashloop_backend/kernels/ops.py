@@ -45,7 +45,8 @@ class OpName(str, Enum):
 
 class SourceOutputs(NamedTuple):
     """What ``dense_source`` and ``packed_dense_source`` return: out [R, Hq, D] in q's
-    dtype; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
+    dtype; indices [R, Hq, Kb] int32 absolute positions in increasing order, -1 in the
+    unused slots after them; mass [R, Hq];
     output [R, Hq, D] and contribution [R, Hq, D]; the last three FP32."""
 
     out: torch.Tensor
@@ -104,7 +105,8 @@ class DenseSource(Protocol):
 
 class SparseCorrection(Protocol):
     """``sparse_correction``: O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S, with k_S,
-    v_S read from this depth's pages at ``indices`` [R, Hq, Kb] int32 (-1 unused); mass
+    v_S read from this depth's pages at ``indices`` [R, Hq, Kb] int32 (increasing
+    positions, -1 in the unused slots after them: ``SourceOutputs``' order); mass
     [R, Hq], output and contribution [R, Hq, D], FP32 (``dense_source``'s statistics);
     paged inputs as :class:`PagedAttention`. A (row, head) with no selected key (all -1)
     returns O_ref - C_ref: the softmax term of an empty S is zero, as m is. Returns
@@ -276,7 +278,8 @@ class CorrectionInputs:
     """Inputs of ``sparse_correction`` (:class:`SparseCorrection`).
 
     q [R, Hq, D]; key_cache, value_cache [NB, BS, Hkv, D]; block_tables [R, MB] int32;
-    indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq], output and
+    indices [R, Hq, Kb] int32 absolute positions in increasing order (-1 in the unused
+    slots after them); mass [R, Hq], output and
     contribution [R, Hq, D], FP32 (the loop-2 statistics); scale None: 1 / sqrt(D)."""
 
     q: torch.Tensor

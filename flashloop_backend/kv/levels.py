@@ -29,12 +29,14 @@ class LevelMetadata:
     tables [R, Lv, P] int32 page ids per level (-1 past the level's pages); maps [R, Lv,
     Tp] int32 logical -> compact row (-1: absent); kinds [R, Lv] int32 :class:`LevelKind`;
     packed_lengths [R] int32 packed rows of the row's sequence (0: it reads BF16 only). A
-    row at depth d reads levels 0..d."""
+    row at depth d reads levels 0..d. ``compact_from``: the first level any row may read
+    as ``COMPACT`` (known on the host; kernels read the levels below it as dense only)."""
 
     tables: torch.Tensor
     maps: torch.Tensor
     kinds: torch.Tensor
     packed_lengths: torch.Tensor
+    compact_from: int = 1
 
     @property
     def num_levels(self) -> int:
@@ -43,7 +45,11 @@ class LevelMetadata:
     def rows(self, index: torch.Tensor) -> LevelMetadata:
         """The metadata of rows ``index`` ([N] int64 or a slice), in that order."""
         return LevelMetadata(
-            self.tables[index], self.maps[index], self.kinds[index], self.packed_lengths[index]
+            self.tables[index],
+            self.maps[index],
+            self.kinds[index],
+            self.packed_lengths[index],
+            self.compact_from,
         )
 
     def head(self, count: int) -> LevelMetadata:
@@ -57,6 +63,7 @@ class LevelMetadata:
             self.maps[:rows, :levels],
             self.kinds[:rows, :levels],
             self.packed_lengths[:rows],
+            self.compact_from,
         )
 
     def to(self, device: torch.device | str) -> LevelMetadata:
@@ -65,6 +72,7 @@ class LevelMetadata:
             self.maps.to(device),
             self.kinds.to(device),
             self.packed_lengths.to(device),
+            self.compact_from,
         )
 
 
@@ -111,7 +119,13 @@ def level_metadata(
         write_row_levels(entry, tables[i], maps[i], depth + 1)
         kinds[i] = torch.tensor(row_kinds(entry, depth, levels))
         packed[i] = row_packed(entry)
-    return LevelMetadata(tables, maps, kinds, packed).to(device)
+    return LevelMetadata(tables, maps, kinds, packed, first_compact(kinds)).to(device)
+
+
+def first_compact(kinds: torch.Tensor) -> int:
+    """The first level any row of ``kinds`` [R, Lv] (host) reads as compact (Lv: none)."""
+    compact = (kinds == int(LevelKind.COMPACT)).any(0).nonzero()
+    return int(compact[0]) if compact.numel() else kinds.shape[1]
 
 
 def write_row_levels(

@@ -1,19 +1,14 @@
 """Packed INT4 KV storage (RFC §3.3, DESIGN §4): a base for depth 0 and residual levels for
 deeper depths, paged by groups of G tokens (G = ``group_size``, 64 by default).
 
-Layout of one page (one group of G consecutive rows of one level, all layers):
-  K codes  [L, G, Hkv, D/2] uint8   K is grouped per channel across the G rows (post-RoPE)
-  K params [L, Hkv, D]      fp16    minimum and scale per (channel, group)
-  V codes  [L, Hkv, D, G/2] uint8   V is grouped per row across G channels
-  V params [L, G, Hkv, D/G] fp16
-Two codes per byte, the lower one in the low nibble. The bytes pair codes along the axis
-a decode dot reduces over, not along the group axis: K bytes hold two channels of a row
-(q . k sums over channels) and V bytes two rows of a channel (p . V sums over rows), so a
-reader's reductions stay inside a thread. A level of a sequence is a
-list of pages. A *dense* level covers every logical row; a *compact* level (token-sparse
-prefill depths) stores only the rows that recomputed it, packed in order, with a map
-logical row -> compact row (-1: absent, the row inherits the previous reconstruction; an
-absent residual is never code 0).
+A page is one group of G consecutive rows of one level, all layers: ``blocks`` [pages,
+L, Hkv, block bytes] uint8 holds one contiguous block per (page, layer, KV head) in the
+byte order of encoding v3 (``kv.layout``: K and V codes token-major, K's per-channel
+parameters, V's per-token records). A level of a sequence is a list of pages. A *dense*
+level covers every logical row; a *compact* level (token-sparse prefill depths) stores
+only the rows that recomputed it, packed in order, with a map logical row -> compact row
+(-1: absent, the row inherits the previous reconstruction; an absent residual is never
+code 0).
 """
 
 from __future__ import annotations
@@ -23,20 +18,18 @@ from typing import Protocol
 
 import torch
 
-from flashloop_backend.algorithms import QuantizedInt4, dequantize_int4, quantize_int4
+from flashloop_backend.algorithms import (
+    QuantizedInt4,
+    dequantize_int4,
+    quantize_int4,
+    unpack_codes,
+)
+from flashloop_backend.kv.layout import PackedLayout, pack_row, param_channels
 from flashloop_backend.kv.rows import KVRows
 
-ENCODING_VERSION = 2  # 2: bytes pair channels of K rows and rows of V channels
-
-
-def _unpack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., N/2] -> codes [..., N], the low nibble first."""
-    return torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
-
-
-def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., N] -> uint8 [..., N/2], pairs along the last axis, the first low."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+# 3: one block per (page, layer, KV head), K and V codes token-major in the nibble order of
+# ``kv.layout``; 2 (refused): separate pools, V codes channel-major
+ENCODING_VERSION = 3
 
 
 def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: bool) -> dict:
@@ -44,6 +37,9 @@ def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: b
     return {
         "version": ENCODING_VERSION,
         "bits": 4,
+        "byte_order": "one block per (page, layer, KV head): K codes [G][D/2], V codes "
+        "[G][D/2] token-major (nibble order of kv.layout), K params [scale x D][min x D], "
+        "V records [G][D/G][min, scale]",
         "k_groups": f"per channel across {group_size} token rows (post-RoPE)",
         "v_groups": f"per token row across {group_size} channels",
         "params": "float16 minimum and scale",
@@ -56,7 +52,9 @@ def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: b
     }
 
 
-POOL_NAMES = ("k_codes", "k_min", "k_scale", "v_codes", "v_min", "v_scale")  # ``pools`` order
+POOL_NAMES = ("blocks",)  # ``pools`` order
+# the per-level tensor names of encoding 2's exports: named when a v2 export is offered
+V2_POOL_NAMES = ("k_codes", "k_min", "k_scale", "v_codes", "v_min", "v_scale")
 
 
 def _int_pair(tensors: dict[str, torch.Tensor], key: str) -> tuple[int, int]:
@@ -144,23 +142,14 @@ class PackedKVStore:
         if layers_per_pass < 1:
             raise ValueError(f"layers_per_pass={layers_per_pass} must be >= 1")
         self.layers_per_pass = layers_per_pass
-        g, half = group_size, group_size // 2
-        self.group_size = g
+        self.group_size = group_size
+        self.layout = PackedLayout(group_size, head_dim)
         self.shape = (num_layers, kv_heads, head_dim)
-        self.k_codes = torch.zeros(
-            (num_pages, num_layers, g, kv_heads, head_dim // 2), dtype=torch.uint8, device=device
+        self.blocks = torch.zeros(
+            (num_pages, num_layers, kv_heads, self.layout.block_bytes),
+            dtype=torch.uint8,
+            device=device,
         )
-        self.k_min = torch.zeros(
-            (num_pages, num_layers, kv_heads, head_dim), dtype=torch.float16, device=device
-        )
-        self.k_scale = torch.zeros_like(self.k_min)
-        self.v_codes = torch.zeros(
-            (num_pages, num_layers, kv_heads, head_dim, half), dtype=torch.uint8, device=device
-        )
-        self.v_min = torch.zeros(
-            (num_pages, num_layers, g, kv_heads, head_dim // g), dtype=torch.float16, device=device
-        )
-        self.v_scale = torch.zeros_like(self.v_min)
         self._free = list(range(num_pages - 1, -1, -1))
         self._reserved: dict[int, int] = {}  # sequence -> free pages held for its appends
         self._holders: dict[int, int] = {}  # page -> its holders, for pages held by several
@@ -169,14 +158,14 @@ class PackedKVStore:
 
     @property
     def pools(self) -> tuple[torch.Tensor, ...]:
-        return (self.k_codes, self.k_min, self.k_scale, self.v_codes, self.v_min, self.v_scale)
+        return (self.blocks,)
 
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.pools)
 
     @property
     def num_pages(self) -> int:
-        return self.k_codes.shape[0]
+        return self.blocks.shape[0]
 
     def unreserved_pages(self) -> int:
         """Free pages that no sequence holds."""
@@ -268,7 +257,7 @@ class PackedKVStore:
             for level, m in zip(shared.pages, shared.maps, strict=True)
         ]
         self._hold(page for level in pages for page in level)
-        device = self.k_codes.device
+        device = self.blocks.device
         maps = [None if m is None else m.to(device) for m in shared.maps]
         levels = SequenceLevels(
             rows, pages, maps, [None if m is None else m.clone() for m in shared.maps]
@@ -282,15 +271,15 @@ class PackedKVStore:
     def export_sequence(self, sequence: int) -> dict[str, torch.Tensor]:
         """The sequence's stored levels as CPU tensors, the input of :meth:`import_sequence`
         in any store of the same geometry: ``levels`` [2] (logical rows, depths), per level d
-        its pages gathered in level order (``level{d}.k_codes`` ... ``level{d}.v_scale``,
-        each [pages, *pool page shape]) and, for a compact level, ``level{d}.map`` [rows]
+        its pages gathered in level order (``level{d}.blocks`` [pages, L, Hkv, block bytes]
+        uint8, encoding v3) and, for a compact level, ``level{d}.map`` [rows]
         int32. Empty when nothing is stored for it."""
         levels = self.sequences.get(sequence)
         if levels is None:
             return {}
         out = {"levels": torch.tensor([levels.rows, len(levels.pages)])}
         for depth, pages in enumerate(levels.pages):
-            index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
+            index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
             for name, pool in zip(POOL_NAMES, self.pools, strict=True):
                 out[f"level{depth}.{name}"] = pool[index].cpu()
             if levels.host_maps[depth] is not None:
@@ -308,6 +297,13 @@ class PackedKVStore:
         g = self.group_size
         if rows % g:
             raise ValueError(f"packed tensor 'levels' has {rows} rows, not whole groups of {g}")
+        older = sorted(n for n in tensors if n.rpartition(".")[2] in V2_POOL_NAMES)
+        if older:
+            raise ValueError(
+                f"packed tensors {older[:3]} are encoding version 2's (separate pools, V "
+                f"codes channel-major); this store holds encoding version {ENCODING_VERSION} "
+                "blocks (level<d>.blocks): re-export the request from a version-3 store"
+            )
         counts, maps = [], []
         for depth in range(depths):
             for name, pool in zip(POOL_NAMES, self.pools, strict=True):
@@ -324,7 +320,7 @@ class PackedKVStore:
                 elif got.shape[0] != counts[-1]:
                     raise ValueError(
                         f"packed tensor {key!r} has {got.shape[0]} pages, "
-                        f"level{depth}.k_codes {counts[-1]}"
+                        f"level{depth}.{POOL_NAMES[0]} {counts[-1]}"
                     )
             maps.append(_checked_map(tensors.get(f"level{depth}.map"), depth, rows, counts[-1] * g))
         needed = sum(counts)
@@ -336,7 +332,7 @@ class PackedKVStore:
             )
         if own:
             self._reserved[sequence] = own - min(own, needed)
-        device = self.k_codes.device
+        device = self.blocks.device
         levels = SequenceLevels(rows, [], [], [])
         for depth, count in enumerate(counts):
             pages = [self._free.pop() for _ in range(count)]
@@ -504,26 +500,34 @@ class PackedKVStore:
         levels.maps[depth] = levels.host_maps[depth].to(device)
 
     def _write(self, pages: list[int], layers: slice, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
-        """``layers`` (Lb of them): qk codes [Lb, H, D, G, g/2] (groups along rows) and qv
-        codes [T, Lb, H, D/g, g/2] (groups along channels), re-paired into the page layout."""
-        device = self.k_codes.device
-        index = torch.tensor(pages, dtype=torch.long, device=device)[:, None]
+        """``layers`` (Lb of them): qk codes [Lb, H, D, Pg, g/2] (groups along rows) and qv
+        codes [T, Lb, H, D/g, g/2] (groups along channels), laid out as v3 blocks."""
+        device = self.blocks.device
         lb = qk.codes.shape[0]
-        at = (index, torch.arange(layers.start, layers.start + lb, device=device)[None, :])
         _, heads, dim = self.shape
-        g = self.group_size
-        k = _unpack(qk.codes).permute(3, 0, 4, 1, 2)  # [G, Lb, g, H, D]: channel pairs per byte
-        self.k_codes[at] = _pack_pairs(k).to(device)
-        self.k_min[at] = qk.minimum.permute(3, 0, 1, 2).to(device)
-        self.k_scale[at] = qk.scale.permute(3, 0, 1, 2).to(device)
-        v = (
-            _unpack(qv.codes).reshape(len(pages), g, lb, heads, dim).permute(0, 2, 3, 4, 1)
-        )  # [G, Lb, H, D, g]
-        self.v_codes[at] = _pack_pairs(v).to(device)
-        for pool, p in zip((self.v_min, self.v_scale), (qv.minimum, qv.scale), strict=True):
-            pool[at] = (
-                p.reshape(len(pages), g, lb, heads, dim // g).permute(0, 2, 1, 3, 4).to(device)
-            )
+        g, count = self.group_size, len(pages)
+        layout = self.layout
+        k_codes = unpack_codes(qk).permute(3, 0, 1, 4, 2)  # [Pg, Lb, H, g tokens, D]
+        columns = param_channels(dim, qk.scale.device)
+        k_scale = qk.scale.permute(3, 0, 1, 2)[..., columns]  # [Pg, Lb, H, D]
+        k_min = qk.minimum.permute(3, 0, 1, 2)[..., columns]
+        v_codes = unpack_codes(qv).reshape(count, g, lb, heads, dim).permute(0, 2, 3, 1, 4)
+        records = torch.stack((qv.minimum, qv.scale), -1)  # [T, Lb, H, D/g, 2]
+        records = records.reshape(count, g, lb, heads, dim // g, 2).permute(0, 2, 3, 1, 4, 5)
+        block = torch.cat(
+            (
+                pack_row(k_codes).flatten(-2),
+                pack_row(v_codes).flatten(-2),
+                k_scale.contiguous().view(torch.uint8),
+                k_min.contiguous().view(torch.uint8),
+                records.contiguous().view(torch.uint8).flatten(-3),
+            ),
+            dim=-1,
+        )
+        assert block.shape[-1] == layout.block_bytes
+        index = torch.tensor(pages, dtype=torch.long, device=device)[:, None]
+        at = (index, torch.arange(layers.start, layers.start + lb, device=device)[None, :])
+        self.blocks[at] = block.to(device)
 
     def reconstruct(
         self, sequence: int, depth: int, layer: int
@@ -548,26 +552,20 @@ class PackedKVStore:
         return total_k[:rows], total_v[:rows]
 
     def _decode_pages(self, pages: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(pages, dtype=torch.long, device=self.k_codes.device)
-        g = self.group_size
-        codes = _unpack(self.k_codes[index, layer]).float()  # [P, g, H, D]
-        k = (
-            self.k_min[index, layer][:, None].float()
-            + self.k_scale[index, layer][:, None].float() * codes
-        )
-        codes = _unpack(self.v_codes[index, layer]).permute(0, 3, 1, 2).float()  # [P, g, H, D]
-        v_min = self.v_min[index, layer].float().repeat_interleave(g, dim=-1)
-        v = v_min + self.v_scale[index, layer].float().repeat_interleave(g, dim=-1) * codes
+        index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
+        blocks = self.blocks[index, layer]  # [P, H, block bytes]
+        k = self.layout.keys(blocks).transpose(1, 2)  # [P, g, H, D]
+        v = self.layout.values(blocks).transpose(1, 2)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def accounting(self) -> dict:
         """Steady bytes of what is stored, from the tensors: payload (codes), parameters,
         maps, and the share per stored logical token and depth; pages used, still reserved
         for later appends, and in the pool."""
-        page_payload = self.k_codes[0].numel() + self.v_codes[0].numel()
-        params = (self.k_min, self.k_scale, self.v_min, self.v_scale)
-        page_params = sum(t[0].numel() * t.element_size() for t in params)
-        page_bytes = page_payload + page_params
+        layers, heads, _ = self.shape
+        page_payload = layers * heads * self.layout.k_params  # K and V codes
+        page_bytes = self.page_bytes()
+        page_params = page_bytes - page_payload
         sequences = list(self.sequences.values())
         used = self.num_pages - len(self._free)  # a page several hold counts once
         held = len({p for s in sequences for level in s.pages for p in level})

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashloop_backend.kv.layout import nibble_of_channel, param_slot
 from flashloop_backend.kv.levels import LevelKind, LevelMetadata
 
 if TYPE_CHECKING:
@@ -17,25 +18,29 @@ if TYPE_CHECKING:
 
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     """K and V [R, T, Hkv, D] FP32 of a level's rows ``rows`` [R, T] (-1 absent: zeros)
-    through its page ids ``pages`` [R, P]."""
-    g = store.group_size
+    through its page ids ``pages`` [R, P]: only the bytes each value needs, read from the
+    v3 blocks (``kv.layout``)."""
+    g, layout = store.group_size, store.layout
     present = rows >= 0
     page = torch.gather(pages.long(), 1, (rows.clamp(min=0) // g)).clamp(min=0)  # [R, T]
     within = rows.clamp(min=0) % g
     heads, dim = store.shape[1], store.shape[2]
+    blocks = store.blocks[:, layer]  # [pages, H, block bytes]
     h = torch.arange(heads, device=rows.device)[None, None, :, None]
-    d = torch.arange(dim, device=rows.device)[None, None, None, :]
+    nibble = nibble_of_channel(dim, rows.device)[None, None, None, :]
     p4, w4 = page[..., None, None], within[..., None, None]
-    k_byte = store.k_codes[p4, layer, w4, h, d // 2]  # [R, T, H, D]: only the byte needed
-    k_code = ((k_byte >> (4 * (d % 2)).to(torch.uint8)) & 15).float()
-    k = store.k_min[page, layer].float() + store.k_scale[page, layer].float() * k_code
-    channel = torch.arange(dim, device=rows.device)
-    v_byte = store.v_codes[p4, layer, h, d, w4 // 2]
-    v_code = ((v_byte >> (4 * (w4 % 2)).to(torch.uint8)) & 15).float()
-    group = channel // g
-    v_min = store.v_min[page, layer, within][..., group].float()
-    v_scale = store.v_scale[page, layer, within][..., group].float()
-    v = v_min + v_scale * v_code
+    shift = (4 * (nibble % 2)).to(torch.uint8)
+    row_byte = w4 * layout.row_bytes + nibble // 2
+    k_code = ((blocks[p4, h, row_byte] >> shift) & 15).float()
+    v_code = ((blocks[p4, h, layout.v_codes + row_byte] >> shift) & 15).float()
+    halves = blocks.view(torch.float16)  # [pages, H, block bytes / 2]
+    d = torch.arange(dim, device=rows.device)[None, None, None, :]
+    slot = param_slot(dim, rows.device)[None, None, None, :]
+    k_scale = halves[p4, h, layout.k_params // 2 + slot].float()
+    k_min = halves[p4, h, layout.k_params // 2 + dim + slot].float()
+    k = k_min + k_scale * k_code
+    record = layout.v_params // 2 + w4 * (2 * layout.v_groups) + 2 * (d // g)
+    v = halves[p4, h, record].float() + halves[p4, h, record + 1].float() * v_code
     mask = present[..., None, None]
     return torch.where(mask, k, 0.0), torch.where(mask, v, 0.0)
 

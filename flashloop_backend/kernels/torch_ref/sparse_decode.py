@@ -116,7 +116,9 @@ def source_statistics(
     )
     contribution = torch.einsum("rhk,rhkd->rhd", chosen, chosen_values)
     indices = torch.full((rows, num_q_heads, k_bucket), -1, dtype=torch.int32, device=q.device)
-    indices[..., :width] = torch.where(valid, order, -1).to(torch.int32)
+    # in position order, as the readers of the selection take it (unused slots last)
+    ordered = torch.where(valid, order, span).sort(dim=-1).values
+    indices[..., :width] = torch.where(ordered < span, ordered, -1).to(torch.int32)
     return output, indices, chosen.sum(-1), output, contribution
 
 

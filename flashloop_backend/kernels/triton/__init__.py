@@ -115,12 +115,6 @@ def _packed_correction(*args, **kwargs) -> torch.Tensor:
     return packed_sparse_correction_triton(*args, **kwargs)
 
 
-def _streamed_correction(*args, **kwargs) -> torch.Tensor:
-    from flashloop_backend.kernels.triton.packed_sparse import packed_streamed_correction_triton
-
-    return packed_streamed_correction_triton(*args, **kwargs)
-
-
 def _sparse_correction(*args, **kwargs) -> torch.Tensor:
     from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
 
@@ -188,25 +182,4 @@ def provider() -> KernelProvider:
             "top-K statistics, sparse correction, packed INT4 KV (decode, source, correction)"
         ),
         impls=impl,
-    )
-
-
-def streamed_provider() -> KernelProvider:
-    """The streamed loop 3-4 correction over packed KV (the packed reader over whole pages,
-    unselected logits masked), named by ``kernel_overrides``
-    ``{"packed_sparse_correction": "triton_streamed"}``. Below ``triton`` in automatic
-    selection: streaming whole pages suits dense levels, where the gather design's
-    selected V rows touch every page anyway, but not compact (token-sparse) ones, which
-    the reader reaches through a per-row gather (results/bench_packed_kv_sparse_ops.json;
-    results/README.md, "All three features at 32K")."""
-    gather = provider().impls[OpName.PACKED_CORRECTION]
-    impl = KernelImpl(OpName.PACKED_CORRECTION, _streamed_correction, gather.support)
-    return KernelProvider(
-        name="triton_streamed",
-        version=__version__,
-        priority=10,
-        description=(
-            "Triton packed sparse correction streamed over whole pages (unselected logits masked)"
-        ),
-        impls={OpName.PACKED_CORRECTION: impl},
     )

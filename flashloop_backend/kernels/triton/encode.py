@@ -17,13 +17,12 @@ from flashloop_backend.kv.store import PackedKVStore
 
 @dataclass(frozen=True)
 class EncodeTuning:
-    """Launch of the level writer: ``channels`` per program (None: the whole head; else a
-    multiple of the group size), ``num_warps``, and ``max_registers`` per thread (None: no
-    cap; ptxas spills past it). The default is the launch measured on the H200 (ptxas
-    figures of the others in results/README.md, "Packed conversion in one kernel per
-    level"; ``scripts/profile_conversion.py --encode-launches`` times them)."""
+    """Launch of the level writer (one program per page, layer and KV head):
+    ``num_warps``, and ``max_registers`` per thread (None: no cap; ptxas spills past it).
+    The default is the launch measured on the H200 (results/README.md, "Packed conversion
+    in one kernel per level"; ``scripts/profile_conversion.py --encode-launches`` times
+    launches)."""
 
-    channels: int | None = None
     num_warps: int = 16
     max_registers: int | None = None
 
@@ -61,14 +60,8 @@ def encode_levels_triton(
             f"group_size={g} and head_dim={head_dim} must be powers of two, the group >= 16 "
             "(Triton tiles)"
         )
-    channels = tuning.channels or head_dim
-    if channels % g or head_dim % channels or channels & (channels - 1):
-        raise ValueError(
-            f"EncodeTuning.channels={channels} must be a power of two dividing head_dim="
-            f"{head_dim} and a multiple of group_size={g} (a block holds whole V groups)"
-        )
     rows = rows_by_depth[0].count
-    device = store.k_codes.device
+    device = store.blocks.device
     for depth, depth_rows in enumerate(rows_by_depth):
         if depth_rows.device != device:
             raise ValueError(f"depth {depth}: K/V on {depth_rows.device}, the store on {device}")
@@ -86,23 +79,23 @@ def encode_levels_triton(
         slots[depth, where] = torch.arange(count, dtype=torch.int32, device=device)
         if pages[depth]:
             table[depth, : len(pages[depth])] = torch.tensor(pages[depth], dtype=torch.int32)
-    pools = store.pools
     exact = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    codes, halves = store.blocks, store.blocks.view(torch.float16)
     for depth, present in enumerate(presents):
         if not pages[depth]:
             continue
         source = rows_by_depth[depth]
         k, v = source.keys, source.values
         level_rows = _level_rows(present, rows, len(pages[depth]), g, device)
-        kc, kmin, _, vc, vmin, _ = pools
-        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads * (head_dim // channels))](
+        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads)](
             k,
             v,
             source.blocks,
             level_rows,
             slots,
             table,
-            *pools,
+            codes,
+            halves,
             depth,
             source.block_size,
             slots.stride(0),
@@ -111,23 +104,9 @@ def encode_levels_triton(
             k.stride(2),
             k.stride(1),
             k.stride(3),
-            kc.stride(0),
-            kc.stride(1),
-            kc.stride(2),
-            kc.stride(3),
-            kmin.stride(0),
-            kmin.stride(1),
-            kmin.stride(2),
-            vc.stride(0),
-            vc.stride(1),
-            vc.stride(2),
-            vc.stride(3),
-            vmin.stride(0),
-            vmin.stride(1),
-            vmin.stride(2),
-            vmin.stride(3),
+            codes.stride(0),
+            codes.stride(1),
             HEAD_DIM=head_dim,
-            CHANNELS=channels,
             GROUP=g,
             EXACT=exact,
             num_warps=tuning.num_warps,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from flashloop_backend.kernels.triton.packed_block_jit import channel_a, code_columns
 from flashloop_backend.kernels.triton.quantize_jit import int4_codes
 
 
@@ -46,6 +47,41 @@ def _accumulate(recon, level_value, mask, earlier, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _minmax_by_group(x, owner, NG: tl.constexpr):
+    """Per row and V group (columns ``owner``): [G, NG] minima and maxima of x [G, D/2]."""
+    group = tl.arange(0, NG)
+    low = tl.zeros([x.shape[0], NG], tl.float32)
+    high = tl.zeros([x.shape[0], NG], tl.float32)
+    for g in tl.static_range(NG):
+        mine = owner[None, :] == g
+        low = tl.where(
+            group[None, :] == g, tl.min(tl.where(mine, x, float("inf")), 1)[:, None], low
+        )
+        high = tl.where(
+            group[None, :] == g, tl.max(tl.where(mine, x, float("-inf")), 1)[:, None], high
+        )
+    return low, high
+
+
+@triton.jit
+def _per_column(per_group, owner, NG: tl.constexpr):
+    """[G, NG] values per V group -> [G, D/2] per column ``owner``."""
+    group = tl.arange(0, NG)
+    out = tl.zeros([per_group.shape[0], owner.shape[0]], tl.float32)
+    for g in tl.static_range(NG):
+        column = tl.sum(tl.where(group[None, :] == g, per_group, 0.0), 1)
+        out = tl.where(owner[None, :] == g, column[:, None], out)
+    return out
+
+
+@triton.jit
+def _earlier_codes(codes_ptr, row, byte, mask):
+    """The low and high nibbles (FP32) of bytes ``byte`` of rows ``row``."""
+    value = tl.load(codes_ptr + row[:, None] + byte[None, :], mask=mask, other=0).to(tl.int32)
+    return (value & 15).to(tl.float32), (value >> 4).to(tl.float32)
+
+
+@triton.jit
 def encode_level_kernel(
     k_ptr,
     v_ptr,
@@ -53,12 +89,8 @@ def encode_level_kernel(
     rows_ptr,
     slots_ptr,
     pages_ptr,
-    kc_ptr,
-    kmin_ptr,
-    kscale_ptr,
-    vc_ptr,
-    vmin_ptr,
-    vscale_ptr,
+    codes_ptr,
+    halves_ptr,
     level,
     block_rows,
     stride_st,
@@ -67,117 +99,113 @@ def encode_level_kernel(
     stride_xt,
     stride_xl,
     stride_xh,
-    skc_p,
-    skc_l,
-    skc_t,
-    skc_h,
-    skm_p,
-    skm_l,
-    skm_h,
-    svc_p,
-    svc_l,
-    svc_h,
-    svc_d,
-    svm_p,
-    svm_l,
-    svm_t,
-    svm_h,
+    page_bytes,
+    layer_bytes,
     HEAD_DIM: tl.constexpr,
-    CHANNELS: tl.constexpr,
     GROUP: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    """One (page of this level, layer, KV head, CHANNELS of its channels): the page's G rows ``rows`` [Pd * G] (row
+    """One (page of this level, layer, KV head): the page's G rows ``rows`` [Pd * G] (row
     of the append for each slot; a compact level's last page repeats its last row) of K
     and V [NB, L, BS, Hkv, D] (row r is row r % BS, BS = ``block_rows``, of block
     ``blocks[r // BS]``: paged pools read in place) minus their reconstruction from
-    levels 0 .. level - 1 (``slots``
-    [Lv, T] int32: a row's slot in that level's pages, -1 where absent; ``pages`` [Lv, P]
-    int32 page ids), quantized as the store's chain does: K per channel across the G rows,
-    V per row across G channels; codes and FP16 parameters written to page
-    ``pages[level, index]`` of the pools. K's groups (one per channel) and V's (G channels
-    of a row) never cross a block of CHANNELS channels (a multiple of G), so the blocks of
-    a head are independent programs."""
+    levels 0 .. level - 1 (``slots`` [Lv, T] int32: a row's slot in that level's pages, -1
+    where absent; ``pages`` [Lv, P] int32 page ids), quantized as the store's chain does:
+    K per channel across the G rows, V per row across G channels; codes and FP16
+    parameters written into the v3 block of page ``pages[level, index]`` (``codes`` /
+    ``halves``: byte and FP16 views of the store's blocks [pages, L, Hkv, bytes]). The
+    program works in code columns (``packed_block_jit``): A's column i is the low nibble
+    of byte ``code_columns(i)``, B's its high nibble, so each byte is one A and one B code
+    and K's parameters go to their column's slot."""
+    BLOCK: tl.constexpr = HEAD_DIM * (GROUP + 8)
+    NG: tl.constexpr = HEAD_DIM // GROUP
+    HD2: tl.constexpr = HEAD_DIM // 2
+    HI: tl.constexpr = 16 if HEAD_DIM >= 32 else HEAD_DIM // 2  # kv.layout.high_offset
+    V_CODES: tl.constexpr = GROUP * HD2
+    K_PARAMS: tl.constexpr = GROUP * HEAD_DIM // 2  # in halves
+    V_PARAMS: tl.constexpr = (GROUP * HEAD_DIM + 4 * HEAD_DIM) // 2  # in halves
     index = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2) // (HEAD_DIM // CHANNELS)
-    first_channel = tl.program_id(2) % (HEAD_DIM // CHANNELS) * CHANNELS
+    head = tl.program_id(2)
     r = tl.arange(0, GROUP)
-    c = first_channel + tl.arange(0, CHANNELS)
+    column = tl.arange(0, HD2)
+    ch_a = channel_a(column, HEAD_DIM)
+    byte = code_columns(column, False)
+    owner_a = ch_a // GROUP
+    owner_b = (ch_a + HI) // GROUP
     rows = tl.load(rows_ptr + index * GROUP + r).to(tl.int64)
     block = tl.load(blocks_ptr + rows // block_rows)
     source = block * stride_xb + (rows % block_rows) * stride_xt + layer * stride_xl
-    source = (source + head * stride_xh)[:, None] + c[None, :]
-    # K first, then V: one reconstruction tile live at a time
-    recon_k = tl.zeros([GROUP, CHANNELS], tl.float32)
+    source = (source + head * stride_xh)[:, None]
+    # K first, then V: one pair of reconstruction tiles live at a time
+    recon_a = tl.zeros([GROUP, HD2], tl.float32)
+    recon_b = tl.zeros([GROUP, HD2], tl.float32)
     for earlier in range(level):
         page, within, present = _level_slots(
             slots_ptr + earlier * stride_st, pages_ptr + earlier * stride_pl, rows, GROUP
         )
         mask = present[:, None]
-        byte = tl.load(
-            kc_ptr
-            + (page * skc_p + layer * skc_l + within * skc_t + head * skc_h)[:, None]
-            + (c // 2)[None, :],
-            mask=mask,
-            other=0,
-        ).to(tl.int32)
-        code = ((byte >> ((c % 2) * 4)[None, :]) & 15).to(tl.float32)
-        param = (page * skm_p + layer * skm_l + head * skm_h)[:, None] + c[None, :]
-        low = tl.load(kmin_ptr + param, mask=mask, other=0.0).to(tl.float32)
-        step = tl.load(kscale_ptr + param, mask=mask, other=0.0).to(tl.float32)
-        recon_k = _accumulate(recon_k, _affine(low, step, code, EXACT), mask, earlier, EXACT)
+        at = page * page_bytes + layer * layer_bytes + head * BLOCK
+        code_a, code_b = _earlier_codes(codes_ptr, at + within * HD2, byte, mask)
+        param = halves_ptr + (at // 2 + K_PARAMS)[:, None] + column[None, :]
+        step_a = tl.load(param, mask=mask, other=0.0).to(tl.float32)
+        step_b = tl.load(param + HD2, mask=mask, other=0.0).to(tl.float32)
+        low_a = tl.load(param + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+        low_b = tl.load(param + HEAD_DIM + HD2, mask=mask, other=0.0).to(tl.float32)
+        recon_a = _accumulate(recon_a, _affine(low_a, step_a, code_a, EXACT), mask, earlier, EXACT)
+        recon_b = _accumulate(recon_b, _affine(low_b, step_b, code_b, EXACT), mask, earlier, EXACT)
     # x - (+0) is x: the base level takes its values as they are
-    k = tl.load(k_ptr + source).to(tl.float32) - recon_k
-    # ---- K: one group per channel across the page's rows
+    k_a = tl.load(k_ptr + source + ch_a[None, :]).to(tl.float32) - recon_a
+    k_b = tl.load(k_ptr + source + ch_a[None, :] + HI).to(tl.float32) - recon_b
+    # ---- K: one group per channel (column) across the page's rows
     target = tl.load(pages_ptr + level * stride_pl + index).to(tl.int64)
-    k_min16 = tl.min(k, axis=0).to(tl.float16)
-    k_scale16 = tl.math.div_rn(tl.max(k, axis=0) - tl.min(k, axis=0), 15.0).to(tl.float16)
-    k_code = int4_codes(k, k_min16.to(tl.float32)[None, :], k_scale16.to(tl.float32)[None, :])
-    even, odd = tl.split(tl.reshape(k_code.to(tl.uint8), (GROUP, CHANNELS // 2, 2)))
-    pair = first_channel // 2 + tl.arange(0, CHANNELS // 2)
-    k_row = target * skc_p + layer * skc_l + head * skc_h
-    tl.store(kc_ptr + k_row + r[:, None] * skc_t + pair[None, :], even | (odd << 4))
-    k_param = target * skm_p + layer * skm_l + head * skm_h + c
-    tl.store(kmin_ptr + k_param, k_min16)
-    tl.store(kscale_ptr + k_param, k_scale16)
+    out = target * page_bytes + layer * layer_bytes + head * BLOCK
+    min_a = tl.min(k_a, axis=0).to(tl.float16)
+    min_b = tl.min(k_b, axis=0).to(tl.float16)
+    scale_a = tl.math.div_rn(tl.max(k_a, axis=0) - tl.min(k_a, axis=0), 15.0).to(tl.float16)
+    scale_b = tl.math.div_rn(tl.max(k_b, axis=0) - tl.min(k_b, axis=0), 15.0).to(tl.float16)
+    code_a = int4_codes(k_a, min_a.to(tl.float32)[None, :], scale_a.to(tl.float32)[None, :])
+    code_b = int4_codes(k_b, min_b.to(tl.float32)[None, :], scale_b.to(tl.float32)[None, :])
+    packed = code_a.to(tl.uint8) | (code_b.to(tl.uint8) << 4)
+    row_bytes = r[:, None] * HD2 + byte[None, :]
+    tl.store(codes_ptr + out + row_bytes, packed)
+    params = halves_ptr + out // 2 + K_PARAMS + column
+    tl.store(params, scale_a)
+    tl.store(params + HD2, scale_b)
+    tl.store(params + HEAD_DIM, min_a)
+    tl.store(params + HEAD_DIM + HD2, min_b)
 
     # ---- V: one group per row across each run of G channels
-    recon_v = tl.zeros([GROUP, CHANNELS], tl.float32)
+    recon_a = tl.zeros([GROUP, HD2], tl.float32)
+    recon_b = tl.zeros([GROUP, HD2], tl.float32)
     for earlier in range(level):
         page, within, present = _level_slots(
             slots_ptr + earlier * stride_st, pages_ptr + earlier * stride_pl, rows, GROUP
         )
         mask = present[:, None]
-        byte = tl.load(
-            vc_ptr
-            + (page * svc_p + layer * svc_l + head * svc_h + within // 2)[:, None]
-            + c[None, :] * svc_d,
-            mask=mask,
-            other=0,
-        ).to(tl.int32)
-        code = ((byte >> ((within % 2) * 4)[:, None]) & 15).to(tl.float32)
-        param = (page * svm_p + layer * svm_l + within * svm_t + head * svm_h)[:, None] + (
-            c // GROUP
-        )[None, :]
-        low = tl.load(vmin_ptr + param, mask=mask, other=0.0).to(tl.float32)
-        step = tl.load(vscale_ptr + param, mask=mask, other=0.0).to(tl.float32)
-        recon_v = _accumulate(recon_v, _affine(low, step, code, EXACT), mask, earlier, EXACT)
-    v = tl.load(v_ptr + source).to(tl.float32) - recon_v
-    grouped = tl.reshape(v, (GROUP, CHANNELS // GROUP, GROUP))
-    v_min16 = tl.min(grouped, axis=2).to(tl.float16)
-    v_scale16 = tl.math.div_rn(tl.max(grouped, axis=2) - tl.min(grouped, axis=2), 15.0).to(
-        tl.float16
-    )
-    v_code = int4_codes(
-        grouped, v_min16.to(tl.float32)[:, :, None], v_scale16.to(tl.float32)[:, :, None]
-    )
-    by_channel = tl.trans(tl.reshape(v_code, (GROUP, CHANNELS)))  # [C, G]: rows pair per byte
-    even, odd = tl.split(tl.reshape(by_channel.to(tl.uint8), (CHANNELS, GROUP // 2, 2)))
-    half = tl.arange(0, GROUP // 2)
-    v_block = target * svc_p + layer * svc_l + head * svc_h
-    tl.store(vc_ptr + v_block + c[:, None] * svc_d + half[None, :], even | (odd << 4))
-    groups = first_channel // GROUP + tl.arange(0, CHANNELS // GROUP)
-    v_param = (target * svm_p + layer * svm_l + head * svm_h + r * svm_t)[:, None] + groups[None, :]
-    tl.store(vmin_ptr + v_param, v_min16)
-    tl.store(vscale_ptr + v_param, v_scale16)
+        at = page * page_bytes + layer * layer_bytes + head * BLOCK
+        code_a, code_b = _earlier_codes(codes_ptr, at + V_CODES + within * HD2, byte, mask)
+        record = halves_ptr + (at // 2 + V_PARAMS + within * (2 * NG))[:, None]
+        low_a = tl.load(record + 2 * owner_a[None, :], mask=mask, other=0.0).to(tl.float32)
+        step_a = tl.load(record + 2 * owner_a[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        low_b = tl.load(record + 2 * owner_b[None, :], mask=mask, other=0.0).to(tl.float32)
+        step_b = tl.load(record + 2 * owner_b[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        recon_a = _accumulate(recon_a, _affine(low_a, step_a, code_a, EXACT), mask, earlier, EXACT)
+        recon_b = _accumulate(recon_b, _affine(low_b, step_b, code_b, EXACT), mask, earlier, EXACT)
+    v_a = tl.load(v_ptr + source + ch_a[None, :]).to(tl.float32) - recon_a
+    v_b = tl.load(v_ptr + source + ch_a[None, :] + HI).to(tl.float32) - recon_b
+    # a group's minimum and maximum over both tiles' columns in it
+    low_a, high_a = _minmax_by_group(v_a, owner_a, NG)
+    low_b, high_b = _minmax_by_group(v_b, owner_b, NG)
+    low, high = tl.minimum(low_a, low_b), tl.maximum(high_a, high_b)
+    v_min16 = low.to(tl.float16)
+    v_scale16 = tl.math.div_rn(high - low, 15.0).to(tl.float16)
+    m32, s32 = v_min16.to(tl.float32), v_scale16.to(tl.float32)
+    code_a = int4_codes(v_a, _per_column(m32, owner_a, NG), _per_column(s32, owner_a, NG))
+    code_b = int4_codes(v_b, _per_column(m32, owner_b, NG), _per_column(s32, owner_b, NG))
+    packed = code_a.to(tl.uint8) | (code_b.to(tl.uint8) << 4)
+    tl.store(codes_ptr + out + V_CODES + row_bytes, packed)
+    group = tl.arange(0, NG)
+    record = halves_ptr + out // 2 + V_PARAMS + r[:, None] * (2 * NG) + 2 * group[None, :]
+    tl.store(record, v_min16)
+    tl.store(record + 1, v_scale16)

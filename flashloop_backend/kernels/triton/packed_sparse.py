@@ -1,13 +1,9 @@
-"""Sparse decode over packed INT4 KV without host syncs (the ``packed_dense_source`` and
-``packed_sparse_correction`` contracts, ``ops.py``): the loop-2 source runs the packed
-reader with logits, the Triton top-K selection, and sums p * v over the selected keys
-reconstructed in registers; the correction reconstructs only the selected keys and runs
-the softmax over them in the same kernel (``packed_selected_jit.py``), split over programs
-from shapes only; ``packed_streamed_correction_triton`` is the streamed correction (the
-reader over whole pages, unselected logits masked; the ``triton_streamed`` override, which
-suits dense levels and not compact ones).
-``packed_gather`` materialises chosen positions (a reconstruction tool the tests compare
-with the store's history)."""
+"""Sparse decode over packed INT4 KV (encoding v3) without host syncs (the
+``packed_dense_source`` and ``packed_sparse_correction`` contracts, ``ops.py``): the
+loop-2 source runs the packed reader with logits, the Triton top-K selection, and sums
+p * v over the selected keys reconstructed in registers; the correction reconstructs only
+the selected keys and runs the softmax over them in the same kernel
+(``packed_selected_jit.py``), split over programs from shapes only."""
 
 from __future__ import annotations
 
@@ -17,15 +13,14 @@ import torch
 
 from flashloop_backend.kernels.triton.dense_source import check_bucket
 from flashloop_backend.kernels.triton.packed_decode import (
-    DEFAULT_TUNING,
-    PackedTuning,
-    layer_pools,
+    check_packed_inputs,
+    layer_blocks,
+    metadata_strides,
     packed_decode_triton,
     packed_span,
-    packed_strides,
+    uses_ptx,
 )
-from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
-from flashloop_backend.kernels.triton.sparse_decode import KEYS_PER_SPLIT_MIN
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, next_pow2, split_buffers
 from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,
@@ -34,90 +29,28 @@ from flashloop_backend.kernels.triton.threshold_select import (
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
-GATHER_BLOCK_N = 32  # positions per program of packed_gather (a test tool, untimed)
-# The selected-key launch: 16 positions per step by 2 warps is the fastest that
-# ``bench packed`` times (against 32 x 4 and 16 x 4) for the source and both corrections,
-# dense levels and token-sparse alike (results/bench_packed_kv_sparse_ops.json).
+# The selected-key launch: BLOCK_N keys per block whose pages lie within PAGE_WINDOW pages
+# of each level (the folded query's rows per level), by SELECTED_WARPS warps, about
+# SELECTED_PROGRAMS programs in all over the (row, head) pairs, at least KEYS_PER_SPLIT
+# keys a split.
 BLOCK_N = 16
-SELECTED_WARPS = 2
-# Programs in all over the (row, head) pairs: the optimum of the launch sweep at batch 1 and
-# 16 alike (results/README.md, "Sparse decode, issue 22").
-SELECTED_PROGRAMS = 512
-# Level counts below this read V by channel (positions along the fast axis): faster at two
-# and three levels, slower at four than V read as rows with K, both timed with the levels
-# unrolled (results/README.md, issue 22).
-V_BY_CHANNEL_BELOW = 4
+PAGE_WINDOW = 16
+SELECTED_WARPS = 4
+SELECTED_PROGRAMS = 1024
+KEYS_PER_SPLIT = 64
+# Absolute and relative tolerance of the selected-key reads against the FP32
+# reconstruction: FP16 folded weights times exact codes on tensor cores, summed in FP32
+# (as ``PLAIN_READ_TOLERANCE``).
+SELECTED_READ_TOLERANCE = 2e-3
 
 
 def packed_key_splits(rows: int, heads: int, bucket: int, programs: int) -> tuple[int, int]:
     """(splits, keys per split) over each (row, head)'s ``bucket`` selected keys: about
     ``programs`` programs in all (never fewer than one split per pair), at least
-    ``KEYS_PER_SPLIT_MIN`` keys per split."""
+    ``KEYS_PER_SPLIT`` keys per split."""
     want = max(1, programs // max(1, rows * heads))
-    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT_MIN)))
+    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT)))
     return splits, math.ceil(bucket / splits)
-
-
-def packed_gather(
-    store: PackedKVStore,
-    layer: int,
-    meta: LevelMetadata,
-    key_cache,
-    value_cache,
-    block_tables,
-    positions: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [R, Hq, N, D] in ``dtype`` at ``positions`` [R, Hq, N] int32 (-1: zeros):
-    the row's reconstruction at its depth below its packed length, BF16 pages above."""
-    from flashloop_backend.kernels.triton.packed_gather_jit import packed_gather_kernel
-
-    rows, num_q_heads, count = positions.shape
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    if positions.dtype != torch.int32 or positions.device != key_cache.device:
-        raise ValueError(
-            f"positions must be int32 on {key_cache.device}; "
-            f"got {positions.dtype} on {positions.device}"
-        )
-    if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"positions for {num_q_heads} query heads do not fit the store's "
-            f"{tuple(store.shape[1:])} / cache's {num_kv_heads} x {head_dim}"
-        )
-    out_k = torch.empty((rows, num_q_heads, count, head_dim), dtype=dtype, device=key_cache.device)
-    out_v = torch.empty_like(out_k)
-    if rows == 0 or count == 0:
-        return out_k, out_v
-    positions, block_tables = positions.contiguous(), block_tables.contiguous()
-    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
-    pools = layer_pools(store, layer)
-    packed_gather_kernel[(rows, num_q_heads, math.ceil(count / GATHER_BLOCK_N))](
-        positions,
-        *pools,
-        tables,
-        maps,
-        kinds,
-        meta.packed_lengths,
-        key_cache,
-        value_cache,
-        block_tables,
-        out_k,
-        out_v,
-        positions.stride(0),
-        positions.stride(1),
-        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
-        out_k.stride(0),
-        out_k.stride(1),
-        out_k.stride(2),
-        count,
-        GROUP_Q=num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        GROUP=store.group_size,
-        BLOCK_SIZE=block_size,
-        LEVELS=tables.shape[1],
-        BLOCK_N=GATHER_BLOCK_N,
-    )
-    return out_k, out_v
 
 
 def packed_selected_parts(
@@ -135,12 +68,11 @@ def packed_selected_parts(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
-    v_by_channel: bool | None = None,
+    page_window: int = PAGE_WINDOW,
 ):
-    """Split partials over the selected positions ``indices`` [R, Hq, Kb] (-1: none), keys
-    reconstructed in registers ``block_n`` positions at a time by ``num_warps`` warps,
-    about ``programs`` programs in all, V read by channel or as rows (``v_by_channel``;
-    None: by channel below ``V_BY_CHANNEL_BELOW`` levels):
+    """Split partials over the selected positions ``indices`` [R, Hq, Kb] (sorted, -1 past
+    the last), keys reconstructed in registers ``block_n`` at a time within ``page_window``
+    pages per level, by ``num_warps`` warps, about ``programs`` programs in all:
     (acc [R, Hq, S, D], max, sum [R, Hq, S]) of the softmax of q k^T * scale, or with
     ``logits`` [R, Hq, T] / ``lse`` [R, Hq] only acc = sum exp(logit - lse) v per split
     (the loop-2 contribution)."""
@@ -150,6 +82,8 @@ def packed_selected_parts(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if block_n not in (16, 32, 64):
         raise ValueError(f"block_n={block_n} must be one of 16, 32, 64")
+    if page_window not in (16, 32):
+        raise ValueError(f"page_window={page_window} must be 16 or 32")
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8")
     if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
@@ -162,24 +96,26 @@ def packed_selected_parts(
             f"q [R, {num_q_heads}, {head_dim}] does not fit the store's "
             f"{tuple(store.shape[1:])} / cache's {num_kv_heads} heads"
         )
+    check_packed_inputs(q, store, meta, key_cache)
     bucket = indices.shape[-1]
     splits, keys_per_split = packed_key_splits(rows, num_q_heads, max(1, bucket), programs)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
     indices, block_tables = indices.contiguous(), block_tables.contiguous()
-    tables, maps, kinds = meta.tables, meta.maps, meta.kinds
-    pools = layer_pools(store, layer)
+    codes, halves, page_bytes = layer_blocks(store, layer)
+    levels = meta.tables.shape[1]
     from_logits = logits is not None
     packed_selected_split_kernel[(rows, num_q_heads, splits)](
         q,
         indices,
         logits if from_logits else part_max,
         lse if from_logits else part_max,
-        *pools,
-        tables,
-        maps,
-        kinds,
+        codes,
+        halves,
+        meta.tables,
+        meta.maps,
+        meta.kinds,
         meta.packed_lengths,
         key_cache,
         value_cache,
@@ -195,7 +131,8 @@ def packed_selected_parts(
         logits.stride(0) if from_logits else 0,
         logits.stride(1) if from_logits else 0,
         lse.stride(0) if from_logits else 0,
-        *packed_strides(pools, meta, key_cache, value_cache, block_tables),
+        page_bytes,
+        *metadata_strides(meta, key_cache, value_cache, block_tables),
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -207,10 +144,13 @@ def packed_selected_parts(
         HEAD_DIM=head_dim,
         GROUP=store.group_size,
         BLOCK_SIZE=block_size,
-        LEVELS=tables.shape[1],
+        LEVELS=levels,
+        LP=max(2, next_pow2(levels)),
         BLOCK_N=block_n,
+        NPW=page_window,
+        COMPACT_FROM=min(meta.compact_from, levels),
         FROM_LOGITS=from_logits,
-        V_BY_CHANNEL=tables.shape[1] < V_BY_CHANNEL_BELOW if v_by_channel is None else v_by_channel,
+        ASM=uses_ptx(q),
         num_warps=num_warps,
     )
     return part_out, part_max, part_sum
@@ -237,7 +177,6 @@ def packed_sparse_correction_triton(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
-    v_by_channel: bool | None = None,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
     ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
@@ -255,54 +194,9 @@ def packed_sparse_correction_triton(
         block_n=block_n,
         num_warps=num_warps,
         programs=programs,
-        v_by_channel=v_by_channel,
     )
     return merge_splits(
         *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
-    )
-
-
-def packed_streamed_correction_triton(
-    q,
-    store,
-    layer,
-    meta,
-    key_cache,
-    value_cache,
-    block_tables,
-    indices,
-    mass,
-    output,
-    contribution,
-    scale=None,
-    tuning: PackedTuning = DEFAULT_TUNING,
-):
-    """:func:`packed_sparse_correction_triton`'s result, streamed: the packed reader
-    streams every page of the row up to its last selected position and masks the logits of
-    positions not in ``indices`` [R, Hq, Kb] (-1: none), instead of gathering the selected
-    keys (whose V rows each touch a whole page block per level). Returns [R, Hq, D]."""
-    rows, num_q_heads, _ = q.shape
-    span = packed_span(store, meta, block_tables, key_cache.shape[1])
-    marks = torch.zeros((rows, num_q_heads, span + 1), dtype=torch.uint8, device=q.device)
-    if indices.shape[-1]:
-        valid = indices >= 0  # -1 lands in the spare last column, which no read reaches
-        marks.scatter_(2, torch.where(valid, indices, span).long(), 1)
-        lengths = (indices.amax(dim=-1).amax(dim=-1) + 1).to(torch.int32)  # 0: nothing selected
-    else:
-        lengths = torch.zeros(rows, dtype=torch.int32, device=q.device)
-    return packed_decode_triton(
-        q,
-        store,
-        layer,
-        meta,
-        key_cache,
-        value_cache,
-        block_tables,
-        lengths,
-        scale,
-        tuning,
-        selected=marks,
-        correction=_correction_terms(output, contribution, mass),
     )
 
 
@@ -322,7 +216,6 @@ def packed_dense_source_triton(
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
-    v_by_channel: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
     mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
@@ -383,6 +276,5 @@ def packed_dense_source_triton(
         block_n,
         num_warps,
         programs,
-        v_by_channel,
     )
     return out, indices, mass, output, part_out.sum(2)

@@ -1,6 +1,9 @@
-"""Packed INT4 KV: decode attention per layer call against FlashInfer BF16 paged decode of
-the same rows (CUDA-graph medians, side by side), and the steady bytes per prompt token
-the store really holds (from its tensors) against BF16 copy-on-exit planes."""
+"""Packed INT4 KV (encoding v3): each packed op per layer call beside FlashInfer's BF16
+paged decode of the same rows (CUDA-graph medians, side by side), with the bytes each op
+must move (from the layout and the selection) and the rate it reached; and the steady
+bytes per prompt token the store really holds (from its tensors) against BF16
+copy-on-exit planes. Calls rotate over layers whose bytes together exceed the L2 cache
+several times, so every rate is a memory rate."""
 
 from __future__ import annotations
 
@@ -18,12 +21,9 @@ from flashloop_backend.tools.bench.timing import (
 )
 
 HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 16, 128, 16, 64
-# (positions per step, warps, programs in all) of the selected-key kernel: the registered
-# launch (kernels/triton/packed_sparse.py) beside fewer and more programs and 32 x 4.
-# ptxas (scripts/kernel_registers.py --kernel selected) rules out 1 warp and 32 x 2 at 3-4
-# levels: they spill far more per thread (spill table in results/README.md, "Packed INT4 KV").
-SELECTED_LAUNCHES = [(16, 2, 512), (16, 2, 128), (16, 2, 2048), (16, 4, 512), (32, 4, 512)]
 SPARSITY = [1.0, 1.0, 0.25, 0.10]
+L2_ROTATION = 4 * 60 * 2**20  # bytes a rotation covers: four times the H200's L2
+MAX_LAYERS = 24
 
 
 def _versions(rows: int, layers: int, gen: torch.Generator, depths: int = 4) -> list[torch.Tensor]:
@@ -54,9 +54,10 @@ def _active(rows: int, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def _store(sequences: int, rows: int, layers: int, sparse: bool, gen: torch.Generator):
-    """A store holding ``sequences`` encoded prompts of ``rows`` rows, written as the
-    backend writes them (the Triton level writer on a GPU, the torch chain elsewhere), and
-    the largest allocation one encoding added on top of its inputs and the pools."""
+    """A store holding ``sequences`` encoded prompts of ``rows`` rows and ``layers``
+    layers, written as the backend writes them (the Triton level writer on a GPU, the
+    torch chain elsewhere), and the largest allocation one encoding added on top of its
+    inputs and the pools."""
     from flashloop_backend.kv.store import PackedKVStore
 
     pages = sequences * 4 * math.ceil(rows / GROUP) + 8
@@ -96,118 +97,195 @@ def _accounting(rows: int, layers: int, gen: torch.Generator) -> dict:
     return record
 
 
-def _tunings(levels: int, sweep: bool) -> list:
-    """The registered launch, then the reader without half products (FP32 1 + c/16
-    units) and (``sweep``) at 64 programs per SM and, from two levels, 16 / 32 rows per
-    step at 1 / 2 warps, each once."""
-    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
+def rotation_layers(bytes_per_layer: int) -> int:
+    """Layers whose bytes together cover ``L2_ROTATION`` (at most ``MAX_LAYERS``)."""
+    return max(2, min(MAX_LAYERS, math.ceil(L2_ROTATION / max(1, bytes_per_layer))))
 
-    out = [DEFAULT_TUNING, replace(DEFAULT_TUNING, half_products=False)]
-    if not sweep:
-        return out
-    out.append(replace(DEFAULT_TUNING, programs_per_sm=64))
-    if levels >= 2:
-        grid = [
-            replace(DEFAULT_TUNING, deep_from_levels=2, deep_rows_per_step=r, deep_num_warps=w)
-            for r in (16, 32)
-            for w in (1, 2)
-        ]
-        seen = {tuning_label(t, levels) for t in out}
-        out += [t for t in grid if tuning_label(t, levels) not in seen]
+
+def level_bytes(store, meta, rows: int, levels: int) -> int:
+    """Bytes a streaming read of ``levels`` levels moves for ``rows`` rows of one layer:
+    every block of the rows' pages at those levels (K and V codes, parameters), plus the
+    compact levels' map entries."""
+    _, heads, _ = store.shape
+    total = 0
+    for r in range(rows):
+        entry = store.sequences[r]
+        total += sum(len(p) for p in entry.pages[:levels]) * heads * store.layout.block_bytes
+        total += sum(m.numel() * 4 for m in entry.maps[:levels] if m is not None)
+    return total
+
+
+def selected_bytes(store, meta, indices: torch.Tensor, levels: int) -> int:
+    """Bytes a read of the selected keys ``indices`` [R, H, Kb] at ``levels`` levels
+    moves: per present (key, level) its K row, V row and V record; per touched (row, head,
+    page, level) the page's K parameters; 4 bytes per index (host count, untimed)."""
+    layout = store.layout
+    key_bytes = 2 * layout.row_bytes + layout.record_bytes
+    total = int((indices >= 0).sum()) * 4
+    for r in range(indices.shape[0]):
+        entry = store.sequences[r]
+        for h in range(indices.shape[1]):
+            pos = indices[r, h][indices[r, h] >= 0].long().cpu()
+            for level in range(min(levels, len(entry.pages))):
+                mapping = entry.host_maps[level]
+                rows = pos if mapping is None else mapping[pos]
+                rows = rows[rows >= 0]
+                total += rows.numel() * key_bytes
+                total += torch.unique(rows // store.group_size).numel() * 4 * layout.head_dim
+    return total
+
+
+def _rate(nbytes: int, ms: float, dense_tb_s: float | None) -> dict:
+    tb_s = nbytes / (ms / 1e3) / 1e12
+    out = {"bytes": nbytes, "tb_s": tb_s, "hbm_fraction": tb_s * 1e12 / HBM_BYTES_PER_S}
+    if dense_tb_s:
+        out["fraction_of_flashinfer_tb_s"] = tb_s / dense_tb_s
     return out
 
 
-def tuning_label(tuning, levels: int) -> str:
-    """``_w{warps}_p{programs per SM}``, ``_r{rows per step}`` when a 64-row group is not
-    read whole, ``_fp32`` without half products."""
-    from flashloop_backend.kernels.triton.packed_decode import rows_per_step, warps_for
-
-    label = f"_w{warps_for(tuning, levels)}_p{tuning.programs_per_sm}"
-    rows = rows_per_step(tuning, GROUP, levels)
-    label += f"_r{rows}" if rows != GROUP else ""
-    return label + ("" if tuning.half_products else "_fp32")
-
-
-def _bf16_rows(context: int, batch: int, gen: torch.Generator):
-    """(q [B, H, D], key/value caches [pages, 16, H, D], block tables [B, pages], lengths
-    [B]) of ``batch`` rows at ``context`` in BF16 on ``gen``'s device, pages shuffled."""
+def _bf16_rows(context: int, batch: int, layers: int, gen: torch.Generator):
+    """(q [B, H, D], per-layer key/value caches [pages, 16, H, D], block tables [B, pages],
+    lengths [B]) of ``batch`` rows at ``context`` in BF16 on ``gen``'s device."""
     device = gen.device
     pages = math.ceil(context / BLOCK_SIZE)
-    kc = torch.randn((batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM), device=device, generator=gen)
-    kc, vc = kc.bfloat16(), torch.randn_like(kc).bfloat16()
+    shape = (batch * pages, BLOCK_SIZE, HEADS, HEAD_DIM)
+    caches = [
+        (
+            torch.randn(shape, device=device, generator=gen).bfloat16(),
+            torch.randn(shape, device=device, generator=gen).bfloat16(),
+        )
+        for _ in range(layers)
+    ]
     tables = torch.randperm(batch * pages, device=device, generator=gen).int().reshape(batch, pages)
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
-    return q, kc, vc, tables, lengths
+    return q, caches, tables, lengths
 
 
-def _flashinfer_ms(q, kc, vc, tables, lengths) -> float:
-    """FlashInfer's BF16 paged decode of these rows, CUDA-graph median ms."""
+def _flashinfer(context: int, batch: int, gen: torch.Generator) -> dict:
+    """FlashInfer's BF16 paged decode of these rows: CUDA-graph median ms over rotating
+    layers, its bytes and rate."""
     from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer, planned_wrapper
 
-    paged_attention_flashinfer(q, kc, vc, tables, lengths)
+    nbytes = batch * context * HEADS * HEAD_DIM * 2 * 2
+    q, caches, tables, lengths = _bf16_rows(context, batch, rotation_layers(nbytes), gen)
+    paged_attention_flashinfer(q, *caches[0], tables, lengths)
     wrapper = planned_wrapper(q.device)
-    return graph_ms(lambda: wrapper.run(q, (kc, vc)))
+    ms = graph_ms(lambda kv: wrapper.run(q, kv), rotate=caches)
+    del caches
+    torch.cuda.empty_cache()
+    return {"ms": ms, **_rate(nbytes, ms, None)}
 
 
-def _decode_case(context: int, batch: int, gen: torch.Generator, log) -> dict:
+def _tunings(sweep: bool) -> list:
+    """The registered launch, without half products, and (``sweep``) other programs per SM
+    and warps."""
+    from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING
+
+    out = [DEFAULT_TUNING, replace(DEFAULT_TUNING, half_products=False)]
+    if sweep:
+        out += [replace(DEFAULT_TUNING, programs_per_sm=p) for p in (4, 16, 32)]
+        out += [replace(DEFAULT_TUNING, num_warps=w) for w in (2, 8)]
+    return out
+
+
+def tuning_label(tuning) -> str:
+    """``_w{warps}_p{programs per SM}``, ``_fp32`` without half products."""
+    label = f"_w{tuning.num_warps}_p{tuning.programs_per_sm}"
+    return label + ("" if tuning.half_products else "_fp32")
+
+
+def cuda_unavailable() -> str | None:
+    from flashloop_backend.kernels.cuda.loader import unavailable
+
+    return unavailable()
+
+
+def _reader(tuning, with_logits: bool, shape, tables, provider: str):
+    """A packed read with ``tuning`` by the Triton or CUDA reader, with the loop-2 logits
+    and LSE into preallocated buffers when ``with_logits`` (output FP32, as the source)."""
+    from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
+
+    if provider == "cuda":
+        from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda as read
+    else:
+
+        def read(*args, **kwargs):
+            return packed_decode_triton(*args, tuning=tuning, **kwargs)
+
+    if not with_logits:
+        return read
+    rows, heads, _ = shape
+    logits = torch.empty((rows, heads, tables.shape[1] * BLOCK_SIZE), device=tables.device)
+    lse = torch.empty((rows, heads), device=tables.device)
+    return lambda *args: read(*args, logits=logits, lse=lse, out_dtype=torch.float32)
+
+
+def _log_entry(log, where: str, key: str, entry: dict, dense: dict) -> None:
+    log(
+        f"  {where} {key}: {entry['ms'] * 1e3:.1f} us vs FlashInfer {dense['ms'] * 1e3:.1f} us "
+        f"(x{dense['ms'] / entry['ms']:.2f}), {entry['bytes'] / 1e6:.1f} MB at "
+        f"{entry['tb_s']:.2f} TB/s = {entry.get('fraction_of_flashinfer_tb_s', 0):.2f} of "
+        f"FlashInfer's {dense['tb_s']:.2f} TB/s"
+    )
+
+
+def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: bool) -> dict:
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
     from flashloop_backend.kv.levels import level_metadata
 
-    rows = context  # the whole prompt packed (fixed_prompt); the BF16 tail is empty
-    results = {"context": context, "concurrency": batch, "depths": {}}
-    q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)
-    dense_ms = _flashinfer_ms(q, kc, vc, tables, lengths)
-    results["dense_flashinfer_ms"] = dense_ms
+    dense = _flashinfer(context, batch, gen)
+    results = {"context": context, "concurrency": batch, "flashinfer_bf16": dense, "depths": {}}
+    q, caches, tables, lengths = _bf16_rows(context, batch, 1, gen)  # BF16 pages: never read
+    kc, vc = caches[0]
+    per_layer = batch * context * HEADS * GROUP * 2  # one level's codes, about
+    layers = rotation_layers(per_layer)
     for sparse in (False, True):
-        store, _ = _store(batch, rows, 1, sparse, gen)
+        store, _ = _store(batch, context, layers, sparse, gen)
         for depth in range(4):
             meta = level_metadata(store, list(range(batch)), [depth] * batch, "cuda")
-            levels = store.sequences[0].pages[: depth + 1]
-            read = sum(len(p) for p in levels) * store.page_bytes() * batch
-            read += (
-                sum(m.numel() * 4 for m in store.sequences[0].maps[: depth + 1] if m is not None)
-                * batch
-            )
-            exact = packed_decode_triton(
-                q,
-                store,
-                0,
-                meta,
-                kc,
-                vc,
-                tables,
-                lengths,
-                tuning=replace(DEFAULT_TUNING, half_products=False),
-            ).float()
-            for tuning in _tunings(depth + 1, sweep=not sparse):
-                got = packed_decode_triton(
-                    q, store, 0, meta, kc, vc, tables, lengths, tuning=tuning
-                )
-                gap = (got.float() - exact).abs().max().item()
+            nbytes = level_bytes(store, meta, batch, depth + 1)
+            args = (q, store, 0, meta, kc, vc, tables, lengths)
+            exact = packed_decode_triton(*args, tuning=replace(DEFAULT_TUNING, half_products=False))
+            name = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
+            variants = [
+                (name + ("" if t == DEFAULT_TUNING else tuning_label(t)), t, False)
+                for t in _tunings(sweep and not sparse)
+            ]
+            if not sparse and depth == 1:  # the loop-2 read: with logits, FP32
+                variants.append((name + "_logits", DEFAULT_TUNING, True))
+            for key, tuning, with_logits in variants:
+                reader = _reader(tuning, with_logits, q.shape, tables, "triton")
+                gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
                 ms = graph_ms(
-                    lambda m=meta, s=store, t=tuning: packed_decode_triton(
-                        q, s, 0, m, kc, vc, tables, lengths, tuning=t
-                    )
+                    lambda layer, m=meta, s=store, r=reader: r(
+                        q, s, layer, m, kc, vc, tables, lengths
+                    ),
+                    rotate=list(range(layers)),
                 )
-                key = f"{'token_sparse' if sparse else 'dense_levels'}_depth{depth + 1}"
-                if tuning != DEFAULT_TUNING:
-                    key += tuning_label(tuning, depth + 1)
-                tb_s = read / (ms / 1e3) / 1e12
-                results["depths"][key] = {
-                    "ms": ms,
-                    "speedup_vs_flashinfer_bf16": dense_ms / ms,
-                    "bytes_read": read,
-                    "tb_s": tb_s,
-                    "hbm_fraction": read / (ms / 1e3) / HBM_BYTES_PER_S,
-                    "tuning": asdict(tuning),
-                    "max_abs_vs_fp32_products": gap,
+                entry = {"ms": ms, "speedup_vs_flashinfer_bf16": dense["ms"] / ms}
+                entry |= _rate(nbytes, ms, dense["tb_s"])
+                entry |= {"tuning": asdict(tuning), "max_abs_vs_fp32": gap.abs().max().item()}
+                results["depths"][key] = entry
+                _log_entry(log, f"packed ctx={context} conc={batch}", key, entry, dense)
+            if sparse or cuda_unavailable() is not None:
+                continue
+            for with_logits in (False, True) if depth == 1 else (False,):
+                reader = _reader(DEFAULT_TUNING, with_logits, q.shape, tables, "cuda")
+                gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
+                ms = graph_ms(
+                    lambda layer, m=meta, s=store, r=reader: r(
+                        q, s, layer, m, kc, vc, tables, lengths
+                    ),
+                    rotate=list(range(layers)),
+                )
+                key = name + "_cuda" + ("_logits" if with_logits else "")
+                entry = {"ms": ms, "speedup_vs_flashinfer_bf16": dense["ms"] / ms}
+                entry |= _rate(nbytes, ms, dense["tb_s"]) | {
+                    "max_abs_vs_fp32": gap.abs().max().item()
                 }
-                log(
-                    f"  packed ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us vs dense "
-                    f"{dense_ms * 1e3:.1f} us (x{dense_ms / ms:.2f}), {tb_s:.2f} TB/s, "
-                    f"max |diff| vs FP32 products {gap:.1e}"
-                )
+                results["depths"][key] = entry
+                _log_entry(log, f"packed ctx={context} conc={batch}", key, entry, dense)
         del store
         torch.cuda.empty_cache()
     return results
@@ -218,95 +296,82 @@ def sparse_ops_case(
     batch: int,
     gen: torch.Generator,
     log,
-    dense_ms: float | None,
-    key_retention: float = 0.25,
+    dense: dict | None,
+    key_retention: float = 0.10,
     timer=graph_ms,
     select=None,
-    launches=SELECTED_LAUNCHES,
 ) -> dict:
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
-    (two-level read, selection, contribution) beside the plain two-level read, the loop 3-4
-    correction over the
-    selected keys at three and four levels, dense and compact levels, each selected-key
-    launch of ``launches`` (positions per step, warps, programs in all), and the streamed
-    correction
-    design (the packed reader, unselected positions masked); ``dense_ms``: FlashInfer BF16
-    decode of the same rows (same run; None: timed here on a GPU);
-    ``select``: the selection's ``SelectTuning`` (None: the registered one)."""
+    (two-level read with logits, selection, contribution) beside the plain two-level read,
+    and the loop 3-4 correction over the selected keys at three and four levels, dense and
+    compact levels, each with its bytes and rate; ``dense``: FlashInfer BF16 decode of the
+    same rows (same run; None: timed here on a GPU); ``select``: the selection's
+    ``SelectTuning`` (None: the registered one)."""
     from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.kernels.triton.dense_source import DEFAULT_SELECT
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
     from flashloop_backend.kernels.triton.packed_sparse import (
         packed_dense_source_triton,
         packed_sparse_correction_triton,
-        packed_streamed_correction_triton,
     )
     from flashloop_backend.kv.levels import level_metadata
 
     device = gen.device
-    q, kc, vc, tables, lengths = _bf16_rows(context, batch, gen)  # BF16 pages: never read (packed)
-    if dense_ms is None and device.type == "cuda":
-        dense_ms = _flashinfer_ms(q, kc, vc, tables, lengths)
+    cuda = device.type == "cuda"
+    if dense is None and cuda:
+        dense = _flashinfer(context, batch, gen)
+    q, caches, tables, lengths = _bf16_rows(context, batch, 1, gen)  # BF16 pages: never read
+    kc, vc = caches[0]
     bucket = key_bucket(key_retention, context)
+    layers = rotation_layers(batch * context * HEADS * GROUP * 2) if cuda else 1
     results: dict = {
         "context": context,
         "concurrency": batch,
         "key_retention": key_retention,
         "key_bucket": bucket,
-        "dense_flashinfer_ms": dense_ms,
+        "flashinfer_bf16": dense,
         "ops": {},
     }
 
-    def record(key: str, ms: float) -> None:
-        entry = {"ms": ms}
-        if dense_ms:
-            entry["vs_dense_decode"] = ms / dense_ms
+    def record(key: str, fn, nbytes: int) -> None:
+        ms = timer(fn, rotate=list(range(layers))) if cuda else timer(lambda: fn(0))
+        entry = {"ms": ms, **_rate(nbytes, ms, dense["tb_s"] if dense else None)}
+        if dense:
+            entry["vs_dense_decode"] = ms / dense["ms"]
         results["ops"][key] = entry
-        log(
-            f"  packed sparse ctx={context} conc={batch} {key}: {ms * 1e3:.1f} us"
-            + (f" ({ms / dense_ms:.2f}x a dense decode)" if dense_ms else "")
-        )
+        if dense:
+            _log_entry(log, f"packed sparse ctx={context} conc={batch}", key, entry, dense)
 
     for sparse in (False, True):
         name = "token_sparse" if sparse else "dense_levels"
-        store, _ = _store(batch, context, 1, sparse, gen)
+        store, _ = _store(batch, context, layers, sparse, gen)
         meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(4)]
-        reads = (q, store, 0, meta[1], kc, vc, tables, lengths)  # layer 0 at loop 2
-        source = (*reads, key_retention, bucket, None, select or DEFAULT_SELECT)  # default scale
-        _, indices, mass, output, contribution = packed_dense_source_triton(*source)
-        corrections = {
-            depth: (q, store, 0, meta[depth], kc, vc, tables, indices, mass, output, contribution)
-            for depth in (2, 3)
-        }
-        record(f"{name}_plain_read_depth2", timer(lambda r=reads: packed_decode_triton(*r)))
-        # the streamed design: the packed reader with unselected positions masked
-        for depth, args in corrections.items():
-            key = f"{name}_correction_depth{depth + 1}_streamed"
-            record(key, timer(lambda a=args: packed_streamed_correction_triton(*a)))
-            streamed = packed_streamed_correction_triton(*args).float()
-            gathered = packed_sparse_correction_triton(*args).float()
-            gap = (streamed - gathered).abs().max().item()
-            results["ops"][key]["max_abs_vs_gather"] = gap  # the same result by both designs
-        # each launch of the sweep, then the registered one with V read either way
-        variants = [
-            (f"_block{n}_w{w}_p{p}", {"block_n": n, "num_warps": w, "programs": p})
-            for n, w, p in launches
-        ]
-        variants += [
-            ("_v_by_channel", {"v_by_channel": True}),
-            ("_v_rows", {"v_by_channel": False}),
-        ]
-        for suffix, launch in variants:
+        source = (q, store, 0, meta[1], kc, vc, tables, lengths, key_retention, bucket, None)
+        _, indices, mass, output, contribution = packed_dense_source_triton(
+            *source, select or DEFAULT_SELECT
+        )
+        two_levels = level_bytes(store, meta[1], batch, 2)
+        record(
+            f"{name}_plain_read_depth2",
+            lambda layer, s=store, src=source: packed_decode_triton(q, s, layer, *src[3:8]),
+            two_levels,
+        )
+        record(
+            f"{name}_source_depth2",
+            lambda layer, s=store, src=source: packed_dense_source_triton(
+                q, s, layer, *src[3:], select or DEFAULT_SELECT
+            ),
+            two_levels + selected_bytes(store, meta[1], indices, 2),
+        )
+        state = (indices, mass, output, contribution)
+        for depth in (2, 3):
             record(
-                f"{name}_source_depth2{suffix}",
-                timer(lambda s=source, k=launch: packed_dense_source_triton(*s, **k)),
+                f"{name}_correction_depth{depth + 1}",
+                lambda layer, s=store, m=meta[depth], st=state: packed_sparse_correction_triton(
+                    q, s, layer, m, kc, vc, tables, *st
+                ),
+                selected_bytes(store, meta[depth], indices, depth + 1),
             )
-            for depth, args in corrections.items():
-                record(
-                    f"{name}_correction_depth{depth + 1}{suffix}",
-                    timer(lambda a=args, k=launch: packed_sparse_correction_triton(*a, **k)),
-                )
-        del store
     return results
 
 
@@ -314,7 +379,11 @@ PACKED_PARTS = ("decode", "sparse_ops")
 
 
 def bench_packed_kv(
-    contexts: list[int], concurrency: list[int], log=print, parts: tuple[str, ...] = PACKED_PARTS
+    contexts: list[int],
+    concurrency: list[int],
+    log=print,
+    parts: tuple[str, ...] = PACKED_PARTS,
+    sweep: bool = True,
 ) -> dict:
     """``parts``: the reader per depth with its launch sweep (``decode``) and the packed
     sparse-decode ops (``sparse_ops``); each names FlashInfer's BF16 decode of its rows."""
@@ -325,8 +394,8 @@ def bench_packed_kv(
     require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(c, b) for c in contexts for b in concurrency]
-    cases = [_decode_case(c, b, gen, log) for c, b in shapes] if "decode" in parts else []
-    dense = {(c["context"], c["concurrency"]): c["dense_flashinfer_ms"] for c in cases}
+    cases = [_decode_case(c, b, gen, log, sweep) for c, b in shapes] if "decode" in parts else []
+    dense = {(c["context"], c["concurrency"]): c["flashinfer_bf16"] for c in cases}
     sparse_ops = []
     if "sparse_ops" in parts:
         sparse_ops = [sparse_ops_case(c, b, gen, log, dense.get((c, b))) for c, b in shapes]
@@ -346,10 +415,12 @@ def bench_packed_kv(
             "group_size": GROUP,
             "block_size": BLOCK_SIZE,
             "dtype": "bfloat16",
+            "encoding": 3,
             "policy": "fixed_prompt (whole prompt packed, no tail)",
         },
-        "method": "CUDA-graph replay medians (30 x 10 calls), "
-        "FlashInfer BF16 decode of the same rows in the same run",
+        "method": "CUDA-graph replay medians, calls rotating over layers that together hold "
+        "four times the L2 cache; FlashInfer BF16 decode of the same rows in the same run; "
+        "bytes from the layout and the selection",
         "decode": cases,
         "sparse_ops": sparse_ops,
         "accounting": accounting,

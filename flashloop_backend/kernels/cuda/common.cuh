@@ -1,0 +1,96 @@
+// Shared device helpers of the packed-KV kernels (encoding v3, kv/layout.py): asynchronous
+// copies, FP16 pairs, the nibble conversion and the m16n8k16 tensor-core product. Written
+// against PTX directly so that NVRTC needs no CUDA headers.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned short u16;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared without registers; completes at cp_async_wait
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint4 lds128(const void* p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(smem_addr(p)));
+    return v;
+}
+
+__device__ __forceinline__ float half_lo(u32 h2) {
+    float f;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\n" : "=f"(f) : "r"(h2));
+    return f;
+}
+__device__ __forceinline__ float half_hi(u32 h2) {
+    float f;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "r"(h2));
+    return f;
+}
+// (lo, hi) floats -> one f16x2, round to nearest
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ float half_to_float(u16 v) {
+    float f;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "h"(v));
+    return f;
+}
+#define NEG_INF __int_as_float(0xff800000)
+
+// One word of a v3 row -> its four FP16 pairs: p[0] = low nibbles of bytes (0, 2), p[1] =
+// low nibbles of bytes (1, 3), p[2], p[3] = their high nibbles times 16 (exact values: a
+// nibble ORed into the mantissa of 1024 is 1024 + c or 1024 + 16 c; 1024 is subtracted).
+__device__ __forceinline__ void nibbles(u32 w, u32 p[4]) {
+    const u32 magic = 0x64006400u;
+    u32 odd = w >> 8;
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[0]) : "r"(w), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[1]) : "r"(odd), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[2]) : "r"(w), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[3]) : "r"(odd), "r"(magic));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[i]) : "r"(magic));
+}
+
+// D = A x B + D, m16n8k16, A row-major f16 (a[4] regs), B col-major f16 (b[2]), fp32 acc
+__device__ __forceinline__ void mma16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}

@@ -1,0 +1,432 @@
+// Streaming decode attention over packed INT4 KV (encoding v3), dense levels, plus the
+// BF16 pages above each row's packed length. Built by kernels/cuda/packed_stream.py with
+// HEAD_DIM, GROUP, LEVELS, WARPS, STAGES and LOGITS defined.
+//
+// One CTA = one (split, query head, row); its warps take the split's groups in turn and
+// run independently (own online softmax, own output partial) until the CTA merges them.
+// Per group a warp copies every level's whole block (D (G + 8) bytes: K codes, V codes,
+// K parameters, V records) into its own ring of STAGES shared buffers with cp.async, so
+// several groups' bytes are in flight while one is computed.
+//  K: each of the 8 rounds of 8 tokens runs D/16 m16n8k16 products: A is the query with
+//     each level's K scales folded in (row 0 FP16, row 1 the FP16 remainder when LOGITS
+//     asks for exact logits), B the tokens' codes as the v3 byte order lays them out for
+//     lane (token, quad lane); every product is exact, sums are FP32.
+//  V: lane (token n, quad lane j) owns the 32 channels of its row segment and sums
+//     p * V-scale * code over its tokens in FP16 pairs, flushed to FP32 every 4 tokens.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+
+constexpr int D = HEAD_DIM;
+constexpr int G = GROUP;
+constexpr int BLOCK = D * (G + 8);        // bytes of one (page, layer, head) block
+constexpr int ROW = D / 2;                // bytes of one token's codes
+constexpr int SEG = D / 8;                // bytes of a quad lane's row segment
+constexpr int WORDS = D / 32;             // words of a segment
+constexpr int NG = D / G;                 // V groups per token
+constexpr int V_CODES = G * ROW;          // byte offsets in a block
+constexpr int K_PARAMS = G * D;
+constexpr int V_PARAMS = G * D + 4 * D;
+constexpr int KSTEPS = D / 16;            // m16n8k16 k-steps per token row
+constexpr int ROUNDS = G / 8;             // rounds of 8 tokens per group
+constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D = 128)
+constexpr float LOG2E = 1.4426950408889634f;
+// V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
+// weights of tokens far below the page's largest stay normal FP16 numbers, while four
+// products of a weight of scale <= 4 and a code <= 15 stay far below FP16's maximum
+constexpr float V_WEIGHT = 64.f;
+constexpr float LN2 = 0.6931471805599453f;
+
+static_assert(D == 128, "a lane's row segment is one 16-byte load (D = 128)");
+static_assert(G % 32 == 0, "V groups of whole words");
+static_assert(BLOCK % 512 == 0, "a warp copies a block in rounds of 32 x 16 bytes");
+
+struct Params {
+    const u16* q;                 // [R, Hq, D] bf16
+    const unsigned char* blocks;  // one layer's blocks [pages, L, Hkv, BLOCK] (layer offset)
+    i64 page_bytes;
+    const int* tables;            // [R, Lv, P]
+    const int* kinds;             // [R, Lv]
+    const int* packed;            // [R]
+    const u16* k_cache;           // [NB, BS, Hkv, D] bf16
+    const u16* v_cache;
+    const int* block_tables;      // [R, MB]
+    const int* lengths;           // [R]
+    float* part_out;              // [R, Hq, S, D]
+    float* part_max;              // [R, Hq, S] natural log
+    float* part_sum;
+    float* logits;                // [R, Hq, T] scaled natural logits (LOGITS)
+    float scale;
+    int q_row, q_head;            // strides (elements)
+    int t_row, t_level;
+    int kind_row;
+    int k_block, k_slot, k_head;  // strides of the BF16 caches (elements)
+    int v_block, v_slot, v_head;
+    int bt_row;
+    int o_row, o_head, o_split;
+    int s_row, s_head;
+    int g_row, g_head;
+    int groups_per_split;
+    int group_q;
+    int block_size;
+};
+
+// the channel of nibble (word m of quad lane j, pair p, half h): p 0: +0/+1, p 1: +8/+9,
+// p 2: +16/+17, p 3: +24/+25 above 32 m + 2 j
+__device__ __forceinline__ int owned_channel(int j, int m, int p, int h) {
+    return 32 * m + 2 * j + 8 * p + h;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+packed_stream(const Params P) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int quad = lane & 3, tok = lane >> 2;  // B-fragment lane: k pair quad, token tok
+    const int split = blockIdx.x, head = blockIdx.y;
+    const i64 row = blockIdx.z;
+    const int kv_head = head / P.group_q;
+    const int length = P.lengths[row];
+    const int packed_groups = P.packed[row] / G;
+    const int first = split * P.groups_per_split;
+    const int last = min(first + P.groups_per_split, (length + G - 1) / G);
+    unsigned char* ring = smem + warp * (STAGES * LEVELS * BLOCK);
+    float* merge = (float*)(smem + WARPS * STAGES * LEVELS * BLOCK);  // [WARPS][D + 2]
+
+    // the query, scaled to base-2 logits, at the channels this lane's fragments hold
+    const u16* qrow = P.q + row * P.q_row + (i64)head * P.q_head;
+    const float qs = P.scale * LOG2E;
+    float q[OWN];
+#pragma unroll
+    for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                q[8 * m + 2 * p + h] = qs * bf16_to_float(qrow[owned_channel(quad, m, p, h)]);
+
+    int kinds[LEVELS];
+#pragma unroll
+    for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
+
+    float m_run = NEG_INF, l_run = 0.f;
+    float acc[OWN];
+#pragma unroll
+    for (int i = 0; i < OWN; ++i) acc[i] = 0.f;
+    float mins[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) mins[g] = 0.f;
+
+    // ---- packed groups: this warp's are first + warp, first + warp + WARPS, ...
+    const int packed_end = min(last, packed_groups);
+    const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
+    auto issue = [&](int k) {  // copy the blocks of the warp's k-th group into its stage
+        if (k < mine) {
+            const int group = first + warp + k * WARPS;
+            unsigned char* stage = ring + (k % STAGES) * (LEVELS * BLOCK);
+#pragma unroll
+            for (int l = 0; l < LEVELS; ++l) {
+                if (kinds[l] != 0) continue;
+                const int page = P.tables[row * P.t_row + (i64)l * P.t_level + group];
+                const unsigned char* src = P.blocks + page * P.page_bytes + (i64)kv_head * BLOCK;
+#pragma unroll
+                for (int c = 0; c < BLOCK / 512; ++c)
+                    cp_async16(stage + l * BLOCK + 16 * (lane + 32 * c), src + 16 * (lane + 32 * c));
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) issue(k);
+    for (int k = 0; k < mine; ++k) {
+        issue(k + STAGES - 1);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const unsigned char* stage = ring + (k % STAGES) * (LEVELS * BLOCK);
+        const int group = first + warp + k * WARPS;
+        float c[ROUNDS][4];
+#pragma unroll
+        for (int r = 0; r < ROUNDS; ++r) c[r][0] = c[r][1] = c[r][2] = c[r][3] = 0.f;
+        float bias = 0.f;
+#pragma unroll
+        for (int l = 0; l < LEVELS; ++l) {
+            if (kinds[l] != 0) continue;
+            const unsigned char* block = stage + l * BLOCK;
+            // folded query fragments: rows 0 (lanes 0-3) and 1 (lanes 4-7, LOGITS only)
+            const u16* scale_a = (const u16*)(block + K_PARAMS) + 4 * WORDS * quad;
+            const u16* scale_b = scale_a + D / 2;
+            const u16* min_a = scale_a + D;
+            const u16* min_b = scale_b + D;
+            u32 fold[KSTEPS][2];
+            float part = 0.f;
+#pragma unroll
+            for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {  // k-step 2m (A columns), 2m + 1 (B)
+                    const u16* sc = half ? scale_b : scale_a;
+                    const u16* mn = half ? min_b : min_a;
+                    const float unit = half ? 1.f / 16.f : 1.f;
+                    u32 regs[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {  // columns (4m, 4m+1), then (4m+2, 4m+3)
+                        float f[2];
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int col = 4 * m + 2 * e + h;
+                            const float qv = q[8 * m + 2 * (2 * half + e) + h];
+                            const float s = half_to_float((sc[col]));
+                            part += qv * half_to_float((mn[col]));
+                            f[h] = qv * s * unit;
+                        }
+                        u32 hi = pack_half2(f[0], f[1]);
+#if LOGITS
+                        if (tok == 1)
+                            hi = pack_half2(f[0] - half_lo(hi), f[1] - half_hi(hi));
+#endif
+                        regs[e] = (tok <= LOGITS) ? hi : 0u;
+                    }
+                    fold[2 * m + half][0] = regs[0];
+                    fold[2 * m + half][1] = regs[1];
+                }
+            part += __shfl_xor_sync(FULL_MASK, part, 1);
+            part += __shfl_xor_sync(FULL_MASK, part, 2);
+            bias += part;
+#pragma unroll
+            for (int r = 0; r < ROUNDS; ++r) {
+                const uint4 seg = lds128(block + (8 * r + tok) * ROW + SEG * quad);
+                const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
+#pragma unroll
+                for (int m = 0; m < WORDS; ++m) {
+                    u32 pr[4];
+                    nibbles(words[m], pr);
+                    const u32 a0[4] = {fold[2 * m][0], 0u, fold[2 * m][1], 0u};
+                    const u32 a1[4] = {fold[2 * m + 1][0], 0u, fold[2 * m + 1][1], 0u};
+                    mma16816(c[r], a0, pr[0], pr[1]);
+                    mma16816(c[r], a1, pr[2], pr[3]);
+                }
+            }
+        }
+        // logits of tokens 8 r + 2 quad (+1): row 0 in lanes 0-3, its remainder row 1 in 4-7
+        float s[ROUNDS][2];
+        float page_max = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < ROUNDS; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = c[r][h];
+#if LOGITS
+                v += __shfl_down_sync(FULL_MASK, c[r][h], 4);
+#endif
+                const int pos = group * G + 8 * r + 2 * quad + h;
+                v = (pos < length) ? v + bias : NEG_INF;
+                s[r][h] = v;
+                page_max = fmaxf(page_max, tok == 0 ? v : NEG_INF);
+#if LOGITS
+                if (tok == 0 && pos < length)
+                    P.logits[row * P.g_row + (i64)head * P.g_head + pos] = v * LN2;
+#endif
+            }
+        }
+        page_max = warp_max(page_max);
+        const float m_new = fmaxf(m_run, page_max);
+        if (m_new > m_run) {
+            const float alpha = exp2f(m_run - m_new);
+            l_run *= alpha;
+#pragma unroll
+            for (int i = 0; i < OWN; ++i) acc[i] *= alpha;
+#pragma unroll
+            for (int g = 0; g < NG; ++g) mins[g] *= alpha;
+            m_run = m_new;
+        }
+        float mine_p[ROUNDS];  // p of this lane's V token 8 r + tok
+        float psum = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROUNDS; ++r) {
+            const float p0 = exp2f(s[r][0] - m_run), p1 = exp2f(s[r][1] - m_run);
+            psum += tok == 0 ? p0 + p1 : 0.f;
+            const float a = __shfl_sync(FULL_MASK, p0, tok >> 1);
+            const float b = __shfl_sync(FULL_MASK, p1, tok >> 1);
+            mine_p[r] = (tok & 1) ? b : a;
+        }
+        l_run += warp_sum(psum);
+        // ---- V: p * scale per (token, group) against the codes, FP16 pairs, FP32 flushes
+#pragma unroll
+        for (int l = 0; l < LEVELS; ++l) {
+            if (kinds[l] != 0) continue;
+            const unsigned char* block = stage + l * BLOCK;
+#pragma unroll
+            for (int r0 = 0; r0 < ROUNDS; r0 += 4) {
+                u32 sums[WORDS][4];
+#pragma unroll
+                for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) sums[m][p] = 0u;
+#pragma unroll
+                for (int r = r0; r < r0 + 4; ++r) {
+                    const int t = 8 * r + tok;
+                    const u16* record = (const u16*)(block + V_PARAMS) + t * 2 * NG;
+                    const uint4 seg = lds128(block + V_CODES + t * ROW + SEG * quad);
+                    const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
+                    u32 w_lo[NG], w_hi[NG];  // p * scale of each V group, and / 16
+#pragma unroll
+                    for (int g = 0; g < NG; ++g) {
+                        mins[g] += mine_p[r] * half_to_float(record[2 * g]);
+                        const float w = V_WEIGHT * mine_p[r] * half_to_float(record[2 * g + 1]);
+                        w_lo[g] = pack_half2(w, w);
+                        w_hi[g] = pack_half2(w * (1.f / 16.f), w * (1.f / 16.f));
+                    }
+#pragma unroll
+                    for (int m = 0; m < WORDS; ++m) {
+                        const int g = (32 * m) / G;
+                        u32 pr[4];
+                        nibbles(words[m], pr);
+                        sums[m][0] = hfma2(w_lo[g], pr[0], sums[m][0]);
+                        sums[m][1] = hfma2(w_lo[g], pr[1], sums[m][1]);
+                        sums[m][2] = hfma2(w_hi[g], pr[2], sums[m][2]);
+                        sums[m][3] = hfma2(w_hi[g], pr[3], sums[m][3]);
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        acc[8 * m + 2 * p] += half_lo(sums[m][p]) * (1.f / V_WEIGHT);
+                        acc[8 * m + 2 * p + 1] += half_hi(sums[m][p]) * (1.f / V_WEIGHT);
+                    }
+            }
+        }
+        __syncwarp();
+    }
+    cp_async_wait<0>();
+
+    // ---- the BF16 pages above the packed length: 8 tokens a round, lane (tok, quad)
+    // takes channels [D/4 quad, D/4 (quad + 1)) of token tok in natural order
+    float tail[D / 4];
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) tail[i] = 0.f;
+    float qn[D / 4];
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) qn[i] = qs * bf16_to_float(qrow[(D / 4) * quad + i]);
+    const int tail_first = max(first, packed_groups) * G;
+    const int tail_end = min(last * G, length);
+    for (int base = tail_first + 8 * warp; base < tail_end; base += 8 * WARPS) {
+        const int pos = base + tok;
+        float logit = NEG_INF;
+        i64 page = 0;
+        if (pos < tail_end) {
+            page = P.block_tables[row * P.bt_row + pos / P.block_size];
+            const i64 slot = page * P.k_block + (i64)(pos % P.block_size) * P.k_slot +
+                             (i64)kv_head * P.k_head;
+            const uint4* k = (const uint4*)(P.k_cache + slot + (D / 4) * quad);
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                const uint4 v = k[i];
+                const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    dot += qn[8 * i + 2 * e] * __uint_as_float(w[e] << 16);
+                    dot += qn[8 * i + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
+                }
+            }
+            logit = dot;
+        }
+        logit += __shfl_xor_sync(FULL_MASK, logit, 1);
+        logit += __shfl_xor_sync(FULL_MASK, logit, 2);
+#if LOGITS
+        if (quad == 0 && pos < tail_end)
+            P.logits[row * P.g_row + (i64)head * P.g_head + pos] = logit * LN2;
+#endif
+        const float m_new = fmaxf(m_run, warp_max(logit));
+        if (m_new > m_run) {
+            const float alpha = exp2f(m_run - m_new);
+            l_run *= alpha;
+#pragma unroll
+            for (int i = 0; i < OWN; ++i) acc[i] *= alpha;
+#pragma unroll
+            for (int g = 0; g < NG; ++g) mins[g] *= alpha;
+#pragma unroll
+            for (int i = 0; i < D / 4; ++i) tail[i] *= alpha;
+            m_run = m_new;
+        }
+        const float p = pos < tail_end ? exp2f(logit - m_run) : 0.f;
+        l_run += warp_sum(quad == 0 ? p : 0.f);
+        if (pos < tail_end) {
+            const i64 vslot = page * P.v_block + (i64)(pos % P.block_size) * P.v_slot +
+                              (i64)kv_head * P.v_head;
+            const uint4* v = (const uint4*)(P.v_cache + vslot + (D / 4) * quad);
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                const uint4 x = v[i];
+                const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    tail[8 * i + 2 * e] += p * __uint_as_float(w[e] << 16);
+                    tail[8 * i + 2 * e + 1] += p * __uint_as_float(w[e] & 0xffff0000u);
+                }
+            }
+        }
+    }
+
+    // ---- this warp's partial: sum the lanes that own the same channels, then the CTA's
+    // warps, each rescaled to the CTA's max
+#pragma unroll
+    for (int i = 0; i < OWN; ++i) {
+        const int g = (32 * (i / 8)) / G;
+        float v = acc[i] + mins[g];
+        v += __shfl_xor_sync(FULL_MASK, v, 4);
+        v += __shfl_xor_sync(FULL_MASK, v, 8);
+        v += __shfl_xor_sync(FULL_MASK, v, 16);
+        acc[i] = v;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+        float v = tail[i];
+        v += __shfl_xor_sync(FULL_MASK, v, 4);
+        v += __shfl_xor_sync(FULL_MASK, v, 8);
+        v += __shfl_xor_sync(FULL_MASK, v, 16);
+        tail[i] = v;
+    }
+    float* mine_out = merge + warp * (D + 2);
+    if (tok == 0) {
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) mine_out[(D / 4) * quad + i] = tail[i];
+    }
+    __syncwarp();
+    if (tok == 0) {
+#pragma unroll
+        for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mine_out[owned_channel(quad, m, p, h)] += acc[8 * m + 2 * p + h];
+    }
+    if (lane == 0) {
+        mine_out[D] = m_run;
+        mine_out[D + 1] = l_run;
+    }
+    __syncthreads();
+    float cta_max = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) cta_max = fmaxf(cta_max, merge[w * (D + 2) + D]);
+    const float safe = cta_max == NEG_INF ? 0.f : cta_max;
+    float* out = P.part_out + row * P.o_row + (i64)head * P.o_head + (i64)split * P.o_split;
+    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+            v += merge[w * (D + 2) + d] * exp2f(merge[w * (D + 2) + D] - safe);
+        out[d] = v;
+    }
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+            total += merge[w * (D + 2) + D + 1] * exp2f(merge[w * (D + 2) + D] - safe);
+        const i64 at = row * P.s_row + (i64)head * P.s_head + split;
+        P.part_max[at] = cta_max * LN2;
+        P.part_sum[at] = total;
+    }
+}

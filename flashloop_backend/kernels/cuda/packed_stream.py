@@ -1,0 +1,222 @@
+"""Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
+``packed_decode`` contract (and the loop-2 read with logits of ``packed_dense_source``)
+for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
+the Triton merge combines them. Rows whose metadata may hold compact levels (token-sparse
+depths) take the Triton reader, which reads them."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.triton.packed_decode import (
+    check_packed_inputs,
+    packed_decode_triton,
+    packed_span,
+)
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kv.levels import LevelMetadata
+from flashloop_backend.kv.store import PackedKVStore
+
+
+@dataclass(frozen=True)
+class StreamTuning:
+    """Launch of the streaming reader: about ``ctas_per_sm`` CTAs per SM over the rows'
+    heads and splits; warps per CTA and ring stages per warp by level count (shared
+    memory: warps x stages x levels x block bytes)."""
+
+    ctas_per_sm: int = 2
+
+
+DEFAULT_STREAM = StreamTuning()
+
+
+INT_FIELDS = (
+    *("q_row", "q_head", "t_row", "t_level", "kind_row"),
+    *("k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "bt_row"),
+    *("o_row", "o_head", "o_split", "s_row", "s_head", "g_row", "g_head"),
+    *("groups_per_split", "group_q", "block_size"),
+)
+
+
+class _Params(ctypes.Structure):
+    # the C layout of Params in packed_stream.cu
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("blocks", ctypes.c_void_p),
+        ("page_bytes", ctypes.c_int64),
+        ("tables", ctypes.c_void_p),
+        ("kinds", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("part_out", ctypes.c_void_p),
+        ("part_max", ctypes.c_void_p),
+        ("part_sum", ctypes.c_void_p),
+        ("logits", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        *((name, ctypes.c_int) for name in INT_FIELDS),
+    ]
+
+
+def launch_shape(levels: int) -> tuple[int, int]:
+    """(warps per CTA, ring stages per warp) of a read of ``levels`` levels."""
+    warps = 4 if levels <= 2 else 2
+    stages = 3 if levels == 1 else 2
+    return warps, stages
+
+
+def shared_bytes(levels: int, group: int, head_dim: int) -> int:
+    warps, stages = launch_shape(levels)
+    return warps * stages * levels * head_dim * (group + 8) + warps * (head_dim + 2) * 4
+
+
+def _kernel(levels: int, group: int, head_dim: int, logits: bool) -> loader.CudaKernel:
+    warps, stages = launch_shape(levels)
+    folder = resources.files("flashloop_backend.kernels.cuda")
+    defines = {
+        "HEAD_DIM": head_dim,
+        "GROUP": group,
+        "LEVELS": levels,
+        "WARPS": warps,
+        "STAGES": stages,
+        "LOGITS": int(logits),
+    }
+    header = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    common = folder.joinpath("common.cuh").read_text()
+    body = folder.joinpath("packed_stream.cu").read_text().replace('#include "common.cuh"', common)
+    kernel = loader.build(header + body, "packed_stream", ("packed_stream",))["packed_stream"]
+    kernel.allow_shared(shared_bytes(levels, group, head_dim))
+    return kernel
+
+
+def unsupported(q, store: PackedKVStore, key_cache) -> str | None:
+    """Why this reader cannot serve these inputs (None: it can)."""
+    if q.dtype != torch.bfloat16 or key_cache.dtype != torch.bfloat16:
+        return f"q and caches must be bfloat16 (got {q.dtype}, {key_cache.dtype})"
+    if q.shape[-1] != 128:
+        return f"head_dim={q.shape[-1]} (the CUDA reader reads head_dim 128)"
+    if store.group_size not in (32, 64, 128):
+        return f"group_size={store.group_size} (the CUDA reader reads 32, 64, 128)"
+    return None
+
+
+def packed_decode_cuda(
+    q,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lengths,
+    scale: float | None = None,
+    logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    correction: tuple | None = None,
+    tuning: StreamTuning = DEFAULT_STREAM,
+) -> torch.Tensor:
+    """``packed_decode_triton``'s contract (q [R, Hq, D] -> [R, Hq, D]; ``logits`` [R, Hq,
+    T] FP32 and ``lse`` [R, Hq] for the loop-2 statistics; ``correction`` applied by the
+    merge), read by the CUDA streaming kernel."""
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    check_packed_inputs(q, store, meta, key_cache)
+    levels = meta.tables.shape[1]
+    reason = unsupported(q, store, key_cache)
+    if reason is not None:
+        raise ValueError(f"packed_decode_cuda: {reason}")
+    if meta.compact_from < levels:  # the Triton reader reads compact levels
+        return packed_decode_triton(
+            q,
+            store,
+            layer,
+            meta,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lengths,
+            scale,
+            logits=logits,
+            lse=lse,
+            out_dtype=out_dtype,
+            correction=correction,
+        )
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
+    if rows == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    g = store.group_size
+    groups = packed_span(store, meta, block_tables, block_size) // g
+    if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
+        raise ValueError(
+            f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
+        )
+    want = max(1, math.ceil(tuning.ctas_per_sm * sm_count(q.device) / (rows * num_q_heads)))
+    splits = max(1, min(want, groups))
+    per_split = math.ceil(groups / splits)
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    codes = store.blocks[:, layer]
+    block_tables = block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    stored = logits if logits is not None else part_max
+    pointer = lambda t: t.data_ptr()  # noqa: E731
+    params = _Params(
+        pointer(q),
+        pointer(codes),
+        codes.stride(0),
+        pointer(meta.tables),
+        pointer(meta.kinds),
+        pointer(meta.packed_lengths),
+        pointer(key_cache),
+        pointer(value_cache),
+        pointer(block_tables),
+        pointer(context_lengths),
+        pointer(part_out),
+        pointer(part_max),
+        pointer(part_sum),
+        pointer(stored),
+        scale,
+        q.stride(0),
+        q.stride(1),
+        meta.tables.stride(0),
+        meta.tables.stride(1),
+        meta.kinds.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        stored.stride(0) if logits is not None else 0,
+        stored.stride(1) if logits is not None else 0,
+        per_split,
+        num_q_heads // num_kv_heads,
+        block_size,
+    )
+    warps, _ = launch_shape(levels)
+    kernel = _kernel(levels, g, head_dim, logits is not None)
+    kernel(
+        (splits, num_q_heads, rows),
+        (warps * 32, 1, 1),
+        [params],
+        shared_bytes(levels, g, head_dim),
+    )
+    return merge_splits(part_out, part_max, part_sum, out, lse, correction)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# H200 calls that measure FlashLoop decode against dense (packed encoding v3 and its
+# kernels), one stage per call; records and logs under $OUT:
+#   kernels  the packed-kernel GPU tests (every Triton and CUDA reader against the torch reference), then
+#            bench packed (the streaming reader per depth with a launch sweep, the loop-2
+#            source and the loop 3-4 corrections, each with bytes and TB/s beside
+#            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16
+#   e2e      all on (configs/all_on.json) vs dense Triton from CUDA graphs, 3 passes, at
+#            8K x 1 and 32K x 1 (24 layers) and 32K x 16 (4 layers, 64 new tokens); KV
+#            quantization alone at 32K x 16 (SHAPES picks a subset: "8k 32k1 32k16 kv")
+#   tests    graph replay, the host on the GPU, snapshots and speculation for every
+#            feature combination (the combination GPU tests)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+run() { PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" "$@"; }
+e2e() {  # name, config, then bench e2e arguments
+  local name=$1 config=$2
+  shift 2
+  run flashloop-backend bench e2e --backends triton+graphs,flashloop+graphs \
+    --config "configs/$config.json" --passes "${PASSES:-3}" --out "$OUT/bench_e2e_$name.json" "$@" \
+    > "$OUT/bench_e2e_$name.log" 2>&1
+  grep -E "Error|error" "$OUT/bench_e2e_$name.log" | tail -3
+  python3 scripts/e2e_summary.py "$OUT/bench_e2e_$name.json" | cut -c1-200
+}
+case "${1:?stage: kernels, e2e or tests}" in
+  kernels)
+    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
+      2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
+    for shape in "8192 1" "32768 1" "32768 16"; do
+      set -- $shape
+      run flashloop-backend bench packed --contexts "$1" --concurrency "$2" \
+        --out "$OUT/bench_packed_v3_$1_$2.json" 2>&1 | grep -v "^\s*$" \
+        | tee "$OUT/bench_packed_v3_$1_$2.log" | grep -E "depth1 |depth2 |source|correction" | cut -c1-170
+    done ;;
+  e2e)
+    for shape in ${SHAPES:-8k 32k1 32k16 kv}; do
+      case $shape in
+        8k) e2e all_on_8k all_on --contexts 8192 --concurrency 1 --warmup-context 512 ;;
+        32k1) e2e all_on_32k1 all_on --contexts 32768 --concurrency 1 --warmup-context 2048 ;;
+        32k16) e2e all_on_32k16 all_on --contexts 32768 --concurrency 16 --layers 4 \
+          --new-tokens 64 --warmup-context 2048 ;;
+        kv) e2e kv_quant_32k16 kv_quant_fixed_prompt --contexts 32768 --concurrency 16 \
+          --layers 4 --new-tokens 64 --warmup-context 2048 ;;
+      esac
+    done ;;
+  tests)
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
+      tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_gpu_snapshot.py \
+      tests/test_gpu_speculation.py tests/test_sparse_decode.py 2>&1 \
+      | tee "$OUT/gpu_tests_combinations_v3.log" | tail -6 ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac

@@ -1,0 +1,35 @@
+"""One line per backend of a ``bench e2e`` record: TPOT, its ratio to the first backend
+(dense) and the CUDA-graph replay time of each graph key (one loop's traversal), so a
+device call's output shows where decode time goes.
+
+    python3 scripts/e2e_summary.py results/.../bench_e2e_all_on_8k.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def summary(record: dict) -> list[str]:
+    lines = []
+    results = record["results"]
+    first = next(iter(results.values()))["tpot_ms"]["median"]
+    for name, result in results.items():
+        tpot = result["tpot_ms"]["median"]
+        lines.append(
+            f"{record['context']} x {record['concurrency']} {name}: TPOT {tpot:.2f} ms "
+            f"(dense / this {first / tpot:.2f}x), TTFT {result['ttft_s']['median']:.3f} s"
+        )
+        for key, timing in (result.get("replay_ms_by_key") or {}).items():
+            lines.append(
+                f"    replay {key}: median {timing['median_ms']:.3f} ms, "
+                f"{timing['replays']} replays"
+            )
+    return lines
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        with open(path) as handle:
+            print("\n".join(summary(json.load(handle))))

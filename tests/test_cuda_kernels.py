@@ -1,0 +1,120 @@
+"""CUDA C++ kernels built on first use (``kernels/cuda``): the NVRTC loader on the GPU, and
+the reason it gives where it cannot build."""
+
+import ctypes
+
+import pytest
+import torch
+
+from flashloop_backend.kernels.cuda import loader
+
+SCALE_ADD = r"""
+extern "C" __global__ void scale_add(const float* x, float* y, float a, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a * x[i];
+}
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the reason a CPU machine gives")
+def test_a_machine_without_cuda_says_why_it_cannot_build():
+    assert "no CUDA device" in loader.unavailable()
+
+
+@pytest.mark.gpu
+def test_a_built_kernel_runs_on_the_current_stream_and_in_a_cuda_graph():
+    assert loader.unavailable() is None
+    kernel = loader.build(SCALE_ADD, "scale_add", ("scale_add",))["scale_add"]
+    n = 1000
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    expected = y + 2.5 * x
+
+    def launch():
+        args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr())]
+        kernel((4, 1, 1), (256, 1, 1), [*args, ctypes.c_float(2.5), ctypes.c_int64(n)])
+
+    launch()
+    torch.testing.assert_close(y, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    graph.replay()
+    graph.replay()
+    torch.testing.assert_close(y, expected + 5.0 * x)
+    with pytest.raises(loader.CudaBuildError, match="NVRTC could not build"):
+        loader.build('extern "C" __global__ void broken( {', "broken", ("broken",))
+
+
+def _packed_rows(levels, sparse, context=1024, tail=40, batch=3, seed=0):
+    """A store of ``batch`` packed prompts at Ouro's head shape (16 heads x 128, groups of
+    64), BF16 tails, metadata of every row at depth ``levels - 1``."""
+    from flashloop_backend.kv.levels import level_metadata
+    from flashloop_backend.kv.store import PackedKVStore
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, dim, block = 16, 128, 16
+    store = PackedKVStore(batch * 4 * context // 64 + 8, 2, heads, dim, 64, device="cuda")
+    for s in range(batch):
+        shape = (context, 2, heads, dim)
+        keys = [torch.randn(shape, device="cuda", generator=gen)]
+        values = [torch.randn(shape, device="cuda", generator=gen)]
+        for _ in range(3):
+            keys.append(keys[-1] + 0.3 * torch.randn(shape, device="cuda", generator=gen))
+            values.append(values[-1] + 0.3 * torch.randn(shape, device="cuda", generator=gen))
+        active = None
+        if sparse:
+            keep = torch.rand(context, device="cuda", generator=gen) < 0.5
+            active = [torch.ones_like(keep)] * 3 + [keep]
+        store.encode(s, keys, values, active)
+    pages = (context + tail) // block + 1
+    cache_k = torch.randn(batch * pages, block, heads, dim, device="cuda", generator=gen)
+    cache_v = torch.randn_like(cache_k)
+    tables = torch.arange(batch * pages, device="cuda", dtype=torch.int32).reshape(batch, pages)
+    lengths = torch.tensor([context + tail, context + 7, 0][:batch], device="cuda").int()
+    q = torch.randn(batch, heads, dim, device="cuda", generator=gen)
+    meta = level_metadata(store, list(range(batch)), [levels - 1] * batch, "cuda")
+    args = (q.bfloat16(), store, 1, meta, cache_k.bfloat16(), cache_v.bfloat16(), tables)
+    return args, lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", [1, 2, 4])
+def test_the_cuda_streaming_reader_matches_the_reference(levels):
+    """Plain reads at 1, 2 and 4 dense levels plus BF16 tails (a row of length 0 reads
+    nothing), and the loop-2 read's logits and LSE, against the torch reference."""
+    from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
+    from flashloop_backend.kernels.torch_ref.packed import (
+        packed_decode_reference,
+        packed_history,
+    )
+
+    args, lengths = _packed_rows(levels, sparse=False)
+    expected = packed_decode_reference(*args, lengths).float()
+    got = packed_decode_cuda(*args, lengths).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    q, store, layer, meta, cache_k, cache_v, tables = args
+    span = tables.shape[1] * 16
+    logits = torch.full((3, 16, span), float("nan"), device="cuda")
+    lse = torch.empty(3, 16, device="cuda")
+    out = packed_decode_cuda(*args, lengths, logits=logits, lse=lse, out_dtype=torch.float32)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    keys, _ = packed_history(store, layer, meta, cache_k, cache_v, tables, q.dtype)
+    want = torch.einsum("rhd,rthd->rht", q.float(), keys) / 128**0.5
+    for r in range(2):
+        n = int(lengths[r])
+        torch.testing.assert_close(logits[r, :, :n], want[r, :, :n], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[r], torch.logsumexp(want[r, :, :n], -1), atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_the_cuda_streaming_reader_hands_compact_levels_to_the_triton_reader():
+    from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
+    from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
+
+    args, lengths = _packed_rows(4, sparse=True)
+    assert args[3].compact_from == 3
+    expected = packed_decode_reference(*args, lengths).float()
+    torch.testing.assert_close(
+        packed_decode_cuda(*args, lengths).float(), expected, atol=2e-2, rtol=2e-2
+    )
