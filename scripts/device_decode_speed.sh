@@ -27,11 +27,16 @@ case "${1:?stage: kernels, e2e or tests}" in
   kernels)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
       2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
-    for shape in "8192 1" "32768 1" "32768 16"; do
+    for shape in ${KERNEL_SHAPES:-"8192 1" "32768 1" "32768 16"}; do
       set -- $shape
-      run flashloop-backend bench packed --contexts "$1" --concurrency "$2" \
-        --out "$OUT/bench_packed_v3_$1_$2.json" 2>&1 | grep -v "^\s*$" \
-        | tee "$OUT/bench_packed_v3_$1_$2.log" | grep -E "depth1 |depth2 |source|correction" | cut -c1-170
+      run python3 -c "
+import json, sys
+from flashloop_backend.tools.bench.packed import bench_packed_kv
+from flashloop_backend.tools.bench.timing import progress_log
+record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False})
+json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
+" 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_v3_$1_$2.log" \
+        | grep -E "depth1|depth2|source|correction" | cut -c1-170
     done ;;
   e2e)
     for shape in ${SHAPES:-8k 32k1 32k16 kv}; do

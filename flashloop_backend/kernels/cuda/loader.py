@@ -12,6 +12,7 @@ import glob
 import hashlib
 import os
 import time
+from importlib import resources
 
 import torch
 
@@ -149,3 +150,17 @@ def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKer
         _MODULES[key] = loaded
         BUILD_SECONDS[name] = time.perf_counter() - start
     return _MODULES[key]
+
+
+def build_file(name: str, defines: dict[str, int], shared: int = 0) -> CudaKernel:
+    """Kernel ``name`` of this folder's ``name``.cu with ``defines`` prepended (its
+    ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
+    ``shared`` bytes of dynamic shared memory."""
+    folder = resources.files("flashloop_backend.kernels.cuda")
+    header = "".join(f"#define {key} {value}\n" for key, value in defines.items())
+    common = folder.joinpath("common.cuh").read_text()
+    body = folder.joinpath(f"{name}.cu").read_text().replace('#include "common.cuh"', common)
+    kernel = build(header + body, name, (name,))[name]
+    if shared:
+        kernel.allow_shared(shared)
+    return kernel

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
@@ -81,7 +80,6 @@ def shared_bytes(levels: int, group: int, head_dim: int) -> int:
 
 def _kernel(levels: int, group: int, head_dim: int, logits: bool) -> loader.CudaKernel:
     warps, stages = launch_shape(levels)
-    folder = resources.files("flashloop_backend.kernels.cuda")
     defines = {
         "HEAD_DIM": head_dim,
         "GROUP": group,
@@ -90,12 +88,7 @@ def _kernel(levels: int, group: int, head_dim: int, logits: bool) -> loader.Cuda
         "STAGES": stages,
         "LOGITS": int(logits),
     }
-    header = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    common = folder.joinpath("common.cuh").read_text()
-    body = folder.joinpath("packed_stream.cu").read_text().replace('#include "common.cuh"', common)
-    kernel = loader.build(header + body, "packed_stream", ("packed_stream",))["packed_stream"]
-    kernel.allow_shared(shared_bytes(levels, group, head_dim))
-    return kernel
+    return loader.build_file("packed_stream", defines, shared_bytes(levels, group, head_dim))
 
 
 def unsupported(q, store: PackedKVStore, key_cache) -> str | None:

@@ -1,0 +1,264 @@
+"""Wrappers of the CUDA selected-key kernel (``packed_selected.cu``) and the packed
+sparse-decode ops over it: the loop 3-4 correction (``packed_sparse_correction``) and the
+loop-2 source (``packed_dense_source``: the CUDA streaming read with logits, the Triton
+top-K selection, the selected keys' contribution). BF16 queries and caches, head_dim 128;
+compact levels are read through their maps."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda, unsupported
+from flashloop_backend.kernels.triton.dense_source import check_bucket
+from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs, packed_span
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT, select_top_keys
+from flashloop_backend.kv.levels import LevelMetadata
+from flashloop_backend.kv.store import PackedKVStore
+
+WARPS = 4
+
+
+@dataclass(frozen=True)
+class SelectedTuning:
+    """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
+    over the (row, head) pairs, at least ``keys_per_split`` keys a split."""
+
+    ctas_per_sm: int = 4
+    keys_per_split: int = 128
+
+
+DEFAULT_SELECTED = SelectedTuning()
+
+INT_FIELDS = (
+    *("q_row", "q_head", "i_row", "i_head", "g_row", "g_head", "e_row"),
+    *("t_row", "t_level", "m_row", "m_level", "kind_row"),
+    *("k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "bt_row"),
+    *("o_row", "o_head", "o_split", "s_row", "s_head"),
+    *("keys_per_split", "bucket", "group_q", "block_size"),
+)
+
+
+class _Params(ctypes.Structure):
+    # the C layout of Params in packed_selected.cu
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "indices", "logits", "lse", "blocks")),
+        ("page_bytes", ctypes.c_int64),
+        *(
+            (name, ctypes.c_void_p)
+            for name in ("tables", "maps", "kinds", "packed", "k_cache", "v_cache")
+        ),
+        *((name, ctypes.c_void_p) for name in ("block_tables", "part_out", "part_max")),
+        ("part_sum", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        *((name, ctypes.c_int) for name in INT_FIELDS),
+    ]
+
+
+def key_splits(rows: int, heads: int, bucket: int, tuning: SelectedTuning) -> tuple[int, int]:
+    """(splits, keys per split) of each (row, head)'s ``bucket`` selected keys."""
+    want = max(1, tuning.ctas_per_sm * sm_count(torch.device("cuda")) // max(1, rows * heads))
+    splits = max(1, min(want, math.ceil(bucket / tuning.keys_per_split)))
+    return splits, math.ceil(bucket / splits)
+
+
+def packed_selected_parts_cuda(
+    q,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices: torch.Tensor,
+    scale: float,
+    logits: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    tuning: SelectedTuning = DEFAULT_SELECTED,
+):
+    """``packed_selected_parts``' contract (split partials over the selected positions
+    ``indices`` [R, Hq, Kb], increasing, -1 after them; with ``logits`` / ``lse`` only
+    part_out = sum exp(logit - lse) v per split) by the CUDA kernel."""
+    rows, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    reason = unsupported(q, store, key_cache)
+    if reason is not None:
+        raise ValueError(f"packed_selected_parts_cuda: {reason}")
+    if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
+        raise ValueError(
+            f"indices must be int32 [{rows}, {num_q_heads}, Kb]; "
+            f"got {indices.dtype} {tuple(indices.shape)}"
+        )
+    check_packed_inputs(q, store, meta, key_cache)
+    bucket = indices.shape[-1]
+    splits, keys_per_split = key_splits(rows, num_q_heads, max(1, bucket), tuning)
+    part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    if rows == 0 or bucket == 0:
+        return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
+    indices, block_tables = indices.contiguous(), block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    codes = store.blocks[:, layer]
+    levels = meta.tables.shape[1]
+    from_logits = logits is not None
+    t = lambda x: x.data_ptr()  # noqa: E731
+    params = _Params(
+        t(q),
+        t(indices),
+        t(logits) if from_logits else 0,
+        t(lse) if from_logits else 0,
+        t(codes),
+        codes.stride(0),
+        t(meta.tables),
+        t(meta.maps),
+        t(meta.kinds),
+        t(meta.packed_lengths),
+        t(key_cache),
+        t(value_cache),
+        t(block_tables),
+        t(part_out),
+        t(part_max),
+        t(part_sum),
+        scale,
+        q.stride(0),
+        q.stride(1),
+        indices.stride(0),
+        indices.stride(1),
+        logits.stride(0) if from_logits else 0,
+        logits.stride(1) if from_logits else 0,
+        lse.stride(0) if from_logits else 0,
+        meta.tables.stride(0),
+        meta.tables.stride(1),
+        meta.maps.stride(0),
+        meta.maps.stride(1),
+        meta.kinds.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        keys_per_split,
+        bucket,
+        num_q_heads // num_kv_heads,
+        block_size,
+    )
+    defines = {
+        "HEAD_DIM": head_dim,
+        "GROUP": store.group_size,
+        "LEVELS": levels,
+        "WARPS": WARPS,
+        "COMPACT_FROM": min(meta.compact_from, levels),
+        "FROM_LOGITS": int(from_logits),
+    }
+    kernel = loader.build_file("packed_selected", defines)
+    kernel((splits, num_q_heads, rows), (WARPS * 32, 1, 1), [params])
+    if from_logits:
+        part_max.fill_(0.0)  # unused: the parts are absolute sums
+    return part_out, part_max, part_sum
+
+
+def packed_sparse_correction_cuda(
+    q,
+    store,
+    layer,
+    meta,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale=None,
+    tuning: SelectedTuning = DEFAULT_SELECTED,
+):
+    """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S over the selected keys
+    ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    parts = packed_selected_parts_cuda(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        indices.to(torch.int32),
+        scale,
+        tuning=tuning,
+    )
+    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
+    return merge_splits(*parts, torch.empty_like(q), correction=correction)
+
+
+def packed_dense_source_cuda(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The ``PackedDenseSource`` contract: (out, indices in position order, mass, output,
+    contribution). The two-level read with logits and the contribution run as CUDA
+    kernels, the top-K selection as the Triton one."""
+    rows, num_q_heads, _ = q.shape
+    span = packed_span(store, meta, block_tables, key_cache.shape[1])
+    check_bucket(span, rows, key_retention, k_bucket)
+    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
+    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
+    output = packed_decode_cuda(
+        q,
+        store,
+        layer,
+        meta,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale,
+        logits=logits,
+        lse=lse,
+        out_dtype=torch.float32,
+    )
+    out = torch.empty_like(q)
+    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
+    unused = torch.empty_like(output)
+    if rows == 0:
+        return out, indices, mass, output, unused
+    select_top_keys(
+        logits,
+        lse,
+        context_lengths,
+        None,
+        block_tables.contiguous(),
+        output,
+        out,
+        indices,
+        mass,
+        unused,
+        key_retention,
+        DEFAULT_SELECT,
+    )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    part_out, _, _ = packed_selected_parts_cuda(
+        q, store, layer, meta, key_cache, value_cache, block_tables, indices, scale, logits, lse
+    )
+    return out, indices, mass, output, part_out.sum(2)
