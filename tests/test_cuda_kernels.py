@@ -93,8 +93,10 @@ def test_the_cuda_streaming_reader_matches_the_reference(levels):
     got = packed_decode_cuda(*args, lengths).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+    from flashloop_backend.kernels.triton.packed_decode import packed_span
+
     q, store, layer, meta, cache_k, cache_v, tables = args
-    span = tables.shape[1] * 16
+    span = packed_span(store, meta, tables, 16)
     logits = torch.full((3, 16, span), float("nan"), device="cuda")
     lse = torch.empty(3, 16, device="cuda")
     out = packed_decode_cuda(*args, lengths, logits=logits, lse=lse, out_dtype=torch.float32)

@@ -155,7 +155,13 @@ def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKer
 def build_file(name: str, defines: dict[str, int], shared: int = 0) -> CudaKernel:
     """Kernel ``name`` of this folder's ``name``.cu with ``defines`` prepended (its
     ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
-    ``shared`` bytes of dynamic shared memory."""
+    ``shared`` bytes of dynamic shared memory; built once per process and variant."""
+    return _build_file(name, tuple(sorted(defines.items())), shared)
+
+
+@functools.cache
+def _build_file(name: str, defines: tuple[tuple[str, int], ...], shared: int) -> CudaKernel:
+    defines = dict(defines)
     folder = resources.files("flashloop_backend.kernels.cuda")
     header = "".join(f"#define {key} {value}\n" for key, value in defines.items())
     common = folder.joinpath("common.cuh").read_text()

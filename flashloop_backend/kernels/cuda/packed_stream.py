@@ -27,10 +27,13 @@ from flashloop_backend.kv.store import PackedKVStore
 @dataclass(frozen=True)
 class StreamTuning:
     """Launch of the streaming reader: about ``ctas_per_sm`` CTAs per SM over the rows'
-    heads and splits; warps per CTA and ring stages per warp by level count (shared
-    memory: warps x stages x levels x block bytes)."""
+    heads and splits; ``warps`` per CTA and ``stages`` ring buffers per warp, each a
+    group's blocks at every level read (shared memory: warps x stages x levels x block
+    bytes); None: by level count (``launch_shape``)."""
 
     ctas_per_sm: int = 2
+    warps: int | None = None
+    stages: int | None = None
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -66,20 +69,22 @@ class _Params(ctypes.Structure):
     ]
 
 
-def launch_shape(levels: int) -> tuple[int, int]:
+def launch_shape(levels: int, tuning: StreamTuning) -> tuple[int, int]:
     """(warps per CTA, ring stages per warp) of a read of ``levels`` levels."""
-    warps = 4 if levels <= 2 else 2
-    stages = 3 if levels == 1 else 2
+    warps = tuning.warps or (4 if levels <= 2 else 2)
+    stages = tuning.stages or (3 if levels == 1 else 2)
     return warps, stages
 
 
-def shared_bytes(levels: int, group: int, head_dim: int) -> int:
-    warps, stages = launch_shape(levels)
+def shared_bytes(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> int:
+    warps, stages = launch_shape(levels, tuning)
     return warps * stages * levels * head_dim * (group + 8) + warps * (head_dim + 2) * 4
 
 
-def _kernel(levels: int, group: int, head_dim: int, logits: bool) -> loader.CudaKernel:
-    warps, stages = launch_shape(levels)
+def _kernel(
+    levels: int, group: int, head_dim: int, logits: bool, tuning: StreamTuning
+) -> loader.CudaKernel:
+    warps, stages = launch_shape(levels, tuning)
     defines = {
         "HEAD_DIM": head_dim,
         "GROUP": group,
@@ -88,7 +93,8 @@ def _kernel(levels: int, group: int, head_dim: int, logits: bool) -> loader.Cuda
         "STAGES": stages,
         "LOGITS": int(logits),
     }
-    return loader.build_file("packed_stream", defines, shared_bytes(levels, group, head_dim))
+    shared = shared_bytes(levels, group, head_dim, tuning)
+    return loader.build_file("packed_stream", defines, shared)
 
 
 def unsupported(q, store: PackedKVStore, key_cache) -> str | None:
@@ -204,12 +210,12 @@ def packed_decode_cuda(
         num_q_heads // num_kv_heads,
         block_size,
     )
-    warps, _ = launch_shape(levels)
-    kernel = _kernel(levels, g, head_dim, logits is not None)
+    warps, _ = launch_shape(levels, tuning)
+    kernel = _kernel(levels, g, head_dim, logits is not None, tuning)
     kernel(
         (splits, num_q_heads, rows),
         (warps * 32, 1, 1),
         [params],
-        shared_bytes(levels, g, head_dim),
+        shared_bytes(levels, g, head_dim, tuning),
     )
     return merge_splits(part_out, part_max, part_sum, out, lse, correction)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from flashloop_backend.kernels.triton.packed_block_jit import channel_a, code_columns
+from flashloop_backend.kernels.triton.packed_block_jit import channel_a, param_slot
 from flashloop_backend.kernels.triton.quantize_jit import int4_codes
 
 
@@ -115,8 +115,8 @@ def encode_level_kernel(
     parameters written into the v3 block of page ``pages[level, index]`` (``codes`` /
     ``halves``: byte and FP16 views of the store's blocks [pages, L, Hkv, bytes]). The
     program works in code columns (``packed_block_jit``): A's column i is the low nibble
-    of byte ``code_columns(i)``, B's its high nibble, so each byte is one A and one B code
-    and K's parameters go to their column's slot."""
+    of byte i, B's its high nibble, so each byte is one A and one B code, and K's
+    parameters go to their column's slot."""
     BLOCK: tl.constexpr = HEAD_DIM * (GROUP + 8)
     NG: tl.constexpr = HEAD_DIM // GROUP
     HD2: tl.constexpr = HEAD_DIM // 2
@@ -128,9 +128,10 @@ def encode_level_kernel(
     layer = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     r = tl.arange(0, GROUP)
-    column = tl.arange(0, HD2)
+    column = tl.arange(0, HD2)  # byte i of a row: its low nibble in A, high nibble in B
     ch_a = channel_a(column, HEAD_DIM)
-    byte = code_columns(column, False)
+    byte = column
+    slot = param_slot(column)
     owner_a = ch_a // GROUP
     owner_b = (ch_a + HI) // GROUP
     rows = tl.load(rows_ptr + index * GROUP + r).to(tl.int64)
@@ -147,7 +148,7 @@ def encode_level_kernel(
         mask = present[:, None]
         at = page * page_bytes + layer * layer_bytes + head * BLOCK
         code_a, code_b = _earlier_codes(codes_ptr, at + within * HD2, byte, mask)
-        param = halves_ptr + (at // 2 + K_PARAMS)[:, None] + column[None, :]
+        param = halves_ptr + (at // 2 + K_PARAMS)[:, None] + slot[None, :]
         step_a = tl.load(param, mask=mask, other=0.0).to(tl.float32)
         step_b = tl.load(param + HD2, mask=mask, other=0.0).to(tl.float32)
         low_a = tl.load(param + HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
@@ -169,7 +170,7 @@ def encode_level_kernel(
     packed = code_a.to(tl.uint8) | (code_b.to(tl.uint8) << 4)
     row_bytes = r[:, None] * HD2 + byte[None, :]
     tl.store(codes_ptr + out + row_bytes, packed)
-    params = halves_ptr + out // 2 + K_PARAMS + column
+    params = halves_ptr + out // 2 + K_PARAMS + slot
     tl.store(params, scale_a)
     tl.store(params + HD2, scale_b)
     tl.store(params + HEAD_DIM, min_a)

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from flashloop_backend.kernels.triton.packed_block_jit import (
     channel_a,
-    code_columns,
     nibbles,
+    param_slot,
     units,
 )
 from flashloop_backend.kernels.triton.specialization import (
@@ -265,7 +265,6 @@ def packed_decode_split_kernel(
     [R, Hq, S]. STORE_LOGITS: every visible key's scaled logit goes to ``logits`` [R, Hq,
     T] too."""
     BLOCK: tl.constexpr = HEAD_DIM * (GROUP + 8)
-    IN_ORDER: tl.constexpr = ASM and HALF
     HI: tl.constexpr = 16 if HEAD_DIM >= 32 else HEAD_DIM // 2  # kv.layout.high_offset
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -275,8 +274,9 @@ def packed_decode_split_kernel(
     ch_a = channel_a(column, HEAD_DIM)
     owner_a = ch_a // GROUP  # the V groups of the columns of A and B
     owner_b = (ch_a + HI) // GROUP
-    byte_col = code_columns(column, IN_ORDER)
-    perm_col = code_columns(column, False)
+    byte_col = column  # byte i of a row: its low nibble is A's column i, its high B's
+    perm_col = column
+    param_at = param_slot(column)
     query = q_ptr + row * stride_qr + head * stride_qh
     q_a = tl.load(query + ch_a).to(tl.float32) * scale
     q_b = tl.load(query + ch_a + HI).to(tl.float32) * scale
@@ -312,7 +312,7 @@ def packed_decode_split_kernel(
                     q_b,
                     t,
                     byte_col,
-                    column,
+                    param_at,
                     HEAD_DIM,
                     GROUP,
                     HALF,
@@ -331,7 +331,7 @@ def packed_decode_split_kernel(
                     q_a,
                     q_b,
                     perm_col,
-                    column,
+                    param_at,
                     HEAD_DIM,
                     GROUP,
                 )

@@ -16,7 +16,7 @@ from the BF16 pages. FP32 online softmax in base 2.
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.packed_block_jit import channel_a, code_columns, nibbles
+from flashloop_backend.kernels.triton.packed_block_jit import channel_a, nibbles, param_slot
 from flashloop_backend.kv.levels import LevelKind
 
 COMPACT = tl.constexpr(int(LevelKind.COMPACT))
@@ -154,7 +154,8 @@ def packed_selected_split_kernel(
     kv_head = head // GROUP_Q
     column = tl.arange(0, HD2)
     ch_a = channel_a(column, HEAD_DIM)
-    byte_col = code_columns(column, ASM)
+    byte_col = column  # byte i of a row: its low nibble is A's column i, its high B's
+    param_at = param_slot(column)
     group_row = tl.arange(0, 16)  # V group of each accumulator row (rows >= D/G stay 0)
     owner_a = ch_a // GROUP  # the V groups of columns i of A and B
     owner_b = (ch_a + HI) // GROUP
@@ -230,7 +231,7 @@ def packed_selected_split_kernel(
                 other=0,
             )
             params = rows_page.to(tl.int64) * page_bytes + kv_head * BLOCK
-            where = halves_ptr + (params // 2 + K_PARAMS)[:, None] + column[None, :]
+            where = halves_ptr + (params // 2 + K_PARAMS)[:, None] + param_at[None, :]
             scale_a = tl.load(where, mask=touched[:, None], other=0.0)
             scale_b = tl.load(where + HD2, mask=touched[:, None], other=0.0)
             fold_a = (q_a[None, :] * scale_a.to(tl.float32)).to(tl.float16)

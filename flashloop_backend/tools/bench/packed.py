@@ -195,6 +195,31 @@ def tuning_label(tuning) -> str:
     return label + ("" if tuning.half_products else "_fp32")
 
 
+def _cuda_variants(levels: int, sweep: bool) -> list:
+    """(with logits, StreamTuning) of the CUDA reader at ``levels`` levels: the registered
+    launch, with logits at two levels, and (``sweep``) other CTAs per SM, warps and
+    stages."""
+    from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
+
+    out = [(False, DEFAULT_STREAM)] + ([(True, DEFAULT_STREAM)] if levels == 2 else [])
+    if sweep:
+        shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
+        for ctas in (1, 4, 8):
+            out.append((False, StreamTuning(ctas_per_sm=ctas)))
+        for warps, stages in shapes:
+            for ctas in (2, 4):
+                out.append((False, StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages)))
+    return out
+
+
+def _stream_label(stream) -> str:
+    from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM
+
+    if stream == DEFAULT_STREAM:
+        return ""
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}"
+
+
 def cuda_unavailable() -> str | None:
     from flashloop_backend.kernels.cuda.loader import unavailable
 
@@ -207,7 +232,11 @@ def _reader(tuning, with_logits: bool, shape, tables, provider: str):
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
 
     if provider == "cuda":
-        from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda as read
+        from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
+
+        def read(*args, **kwargs):
+            return packed_decode_cuda(*args, tuning=tuning, **kwargs)
+
     else:
 
         def read(*args, **kwargs):
@@ -254,6 +283,8 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
             ]
             if not sparse and depth == 1:  # the loop-2 read: with logits, FP32
                 variants.append((name + "_logits", DEFAULT_TUNING, True))
+            if cuda_unavailable() is None:  # the registered Triton launch alone
+                variants = variants[:1] + variants[-1:] if depth == 1 else variants[:1]
             for key, tuning, with_logits in variants:
                 reader = _reader(tuning, with_logits, q.shape, tables, "triton")
                 gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
@@ -270,8 +301,8 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
                 _log_entry(log, f"packed ctx={context} conc={batch}", key, entry, dense)
             if sparse or cuda_unavailable() is not None:
                 continue
-            for with_logits in (False, True) if depth == 1 else (False,):
-                reader = _reader(DEFAULT_TUNING, with_logits, q.shape, tables, "cuda")
+            for with_logits, stream in _cuda_variants(depth + 1, sweep):
+                reader = _reader(stream, with_logits, q.shape, tables, "cuda")
                 gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
                 ms = graph_ms(
                     lambda layer, m=meta, s=store, r=reader: r(
@@ -279,7 +310,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
                     ),
                     rotate=list(range(layers)),
                 )
-                key = name + "_cuda" + ("_logits" if with_logits else "")
+                key = name + "_cuda" + ("_logits" if with_logits else "") + _stream_label(stream)
                 entry = {"ms": ms, "speedup_vs_flashinfer_bf16": dense["ms"] / ms}
                 entry |= _rate(nbytes, ms, dense["tb_s"]) | {
                     "max_abs_vs_fp32": gap.abs().max().item()
@@ -364,14 +395,28 @@ def sparse_ops_case(
             two_levels + selected_bytes(store, meta[1], indices, 2),
         )
         state = (indices, mass, output, contribution)
-        for depth in (2, 3):
-            record(
-                f"{name}_correction_depth{depth + 1}",
-                lambda layer, s=store, m=meta[depth], st=state: packed_sparse_correction_triton(
-                    q, s, layer, m, kc, vc, tables, *st
-                ),
-                selected_bytes(store, meta[depth], indices, depth + 1),
+        corrections = [("", packed_sparse_correction_triton)]
+        if cuda and cuda_unavailable() is None:
+            from flashloop_backend.kernels.cuda.packed_selected import (
+                packed_dense_source_cuda,
+                packed_sparse_correction_cuda,
             )
+
+            corrections.append(("_cuda", packed_sparse_correction_cuda))
+            record(
+                f"{name}_source_depth2_cuda",
+                lambda layer, s=store, src=source: packed_dense_source_cuda(q, s, layer, *src[3:]),
+                two_levels + selected_bytes(store, meta[1], indices, 2),
+            )
+        for suffix, correct in corrections:
+            for depth in (2, 3):
+                record(
+                    f"{name}_correction_depth{depth + 1}{suffix}",
+                    lambda layer, s=store, m=meta[depth], st=state, f=correct: f(
+                        q, s, layer, m, kc, vc, tables, *st
+                    ),
+                    selected_bytes(store, meta[depth], indices, depth + 1),
+                )
     return results
 
 
