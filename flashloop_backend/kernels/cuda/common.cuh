@@ -75,6 +75,28 @@ __device__ __forceinline__ void nibbles(u32 w, u32 p[4]) {
     for (int i = 0; i < 4; ++i) asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[i]) : "r"(magic));
 }
 
+// One word of a v3 row -> its four pairs as FP16 1024 + c (p[0], p[1]) and 1024 + 16 c
+// (p[2], p[3]): the nibbles ORed into the mantissa of 1024, nothing subtracted (a reader
+// that sums in FP32 takes 1024 times its weights back once)
+__device__ __forceinline__ void nibbles_biased(u32 w, u32 p[4]) {
+    const u32 magic = 0x64006400u;
+    u32 odd = w >> 8;
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[0]) : "r"(w), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[1]) : "r"(odd), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[2]) : "r"(w), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[3]) : "r"(odd), "r"(magic));
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 lds32(const void* p) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)));
+    return v;
+}
+
 // D = A x B + D, m16n8k16, A row-major f16 (a[4] regs), B col-major f16 (b[2]), fp32 acc
 __device__ __forceinline__ void mma16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile(

@@ -12,7 +12,9 @@
 //     asks for exact logits), B the tokens' codes as the v3 byte order lays them out for
 //     lane (token, quad lane); every product is exact, sums are FP32.
 //  V: lane (token n, quad lane j) owns the 32 channels of its row segment and sums
-//     p * V-scale * code over its tokens in FP16 pairs, flushed to FP32 every 4 tokens.
+//     p * V-scale * code over its tokens in FP16 pairs, flushed to FP32 every FLUSH
+//     tokens of its own (its 8 tokens of a group: the products are all >= 0, so the FP16
+//     sums' rounding stays below the BF16 output's).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -32,10 +34,13 @@ constexpr int V_PARAMS = G * D + 4 * D;
 constexpr int KSTEPS = D / 16;            // m16n8k16 k-steps per token row
 constexpr int ROUNDS = G / 8;             // rounds of 8 tokens per group
 constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D = 128)
+#ifndef FLUSH
+#define FLUSH 8                           // a lane's tokens per FP32 flush of its V sums
+#endif
 constexpr float LOG2E = 1.4426950408889634f;
 // V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
-// weights of tokens far below the page's largest stay normal FP16 numbers, while four
-// products of a weight of scale <= 4 and a code <= 15 stay far below FP16's maximum
+// weights of tokens far below the page's largest stay normal FP16 numbers, while eight
+// products of a weight of scale <= 4 and a code <= 15 stay below FP16's maximum
 constexpr float V_WEIGHT = 64.f;
 constexpr float LN2 = 0.6931471805599453f;
 
@@ -106,12 +111,31 @@ packed_stream(const Params P) {
             for (int h = 0; h < 2; ++h)
                 q[8 * m + 2 * p + h] = qs * bf16_to_float(qrow[owned_channel(quad, m, p, h)]);
 
+#if !LOGITS
+    // plain reads: the query's FP16 pairs (k-steps of B columns carry the 1/16) to fold K's
+    // scales into, and A fragments of the query itself (row 0 FP16, row 1 the remainder)
+    // for the bias sum q . min on the tensor cores
+    u32 qpair[KSTEPS][2], qrows[KSTEPS][2];
+#pragma unroll
+    for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float a = q[8 * m + 2 * (2 * half + e)], b = q[8 * m + 2 * (2 * half + e) + 1];
+                const float unit = half ? 1.f / 16.f : 1.f;
+                qpair[2 * m + half][e] = pack_half2(a * unit, b * unit);
+                const u32 hi = pack_half2(a, b);
+                const u32 lo = pack_half2(a - half_lo(hi), b - half_hi(hi));
+                qrows[2 * m + half][e] = tok == 0 ? hi : (tok == 1 ? lo : 0u);
+            }
+#endif
     int kinds[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
 
     float m_run = NEG_INF, l_run = 0.f;
-    float acc[OWN];
+    float acc[OWN];  // V sums of the owned channels (times V_WEIGHT), this lane's tokens
 #pragma unroll
     for (int i = 0; i < OWN; ++i) acc[i] = 0.f;
     float mins[NG];
@@ -153,7 +177,8 @@ packed_stream(const Params P) {
         for (int l = 0; l < LEVELS; ++l) {
             if (kinds[l] != 0) continue;
             const unsigned char* block = stage + l * BLOCK;
-            // folded query fragments: rows 0 (lanes 0-3) and 1 (lanes 4-7, LOGITS only)
+#if LOGITS
+            // folded query fragments: row 0 (lanes 0-3) FP16, row 1 (lanes 4-7) the remainder
             const u16* scale_a = (const u16*)(block + K_PARAMS) + 4 * WORDS * quad;
             const u16* scale_b = scale_a + D / 2;
             const u16* min_a = scale_a + D;
@@ -167,7 +192,6 @@ packed_stream(const Params P) {
                     const u16* sc = half ? scale_b : scale_a;
                     const u16* mn = half ? min_b : min_a;
                     const float unit = half ? 1.f / 16.f : 1.f;
-                    u32 regs[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {  // columns (4m, 4m+1), then (4m+2, 4m+3)
                         float f[2];
@@ -175,19 +199,13 @@ packed_stream(const Params P) {
                         for (int h = 0; h < 2; ++h) {
                             const int col = 4 * m + 2 * e + h;
                             const float qv = q[8 * m + 2 * (2 * half + e) + h];
-                            const float s = half_to_float((sc[col]));
-                            part += qv * half_to_float((mn[col]));
-                            f[h] = qv * s * unit;
+                            part += qv * half_to_float(mn[col]);
+                            f[h] = qv * half_to_float(sc[col]) * unit;
                         }
                         u32 hi = pack_half2(f[0], f[1]);
-#if LOGITS
-                        if (tok == 1)
-                            hi = pack_half2(f[0] - half_lo(hi), f[1] - half_hi(hi));
-#endif
-                        regs[e] = (tok <= LOGITS) ? hi : 0u;
+                        if (tok == 1) hi = pack_half2(f[0] - half_lo(hi), f[1] - half_hi(hi));
+                        fold[2 * m + half][e] = tok <= 1 ? hi : 0u;
                     }
-                    fold[2 * m + half][0] = regs[0];
-                    fold[2 * m + half][1] = regs[1];
                 }
             part += __shfl_xor_sync(FULL_MASK, part, 1);
             part += __shfl_xor_sync(FULL_MASK, part, 2);
@@ -206,6 +224,53 @@ packed_stream(const Params P) {
                     mma16816(c[r], a1, pr[2], pr[3]);
                 }
             }
+#else
+            // folded query (row 0, lanes 0-3): the lane's K scale pairs times its query pairs
+            const unsigned char* params = block + K_PARAMS + 8 * WORDS * quad;
+            u32 fold[KSTEPS][2];
+            float extra[4] = {0.f, 0.f, 0.f, 0.f};  // bias (q . min) and offset, column 0
+#pragma unroll
+            for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const u32 sc = lds32(params + half * D + 4 * (2 * m + e));
+                        fold[2 * m + half][e] = tok == 0 ? hmul2(qpair[2 * m + half][e], sc) : 0u;
+                    }
+                    // q . min: the query's rows against the minima (column 0: lanes 0-3)
+                    const u32 mn0 = lds32(params + 2 * D + half * D + 4 * (2 * m));
+                    const u32 mn1 = lds32(params + 2 * D + half * D + 4 * (2 * m + 1));
+                    const u32 a[4] = {qrows[2 * m + half][0], 0u, qrows[2 * m + half][1], 0u};
+                    mma16816(extra, a, tok == 0 ? mn0 : 0u, tok == 0 ? mn1 : 0u);
+                }
+            // the codes go in as 1024 + c (and 1024 + 16 c): a token of codes 0 (column 0,
+            // rows 0) scores the offset to take back
+            float offset[4] = {0.f, 0.f, 0.f, 0.f};
+            const u32 magic = tok == 0 ? 0x64006400u : 0u;
+#pragma unroll
+            for (int k = 0; k < KSTEPS; ++k) {
+                const u32 a[4] = {fold[k][0], 0u, fold[k][1], 0u};
+                mma16816(offset, a, magic, magic);
+            }
+            // row 0 (lane 0) + row 1 (lane 4) of column 0, less the offset (lane 0)
+            bias += __shfl_sync(FULL_MASK, extra[0], 0) + __shfl_sync(FULL_MASK, extra[0], 4) -
+                    __shfl_sync(FULL_MASK, offset[0], 0);
+#pragma unroll
+            for (int r = 0; r < ROUNDS; ++r) {
+                const uint4 seg = lds128(block + (8 * r + tok) * ROW + SEG * quad);
+                const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
+#pragma unroll
+                for (int m = 0; m < WORDS; ++m) {
+                    u32 pr[4];
+                    nibbles_biased(words[m], pr);
+                    const u32 a0[4] = {fold[2 * m][0], 0u, fold[2 * m][1], 0u};
+                    const u32 a1[4] = {fold[2 * m + 1][0], 0u, fold[2 * m + 1][1], 0u};
+                    mma16816(c[r], a0, pr[0], pr[1]);
+                    mma16816(c[r], a1, pr[2], pr[3]);
+                }
+            }
+#endif
         }
         // logits of tokens 8 r + 2 quad (+1): row 0 in lanes 0-3, its remainder row 1 in 4-7
         float s[ROUNDS][2];
@@ -256,14 +321,14 @@ packed_stream(const Params P) {
             if (kinds[l] != 0) continue;
             const unsigned char* block = stage + l * BLOCK;
 #pragma unroll
-            for (int r0 = 0; r0 < ROUNDS; r0 += 4) {
+            for (int r0 = 0; r0 < ROUNDS; r0 += FLUSH) {
                 u32 sums[WORDS][4];
 #pragma unroll
                 for (int m = 0; m < WORDS; ++m)
 #pragma unroll
                     for (int p = 0; p < 4; ++p) sums[m][p] = 0u;
 #pragma unroll
-                for (int r = r0; r < r0 + 4; ++r) {
+                for (int r = r0; r < r0 + FLUSH; ++r) {
                     const int t = 8 * r + tok;
                     const u16* record = (const u16*)(block + V_PARAMS) + t * 2 * NG;
                     const uint4 seg = lds128(block + V_CODES + t * ROW + SEG * quad);
@@ -291,8 +356,8 @@ packed_stream(const Params P) {
                 for (int m = 0; m < WORDS; ++m)
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
-                        acc[8 * m + 2 * p] += half_lo(sums[m][p]) * (1.f / V_WEIGHT);
-                        acc[8 * m + 2 * p + 1] += half_hi(sums[m][p]) * (1.f / V_WEIGHT);
+                        acc[8 * m + 2 * p] += half_lo(sums[m][p]);
+                        acc[8 * m + 2 * p + 1] += half_hi(sums[m][p]);
                     }
             }
         }
@@ -374,7 +439,7 @@ packed_stream(const Params P) {
 #pragma unroll
     for (int i = 0; i < OWN; ++i) {
         const int g = (32 * (i / 8)) / G;
-        float v = acc[i] + mins[g];
+        float v = acc[i] * (1.f / V_WEIGHT) + mins[g];  // the V sums carry V_WEIGHT
         v += __shfl_xor_sync(FULL_MASK, v, 4);
         v += __shfl_xor_sync(FULL_MASK, v, 8);
         v += __shfl_xor_sync(FULL_MASK, v, 16);
