@@ -21,7 +21,7 @@ def summary(record: dict) -> list[str]:
             f"{record['context']} x {record['concurrency']} {name}: TPOT {tpot:.2f} ms "
             f"(dense / this {first / tpot:.2f}x), TTFT {result['ttft_s']['median']:.3f} s"
         )
-        for key, timing in (result.get("replay_ms_by_key") or {}).items():
+        for key, timing in (result.get("replay_ms_by_key") or {}).items():  # one loop each
             lines.append(
                 f"    replay {key}: median {timing['median_ms']:.3f} ms, "
                 f"{timing['replays']} replays"
@@ -32,4 +32,6 @@ def summary(record: dict) -> list[str]:
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as handle:
-            print("\n".join(summary(json.load(handle))))
+            record = json.load(handle)
+        for run in record.get("runs", [record]):  # the CLI's record holds one run a context
+            print("\n".join(summary(run)))
