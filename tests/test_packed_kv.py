@@ -771,3 +771,23 @@ def test_a_compact_level_is_shared_only_whole_up_to_an_append_boundary(rng):
     store.drop(shared)
     store.release(2)
     assert store.accounting()["pages_used"] == 0
+
+
+def test_an_encoding_2_export_is_refused_by_name(rng):
+    """A request exported by an encoding-2 store (separate pools, V channel-major) is not
+    read as blocks: the import names the version and takes nothing."""
+    store = PackedKVStore(16, L, H, D, G)
+    store.encode(0, _versions(rng, 32), _versions(rng, 32))
+    exported = store.export_sequence(0)
+    older = {"levels": exported["levels"]}
+    for depth in range(4):
+        for name in ("k_codes", "k_min", "k_scale", "v_codes", "v_min", "v_scale"):
+            older[f"level{depth}.{name}"] = torch.zeros(2, 1, dtype=torch.uint8)
+    fresh = PackedKVStore(16, L, H, D, G)
+    with pytest.raises(ValueError, match=r"encoding version 2's.*encoding version 3"):
+        fresh.import_sequence(1, older)
+    assert fresh.sequences == {} and fresh.unreserved_pages() == 16
+    fresh.import_sequence(1, exported)  # its own version's export round-trips
+    for depth in range(4):
+        got, want = fresh.reconstruct(1, depth, 1), store.reconstruct(0, depth, 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
