@@ -17,9 +17,11 @@ def summary(record: dict) -> list[str]:
     first = next(iter(results.values()))["tpot_ms"]["median"]
     for name, result in results.items():
         tpot = result["tpot_ms"]["median"]
+        steady = (result.get("tpot_from_second_token_ms") or {}).get("median")
         lines.append(
             f"{record['context']} x {record['concurrency']} {name}: TPOT {tpot:.2f} ms "
             f"(dense / this {first / tpot:.2f}x), TTFT {result['ttft_s']['median']:.3f} s"
+            + (f", from the second token {steady:.2f} ms" if steady else "")
         )
         for key, timing in (result.get("replay_ms_by_key") or {}).items():  # one loop each
             lines.append(

@@ -116,9 +116,11 @@ def test_the_timed_workload_probes_the_hand_over_step():
         max_batch_tokens=32,
     )
     probe: dict = {}
+    second: dict = {}
     prompts = [[(5 * i + 1) % 61 for i in range(n)] for n in (32, 48)]
-    ids, first, done, _ = _timed_workload(engine, prompts, 8, probe)
-    assert set(first) == set(done) == set(ids)
+    ids, first, done, _ = _timed_workload(engine, prompts, 8, probe, second=second)
+    assert set(first) == set(done) == set(second) == set(ids)
+    assert all(first[i] < second[i] <= done[i] for i in ids)  # the steady decode's start
     assert probe["tokens"] >= 32 + 48 + 2  # the prompts and each first token
     packed = engine.backend.packed.store.accounting()["steady_bytes"]
     assert packed == 0  # all left: the pages came back

@@ -112,6 +112,11 @@ def test_over_packed_gives_each_paged_ops_packed_version():
 
 def _in_tree_functions():
     from flashloop_backend.kernels import torch_ref, triton
+    from flashloop_backend.kernels.cuda.packed_selected import (
+        packed_dense_source_cuda,
+        packed_sparse_correction_cuda,
+    )
+    from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
     from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
     from flashloop_backend.kernels.triton import dense_source, packed_sparse, sparse_decode
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
@@ -129,6 +134,9 @@ def _in_tree_functions():
         (OpName.PACKED_DECODE, packed_decode_triton),
         (OpName.PACKED_SOURCE, packed_sparse.packed_dense_source_triton),
         (OpName.PACKED_CORRECTION, packed_sparse.packed_sparse_correction_triton),
+        (OpName.PACKED_DECODE, packed_decode_cuda),
+        (OpName.PACKED_SOURCE, packed_dense_source_cuda),
+        (OpName.PACKED_CORRECTION, packed_sparse_correction_cuda),
     ]
     return [(op, fn) for op, fn in found if op in OP_INPUTS]
 

@@ -116,3 +116,74 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
 }
+
+// the channel of a v3 row segment's nibble: quad lane j, word m, pair p (0: +0/+1, 1: +8/+9,
+// 2: +16/+17, 3: +24/+25 above 32 m + 2 j), half h
+__device__ __forceinline__ int owned_channel(int j, int m, int p, int h) {
+    return 32 * m + 2 * j + 8 * p + h;
+}
+
+// FP32 dot of a BF16 row's channels [D/4 j, D/4 (j + 1)) (``row`` points at the first)
+// with the query's same channels ``qn``
+template <int D>
+__device__ __forceinline__ float bf16_dot(const u16* row, const float* qn) {
+    const uint4* k = (const uint4*)row;
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        const uint4 v = k[i];
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dot += qn[8 * i + 2 * e] * __uint_as_float(w[e] << 16);
+            dot += qn[8 * i + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
+        }
+    }
+    return dot;
+}
+
+// sums[i] += p * row[i] over a BF16 row's channels [D/4 j, D/4 (j + 1))
+template <int D>
+__device__ __forceinline__ void bf16_accumulate(float* sums, const u16* row, float p) {
+    const uint4* v = (const uint4*)row;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        const uint4 x = v[i];
+        const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sums[8 * i + 2 * e] += p * __uint_as_float(w[e] << 16);
+            sums[8 * i + 2 * e + 1] += p * __uint_as_float(w[e] & 0xffff0000u);
+        }
+    }
+}
+
+// the sum over the eight lanes that share a quad lane (token lanes 0-7 of a warp)
+__device__ __forceinline__ float sum_token_lanes(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 4);
+    v += __shfl_xor_sync(FULL_MASK, v, 8);
+    v += __shfl_xor_sync(FULL_MASK, v, 16);
+    return v;
+}
+
+// A warp's output partial into ``out`` [D] (shared memory, natural channel order): the
+// BF16 tail sums ``tail`` (channels [D/4 j, D/4 (j + 1)) of quad lane j) plus the packed
+// sums ``owned`` (the 8 * WORDS channels of quad lane j's row segment), each already
+// summed over the token lanes; lanes of token 0 write.
+template <int D, int WORDS>
+__device__ __forceinline__ void store_warp_partial(float* out, const float* owned,
+                                                   const float* tail, int quad, int tok) {
+    if (tok == 0) {
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) out[(D / 4) * quad + i] = tail[i];
+    }
+    __syncwarp();
+    if (tok == 0) {
+#pragma unroll
+        for (int m = 0; m < WORDS; ++m)
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) out[owned_channel(quad, m, p, h)] += owned[8 * m + 2 * p + h];
+    }
+}

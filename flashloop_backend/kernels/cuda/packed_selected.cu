@@ -63,10 +63,6 @@ struct Params {
     int keys_per_split, bucket, group_q, block_size;
 };
 
-__device__ __forceinline__ int owned_channel(int j, int m, int p, int h) {
-    return 32 * m + 2 * j + 8 * p + h;
-}
-
 __device__ __forceinline__ uint4 ldg128(const unsigned char* p) {
     return *(const uint4*)p;
 }
@@ -312,19 +308,7 @@ packed_selected(const Params P) {
         if (pos >= 0) {
             const i64 slot = page * P.k_block + (i64)(pos % P.block_size) * P.k_slot +
                              (i64)kv_head * P.k_head;
-            const uint4* k = (const uint4*)(P.k_cache + slot + (D / 4) * quad);
-            float dot = 0.f;
-#pragma unroll
-            for (int x = 0; x < D / 32; ++x) {
-                const uint4 v = k[x];
-                const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    dot += qn[8 * x + 2 * e] * __uint_as_float(w[e] << 16);
-                    dot += qn[8 * x + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
-                }
-            }
-            logit = dot;
+            logit = bf16_dot<D>(P.k_cache + slot + (D / 4) * quad, qn);
         }
         logit += __shfl_xor_sync(FULL_MASK, logit, 1);
         logit += __shfl_xor_sync(FULL_MASK, logit, 2);
@@ -346,52 +330,17 @@ packed_selected(const Params P) {
         if (pos >= 0) {
             const i64 vslot = page * P.v_block + (i64)(pos % P.block_size) * P.v_slot +
                               (i64)kv_head * P.v_head;
-            const uint4* v = (const uint4*)(P.v_cache + vslot + (D / 4) * quad);
-#pragma unroll
-            for (int x = 0; x < D / 32; ++x) {
-                const uint4 y = v[x];
-                const u32 w[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    tail[8 * x + 2 * e] += p * __uint_as_float(w[e] << 16);
-                    tail[8 * x + 2 * e + 1] += p * __uint_as_float(w[e] & 0xffff0000u);
-                }
-            }
+            bf16_accumulate<D>(tail, P.v_cache + vslot + (D / 4) * quad, p);
         }
         i += 8;
     }
 
     // ---- the warp's partial over the channels, then the CTA's warps at one max
 #pragma unroll
-    for (int k = 0; k < OWN; ++k) {
-        float v = acc[k] + mins[(32 * (k / 8)) / G];
-        v += __shfl_xor_sync(FULL_MASK, v, 4);
-        v += __shfl_xor_sync(FULL_MASK, v, 8);
-        v += __shfl_xor_sync(FULL_MASK, v, 16);
-        acc[k] = v;
-    }
+    for (int k = 0; k < OWN; ++k) acc[k] = sum_token_lanes(acc[k] + mins[(32 * (k / 8)) / G]);
 #pragma unroll
-    for (int k = 0; k < D / 4; ++k) {
-        float v = tail[k];
-        v += __shfl_xor_sync(FULL_MASK, v, 4);
-        v += __shfl_xor_sync(FULL_MASK, v, 8);
-        v += __shfl_xor_sync(FULL_MASK, v, 16);
-        tail[k] = v;
-    }
-    if (g == 0) {
-#pragma unroll
-        for (int k = 0; k < D / 4; ++k) merge[warp][(D / 4) * quad + k] = tail[k];
-    }
-    __syncwarp();
-    if (g == 0) {
-#pragma unroll
-        for (int m = 0; m < WORDS; ++m)
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    merge[warp][owned_channel(quad, m, p, h)] += acc[8 * m + 2 * p + h];
-    }
+    for (int k = 0; k < D / 4; ++k) tail[k] = sum_token_lanes(tail[k]);
+    store_warp_partial<D, WORDS>(merge[warp], acc, tail, quad, g);
     if (lane == 0) {
         merge[warp][D] = m_run;
         merge[warp][D + 1] = l_run;

@@ -14,10 +14,10 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda, unsupported
-from flashloop_backend.kernels.triton.dense_source import check_bucket
-from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs, packed_span
+from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
+from flashloop_backend.kernels.triton.packed_sparse import packed_source
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
-from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT, select_top_keys
+from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -215,15 +215,12 @@ def packed_dense_source_cuda(
     k_bucket: int,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The ``PackedDenseSource`` contract: (out, indices in position order, mass, output,
-    contribution). The two-level read with logits and the contribution run as CUDA
-    kernels, the top-K selection as the Triton one."""
-    rows, num_q_heads, _ = q.shape
-    span = packed_span(store, meta, block_tables, key_cache.shape[1])
-    check_bucket(span, rows, key_retention, k_bucket)
-    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
-    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
-    output = packed_decode_cuda(
+    """The ``PackedDenseSource`` contract: ``packed_source`` over the CUDA reader (the
+    two-level read with logits) and the CUDA selected-key kernel (the contribution); the
+    top-K selection is the Triton one."""
+    return packed_source(
+        packed_decode_cuda,
+        packed_selected_parts_cuda,
         q,
         store,
         layer,
@@ -232,33 +229,8 @@ def packed_dense_source_cuda(
         value_cache,
         block_tables,
         context_lengths,
-        scale,
-        logits=logits,
-        lse=lse,
-        out_dtype=torch.float32,
-    )
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
-    unused = torch.empty_like(output)
-    if rows == 0:
-        return out, indices, mass, output, unused
-    select_top_keys(
-        logits,
-        lse,
-        context_lengths,
-        None,
-        block_tables.contiguous(),
-        output,
-        out,
-        indices,
-        mass,
-        unused,
         key_retention,
+        k_bucket,
+        scale,
         DEFAULT_SELECT,
     )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    part_out, _, _ = packed_selected_parts_cuda(
-        q, store, layer, meta, key_cache, value_cache, block_tables, indices, scale, logits, lse
-    )
-    return out, indices, mass, output, part_out.sum(2)

@@ -78,12 +78,6 @@ struct Params {
     int block_size;
 };
 
-// the channel of nibble (word m of quad lane j, pair p, half h): p 0: +0/+1, p 1: +8/+9,
-// p 2: +16/+17, p 3: +24/+25 above 32 m + 2 j
-__device__ __forceinline__ int owned_channel(int j, int m, int p, int h) {
-    return 32 * m + 2 * j + 8 * p + h;
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 packed_stream(const Params P) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -383,19 +377,7 @@ packed_stream(const Params P) {
             page = P.block_tables[row * P.bt_row + pos / P.block_size];
             const i64 slot = page * P.k_block + (i64)(pos % P.block_size) * P.k_slot +
                              (i64)kv_head * P.k_head;
-            const uint4* k = (const uint4*)(P.k_cache + slot + (D / 4) * quad);
-            float dot = 0.f;
-#pragma unroll
-            for (int i = 0; i < D / 32; ++i) {
-                const uint4 v = k[i];
-                const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    dot += qn[8 * i + 2 * e] * __uint_as_float(w[e] << 16);
-                    dot += qn[8 * i + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
-                }
-            }
-            logit = dot;
+            logit = bf16_dot<D>(P.k_cache + slot + (D / 4) * quad, qn);
         }
         logit += __shfl_xor_sync(FULL_MASK, logit, 1);
         logit += __shfl_xor_sync(FULL_MASK, logit, 2);
@@ -420,54 +402,19 @@ packed_stream(const Params P) {
         if (pos < tail_end) {
             const i64 vslot = page * P.v_block + (i64)(pos % P.block_size) * P.v_slot +
                               (i64)kv_head * P.v_head;
-            const uint4* v = (const uint4*)(P.v_cache + vslot + (D / 4) * quad);
-#pragma unroll
-            for (int i = 0; i < D / 32; ++i) {
-                const uint4 x = v[i];
-                const u32 w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    tail[8 * i + 2 * e] += p * __uint_as_float(w[e] << 16);
-                    tail[8 * i + 2 * e + 1] += p * __uint_as_float(w[e] & 0xffff0000u);
-                }
-            }
+            bf16_accumulate<D>(tail, P.v_cache + vslot + (D / 4) * quad, p);
         }
     }
 
     // ---- this warp's partial: sum the lanes that own the same channels, then the CTA's
     // warps, each rescaled to the CTA's max
 #pragma unroll
-    for (int i = 0; i < OWN; ++i) {
-        const int g = (32 * (i / 8)) / G;
-        float v = acc[i] * (1.f / V_WEIGHT) + mins[g];  // the V sums carry V_WEIGHT
-        v += __shfl_xor_sync(FULL_MASK, v, 4);
-        v += __shfl_xor_sync(FULL_MASK, v, 8);
-        v += __shfl_xor_sync(FULL_MASK, v, 16);
-        acc[i] = v;
-    }
+    for (int i = 0; i < OWN; ++i)  // the V sums carry V_WEIGHT
+        acc[i] = sum_token_lanes(acc[i] * (1.f / V_WEIGHT) + mins[(32 * (i / 8)) / G]);
 #pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
-        float v = tail[i];
-        v += __shfl_xor_sync(FULL_MASK, v, 4);
-        v += __shfl_xor_sync(FULL_MASK, v, 8);
-        v += __shfl_xor_sync(FULL_MASK, v, 16);
-        tail[i] = v;
-    }
+    for (int i = 0; i < D / 4; ++i) tail[i] = sum_token_lanes(tail[i]);
     float* mine_out = merge + warp * (D + 2);
-    if (tok == 0) {
-#pragma unroll
-        for (int i = 0; i < D / 4; ++i) mine_out[(D / 4) * quad + i] = tail[i];
-    }
-    __syncwarp();
-    if (tok == 0) {
-#pragma unroll
-        for (int m = 0; m < WORDS; ++m)
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    mine_out[owned_channel(quad, m, p, h)] += acc[8 * m + 2 * p + h];
-    }
+    store_warp_partial<D, WORDS>(mine_out, acc, tail, quad, tok);
     if (lane == 0) {
         mine_out[D] = m_run;
         mine_out[D + 1] = l_run;

@@ -200,7 +200,9 @@ def packed_sparse_correction_triton(
     )
 
 
-def packed_dense_source_triton(
+def packed_source(
+    read,
+    selected_parts,
     q: torch.Tensor,
     store: PackedKVStore,
     layer: int,
@@ -211,29 +213,28 @@ def packed_dense_source_triton(
     context_lengths: torch.Tensor,
     key_retention: float,
     k_bucket: int,
-    scale: float | None = None,
-    tuning: SelectTuning = DEFAULT_SELECT,
-    block_n: int = BLOCK_N,
-    num_warps: int = SELECTED_WARPS,
-    programs: int = SELECTED_PROGRAMS,
+    scale: float | None,
+    tuning: SelectTuning,
 ) -> tuple[torch.Tensor, ...]:
-    """(out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K),
-    mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with
-    K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket`` (the ``PackedDenseSource``
-    contract)."""
+    """The ``PackedDenseSource`` contract from a packed read with logits (``read``:
+    ``packed_decode_triton``'s arguments, ``logits`` / ``lse`` / ``out_dtype`` by name),
+    the Triton top-K selection (``tuning``) and the selected keys' contribution
+    (``selected_parts``: ``packed_selected_parts``' first eleven arguments): (out [R, Hq,
+    D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K), mass [R, Hq],
+    output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with K = max(1,
+    ceil(key_retention * T)) and Kb = ``k_bucket``."""
     rows, num_q_heads, _ = q.shape
     span = packed_span(store, meta, block_tables, key_cache.shape[1])
     check_bucket(span, rows, key_retention, k_bucket)
     logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
     lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
-    output = packed_decode_triton(
+    paged = (key_cache, value_cache, block_tables)
+    output = read(
         q,
         store,
         layer,
         meta,
-        key_cache,
-        value_cache,
-        block_tables,
+        *paged,
         context_lengths,
         scale,
         logits=logits,
@@ -261,7 +262,36 @@ def packed_dense_source_triton(
         tuning,
     )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    part_out, _, _ = packed_selected_parts(
+    part_out, _, _ = selected_parts(q, store, layer, meta, *paged, indices, scale, logits, lse)
+    return out, indices, mass, output, part_out.sum(2)
+
+
+def packed_dense_source_triton(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+    tuning: SelectTuning = DEFAULT_SELECT,
+    block_n: int = BLOCK_N,
+    num_warps: int = SELECTED_WARPS,
+    programs: int = SELECTED_PROGRAMS,
+) -> tuple[torch.Tensor, ...]:
+    """``packed_source`` over the Triton reader and selected-key kernel (the
+    ``PackedDenseSource`` contract)."""
+
+    def parts(*args):
+        return packed_selected_parts(*args, block_n, num_warps, programs)
+
+    return packed_source(
+        packed_decode_triton,
+        parts,
         q,
         store,
         layer,
@@ -269,12 +299,9 @@ def packed_dense_source_triton(
         key_cache,
         value_cache,
         block_tables,
-        indices,
+        context_lengths,
+        key_retention,
+        k_bucket,
         scale,
-        logits,
-        lse,
-        block_n,
-        num_warps,
-        programs,
+        tuning,
     )
-    return out, indices, mass, output, part_out.sum(2)

@@ -36,8 +36,12 @@ def ouro_1p4b_shapes(layers: int | None = None):
     )
 
 
-def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None, exits=None):
+def _timed_workload(
+    engine, prompts, new_tokens, probe: dict | None = None, exits=None, second: dict | None = None
+):
     """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
+    ``second`` (a dict) receives each request's second-token time: the steps after it
+    decode only (the step that hands a completed prompt to the backend comes before).
     ``exits`` (a list of zeros, one per loop) counts the tokens that left after each loop.
     ``probe`` (an empty dict) receives, for the step that follows every request's first
     token (the host hands completed prompts to the backend, which packs them, when that
@@ -73,6 +77,9 @@ def _timed_workload(engine, prompts, new_tokens, probe: dict | None = None, exit
         for rid in ids:
             if rid not in first and engine.has_first_token(rid):
                 first[rid] = now
+            count = engine.output_count(rid)
+            if second is not None and rid not in second and (count is None or count >= 2):
+                second[rid] = now
         for f in finished:
             done[f.request_id] = now
             for depth in f.exit_depths if exits is not None else ():
@@ -314,13 +321,18 @@ def bench_end_to_end(
         if engine.graphs is not None:
             engine.graphs.time_replays()
         probe: dict = {}
-        ttft, tpot, total, per_pass = [], [], 0.0, []
+        ttft, tpot, steady, total, per_pass = [], [], [], 0.0, []
         exits = [0] * cfg.total_ut_steps
         for _ in range(passes):
-            ids, first, done, seconds = _timed_workload(engine, prompts, new_tokens, probe, exits)
+            second: dict = {}
+            ids, first, done, seconds = _timed_workload(
+                engine, prompts, new_tokens, probe, exits, second
+            )
             firsts = [first[i] for i in ids]
             ttft += firsts
             tpot += [(done[i] - first[i]) / max(1, new_tokens - 1) for i in ids]
+            if new_tokens > 2:
+                steady += [(done[i] - second[i]) / (new_tokens - 2) for i in ids]
             total += seconds
             per_pass.append({"ttft_max_s": max(firsts), "total_s": seconds})
         latency = statistics.median(p["ttft_max_s"] for p in per_pass)
@@ -332,6 +344,13 @@ def bench_end_to_end(
             "prefill_latency_s": latency,
             "ttft_s": {"median": statistics.median(ttft), "max": max(ttft)},
             "tpot_ms": {"median": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
+            # from each request's second token on: the step that packs a completed prompt
+            # (in the step after its first token) left out, a diagnostic beside TPOT
+            "tpot_from_second_token_ms": (
+                {"median": 1e3 * statistics.median(steady), "max": 1e3 * max(steady)}
+                if steady
+                else None
+            ),
             "throughput_tokens_s": passes * concurrency * new_tokens / total,
             "total_s": total / passes,
             "host_steps": (engine.steps - warm_steps) // passes,
