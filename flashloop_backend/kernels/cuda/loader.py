@@ -124,16 +124,17 @@ class CudaKernel:
         _check_driver(result, f"launch of {self.name}")
 
 
-_MODULES: dict[tuple[str, str], dict[str, CudaKernel]] = {}
+_MODULES: dict[tuple[str, str, int], dict[str, CudaKernel]] = {}
 BUILD_SECONDS: dict[str, float] = {}  # source name -> seconds its build took (diagnostics)
 
 
 def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKernel]:
     """The named ``extern "C"`` kernels of ``source``, built for the current device once
-    per process (cached by the source's hash)."""
+    per process and device (a module loads into one device's context; cached by the
+    source's hash)."""
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}{'a' if major == 9 else ''}"
-    key = (hashlib.sha256(source.encode()).hexdigest(), arch)
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, torch.cuda.current_device())
     if key not in _MODULES:
         start = time.perf_counter()
         cubin = compile_cubin(source, name, arch)
@@ -155,12 +156,16 @@ def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKer
 def build_file(name: str, defines: dict[str, int], shared: int = 0) -> CudaKernel:
     """Kernel ``name`` of this folder's ``name``.cu with ``defines`` prepended (its
     ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
-    ``shared`` bytes of dynamic shared memory; built once per process and variant."""
-    return _build_file(name, tuple(sorted(defines.items())), shared)
+    ``shared`` bytes of dynamic shared memory; built once per process, device and
+    variant."""
+    return _build_file(name, tuple(sorted(defines.items())), shared, torch.cuda.current_device())
 
 
 @functools.cache
-def _build_file(name: str, defines: tuple[tuple[str, int], ...], shared: int) -> CudaKernel:
+def _build_file(
+    name: str, defines: tuple[tuple[str, int], ...], shared: int, device: int
+) -> CudaKernel:
+    # ``device`` only keys the cache: ``build`` loads into the current device's context
     defines = dict(defines)
     folder = resources.files("flashloop_backend.kernels.cuda")
     header = "".join(f"#define {key} {value}\n" for key, value in defines.items())
