@@ -8,8 +8,8 @@
 #   features the host-vs-CPU tests of every feature combination on the GPU
 #   graphs   decode at 1K x 1 / 16, eager vs graphs, dense Triton and all three features
 #   decode   all three features vs dense at 32K x 16, both from CUDA graphs (target 1.8x;
-#            CONFIG=configs/all_on_streamed_correction.json: the streamed correction design);
-#            4 layers: 24 layers of BF16 KV for 16 x 32K tokens x 4 depths is 412 GB
+#            CONFIG names another config); 4 layers: 24 layers of BF16 KV for 16 x 32K
+#            tokens x 4 depths is 412 GB
 #   prefill  4-loop prefill of a 32K prompt, all three features vs dense FlashInfer (1.5x)
 #   select   loop-2 source designs per layer call at 8K / 32K x 1 / 16 (one-program radix
 #            select, split select, torch top-k) beside FlashInfer decode (bench sparse)
