@@ -15,7 +15,11 @@ import torch
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda, unsupported
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
-from flashloop_backend.kernels.triton.packed_sparse import packed_source
+from flashloop_backend.kernels.triton.packed_sparse import (
+    check_selected_indices,
+    packed_key_splits,
+    packed_source,
+)
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
 from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT
 from flashloop_backend.kv.levels import LevelMetadata
@@ -60,13 +64,6 @@ class _Params(ctypes.Structure):
     ]
 
 
-def key_splits(rows: int, heads: int, bucket: int, tuning: SelectedTuning) -> tuple[int, int]:
-    """(splits, keys per split) of each (row, head)'s ``bucket`` selected keys."""
-    want = max(1, tuning.ctas_per_sm * sm_count(torch.device("cuda")) // max(1, rows * heads))
-    splits = max(1, min(want, math.ceil(bucket / tuning.keys_per_split)))
-    return splits, math.ceil(bucket / splits)
-
-
 def packed_selected_parts_cuda(
     q,
     store: PackedKVStore,
@@ -89,14 +86,16 @@ def packed_selected_parts_cuda(
     reason = unsupported(q, store, key_cache)
     if reason is not None:
         raise ValueError(f"packed_selected_parts_cuda: {reason}")
-    if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
-        raise ValueError(
-            f"indices must be int32 [{rows}, {num_q_heads}, Kb]; "
-            f"got {indices.dtype} {tuple(indices.shape)}"
-        )
+    check_selected_indices(q, indices)
     check_packed_inputs(q, store, meta, key_cache)
     bucket = indices.shape[-1]
-    splits, keys_per_split = key_splits(rows, num_q_heads, max(1, bucket), tuning)
+    splits, keys_per_split = packed_key_splits(
+        rows,
+        num_q_heads,
+        max(1, bucket),
+        tuning.ctas_per_sm * sm_count(q.device),
+        tuning.keys_per_split,
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()

@@ -16,9 +16,9 @@ from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_decode_triton,
-    packed_span,
+    stream_splits,
 )
-from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
 from flashloop_backend.kernels.validate import check_paged_inputs
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
@@ -158,14 +158,9 @@ def packed_decode_cuda(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _, block_size, num_kv_heads, _ = key_cache.shape
     g = store.group_size
-    groups = packed_span(store, meta, block_tables, block_size) // g
-    if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
-        raise ValueError(
-            f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
-        )
-    want = max(1, math.ceil(tuning.ctas_per_sm * sm_count(q.device) / (rows * num_q_heads)))
-    splits = max(1, min(want, groups))
-    per_split = math.ceil(groups / splits)
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, logits, tuning.ctas_per_sm
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()

@@ -56,6 +56,29 @@ def packed_span(store: PackedKVStore, meta: LevelMetadata, block_tables, block_s
     return math.ceil(max(block_tables.shape[1] * block_size, meta.maps.shape[2]) / g) * g
 
 
+def stream_splits(
+    q,
+    store: PackedKVStore,
+    meta: LevelMetadata,
+    block_tables,
+    block_size: int,
+    logits,
+    per_sm: float,
+) -> tuple[int, int]:
+    """(splits, groups per split) of a streaming reader's grid, checking that ``logits``
+    [R, Hq, >= span] holds every covered position."""
+    rows, num_q_heads = q.shape[:2]
+    g = store.group_size
+    groups = packed_span(store, meta, block_tables, block_size) // g
+    if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
+        raise ValueError(
+            f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
+        )
+    want = max(1, math.ceil(per_sm * sm_count(q.device) / (rows * num_q_heads)))
+    splits = max(1, min(want, groups))
+    return splits, math.ceil(groups / splits)
+
+
 def layer_blocks(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One layer's v3 blocks as the packed kernels take them: a byte view, an FP16 view of
     the same memory [pages, Hkv, block bytes (/ 2)], and the bytes between pages."""
@@ -144,14 +167,9 @@ def packed_decode_triton(
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = store.group_size
-    groups = packed_span(store, meta, block_tables, block_size) // g
-    if logits is not None and (logits.shape[:2] != q.shape[:2] or logits.shape[2] < groups * g):
-        raise ValueError(
-            f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
-        )
-    want = max(1, math.ceil(tuning.programs_per_sm * sm_count(q.device) / (rows * num_q_heads)))
-    splits = max(1, min(want, groups))
-    per_split = math.ceil(groups / splits)
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, logits, tuning.programs_per_sm
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes, halves, page_bytes = layer_blocks(store, layer)
     block_tables = block_tables.contiguous()

@@ -44,13 +44,25 @@ KEYS_PER_SPLIT = 64
 SELECTED_READ_TOLERANCE = 2e-3
 
 
-def packed_key_splits(rows: int, heads: int, bucket: int, programs: int) -> tuple[int, int]:
+def packed_key_splits(
+    rows: int, heads: int, bucket: int, programs: int, min_keys: int = KEYS_PER_SPLIT
+) -> tuple[int, int]:
     """(splits, keys per split) over each (row, head)'s ``bucket`` selected keys: about
     ``programs`` programs in all (never fewer than one split per pair), at least
-    ``KEYS_PER_SPLIT`` keys per split."""
+    ``min_keys`` keys per split."""
     want = max(1, programs // max(1, rows * heads))
-    splits = max(1, min(want, math.ceil(bucket / KEYS_PER_SPLIT)))
+    splits = max(1, min(want, math.ceil(bucket / min_keys)))
     return splits, math.ceil(bucket / splits)
+
+
+def check_selected_indices(q, indices: torch.Tensor) -> None:
+    """``indices`` must be int32 [R, Hq, Kb] for q [R, Hq, D]."""
+    rows, num_q_heads = q.shape[:2]
+    if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
+        raise ValueError(
+            f"indices must be int32 [{rows}, {num_q_heads}, Kb]; "
+            f"got {indices.dtype} {tuple(indices.shape)}"
+        )
 
 
 def packed_selected_parts(
@@ -86,11 +98,7 @@ def packed_selected_parts(
         raise ValueError(f"page_window={page_window} must be 16 or 32")
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8")
-    if indices.shape[:2] != (rows, num_q_heads) or indices.dtype != torch.int32:
-        raise ValueError(
-            f"indices must be int32 [{rows}, {num_q_heads}, Kb]; "
-            f"got {indices.dtype} {tuple(indices.shape)}"
-        )
+    check_selected_indices(q, indices)
     if num_q_heads % num_kv_heads or tuple(store.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"q [R, {num_q_heads}, {head_dim}] does not fit the store's "
