@@ -19,9 +19,11 @@ QUANT = {"enabled": True, "group_size": 16}
 SPARSE = {"enabled": True, "window_size": 16, "retention": [1, 1, 0.5, 0.25]}
 
 
-def _engine(model, config, block_size=4, **kwargs):
+def _engine(model, config, block_size=4, prefill_chunk=32, **kwargs):
     backend = Registry.discover().create("flashloop", REQUEST, config)
-    return Engine(model, backend, num_blocks=200, block_size=block_size, prefill_chunk=32, **kwargs)
+    return Engine(
+        model, backend, num_blocks=200, block_size=block_size, prefill_chunk=prefill_chunk, **kwargs
+    )
 
 
 def _logprobs(engine, prompt, forced):
@@ -63,10 +65,11 @@ def test_prompt_blocks_are_freed_and_pages_come_back():
             free_before = engine.kv.free_blocks
         engine.step()
     store = engine.backend.packed.store
-    # the first token is out before the prompt is packed: the next step packs it first
-    assert engine.has_first_token(rid) and store.accounting()["pages_used"] == 0
-    engine.step()
+    # the prompt's last prefill step packs it; its BF16 blocks go when the next step starts
+    assert engine.has_first_token(rid)
     assert store.accounting()["pages_used"] == 4 * 3  # 48 of 53 rows: 3 groups x 4 levels
+    assert engine.kv.free_blocks == free_before
+    engine.step()
     for depth in range(4):
         table = engine.kv.block_table(rid, depth)
         assert table[:12] == [-1] * 12 and min(table[12:]) >= 0  # rows 48.. stay BF16
@@ -147,11 +150,13 @@ def test_rolling_keeps_a_bounded_bf16_tail_and_flushes_whole_groups():
         flushes += rows > before and before > 0
         tails.append(final_rows - rows)
         blocks = engine.kv.block_table(rid, 3)
-        assert blocks[: rows // 4] == [-1] * (rows // 4) and min(blocks[rows // 4 :]) >= 0
-    # the first token is out before the prompt is packed (40 rows in BF16); the next step
-    # packs 16 of them (24 stay); afterwards the tail is 16..31 rows: 31 final rows + one
-    # more token -> 32 -> one group flushed -> 16
-    assert tails[:2] == [40, 24] and all(16 <= t <= 31 for t in tails[1:])
+        freed = len(tails) > 1  # the packed rows' blocks go when the next step starts
+        assert (blocks[: rows // 4] == [-1] * (rows // 4)) == freed and min(
+            blocks[rows // 4 :]
+        ) >= 0
+    # the prompt's last prefill step packs 16 of its 40 rows (24 stay in BF16); afterwards
+    # the tail is 16..31 rows: 31 final rows + one more token -> 32 -> one group flushed -> 16
+    assert tails[:2] == [24, 24] and all(16 <= t <= 31 for t in tails)
     assert 31 in tails and flushes == 2
     assert packed.store.accounting()["pages_used"] == 0  # finished: every page came back
 
@@ -184,8 +189,6 @@ def test_rolling_mixed_batches_equal_one_by_one():
 def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
     """Chunked conversion appends at most ``chunk`` rows at a time; with dense levels the
     pages hold the same groups, so the log-probs are those of packing the prompt at once."""
-    import functools
-
     from flashloop_backend.backends import packed_state
     from flashloop_backend.host import engine as engine_module
 
@@ -201,14 +204,45 @@ def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
         return gather(self, request_id, start, end)
 
     monkeypatch.setattr(engine_module.PagedKVCache, "plane_rows", spy)
-    monkeypatch.setattr(
-        packed_state.PackedState,
-        "pack_prompt",
-        functools.partialmethod(packed_state.PackedState.pack_prompt, chunk=16),
-    )
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
     chunked = _logprobs(_engine(model, config), PROMPT, forced)
     assert gathered == [16, 16, 16]  # 48 prompt rows, groups of 16
     torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="chunk=24 must be a multiple of group_size=16"):
         _engine(model, config).backend.packed.pack_prompt(0, None, chunk=24)
+
+
+@pytest.mark.parametrize("extra", [{}, {"token_sparse_prefill": SPARSE}], ids=["dense", "sparse"])
+def test_the_last_loop_packs_chunk_by_chunk_as_at_hand_over(monkeypatch, extra):
+    """Each prefill chunk of the prompt's last loop packs the appends its final rows
+    complete, in that step; the pages (compact levels and maps included) are those a
+    packing of the whole prompt at hand-over writes, and so are the log-probs."""
+    from flashloop_backend.backends import packed_state
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    model = tiny_model(seed=2)
+    config = FlashLoopConfig(kv_residual_quantization=QUANT, **extra)
+    prompt, forced = PROMPT + PROMPT[:20], [3, 9, 27, 1]  # 68 rows: 64 packed
+
+    def run(engine):
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=len(forced)))
+        packed_in_prefill = []
+        while not engine.has_first_token(rid):
+            engine.step()
+            r = engine._requests[rid]
+            packed_in_prefill.append((r.depth, engine.backend.packed.packed_rows(rid)))
+        engine.step()  # hand-over: the BF16 blocks of the packed rows go
+        return engine.backend.export_request(rid), packed_in_prefill
+
+    early, steps = run(_engine(model, config, prefill_chunk=16))
+    # prefill_chunk 16: rows are packed after a chunk of the last loop that is not its last
+    assert any(depth == 3 and rows > 0 for depth, rows in steps) and steps[-1][1] == 64
+    monkeypatch.setattr(
+        type(_engine(model, config).backend), "prompt_rows_done", lambda *args: None
+    )
+    late, late_steps = run(_engine(model, config, prefill_chunk=16))
+    assert all(rows == 0 for _, rows in late_steps)  # packed when the next step starts
+    assert sorted(early) == sorted(late)
+    for name, tensor in early.items():
+        assert torch.equal(tensor, late[name]), name

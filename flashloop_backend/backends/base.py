@@ -170,6 +170,14 @@ class AttentionBackend(ABC):
         it holds)."""
         return False
 
+    def prompt_rows_done(self, request_id: int, kv: RequestKV, rows: int) -> None:
+        """During the prompt's last loop: its first ``rows`` rows ran every loop, so their
+        KV is final at every depth. The host calls it after each prefill chunk of that
+        loop, in the same step, so the backend may encode those rows there instead of in a
+        later decode step. The BF16 rows stay readable (the prompt's later chunks read
+        them) until :meth:`prompt_done`."""
+        return None
+
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         """The request's prompt ran every loop and its first token is out: its rows are
         final. The host calls it when the next step starts, before any of the request's

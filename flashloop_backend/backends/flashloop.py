@@ -402,6 +402,10 @@ class FlashLoopBackend(AttentionBackend):
             return False
         return self.packed.store.frees_on_drop(shared)
 
+    def prompt_rows_done(self, request_id: int, kv: RequestKV, rows: int) -> None:
+        if self.packed is not None:
+            self.packed.pack_final_prompt_rows(request_id, kv, rows)
+
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:
             self.packed.pack_prompt(request_id, kv)

@@ -131,15 +131,16 @@ class PackedState:
         every whole group that leaves at least ``tail_size`` rows in BF16 (``rolling``)."""
         return self.packable_rows(prompt_length, self.group_size, self.policy, self.tail_size)
 
-    def pack_rows(self, sequence: int, kv: RequestKV, end: int) -> None:
-        """Pack rows [already packed, end) of every depth and free their BF16 blocks: the
-        store becomes their only copy."""
+    def pack_rows(self, sequence: int, kv: RequestKV, end: int, drop: bool = True) -> None:
+        """Pack rows [already packed, end) of every depth and, with ``drop``, free their
+        BF16 blocks: the store becomes their only copy."""
         start = self.packed_rows(sequence)
         if end <= start:
             return
         rows = kv.planes(start, end)  # read in place by the writer, freed after it
         self.store.append_rows(sequence, rows, kv.active(start, end), write=self.write)
-        kv.drop(end)
+        if drop:
+            kv.drop(end)
 
     def shareable_rows(self, sequence: int, rows: int) -> int:
         """Of the sequence's first ``rows`` rows, those other prompts may start from: whole
@@ -153,21 +154,39 @@ class PackedState:
             rows = rows // self.chunk_rows * self.chunk_rows
         return rows
 
-    def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int | None = None) -> None:
-        """Encode a completed prompt's whole groups at every depth (all but the BF16 tail
-        under ``rolling``), ``chunk`` rows at a time so the conversion peak stays bounded.
-        ``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
-        the pages taken (compact levels take fewer) goes back to the pool."""
-        chunk = self.chunk_rows if chunk is None else chunk
-        if chunk <= 0 or chunk % self.group_size:
-            raise ValueError(f"chunk={chunk} must be a multiple of group_size={self.group_size}")
+    def pack_final_prompt_rows(
+        self, sequence: int, kv: RequestKV, rows: int, chunk: int | None = None
+    ) -> None:
+        """Encode what the prompt's first ``rows`` final rows complete: the appends
+        :meth:`pack_prompt` would make that end at or before them (so the pages are the
+        same as a whole-prompt packing's), keeping their BF16 blocks for the prompt's later
+        chunks."""
+        chunk = self._chunk(chunk)
         end = self.prompt_rows(kv.prompt_length)
         # appends end at multiples of the chunk from row 0 whatever the prompt's length: a
         # compact level's pages (which follow its appends) of those rows are then the same
         # in every prompt that starts with them, so they can be shared
         for stop in range(self.packed_rows(sequence) // chunk * chunk + chunk, end, chunk):
-            self.pack_rows(sequence, kv, stop)
-        self.pack_rows(sequence, kv, end)
+            if stop > rows:
+                return
+            self.pack_rows(sequence, kv, stop, drop=False)
+        if rows >= end:
+            self.pack_rows(sequence, kv, end, drop=False)
+
+    def _chunk(self, chunk: int | None) -> int:
+        chunk = self.chunk_rows if chunk is None else chunk
+        if chunk <= 0 or chunk % self.group_size:
+            raise ValueError(f"chunk={chunk} must be a multiple of group_size={self.group_size}")
+        return chunk
+
+    def pack_prompt(self, sequence: int, kv: RequestKV, chunk: int | None = None) -> None:
+        """Encode a completed prompt's whole groups at every depth (all but the BF16 tail
+        under ``rolling``) that :meth:`pack_final_prompt_rows` has not, ``chunk`` rows at
+        a time so the conversion peak stays bounded, then free their BF16 blocks.
+        ``fixed_prompt`` packs nothing after the prompt: what its reservation holds beyond
+        the pages taken (compact levels take fewer) goes back to the pool."""
+        chunk = self._chunk(chunk)
+        self.pack_final_prompt_rows(sequence, kv, kv.prompt_length, chunk)
         kv.drop(self.packed_rows(sequence))  # rows adopted from another prompt included
         if self.policy != "rolling":
             self.store.unreserve(sequence)

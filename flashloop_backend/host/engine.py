@@ -445,6 +445,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
             if group.mode == RowMode.PREFILL:
                 r.prompt_hidden[r.schedule.rows(r.chunk_start, group.count)] = h
                 r.chunk_start += group.count
+                if r.depth == loops - 1:  # rows before the next scheduled one are final
+                    final = r.schedule.final_rows(r.chunk_start)
+                    self.backend.prompt_rows_done(r.id, self._request_kv(r), final)
                 if r.chunk_start == len(r.schedule.positions):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0

@@ -90,6 +90,14 @@ class PromptSchedule:
             return None
         return torch.stack(self.active_history)
 
+    def final_rows(self, done: int) -> int:
+        """At the last depth, once its first ``done`` scheduled rows ran: how many leading
+        prompt rows ran every depth (the rows before the next scheduled one; those between
+        the scheduled ones left earlier)."""
+        if done >= len(self.positions):
+            return len(self.active)
+        return self.positions[done]
+
     def chunk(self, start: int, count: int) -> tuple[int, tuple[int, ...]]:
         """(first position, positions) of scheduled rows [start, start+count); positions is
         empty when they are consecutive (the row group's start and count say it all)."""
