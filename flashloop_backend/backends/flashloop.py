@@ -622,7 +622,7 @@ class FlashLoopBackend(AttentionBackend):
                 continue
             if out is None:
                 out = torch.zeros_like(gathered_q)
-            out[:n] = torch.where(mine[:, None, None], result, out[:n])
+            torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
         if out is None:
             out = torch.zeros_like(gathered_q)
         return plan.restore(out)

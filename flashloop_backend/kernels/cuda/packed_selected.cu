@@ -1,7 +1,7 @@
 // Attention over the selected keys of packed INT4 KV (encoding v3): the loop 3-4 sparse
 // correction's softmax partials, or (FROM_LOGITS) the loop-2 contribution sum exp(logit -
 // lse) v. Built by kernels/cuda/packed_selected.py with HEAD_DIM, GROUP, LEVELS, WARPS,
-// COMPACT_FROM and FROM_LOGITS defined.
+// COMPACT_FROM, FROM_LOGITS and MIN_CTAS defined.
 //
 // One CTA = one (split, query head, row) over a range of the row's sorted selected
 // positions; each warp takes a quarter of the range in blocks of up to 16 keys whose pages
@@ -78,8 +78,13 @@ __device__ __forceinline__ void codes8(u32 w, float c[8]) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-packed_selected(const Params P) {
+#if MIN_CTAS > 0  // registers capped so that MIN_CTAS CTAs fit on an SM
+#define SELECTED_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
+#else
+#define SELECTED_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+
+extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
     __shared__ float merge[WARPS][D + 2];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int quad = lane & 3, g = lane >> 2;
@@ -120,8 +125,9 @@ packed_selected(const Params P) {
     for (int n = 0; n < NG; ++n) mins[n] = 0.f;
 
     // ---- packed keys: blocks of up to 16, key k of the block in lane k (lanes 16-31 idle)
+    int window = (lane < 16 && i + lane < warp_end) ? idx[i + lane] : -1;
     while (i < warp_end) {
-        const int pos = (lane < 16 && i + lane < warp_end) ? idx[i + lane] : -1;
+        const int pos = window;
         const int lead = __shfl_sync(FULL_MASK, pos, 0);
         if (lead < 0 || lead >= packed) break;
         const bool valid = pos >= 0 && pos < packed;
@@ -141,6 +147,8 @@ packed_selected(const Params P) {
         const u32 out_mask = __ballot_sync(FULL_MASK, outside);
         const int valid_count = __popc(__ballot_sync(FULL_MASK, valid));
         const int take = out_mask ? min(__ffs(out_mask) - 1, valid_count) : valid_count;
+        // the next block's positions load while this block's pages are read
+        window = (lane < 16 && i + take + lane < warp_end) ? idx[i + take + lane] : -1;
         int pages[LEVELS];
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {

@@ -31,10 +31,12 @@ WARPS = 4
 @dataclass(frozen=True)
 class SelectedTuning:
     """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
-    over the (row, head) pairs, at least ``keys_per_split`` keys a split."""
+    over the (row, head) pairs, at least ``keys_per_split`` keys a split, registers capped
+    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap)."""
 
     ctas_per_sm: int = 4
     keys_per_split: int = 128
+    resident_ctas: int = 4
 
 
 DEFAULT_SELECTED = SelectedTuning()
@@ -159,6 +161,7 @@ def packed_selected_parts_cuda(
         "WARPS": WARPS,
         "COMPACT_FROM": min(meta.compact_from, levels),
         "FROM_LOGITS": int(from_logits),
+        "MIN_CTAS": tuning.resident_ctas,
     }
     kernel = loader.build_file("packed_selected", defines)
     kernel((splits, num_q_heads, rows), (WARPS * 32, 1, 1), [params])

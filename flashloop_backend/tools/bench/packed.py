@@ -331,13 +331,15 @@ def sparse_ops_case(
     key_retention: float = 0.10,
     timer=graph_ms,
     select=None,
+    sweep: bool = False,
 ) -> dict:
     """The packed sparse-decode ops per layer call on ``gen``'s device: the loop-2 source
     (two-level read with logits, selection, contribution) beside the plain two-level read,
     and the loop 3-4 correction over the selected keys at three and four levels, dense and
     compact levels, each with its bytes and rate; ``dense``: FlashInfer BF16 decode of the
     same rows (same run; None: timed here on a GPU); ``select``: the selection's
-    ``SelectTuning`` (None: the registered one)."""
+    ``SelectTuning`` (None: the registered one); ``sweep``: the CUDA correction under other
+    launches too."""
     from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.kernels.triton.dense_source import DEFAULT_SELECT
     from flashloop_backend.kernels.triton.packed_decode import packed_decode_triton
@@ -408,6 +410,8 @@ def sparse_ops_case(
                 lambda layer, s=store, src=source: packed_dense_source_cuda(q, s, layer, *src[3:]),
                 two_levels + selected_bytes(store, meta[1], indices, 2),
             )
+            if sweep:
+                corrections += _selected_variants(packed_sparse_correction_cuda)
         for suffix, correct in corrections:
             for depth in (2, 3):
                 record(
@@ -418,6 +422,21 @@ def sparse_ops_case(
                     selected_bytes(store, meta[depth], indices, depth + 1),
                 )
     return results
+
+
+def _selected_variants(correct) -> list:
+    """(suffix, correction) of the CUDA selected-key kernel under other launches: CTAs per
+    SM in the grid and resident at once (the register cap)."""
+    import functools
+
+    from flashloop_backend.kernels.cuda.packed_selected import DEFAULT_SELECTED, SelectedTuning
+
+    out = []
+    for ctas, resident in ((4, 0), (3, 3), (8, 4), (6, 3), (12, 4)):
+        tuning = SelectedTuning(ctas_per_sm=ctas, resident_ctas=resident)
+        if tuning != DEFAULT_SELECTED:
+            out.append((f"_cuda_c{ctas}_r{resident}", functools.partial(correct, tuning=tuning)))
+    return out
 
 
 PACKED_PARTS = ("decode", "sparse_ops")
@@ -443,7 +462,9 @@ def bench_packed_kv(
     dense = {(c["context"], c["concurrency"]): c["flashinfer_bf16"] for c in cases}
     sparse_ops = []
     if "sparse_ops" in parts:
-        sparse_ops = [sparse_ops_case(c, b, gen, log, dense.get((c, b))) for c, b in shapes]
+        sparse_ops = [
+            sparse_ops_case(c, b, gen, log, dense.get((c, b)), sweep=sweep) for c, b in shapes
+        ]
     accounting = _accounting(2048, 24, gen)
     dense_levels = accounting["dense_levels"]["ratio_vs_bf16"]
     token_sparse = accounting["token_sparse_1_1_0.25_0.10"]["ratio_vs_bf16"]
