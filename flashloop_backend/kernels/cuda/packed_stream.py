@@ -35,6 +35,7 @@ class StreamTuning:
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
+    resident_ctas: int = 0  # registers capped so that this many CTAs fit an SM (0: no cap)
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -93,6 +94,7 @@ def _kernel(
         "WARPS": warps,
         "STAGES": stages,
         "LOGITS": int(logits),
+        "MIN_CTAS": tuning.resident_ctas,
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)
