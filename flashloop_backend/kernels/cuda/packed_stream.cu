@@ -1,6 +1,6 @@
 // Streaming decode attention over packed INT4 KV (encoding v3), dense levels, plus the
 // BF16 pages above each row's packed length. Built by kernels/cuda/packed_stream.py with
-// HEAD_DIM, GROUP, LEVELS, WARPS, STAGES, LOGITS and MIN_CTAS defined.
+// HEAD_DIM, GROUP, LEVELS, WARPS, STAGES and LOGITS defined.
 //
 // One CTA = one (split, query head, row); its warps take the split's groups in turn and
 // run independently (own online softmax, own output partial) until the CTA merges them.
@@ -78,13 +78,7 @@ struct Params {
     int block_size;
 };
 
-#if MIN_CTAS > 0  // registers capped so that MIN_CTAS CTAs fit on an SM
-#define STREAM_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
-#else
-#define STREAM_BOUNDS __launch_bounds__(WARPS * 32)
-#endif
-
-extern "C" __global__ void STREAM_BOUNDS
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
 packed_stream(const Params P) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -35,7 +35,6 @@ class StreamTuning:
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
-    resident_ctas: int = 0  # registers capped so that this many CTAs fit an SM (0: no cap)
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -94,7 +93,6 @@ def _kernel(
         "WARPS": warps,
         "STAGES": stages,
         "LOGITS": int(logits),
-        "MIN_CTAS": tuning.resident_ctas,
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)

@@ -202,10 +202,6 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
 
     out = [(False, DEFAULT_STREAM)] + ([(True, DEFAULT_STREAM)] if levels == 2 else [])
-    if sweep and levels <= 2:  # three CTAs of 4 warps fit an SM's shared memory
-        for resident in (0, 3):
-            tuning = StreamTuning(ctas_per_sm=3, resident_ctas=resident)
-            out += [(False, tuning)] + ([(True, tuning)] if levels == 2 else [])
     if sweep:
         shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
         for ctas in (1, 4, 8):
@@ -221,8 +217,7 @@ def _stream_label(stream) -> str:
 
     if stream == DEFAULT_STREAM:
         return ""
-    resident = f"_r{stream.resident_ctas}" if stream.resident_ctas else ""
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{resident}"
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}"
 
 
 def cuda_unavailable() -> str | None:
