@@ -123,6 +123,7 @@ class PlanRouting:
         # op -> (rows it serves [n] or [L, n] bool, their masked lengths or None)
         self._masks: dict = {}
         self._writes: dict = {}
+        self._references: dict = {}
 
     def rows(
         self, op, n: int, layer: int, reads_lengths: bool, decode: bool
@@ -132,18 +133,39 @@ class PlanRouting:
         planned rows. Only a ``decode`` op's rows can change with the layer; the others
         get the same tensors at every layer (a kernel that plans on the host recognises
         them)."""
-        routes = self.routes if decode else self.base_routes
+        mine, masked = self._all_layers(op, n, reads_lengths, decode)
+        if mine.dim() == 1:
+            return mine, masked
+        return mine[layer], None if masked is None else masked[layer]
+
+    def _all_layers(self, op, n: int, reads_lengths: bool, decode: bool):
+        """:meth:`rows` for every layer at once ([L, n] where routes follow references)."""
         if (op, n) not in self._masks:
+            routes = self.routes if decode else self.base_routes
             mine = routes[..., :n] == ROUTE_CODES[op]
             masked = None
             if reads_lengths:
                 lengths = self.lengths[:n]
                 masked = torch.where(mine, lengths, torch.zeros_like(lengths))
             self._masks[(op, n)] = (mine, masked)
-        mine, masked = self._masks[(op, n)]
-        if routes.dim() == 1:
-            return mine, masked
-        return mine[layer], None if masked is None else masked[layer]
+        return self._masks[(op, n)]
+
+    def references(
+        self, states: ReferenceStates, op, n: int, layer: int
+    ) -> tuple[torch.Tensor, ...]:
+        """(indices [n, H, K], mass [n, H], output and contribution [n, H, D]) of the
+        first ``n`` rows' reference at ``layer`` for the correction ``op``: every layer's
+        is read once per batch (:meth:`ReferenceStates.read_layers`). A row that ``op``
+        does not serve at a layer selects no key there (its slot may hold another token's
+        state)."""
+        if (op, n) not in self._references:
+            mine, _ = self._all_layers(op, n, reads_lengths=False, decode=True)
+            if mine.dim() == 1:
+                mine = mine.expand(states.num_layers, n)
+            indices, mass, output, contribution = states.read_layers(self.target[:n])
+            indices = torch.where(mine[:, :, None, None], indices, -1)
+            self._references[(op, n)] = (indices, mass, output, contribution)
+        return tuple(field[layer] for field in self._references[(op, n)])
 
     def source_rows(
         self, states: ReferenceStates, n: int, mine: torch.Tensor

@@ -571,9 +571,7 @@ class FlashLoopBackend(AttentionBackend):
             q_n = gathered_q if n == view.num_rows else gathered_q[:n]
             tables_n = tables if n == view.num_rows else tables[:n]
             if op in CORRECTION_OPS:
-                indices, mass, ref_out, contribution = states.read_at(layer, routing.target[:n])
-                # rows routed elsewhere may hold another token's state: they select nothing
-                indices = torch.where(mine[:, None, None], indices, -1)
+                indices, mass, ref_out, contribution = routing.references(states, op, n, layer)
                 inputs = CorrectionInputs(
                     q_n,
                     key_cache,

@@ -26,9 +26,10 @@ def key_bucket(key_retention: float, max_context: int) -> int:
 
 
 class ReferenceStates:
-    """indices [S+1, L, H, K] int32 (-1 = unused), mass [S+1, L, H] FP32, output and
-    contribution [S+1, L, H, D] FP32, incarnation [S+1, L] int64. Slot S is scratch: rows
-    that must not write are pointed at it."""
+    """indices [L, S+1, H, K] int32 (-1 = unused), mass [L, S+1, H] FP32, output and
+    contribution [L, S+1, H, D] FP32, incarnation [S+1, L] int64. Slot S is scratch: rows
+    that must not write are pointed at it. Layer-major, so one gather reads a batch's rows
+    at every layer with each layer's part contiguous (:meth:`read_layers`)."""
 
     def __init__(
         self,
@@ -39,13 +40,15 @@ class ReferenceStates:
         k_bucket: int,
         device: torch.device | str,
     ) -> None:
-        shape = (num_slots + 1, num_layers, num_heads)
+        shape = (num_layers, num_slots + 1, num_heads)
         self.num_slots, self.num_layers, self.k_bucket = num_slots, num_layers, k_bucket
         self.indices = torch.full((*shape, k_bucket), -1, dtype=torch.int32, device=device)
         self.mass = torch.zeros(shape, dtype=torch.float32, device=device)
         self.output = torch.zeros((*shape, head_dim), dtype=torch.float32, device=device)
         self.contribution = torch.zeros_like(self.output)
-        self.incarnation = torch.full(shape[:2], EMPTY, dtype=torch.int64, device=device)
+        self.incarnation = torch.full(
+            (num_slots + 1, num_layers), EMPTY, dtype=torch.int64, device=device
+        )
         self.missing_reference = torch.zeros((), dtype=torch.int64, device=device)
         self.sources_written = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -82,10 +85,10 @@ class ReferenceStates:
         if width < self.k_bucket:  # one tensor write (a Python scalar would be copied from
             # the host: not capturable)
             indices = torch.nn.functional.pad(indices, (0, self.k_bucket - width), value=-1)
-        self.indices[slot, layer] = indices
-        self.mass[slot, layer] = mass
-        self.output[slot, layer] = output
-        self.contribution[slot, layer] = contribution
+        self.indices[layer, slot] = indices
+        self.mass[layer, slot] = mass
+        self.output[layer, slot] = output
+        self.contribution[layer, slot] = contribution
         self.incarnation[slot, layer] = incarnation
 
     def write_at(
@@ -125,10 +128,21 @@ class ReferenceStates:
         """(indices, mass, output, contribution) of each row's :meth:`target` slot for
         ``layer``."""
         return (
-            self.indices[target, layer],
-            self.mass[target, layer],
-            self.output[target, layer],
-            self.contribution[target, layer],
+            self.indices[layer, target],
+            self.mass[layer, target],
+            self.output[layer, target],
+            self.contribution[layer, target],
+        )
+
+    def read_layers(self, target: torch.Tensor):
+        """(indices [L, N, H, K], mass [L, N, H], output and contribution [L, N, H, D]) of
+        each row's :meth:`target` slot at every layer: one gather per field for a whole
+        step (a step never writes the slot of a row that reads its reference)."""
+        return (
+            self.indices[:, target],
+            self.mass[:, target],
+            self.output[:, target],
+            self.contribution[:, target],
         )
 
     def read(self, layer: int, slots: torch.Tensor):
