@@ -692,7 +692,7 @@ def test_a_reused_sequence_id_gets_fresh_graph_metadata(rng):
     sequence a new entry version, so graph buffers holding the old one's page tables and
     maps rewrite them (a dense prompt, then a compact one under the same id)."""
     from flashloop_backend.backends.packed_state import PackedState
-    from flashloop_backend.kv.levels import level_metadata
+    from flashloop_backend.kv.levels import LevelKind, level_metadata
 
     store = PackedKVStore(24, L, H, D, G)
     state = PackedState(store, None, "fixed_prompt", G)
@@ -711,6 +711,12 @@ def test_a_reused_sequence_id_gets_fresh_graph_metadata(rng):
         assert torch.equal(graph.tables[0, depth, : pages.numel()], pages)
         rows = expected.maps[0, depth]
         assert torch.equal(graph.maps[0, depth, : rows.numel()], rows)
+    for depth in (0, 2, 1, 3):  # the kinds and lengths each step's depths read
+        state.plan_graph_step([5, None], [depth, 0])
+        expected = level_metadata(store, [5, None], [depth, 0], "cpu")
+        assert torch.equal(graph.kinds[:, : depth + 1], expected.kinds)
+        assert torch.equal(graph.packed_lengths, expected.packed_lengths)
+    assert graph.kinds[0, 3] == LevelKind.COMPACT and graph.packed_lengths.tolist() == [32, 0]
 
 
 def test_shared_rows_are_held_by_every_holder_and_freed_by_the_last(rng):

@@ -23,8 +23,8 @@ import torch
 from flashloop_backend.backends.base import GraphStep, RequestKV
 from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kv.levels import (
+    LevelKind,
     LevelMetadata,
-    first_compact,
     level_metadata,
     level_version,
     level_widths,
@@ -264,14 +264,42 @@ class _GraphInputs:
         device = store.blocks.device
         self.store, self.packed_rows = store, max_context
         self.pages = max(1, -(-max_context // store.group_size))
+        # kinds [rows, depths] and packed lengths [rows] share one device buffer, written
+        # each step from a pinned host copy by one asynchronous copy (a pageable copy would
+        # wait for the device)
+        cuda = device.type == "cuda"
+        words = rows * (depths + 1)
+        self._step = torch.zeros(words, dtype=torch.int32, device=device)
+        host = torch.zeros(words, dtype=torch.int32, pin_memory=cuda)
+        self._step_host, self._host_words = host, host.numpy()
+        self._copied = torch.cuda.Event() if cuda else None
         self.meta = LevelMetadata(
             torch.full((rows, depths, self.pages), -1, dtype=torch.int32, device=device),
             torch.full((rows, depths, self.packed_rows), -1, dtype=torch.int32, device=device),
-            torch.zeros((rows, depths), dtype=torch.int32, device=device),
-            torch.zeros((rows,), dtype=torch.int32, device=device),
+            self._step[: rows * depths].view(rows, depths),
+            self._step[rows * depths :],
             compact_from,
         )
         self.versions: list[int | None] = [None] * rows  # the entry version each row holds
+        # per row: (entry version, per depth (kinds, first compact level), packed rows)
+        self._row_steps: list[tuple | None] = [None] * rows
+
+    def _row_step(self, row: int, entry, depth: int) -> tuple[list[int], int, int]:
+        """(kinds, first compact level, packed rows) of ``row`` at ``depth``, computed once
+        per version of its sequence's entry."""
+        version = level_version(entry)
+        cached = self._row_steps[row]
+        if cached is None or cached[0] != version:
+            levels = self.meta.num_levels
+            by_depth = []
+            for d in range(levels):
+                kinds = row_kinds(entry, d, levels)
+                compact = [k for k, kind in enumerate(kinds) if kind == int(LevelKind.COMPACT)]
+                by_depth.append((kinds, compact[0] if compact else levels))
+            cached = (version, by_depth, row_packed(entry))
+            self._row_steps[row] = cached
+        kinds, first = cached[1][min(depth, len(cached[1]) - 1)]
+        return kinds, first, cached[2]
 
     def fill(self, sequences: list[int | None], depths: list[int]) -> GraphStep:
         levels, pages, rows = level_widths(self.store, sequences, depths)
@@ -289,15 +317,25 @@ class _GraphInputs:
                 maps[row].fill_(-1)
                 write_row_levels(entry, tables[row], maps[row], tables.shape[1])
                 self.versions[row] = version
-        all_levels = self.meta.num_levels
-        kinds = [row_kinds(e, d, all_levels) for e, d in zip(entries, depths, strict=True)]
-        if kinds and first_compact(torch.tensor(kinds)) < self.meta.compact_from:
+        steps = [
+            self._row_step(row, e, d)
+            for row, (e, d) in enumerate(zip(entries, depths, strict=True))
+        ]
+        first = min((step[1] for step in steps), default=self.meta.num_levels)
+        if first < self.meta.compact_from:
             raise RuntimeError(
-                f"a row reads level {first_compact(torch.tensor(kinds))} as compact; the graph "
-                f"buffers' kernels read levels below {self.meta.compact_from} as dense only"
+                f"a row reads level {first} as compact; the graph buffers' kernels read "
+                f"levels below {self.meta.compact_from} as dense only"
             )
-        bucket = len(sequences)
-        self.meta.kinds[:bucket].copy_(torch.tensor(kinds, dtype=torch.int32))
-        packed = torch.tensor([row_packed(e) for e in entries], dtype=torch.int32)
-        self.meta.packed_lengths[:bucket].copy_(packed)
+        if self._copied is not None:  # the last step's copy may still read the host buffer
+            self._copied.synchronize()
+        all_rows, all_levels = self.meta.kinds.shape
+        kinds = self._host_words[: all_rows * all_levels].reshape(all_rows, all_levels)
+        packed = self._host_words[all_rows * all_levels :]
+        for row, (row_kinds_now, _, packed_rows) in enumerate(steps):
+            kinds[row] = row_kinds_now
+            packed[row] = packed_rows
+        self._step.copy_(self._step_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return GraphStep(levels)
