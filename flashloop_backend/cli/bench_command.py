@@ -144,11 +144,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_MODES = {
+    "kernel": "dense paged decode attention per layer call, the backends' kernels side by side",
+    "e2e": "prefill, TTFT and TPOT through the host (Ouro-1.4B shapes or --model)",
+    "sparse": "the sparse-decode ops per layer call beside FlashInfer BF16 decode",
+    "prefill": "prefill attention per layer call on token-sparse subsets (--retention)",
+    "packed": "the packed INT4 KV readers and sparse ops, bytes and TB/s (--parts)",
+    "serving": "arrivals and closed loops per feature variant (--variants, --rate)",
+}
+
+
 def add_bench_command(sub) -> None:
     bench = sub.add_parser(
-        "bench", help="GPU benchmarks: kernel level or end to end through the host"
+        "bench",
+        help="GPU benchmarks: kernel level or end to end through the host",
+        description="GPU benchmarks, each against a dense baseline timed in the same process.\n\n"
+        + "modes:\n"
+        + "\n".join(f"  {mode:<8} {what}" for mode, what in BENCH_MODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("mode", choices=["kernel", "e2e", "sparse", "prefill", "packed", "serving"])
+    bench.add_argument("mode", choices=list(BENCH_MODES), help="what to time (see modes above)")
     bench.add_argument(
         "--variants",
         help="serving: comma-separated variants to run (dense, flashloop_dense: the backend "
@@ -198,9 +213,21 @@ def add_bench_command(sub) -> None:
         help="comma-separated; the first is the baseline; "
         "e2e: NAME+graphs replays decode steps from CUDA graphs",
     )
-    bench.add_argument("--contexts", type=int_list, default=[1024, 8192, 32768])
-    bench.add_argument("--concurrency", type=int_list, default=[1, 16])
-    bench.add_argument("--repeats", type=int, default=30)
+    bench.add_argument(
+        "--contexts",
+        type=int_list,
+        default=[1024, 8192, 32768],
+        help="context lengths in tokens, comma-separated (default 1024,8192,32768)",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[1, 16],
+        help="requests (rows) per batch, comma-separated (default 1,16)",
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=30, help="kernel: timed samples per case (default 30)"
+    )
     bench.add_argument(
         "--new-tokens", type=int, default=16, help="e2e: generated tokens per request"
     )
@@ -276,5 +303,5 @@ def add_bench_command(sub) -> None:
         help="e2e: timed passes per backend (TTFT and TPOT are medians over them)",
     )
     bench.add_argument("--out", help="write the JSON record here")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the record as JSON")
     bench.set_defaults(handler=_bench)

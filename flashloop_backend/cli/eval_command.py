@@ -203,7 +203,9 @@ def add_eval_command(sub) -> None:
     )
     add_common_options(ev)
     ev.add_argument("--text", help="text file (default: the embedded model's held-out split)")
-    ev.add_argument("--windows", type=positive_int, default=8)
+    ev.add_argument(
+        "--windows", type=positive_int, default=8, help="text windows evaluated (default 8)"
+    )
     ev.add_argument("--context", type=positive_int, default=256, help="prefilled tokens per window")
     ev.add_argument(
         "--continuation",
@@ -223,7 +225,7 @@ def add_eval_command(sub) -> None:
         default=8,
         help="per (context, depth) cell; 0 skips passkey retrieval",
     )
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--seed", type=int, default=0, help="seed of the windows' and passkeys' choice")
     ev.add_argument(
         "--exit-threshold",
         type=float,
@@ -257,5 +259,7 @@ def add_eval_command(sub) -> None:
         "model, text, config and settings) and run the rest",
     )
     ev.add_argument("--out", help="also write the JSON record here")
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument(
+        "--json", action="store_true", help="print the record as JSON (progress to stderr)"
+    )
     ev.set_defaults(handler=_eval)

@@ -376,7 +376,9 @@ def _generate_rank(tp, arguments: dict) -> int:
 def add_commands(sub) -> None:
     demo = sub.add_parser("demo", help="main job: generate on the embedded model")
     add_common_options(demo)
-    demo.add_argument("--max-new-tokens", type=positive_int, default=48)
+    demo.add_argument(
+        "--max-new-tokens", type=positive_int, default=48, help="tokens to generate (default 48)"
+    )
     demo.add_argument(
         "--no-compare",
         action="store_true",
@@ -386,12 +388,16 @@ def add_commands(sub) -> None:
     gen = sub.add_parser("generate", help="generate from an Ouro checkpoint")
     add_common_options(gen)
     gen.add_argument("--prompt", help="prompt text (or --restore FILE)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)"
+    )
     gen.add_argument(
         "--temperature", type=non_negative_float, default=None, help="0 = greedy (default)"
     )
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (with --temperature)")
+    gen.add_argument(
+        "--json", action="store_true", help="print the result as JSON (progress to stderr)"
+    )
     gen.add_argument(
         "--speculate",
         type=at_least_two,

@@ -261,7 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     from flashloop_backend.cli.bench_command import add_bench_command
     from flashloop_backend.cli.host_commands import add_commands
 
-    parser = argparse.ArgumentParser(prog="flashloop-backend", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="flashloop-backend",
+        description="FlashLoop attention backend for looped language models (Ouro): see what "
+        "is installed and which backend and kernels a configuration selects, benchmark, "
+        "evaluate quality and generate. A bad value or file exits 2; a request that no "
+        "backend (or not the named one) can serve exits 3.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="installed backends/kernels, capabilities, selection")
@@ -287,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     front.add_argument("--plot", help="write the quality-vs-speed PNG here")
     front.add_argument("--write-config", help="write the recommended configuration here")
-    front.add_argument("--json", action="store_true")
+    front.add_argument(
+        "--json", action="store_true", help="print the points and the recommendation as JSON"
+    )
     front.set_defaults(handler=_pareto)
     add_commands(sub)
     return parser
