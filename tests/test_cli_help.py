@@ -41,3 +41,36 @@ def test_bench_help_describes_every_mode():
     text = _commands()[1]["bench"].format_help()
     for mode in ("kernel", "e2e", "sparse", "prefill", "packed", "serving"):
         assert re.search(rf"^\s+{mode}\s+\S", text, re.M), f"bench mode {mode} is not described"
+
+
+def test_progress_shows_a_time_left_only_once_a_rate_is_known():
+    """The first units carry the start-up (loading, compiling): the estimate starts from
+    the units after them, at the rate since."""
+    import io
+
+    from flashloop_backend.host.progress import ProgressBar
+
+    bar = ProgressBar("work", 10, "steps", stream=io.StringIO())
+    assert bar.seconds_left(0, now=bar.start + 60) is None
+    assert bar.seconds_left(1, now=bar.start + 60) is None  # 60 s of start-up, one step
+    assert bar.seconds_left(1, now=bar.start + 61) is None  # no step since: no rate yet
+    assert bar.seconds_left(3, now=bar.start + 62) == 7  # 2 steps in 2 s, 7 left
+    assert bar.seconds_left(10, now=bar.start + 69) is None  # done
+    assert "left" not in ProgressBar("w", 10, "s", stream=io.StringIO()).line(1)
+
+
+def test_info_says_why_a_backend_or_provider_is_unavailable_here(capsys):
+    """A backend or kernel provider this machine cannot use is listed with the reasons,
+    never with an empty capability list."""
+    import importlib.util
+
+    from flashloop_backend.cli.main import main
+
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if line.endswith(": -")]
+    if importlib.util.find_spec("flashinfer") is None:
+        flashinfer = [line for line in lines if line.strip().startswith("flashinfer ")]
+        assert len(flashinfer) == 2  # the backend and the kernel provider
+        for line in flashinfer:
+            assert "unavailable here:" in line and "'flashinfer' is not installed" in line

@@ -38,7 +38,7 @@ def _info(args: argparse.Namespace) -> int:
         },
         "request": request.describe(),
         "capability_names": [c.value for c in Capability],
-        "backends": _backend_rows(registry, config),
+        "backends": _backend_rows(registry, config, request),
         "kernels": _kernel_rows(registry),
         "load_failures": [f.reason() for f in registry.failures.values()],
         "feature_support": feature_support(),
@@ -84,7 +84,9 @@ def _info(args: argparse.Namespace) -> int:
     return status
 
 
-def _backend_rows(registry, config) -> dict[str, object]:
+def _backend_rows(registry, config, request) -> dict[str, object]:
+    """Each backend's row; ``unavailable_here``: why it cannot serve ``request`` (this
+    machine's default request) with ``config`` (empty: it can)."""
     from flashloop_backend.capabilities import SupportRequest
     from flashloop_backend.registry import capability_table
 
@@ -104,6 +106,7 @@ def _backend_rows(registry, config) -> dict[str, object]:
             "priority": spec.priority,
             "description": spec.description,
             "capabilities": caps[name],
+            "unavailable_here": registry.backend_reasons(name, request, config),
         }
     return rows
 
@@ -128,10 +131,11 @@ def _kernel_rows(registry) -> dict[str, object]:
                 "capabilities": sorted(
                     c.value for c in impl.support.usable_capabilities(registry.env)
                 ),
-                "usable_here": not impl.support.machine_reasons(
+                "unavailable_here": impl.support.machine_reasons(
                     registry.env.devices()[-1], registry.env
                 ),
             }
+            ops[op.value]["usable_here"] = not ops[op.value]["unavailable_here"]
         rows[name] = {
             "loaded": True,
             "version": provider.version,
@@ -149,13 +153,23 @@ def _print_text(report: dict) -> None:
             print(f"  {name}: NOT LOADED — {'; '.join(row['reasons'])}")
             continue
         on = [c for c, v in row["capabilities"].items() if v]
-        print(f"  {name} {row['version']} (priority {row['priority']}): {', '.join(on) or '-'}")
+        head = f"  {name} {row['version']} (priority {row['priority']})"
+        if row["unavailable_here"]:
+            print(f"{head}: unavailable here: {'; '.join(row['unavailable_here'])}")
+        else:
+            print(f"{head}: {', '.join(on) or 'no optional capabilities'}")
     print("\nkernel implementations:")
     for name, row in report["kernels"].items():
         if not row["loaded"]:
             print(f"  {name}: NOT LOADED — {row['reason']}")
             continue
-        print(f"  {name} {row['version']} (priority {row['priority']}): {', '.join(row['ops'])}")
+        head = f"  {name} {row['version']} (priority {row['priority']})"
+        usable = [op for op, entry in row["ops"].items() if entry["usable_here"]]
+        if row["ops"] and not usable:
+            why = dict.fromkeys(r for e in row["ops"].values() for r in e["unavailable_here"])
+            print(f"{head}: {', '.join(row['ops'])}; unavailable here: {'; '.join(why)}")
+        else:
+            print(f"{head}: {', '.join(row['ops'])}")
     print("\nflashloop features serve:")
     for mode, features in report["feature_support"].items():
         print(f"  {mode}: {', '.join(f for f, ok in features.items() if ok) or '-'}")

@@ -35,6 +35,9 @@ class ProgressBar:
         self._shown_at: float | None = None
         self._done = 0
         self._closed = False
+        # (time, units) when the first units were done: the time before them (loading,
+        # compiling) says nothing of the rate, so the estimate waits for units after them
+        self._first: tuple[float, int] | None = None
 
     def line(self, done: int, rate_count: int | None = None) -> str:
         """The text of the bar for ``done`` units (``rate_count`` units of ``rate_unit``)."""
@@ -47,9 +50,23 @@ class ProgressBar:
         if self.rate_unit is not None and rate_count is not None and elapsed > 0:
             text += f", {rate_count / elapsed:.1f} {self.rate_unit}/s"
         text += f", {elapsed:.0f} s"
-        if 0 < frac < 1:
-            text += f", about {elapsed * (1 - frac) / frac:.0f} s left"
+        left = self.seconds_left(done)
+        if left is not None:
+            text += f", about {left:.0f} s left"
         return text
+
+    def seconds_left(self, done: int, now: float | None = None) -> float | None:
+        """The time the remaining units take at the rate since the first units were done;
+        None until units after those give a rate (and once the work is done)."""
+        now = time.perf_counter() if now is None else now
+        if self._first is None:
+            if done > 0:
+                self._first = (now, done)
+            return None
+        since, first = self._first
+        if done <= first or done >= self.total or now <= since:
+            return None
+        return (self.total - done) * (now - since) / (done - first)
 
     def update(self, done: int, rate_count: int | None = None) -> None:
         if self._closed:
