@@ -8,7 +8,7 @@ apart from the handoff); the consumer's greedy tokens are checked against one en
 one JSON record.
 
     python3 scripts/pd_record.py --config configs/all_on.json --context 1000 \\
-        --out results/issue27/pd_handoff_cpu.json
+        --out results/pd_handoff/pd_handoff_cpu.json
     python3 scripts/pd_record.py --model models/ouro-eval-bytes-20m --device cuda \\
         --out $OUT/pd_handoff_h200.json
 """
@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--config", default="configs/all_on.json")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=4)
-    parser.add_argument("--out", default="results/issue27/pd_handoff_cpu.json")
+    parser.add_argument("--out", default="results/pd_handoff/pd_handoff_cpu.json")
     parser.add_argument("--model", default=str(embedded_model_path()), help="checkpoint dir")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: BF16 engines on the GPU"

@@ -7,7 +7,7 @@
 #           join them with cat)
 #   grid    eval --grid on that model (MODEL=models/ouro-eval-bytes-20m): 256 held-out
 #           windows of 1,024 prefilled tokens per point, written after every point;
-#           RESUME=results/issue24/eval_grid_partial_h200.json keeps that record's points;
+#           RESUME=results/quality/eval_grid_partial_h200.json keeps that record's points;
 #           POINTS='text;text' runs only the points whose name holds every text
 #   speed   bench e2e --grid: dense Triton and FlashLoop at every grid point, 32K x 1, 24
 #           layers, from CUDA graphs (the speed axis of `flashloop-backend pareto`);

@@ -41,7 +41,7 @@ case "${1:?stage: profile, linear, tests, dense or features}" in
   tests)
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider --tb=short -rfE \
       -n "${WORKERS:-15}" ${TESTS:-tests/test_layer_ops.py tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_op_inputs.py} \
-      2>&1 | tee "$OUT/gpu_tests_issue20.log" | tail -15 ;;
+      2>&1 | tee "$OUT/gpu_tests_dense_host.log" | tail -15 ;;
   dense)
     run flashloop-backend bench e2e --backends triton+graphs --layer-ops fused,reference \
       --contexts 8192 --concurrency 1 --warmup-context 512 --out "$OUT/bench_e2e_dense_8k.json" 2>&1 | tail -8

@@ -20,7 +20,7 @@ case "${1:?stage: ops, e2e or tests}" in
   ops)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
       tests/test_packed_kv.py -k "dense_source or correction or selected or source" 2>&1 \
-      | tee "$OUT/gpu_tests_issue22.log" | tail -4
+      | tee "$OUT/gpu_tests_sparse_ops.log" | tail -4
     for r in 0.25 0.10; do
       run flashloop-backend bench sparse --contexts 8192,32768 --concurrency 1,16 --key-retention "$r" \
         --out "$OUT/bench_sparse_$r.json" 2>&1 | grep -v "^\s*$" | tail -6
@@ -49,7 +49,7 @@ case "${1:?stage: ops, e2e or tests}" in
   tests)
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
       tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_sparse_decode.py 2>&1 \
-      | tee "$OUT/gpu_tests_combinations_issue22.log" | tail -6 ;;
+      | tee "$OUT/gpu_tests_combinations_sparse_ops.log" | tail -6 ;;
   source)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
       -k "dense_source or selection or correction" 2>&1 | tee "$OUT/gpu_tests_source.log" | tail -3

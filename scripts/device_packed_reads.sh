@@ -26,6 +26,6 @@ case "${1:?stage: bench, e2e or tests}" in
   tests)
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
       tests/test_packed_kv.py tests/test_packed_host.py tests/test_gpu_dense.py tests/test_gpu_graphs.py \
-      -k "packed or kv or features or graphs" 2>&1 | tee "$OUT/gpu_tests_issue21.log" | tail -8 ;;
+      -k "packed or kv or features or graphs" 2>&1 | tee "$OUT/gpu_tests_packed_reads.log" | tail -8 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
