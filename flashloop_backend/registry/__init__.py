@@ -17,7 +17,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from stevedore import ExtensionManager
 
@@ -30,10 +29,7 @@ from flashloop_backend.capabilities import (
 )
 from flashloop_backend.config import ConfigError, EffectiveConfig, FlashLoopConfig, UnservableError
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
-from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
-
-if TYPE_CHECKING:
-    from flashloop_backend.backends.base import AttentionBackend
+from flashloop_backend.registry.spec import BackendSpec, BuiltBackend, SelectionInfo
 
 LOG = logging.getLogger("flashloop_backend")
 BACKEND_GROUP = "flashloop_backend.backends"
@@ -210,7 +206,7 @@ class Registry:
         name: str,
         request: SupportRequest | None = None,
         config: FlashLoopConfig | None = None,
-    ) -> AttentionBackend:
+    ) -> BuiltBackend:
         """Select and build a backend object in one call."""
         request = request or SupportRequest.default(self.env)
         config = config or FlashLoopConfig()
@@ -234,7 +230,7 @@ def create_backend(
     name: str = AUTO,
     request: SupportRequest | None = None,
     config: FlashLoopConfig | None = None,
-) -> AttentionBackend:
+) -> BuiltBackend:
     """Select and build the backend ``name`` (or ``auto``'s choice) in one call."""
     return Registry.discover().create(name, request, config)
 

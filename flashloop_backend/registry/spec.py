@@ -2,7 +2,8 @@
 
 The entry point names a zero-argument callable returning a :class:`BackendSpec`. The spec
 declares capabilities and reasons as data; ``create`` builds the backend object the host
-calls (:class:`flashloop_backend.backends.base.AttentionBackend`).
+calls. The registry names that object only as :class:`BuiltBackend`: the interface hosts
+call sits a layer above (``backends/base.py``), and the registry imports nothing of it.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
 from flashloop_backend.config import FlashLoopConfig
 
 if TYPE_CHECKING:
-    from flashloop_backend.backends.base import AttentionBackend
     from flashloop_backend.registry import Registry
 
 
@@ -27,6 +27,15 @@ class SelectionInfo:
     requested_backend: str
     selected_backend: str
     selection_reason: str
+
+
+class BuiltBackend(Protocol):
+    """What :meth:`BackendSpec.create` returns: every backend is an
+    ``AttentionBackend`` (``backends/base.py``), the interface hosts call; the registry
+    hands it over and reads only what it was built from."""
+
+    config: FlashLoopConfig
+    info: SelectionInfo
 
 
 class BackendSpec(ABC):
@@ -56,7 +65,7 @@ class BackendSpec(ABC):
         config: FlashLoopConfig,
         registry: Registry,
         info: SelectionInfo,
-    ) -> AttentionBackend:
+    ) -> BuiltBackend:
         """Build the backend object (only after ``not_supported_reasons`` returned none)."""
 
     def kernel_choices(
