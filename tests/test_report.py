@@ -99,3 +99,21 @@ def test_context_lengths_read_as_the_docs_write_them():
     from flashloop_backend.tools.report import tokens
 
     assert [tokens(n) for n in (1024, 8192, 32768, 1000)] == ["1K", "8K", "32K", "1000"]
+
+
+def test_the_readme_results_table_is_the_one_the_records_give(tmp_path):
+    """The README's measured-results table is generated from committed records
+    (``report --readme``): a figure edited by hand, or a record changed without
+    regenerating it, fails here."""
+    import shutil
+    from pathlib import Path
+
+    from flashloop_backend.tools.results_table import BEGIN, END, rewrite
+
+    repo = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "README.md"
+    shutil.copy(repo / "README.md", copy)
+    assert not rewrite(copy, repo / "results"), "README.md's table differs from its records"
+    text = copy.read_text()
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert block.count("\n| ") >= 7 and "results/decode_v3/" in block

@@ -201,6 +201,18 @@ def _report(args: argparse.Namespace) -> int:
     results = Path(args.results)
     if not results.is_dir():
         raise ConfigError(f"--results {args.results!r} is not a directory of JSON records")
+    if args.readme:
+        from flashloop_backend.tools.results_table import rewrite
+
+        document = Path(args.readme)
+        if not document.is_file():
+            raise ConfigError(f"--readme {args.readme!r} is not a file")
+        try:
+            changed = rewrite(document, results)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(f"cannot write the results table of {args.readme!r}: {exc}") from None
+        print(f"{'rewrote' if changed else 'unchanged:'} the results table of {args.readme}")
+        return 0
     written = make_plots(results, Path(args.out))
     return 0 if written else 1
 
@@ -293,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots from the committed JSON records")
     report.add_argument("--results", default="results", help="directory of JSON records")
     report.add_argument("--out", default="docs/figures", help="where the PNGs go")
+    report.add_argument(
+        "--readme",
+        metavar="FILE",
+        help="instead of plots: rewrite the measured-results table of FILE (README.md) from "
+        "the records",
+    )
     report.set_defaults(handler=_report)
     front = sub.add_parser(
         "pareto",
