@@ -168,7 +168,6 @@ def main() -> int:
             shape,
             8,
         )
-    ok &= _split_selection()
     ok &= _threshold_selection()
     ok &= _dense_kernels()
     ok &= _layer_kernels()
@@ -285,50 +284,6 @@ def _threshold_selection() -> bool:
     ok = True
     for label, fn, shape, warps in variants:
         ok &= _compile(f"select {label}", fn, pointers, set(), shape, warps)
-    return ok
-
-
-def _split_selection() -> bool:
-    """The split selection's digit (first and last), count and compact kernels (a baseline
-    ``bench sparse`` times, ``tools/bench/baselines.py``)."""
-    from flashloop_backend.tools.bench.baselines import (
-        select_compact_kernel,
-        select_count_kernel,
-        select_digit_kernel,
-    )
-
-    pointers = {
-        "lengths_ptr": "*i32",
-        "hist_ptr": "*i32",
-        "counts_ptr": "*i32",
-        "idx_ptr": "*i32",
-        "v_ptr": "*bf16",
-        "tables_ptr": "*i32",
-        "out_ptr": "*bf16",
-    }
-    ok = True
-    for level in (0, 3):
-        ok &= _compile(
-            f"select_digit LEVEL={level}",
-            select_digit_kernel,
-            pointers,
-            set(),
-            dict(LEVEL=level, BLOCK=1024),
-            4,
-        )
-    ok &= _compile("select_count", select_count_kernel, pointers, set(), dict(BLOCK=1024), 4)
-    for contribute in (False, True):
-        shape = dict(
-            GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK=1024, SPLITS_PAD=64, CONTRIBUTE=contribute
-        )
-        ok &= _compile(
-            f"select_compact CONTRIBUTE={contribute}",
-            select_compact_kernel,
-            pointers,
-            set(),
-            shape,
-            4,
-        )
     return ok
 
 

@@ -21,16 +21,16 @@ from flashloop_backend.tools.bench.timing import (
 
 def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> dict:
     """Side-by-side timings of the registered dense source (keys-only attention, selection,
-    value pass) at two value-pass steps, its baselines (``tools/bench/baselines.py``),
-    plain Triton decode, and the attention pass with logits alone, over keys and values
-    (as the baselines run it) and over keys only (as the registered source does)."""
+    value pass) at two value-pass steps, plain Triton decode, and the attention pass with
+    logits alone, over keys and values and over keys only (as the registered source does).
+    The designs it replaced (sorted bracket, split radix select, torch topk) left the
+    package; results/README.md keeps their figures."""
     from flashloop_backend.kernels.triton.dense_source import (
         DEFAULT_SELECT,
         dense_source_triton,
         logits_and_output,
     )
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton
-    from flashloop_backend.tools.bench import baselines
 
     span = tables.shape[1] * kc.shape[1]
     narrow = dataclasses.replace(DEFAULT_SELECT, value_block=64)
@@ -46,15 +46,6 @@ def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> 
         ),
         "threshold_split_value_block64": lambda: dense_source_triton(
             q, kc, vc, tables, lengths, key_retention, bucket, tuning=narrow
-        ),
-        "sorted_bracket": lambda: baselines.dense_source_sorted_bracket(
-            q, kc, vc, tables, lengths, key_retention, bucket
-        ),
-        "split_select": lambda: baselines.dense_source_split(
-            q, kc, vc, tables, lengths, key_retention, bucket
-        ),
-        "torch_topk": lambda: baselines.dense_source_torch_topk(
-            q, kc, vc, tables, lengths, key_retention, bucket
         ),
     }
     result = {}
