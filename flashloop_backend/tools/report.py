@@ -278,79 +278,47 @@ def _quality_by_combination(results: Path, plt):
     return fig
 
 
+# (label, e2e record, its run's shape, the evaluation-grid point of the same configuration)
+QUALITY_VS_SPEED = (
+    ("all on (configs/all_on.json)", "decode_v3/bench_e2e_all_on_32k16_9f9b53b.json", 13),
+    ("KV quantization alone, fixed_prompt", "decode_v3/bench_e2e_kv_quant_32k16_9f9b53b.json", 9),
+)
+QUALITY_GRID = "quality/eval_grid_h200.json"
+
+
 def _quality_vs_speed(results: Path, plt):
-    """One point per feature alone: its measured speed figure (named on the point) against
-    its Δ bits/byte on the embedded model at the setting the speed was measured with."""
-    sparse = _load(results, "bench_sparse_decode.json")
-    packed = _load(results, "bench_packed_kv.json")
-    e2e = _load(results, "bench_e2e_token_sparse_prefill_32768.json")
-    evals = {
-        n: _load(results, f)
-        for n, f in (
-            ("sparse", "eval_sparse_decode_cpu.json"),
-            ("prefill", "eval_token_sparse_w64_cpu.json"),
-            ("quant", "eval_kv_quant_fixed_prompt_cpu.json"),
-        )
-    }
-    if not (sparse and packed and e2e) or not all(evals.values()):
+    """One point per configuration: decode TPOT against dense's in the same run (Ouro-1.4B
+    shapes, random weights, H200) and Δ bits/byte against dense on the evaluation model
+    (H200) at the same configuration: one model and one machine per axis."""
+    grid = _load(results, QUALITY_GRID)
+    runs = [(label, _load(results, name), index) for label, name, index in QUALITY_VS_SPEED]
+    if grid is None or any(record is None for _, record, _ in runs):
         return None
-    big = max(sparse["cases"], key=lambda c: (c["context"], c["concurrency"]))
-    runs = e2e["runs"][0]["results"]
-    first, last = next(iter(runs)), list(runs)[-1]  # the baseline first
-    case = max(packed["decode"], key=lambda c: c["concurrency"])
-    shape = f"{tokens(big['context'])} x {big['concurrency']}"
-    points = [
-        (
-            f"sparse decode, key retention {sparse['ratio']:.2f}\n4-loop attention sum, {shape}",
-            big["four_loop_speedup"],
-            evals["sparse"],
-        ),
-        (
-            f"token-sparse prefill [1, 1, 0.25, 0.10]\n{tokens(e2e['runs'][0]['context'])} prompt "
-            "through the host",
-            runs[first]["prefill_latency_s"] / runs[last]["prefill_latency_s"],
-            evals["prefill"],
-        ),
-        (
-            f"INT4 KV, packed reader depth 1\nvs FlashInfer BF16, {tokens(case['context'])} x "
-            f"{case['concurrency']}",
-            _registered_depth1(case)["speedup_vs_flashinfer_bf16"],
-            evals["quant"],
-        ),
-    ]
+    points = []
+    for label, record, index in runs:
+        run = record["runs"][0]
+        results_by_backend = run["results"]
+        dense, mine = (results_by_backend[name] for name in list(results_by_backend)[:2])
+        speed = dense["tpot_ms"]["median"] / mine["tpot_ms"]["median"]
+        point = grid["combinations"][index]
+        low, high = point["delta_ci95_percent"]
+        points.append((label, speed, point["delta_bits_per_byte_percent"], low, high))
+    shape = f"{tokens(run['context'])} x {run['concurrency']}"
     fig, ax = plt.subplots(figsize=(9, 5.2))
-    speeds = [s for _, s, _ in points]
-    for label, speed, ev in points:
-        quality = ev["delta_bits_per_byte_percent"]
-        ax.plot([speed], [quality], "o", markersize=10)
-        right = speed == max(speeds)  # the rightmost label reads leftwards, inside the axes
-        shown = f"{quality:+.2f}" if abs(quality) < 1 else f"{quality:+.1f}"
-        ax.annotate(
-            f"{label}\n{speed:.2f}x, Δ {shown}%",
-            (speed, quality),
-            xytext=(-12 if right else 12, 8),
-            textcoords="offset points",
-            ha="right" if right else "left",
-            va="bottom",
-        )
+    for label, speed, quality, low, high in points:
+        ax.errorbar([speed], [quality], yerr=[[quality - low], [high - quality]], fmt="o",
+                    markersize=9, capsize=4)  # fmt: skip
+        ax.annotate(f"{label}\n{speed:.2f}x, Δ {quality:+.2f}%", (speed, quality),
+                    xytext=(10, 8), textcoords="offset points", va="bottom")  # fmt: skip
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.axvline(1.0, color="gray", lw=0.8)
-    ax.annotate(
-        "dense",
-        (1.0, 1.0),
-        xycoords=("data", "axes fraction"),
-        xytext=(4, -4),
-        textcoords="offset points",
-        va="top",
-        color="gray",
-    )
-    quality = [ev["delta_bits_per_byte_percent"] for _, _, ev in points]
-    ax.set_xlim(0.95, max(speeds) + 0.1)
-    ax.set_ylim(min(0.0, *quality) - 3, max(quality) * 1.35)
+    speeds = [p[1] for p in points]
+    ax.set_xlim(min(0.5, *speeds) - 0.05, max(1.5, *speeds) + 0.3)
     ax.set(
-        xlabel="measured speedup vs dense (x), H200",
-        ylabel="Δ bits/byte vs dense (%)\nembedded model, CPU",
-        title="Quality vs speed, each feature alone at the RFC setting",
+        xlabel=f"decode speed vs dense, TPOT ratio (x): Ouro-1.4B shapes, random weights, "
+        f"{shape}, H200",
+        ylabel="Δ bits/byte vs dense (%, 95% CI)\nevaluation model, 256 windows, H200",
+        title="Quality (evaluation model) vs decode speed (Ouro-1.4B shapes), H200",
     )
     return fig
 
