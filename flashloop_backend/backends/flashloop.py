@@ -541,76 +541,15 @@ class FlashLoopBackend(AttentionBackend):
             self._plan = BatchPlan.of(view, self.config)
             self._routing = PlanRouting(self._plan, states, self.config)
         plan, routing = self._plan, self._routing
-        tables = plan.tables
         gathered_q = plan.gather(q)
-        meta = self.packed.meta_for(view, plan.order) if self.packed is not None else None
-        prefill_ops = prefill_route_ops(self.config)
-        launched = routable_ops(
-            self.config, view.decode_only, view.decode_depths, view.prefill_depths
-        )
-        bound = view.num_rows if view.decode_bound is None else view.decode_bound
-        if plan.order is None and bound != 0:  # the view's own order: padding may sit anywhere
-            bound = view.num_rows
-        key_retention = self.config.sparse_decode_attention.key_retention
-        runs = [
-            (op, choice, view.num_rows if op in prefill_ops else bound)
-            for op, choice in self.kernels.items()
-        ]
-        runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
-        # an op over every row whose other rows read nothing goes first: its output is the
-        # base the other ops' rows are written into (its unserved rows are zeros already)
-        runs.sort(key=lambda run: not (run[0] in PLAIN_OUTPUT_OPS and run[2] == view.num_rows))
         out = None
-        for op, choice, n in runs:
-            # the correction reads the reference's positions, not lengths
-            mine, masked = routing.rows(
-                op, n, layer, reads_lengths=op not in CORRECTION_OPS, decode=op not in prefill_ops
-            )
-            # the plan's own tensors where every row runs: a kernel that plans on the host
-            # (FlashInfer) recognises them at every layer and plans once
-            q_n = gathered_q if n == view.num_rows else gathered_q[:n]
-            tables_n = tables if n == view.num_rows else tables[:n]
-            if op in CORRECTION_OPS:
-                indices, mass, ref_out, contribution = routing.references(states, op, n, layer)
-                inputs = CorrectionInputs(
-                    q_n,
-                    key_cache,
-                    value_cache,
-                    tables_n,
-                    indices,
-                    mass,
-                    ref_out,
-                    contribution,
-                    scale,
-                )
-            elif op in SOURCE_OPS:
-                inputs = SourceInputs(
-                    q_n,
-                    key_cache,
-                    value_cache,
-                    tables_n,
-                    masked,
-                    key_retention,
-                    states.k_bucket,
-                    scale,
-                )
-            else:
-                inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
-            if op in PACKED_READ_OPS:
-                if meta is None:
-                    raise RuntimeError(
-                        "KV quantization needs reserve(EngineCapacity) (or reserve_packed) before the first forward"
-                    )
-                inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
+        for op, choice, n in self._runs(view, plan):
+            mine, inputs = self._op_inputs(op, n, layer, gathered_q, key_cache, value_cache, scale)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
+                rows = routing.source_rows(states, n, mine)
                 states.store(
-                    layer,
-                    routing.source_rows(states, n, mine),
-                    result.indices,
-                    result.mass,
-                    result.output,
-                    result.contribution,
+                    layer, rows, result.indices, result.mass, result.output, result.contribution
                 )
                 result = result.out
             if out is None and n == view.num_rows and op in PLAIN_OUTPUT_OPS:
@@ -621,9 +560,61 @@ class FlashLoopBackend(AttentionBackend):
             if out is None:
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
-        if out is None:
-            out = torch.zeros_like(gathered_q)
-        return plan.restore(out)
+        return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
+
+    def _runs(self, view: BatchView, plan: BatchPlan) -> list[tuple[OpName, KernelChoice, int]]:
+        """(op, kernel choice, rows it runs on) of every op this batch launches, the op over
+        every row whose other rows read nothing first (its output is the others' base)."""
+        prefill_ops = prefill_route_ops(self.config)
+        launched = routable_ops(
+            self.config, view.decode_only, view.decode_depths, view.prefill_depths
+        )
+        bound = view.num_rows if view.decode_bound is None else view.decode_bound
+        if plan.order is None and bound != 0:  # the view's own order: padding may sit anywhere
+            bound = view.num_rows
+        runs = [
+            (op, choice, view.num_rows if op in prefill_ops else bound)
+            for op, choice in self.kernels.items()
+        ]
+        runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
+        runs.sort(key=lambda run: not (run[0] in PLAIN_OUTPUT_OPS and run[2] == view.num_rows))
+        return runs
+
+    def _op_inputs(self, op, n: int, layer: int, gathered_q, key_cache, value_cache, scale):
+        """(rows ``op`` serves among the first ``n`` planned rows [n] bool, its typed
+        inputs) at ``layer``, from the batch's plan: the gathered queries, tables and
+        lengths, the loop-2 references, the packed reader's metadata."""
+        plan, routing, states = self._plan, self._routing, self.states
+        prefill_ops = prefill_route_ops(self.config)
+        # the correction reads the reference's positions, not lengths
+        mine, masked = routing.rows(
+            op, n, layer, reads_lengths=op not in CORRECTION_OPS, decode=op not in prefill_ops
+        )
+        # the plan's own tensors where every row runs: a kernel that plans on the host
+        # (FlashInfer) recognises them at every layer and plans once
+        every_row = n == plan.view.num_rows
+        q_n = gathered_q if every_row else gathered_q[:n]
+        tables_n = plan.tables if every_row else plan.tables[:n]
+        if op in CORRECTION_OPS:
+            indices, mass, ref_out, contribution = routing.references(states, op, n, layer)
+            inputs = CorrectionInputs(
+                q_n, key_cache, value_cache, tables_n, indices, mass, ref_out, contribution, scale
+            )
+        elif op in SOURCE_OPS:
+            retention = self.config.sparse_decode_attention.key_retention
+            inputs = SourceInputs(
+                q_n, key_cache, value_cache, tables_n, masked, retention, states.k_bucket, scale
+            )
+        else:
+            inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
+        if op in PACKED_READ_OPS:
+            if self.packed is None:
+                raise RuntimeError(
+                    "KV quantization needs reserve(EngineCapacity) (or reserve_packed) before the first forward"
+                )
+            meta = self.packed.meta_for(plan.view, plan.order)
+            inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
+        return mine, inputs
 
 
 def factory() -> FlashLoopSpec:
