@@ -74,3 +74,15 @@ def test_info_says_why_a_backend_or_provider_is_unavailable_here(capsys):
         assert len(flashinfer) == 2  # the backend and the kernel provider
         for line in flashinfer:
             assert "unavailable here:" in line and "'flashinfer' is not installed" in line
+
+
+def test_the_demo_footnote_judges_quality_against_the_all_on_budget():
+    """The main job's quality footnote says whether its own measurement is inside the
+    all-on budget, naming each miss, instead of a fixed sentence about one model."""
+    from flashloop_backend.cli.showcase import quality_note
+
+    inside = quality_note(0.3, (-0.2, 0.9), 0.99)
+    assert "here it is within the all-on quality budget" in inside
+    outside = quality_note(7.58, (1.6, 48.1), 0.967)
+    assert "outside the all-on quality budget on this model" in outside
+    assert "Δ +7.58% > +1.0%" in outside and "top-1 0.967 < 0.98" in outside
