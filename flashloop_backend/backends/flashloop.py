@@ -28,6 +28,12 @@ from flashloop_backend.dispatch import (
     routable_ops,
 )
 from flashloop_backend.kernels.ops import (
+    CORRECTION_OPS,
+    OP_INPUTS,
+    PACKED_READ_OPS,
+    PACKED_VERSION,
+    PLAIN_OUTPUT_OPS,
+    SOURCE_OPS,
     CorrectionInputs,
     OpName,
     PackedKV,
@@ -95,20 +101,8 @@ def feature_support() -> dict[str, dict[str, bool]]:
     }
 
 
-PACKED_VERSION = {
-    OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
-    OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
-}
-# Ops whose call path this version of the backend drives, by the inputs they take.
-PAGED_OPS = frozenset({OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL})
-SOURCE_OPS = frozenset({OpName.DENSE_SOURCE, OpName.PACKED_SOURCE})
-CORRECTION_OPS = frozenset({OpName.SPARSE_CORRECTION, OpName.PACKED_CORRECTION})
-PACKED_READ_OPS = frozenset({OpName.PACKED_DECODE, OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION})
-# Ops whose output rows for context length 0 are zeros (the PagedInputs contract).
-PLAIN_OUTPUT_OPS = frozenset(
-    {OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL, OpName.PACKED_DECODE}
-)
-WIRED_OPS = PAGED_OPS | SOURCE_OPS | CORRECTION_OPS | PACKED_READ_OPS | {OpName.PACKED_KV_WRITE}
+# Every op with typed inputs (the table in ``kernels/ops.py``) and the packed write.
+WIRED_OPS = frozenset(OP_INPUTS) | {OpName.PACKED_KV_WRITE}
 
 
 class FlashLoopSpec(BackendSpec):
@@ -227,7 +221,7 @@ class FlashLoopBackend(AttentionBackend):
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
         Every op a decode row can route to must run on a kernel that declares
         ``cuda_graphs`` (sparse ops also ``graph_safe_sparse``)."""
-        sparse = {OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION, *PACKED_VERSION.values()}
+        sparse = SOURCE_OPS | CORRECTION_OPS
         reasons = []
         for op in sorted(routable_ops(self.config, decode_only=True), key=lambda o: o.value):
             declared = self.kernels[op].impl.support.capabilities

@@ -15,7 +15,7 @@ import torch
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import DENSE_LOOPS, FlashLoopConfig
 from flashloop_backend.dispatch.batch import BatchView, RowMode
-from flashloop_backend.kernels.ops import OpName
+from flashloop_backend.kernels.ops import PACKED_VERSION, OpName
 
 REFERENCE_DEPTH = DENSE_LOOPS - 1  # zero-based depth of loop 2, the decode reference
 SPARSE_START_DEPTH = DENSE_LOOPS  # zero-based depth of loop 3, the first sparse loop
@@ -30,11 +30,15 @@ class OpRequirement:
     capabilities: frozenset[Capability]
 
 
+def decode_op(config: FlashLoopConfig, op: OpName) -> OpName:
+    """The op that serves ``op``'s decode rows: its packed-KV version when KV quantization
+    is on (``kernels.ops.PACKED_VERSION``)."""
+    return PACKED_VERSION[op] if config.kv_residual_quantization.enabled else op
+
+
 def sparse_decode_ops(config: FlashLoopConfig) -> tuple[OpName, OpName]:
-    """(source op, correction op): their packed-KV versions when KV quantization is on."""
-    if config.kv_residual_quantization.enabled:
-        return OpName.PACKED_SOURCE, OpName.PACKED_CORRECTION
-    return OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION
+    """(source op, correction op) of decode rows under ``config``."""
+    return decode_op(config, OpName.DENSE_SOURCE), decode_op(config, OpName.SPARSE_CORRECTION)
 
 
 def required_ops(config: FlashLoopConfig) -> tuple[OpRequirement, ...]:
@@ -75,9 +79,7 @@ def decode_route_ops(
 ) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give a decode (or verify) row at one of ``depths`` (None:
     at any depth)."""
-    dense = (
-        OpName.PACKED_DECODE if config.kv_residual_quantization.enabled else OpName.DENSE_ATTENTION
-    )
+    dense = decode_op(config, OpName.DENSE_ATTENTION)
     if not config.sparse_decode_attention.enabled:
         return frozenset({dense})
     source, correction = sparse_decode_ops(config)
@@ -159,10 +161,8 @@ def base_routes(
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
     prefill = modes == RowMode.PREFILL
     routes = torch.full_like(depth, NOT_ROUTED)
-    routes = torch.where(decode, ROUTE_CODES[OpName.DENSE_ATTENTION], routes)
+    routes = torch.where(decode, ROUTE_CODES[decode_op(config, OpName.DENSE_ATTENTION)], routes)
     routes = torch.where(prefill, ROUTE_CODES[OpName.DENSE_PREFILL], routes)
-    if config.kv_residual_quantization.enabled:
-        routes = torch.where(decode, ROUTE_CODES[OpName.PACKED_DECODE], routes)
     if config.token_sparse_prefill.enabled:
         sparse_rows = prefill & (depth >= SPARSE_START_DEPTH)
         routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)

@@ -417,6 +417,28 @@ OP_INPUTS: Mapping[OpName, type[OpInputs]] = MappingProxyType(
         OpName.PACKED_CORRECTION: PackedCorrectionInputs,
     }
 )
+# The op that serves a decode op's rows when KV quantization stores their history packed.
+PACKED_VERSION: Mapping[OpName, OpName] = MappingProxyType(
+    {
+        OpName.DENSE_ATTENTION: OpName.PACKED_DECODE,
+        OpName.DENSE_SOURCE: OpName.PACKED_SOURCE,
+        OpName.SPARSE_CORRECTION: OpName.PACKED_CORRECTION,
+    }
+)
+
+
+def _ops_taking(*kinds: type) -> frozenset[OpName]:
+    return frozenset(op for op, inputs in OP_INPUTS.items() if issubclass(inputs, kinds))
+
+
+# Roles read from the table above: the loop-2 sources (write a reference), the loop 3-4
+# corrections (read one), the ops over packed KV, and the ops whose rows of context length
+# 0 come out as zeros (the PagedInputs contract), so their output can be a batch's base.
+SOURCE_OPS = _ops_taking(SourceInputs, PackedSourceInputs)
+CORRECTION_OPS = _ops_taking(CorrectionInputs, PackedCorrectionInputs)
+PACKED_READ_OPS = _ops_taking(PackedDecodeInputs, PackedSourceInputs, PackedCorrectionInputs)
+PLAIN_OUTPUT_OPS = _ops_taking(PagedInputs, PackedDecodeInputs)
+
 _OVER_PACKED: Mapping[type[PagedOpInputs], type[PackedOpInputs]] = MappingProxyType(
     {
         PagedInputs: PackedDecodeInputs,
