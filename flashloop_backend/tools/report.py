@@ -70,10 +70,17 @@ def _features_label(features: list[str]) -> str:
     return " + ".join(FEATURE_NAMES.get(f, f) for f in features) or "no feature"
 
 
-def _registered_depth1(case: dict) -> dict:
-    """The depth-1 entry timed with the launch registered when the record was made (its
-    unsuffixed key; records keep sweeps beside it)."""
-    return case["depths"]["dense_levels_depth1"]
+# The registered packed reader (encoding v3, the CUDA kernel) at depth 1: 8K x 1 and
+# 32K x 16, each beside FlashInfer BF16 decode of the same rows in its run.
+PACKED_READER_RECORDS = (
+    "decode_v3/bench_packed_first_8192_1.json",
+    "decode_v3/bench_packed_stream_sweep_32768_16_67b355d.json",
+)
+
+
+def _cuda_depth1(case: dict) -> dict:
+    """The CUDA reader's depth-1 entry at its registered launch."""
+    return case["depths"]["dense_levels_depth1_cuda"]
 
 
 def _speedup_vs_context(results: Path, plt):
@@ -81,9 +88,10 @@ def _speedup_vs_context(results: Path, plt):
 
     sparse = _load(results, "bench_sparse_decode.json")
     prefill = _load(results, "bench_prefill_attention.json")
-    packed = _load(results, "bench_packed_kv.json")
-    if not (sparse and prefill and packed):
+    packed = [_load(results, name) for name in PACKED_READER_RECORDS]
+    if not (sparse and prefill and all(packed)):
         return None
+    packed = {"decode": [case for record in packed for case in record["decode"]]}
     fig, ax = plt.subplots(figsize=(10, 6.6))
 
     def values(xs, ys, side=None, va="center"):  # each value outside its line: ends outwards
@@ -130,20 +138,20 @@ def _speedup_vs_context(results: Path, plt):
         values(xs, ys)
     packed_points = sorted(
         (
-            (c["context"], _registered_depth1(c)["speedup_vs_flashinfer_bf16"], c["concurrency"])
+            (c["context"], _cuda_depth1(c)["speedup_vs_flashinfer_bf16"], c["concurrency"])
             for c in packed["decode"]
         ),
         key=lambda p: p[1],
     )
-    for index, (context, speedup, batch) in enumerate(packed_points):
+    for context, speedup, batch in packed_points:
         ax.plot(
             [context],
             [speedup],
             "^",
             markersize=10,
-            label=f"packed INT4 reader, depth 1, vs FlashInfer BF16, batch {batch}",
+            label=f"packed INT4 reader (v3, CUDA), depth 1, vs FlashInfer BF16, batch {batch}",
         )
-        values([context], [speedup], side=-1, va="top" if index == 0 else "bottom")
+        values([context], [speedup], side=1)  # right of the point: the lines label left at 8K
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.annotate(
         "dense = 1x", (0.01, 1.0), xycoords=("axes fraction", "data"), va="bottom", color="gray"
