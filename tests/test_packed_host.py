@@ -246,3 +246,21 @@ def test_the_last_loop_packs_chunk_by_chunk_as_at_hand_over(monkeypatch, extra):
     assert sorted(early) == sorted(late)
     for name, tensor in early.items():
         assert torch.equal(tensor, late[name]), name
+
+
+def test_reference_reads_per_batch_and_per_layer_agree(monkeypatch):
+    """A batch reads every layer's loop-2 reference at once while its indices fit in
+    REFERENCE_READ_BYTES, else each layer's as it runs: the log-probs are the same."""
+    from flashloop_backend.backends import batch_plan
+
+    model = tiny_model(seed=2)
+    config = FlashLoopConfig(
+        kv_residual_quantization=QUANT,
+        sparse_decode_attention=SPARSE_DECODE,
+        token_sparse_prefill=SPARSE,
+    )
+    forced = [3, 9, 27, 1, 4, 8]
+    at_once = _logprobs(_engine(model, config), PROMPT, forced)
+    monkeypatch.setattr(batch_plan, "REFERENCE_READ_BYTES", 0)
+    per_layer = _logprobs(_engine(model, config), PROMPT, forced)
+    torch.testing.assert_close(per_layer, at_once, atol=0, rtol=0)

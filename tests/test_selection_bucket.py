@@ -73,7 +73,14 @@ def test_a_graph_runner_wider_than_max_context_grows_the_bucket():
     engine = Engine(
         tiny_model(), backend, num_blocks=64, block_size=4, max_context=100, cuda_graphs=graphs
     )
-    assert engine.backend.states.k_bucket == key_bucket(0.25, 200) > key_bucket(0.25, 100)
+    states = engine.backend.states
+    assert states.k_bucket == key_bucket(0.25, 200) > key_bucket(0.25, 100)
+    # the regrown state keeps the model's layers and the engine's slots
+    layers = engine.model.config.num_hidden_layers
+    assert states.num_layers == layers and states.output.shape[0] == layers
+    assert states.indices.shape[:2] == (layers, states.num_slots + 1)
+    out = engine.generate([list(range(1, 40))], SamplingParams(max_new_tokens=3))
+    assert len(out[0].output_token_ids) == 3
 
 
 @pytest.mark.parametrize("graphs", [None, GraphSettings(buckets=(1, 2), capture=False)])

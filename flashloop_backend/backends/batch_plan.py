@@ -96,6 +96,16 @@ class BatchPlan:
         return torch.where(self.kept[:, None, None], restored, torch.zeros_like(restored))
 
 
+# The most bytes of selected-key indices a batch reads for every layer at once.
+REFERENCE_READ_BYTES = 64 << 20
+
+
+def _fits(states: ReferenceStates, n: int) -> bool:
+    """Whether ``n`` rows' indices at every layer fit in ``REFERENCE_READ_BYTES``."""
+    per_layer = n * states.indices.shape[2] * states.k_bucket * states.indices.element_size()
+    return states.num_layers * per_layer <= REFERENCE_READ_BYTES
+
+
 class PlanRouting:
     """Which rows each op serves, for every layer of a planned batch, computed once.
 
@@ -154,18 +164,31 @@ class PlanRouting:
         self, states: ReferenceStates, op, n: int, layer: int
     ) -> tuple[torch.Tensor, ...]:
         """(indices [n, H, K], mass [n, H], output and contribution [n, H, D]) of the
-        first ``n`` rows' reference at ``layer`` for the correction ``op``: every layer's
-        is read once per batch (:meth:`ReferenceStates.read_layers`). A row that ``op``
-        does not serve at a layer selects no key there (its slot may hold another token's
-        state)."""
+        first ``n`` rows' reference at ``layer`` for the correction ``op``. A row that
+        ``op`` does not serve at a layer selects no key there (its slot may hold another
+        token's state). Every layer's is read once per batch
+        (:meth:`ReferenceStates.read_layers`: a launch per field, not per field and layer)
+        while the batch's indices at every layer fit in ``REFERENCE_READ_BYTES``; larger
+        batches read each layer's indices when it runs, so the indices held stay one
+        layer's."""
         if (op, n) not in self._references:
             mine, _ = self._all_layers(op, n, reads_lengths=False, decode=True)
             if mine.dim() == 1:
                 mine = mine.expand(states.num_layers, n)
-            indices, mass, output, contribution = states.read_layers(self.target[:n])
-            indices = torch.where(mine[:, :, None, None], indices, -1)
-            self._references[(op, n)] = (indices, mass, output, contribution)
-        return tuple(field[layer] for field in self._references[(op, n)])
+            indices, mass, output, contribution = states.read_layers(
+                self.target[:n], indices=_fits(states, n)
+            )
+            if indices is not None:
+                indices = torch.where(mine[:, :, None, None], indices, -1)
+            self._references[(op, n)] = (mine, indices, mass, output, contribution)
+        mine, indices, mass, output, contribution = self._references[(op, n)]
+        if indices is None:
+            indices = torch.where(
+                mine[layer][:, None, None], states.indices[layer, self.target[:n]], -1
+            )
+        else:
+            indices = indices[layer]
+        return indices, mass[layer], output[layer], contribution[layer]
 
     def source_rows(
         self, states: ReferenceStates, n: int, mine: torch.Tensor

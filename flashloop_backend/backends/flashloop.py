@@ -470,9 +470,11 @@ class FlashLoopBackend(AttentionBackend):
             span = self.reader_span(max_context)
             key_retention = self.config.sparse_decode_attention.key_retention
             if key_bucket(key_retention, span) > states.k_bucket:
-                _, layers, heads, head_dim = states.output.shape
+                heads, head_dim = states.output.shape[-2:]
                 device = states.indices.device
-                self.reserve_state(states.num_slots, layers, heads, head_dim, span, device)
+                self.reserve_state(
+                    states.num_slots, states.num_layers, heads, head_dim, span, device
+                )
         if self.packed is not None:
             self.packed.reserve_graph_inputs(rows, max_context, self.config.num_loops)
 

@@ -336,6 +336,6 @@ class _GraphInputs:
             kinds[row] = row_kinds_now
             packed[row] = packed_rows
         self._step.copy_(self._step_host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:  # on the stream the copy ran on (the store's device)
+            self._copied.record(torch.cuda.current_stream(self._step.device))
         return GraphStep(levels)

@@ -134,12 +134,13 @@ class ReferenceStates:
             self.contribution[layer, target],
         )
 
-    def read_layers(self, target: torch.Tensor):
-        """(indices [L, N, H, K], mass [L, N, H], output and contribution [L, N, H, D]) of
-        each row's :meth:`target` slot at every layer: one gather per field for a whole
-        step (a step never writes the slot of a row that reads its reference)."""
+    def read_layers(self, target: torch.Tensor, indices: bool = True):
+        """(indices [L, N, H, K] (None without ``indices``), mass [L, N, H], output and
+        contribution [L, N, H, D]) of each row's :meth:`target` slot at every layer: one
+        gather per field for a whole step (a step never writes the slot of a row that
+        reads its reference)."""
         return (
-            self.indices[:, target],
+            self.indices[:, target] if indices else None,
             self.mass[:, target],
             self.output[:, target],
             self.contribution[:, target],
