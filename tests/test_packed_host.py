@@ -264,3 +264,37 @@ def test_reference_reads_per_batch_and_per_layer_agree(monkeypatch):
     monkeypatch.setattr(batch_plan, "REFERENCE_READ_BYTES", 0)
     per_layer = _logprobs(_engine(model, config), PROMPT, forced)
     torch.testing.assert_close(per_layer, at_once, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("stop", ["preempt", "cancel"])
+def test_a_request_stopped_mid_last_loop_returns_its_packed_pages(monkeypatch, stop):
+    """Packing starts inside the prompt's last loop: a request preempted or cancelled
+    there, with some rows packed and its BF16 rows still held, returns every page and
+    block; preempted, it recomputes to the log-probs of an undisturbed run."""
+    from flashloop_backend.backends import packed_state
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    model = tiny_model(seed=2)
+    config = FlashLoopConfig(kv_residual_quantization=QUANT)
+    prompt, forced = PROMPT + PROMPT[:20], [3, 9, 27, 1]
+    expected = _logprobs(_engine(model, config, prefill_chunk=16), prompt, forced)
+    engine = _engine(model, config, prefill_chunk=16)
+    rid = engine.add_request(
+        prompt, SamplingParams(max_new_tokens=len(forced)), forced=forced, keep_logprobs=True
+    )
+    packed = engine.backend.packed
+    while not (engine._requests[rid].depth == 3 and packed.packed_rows(rid) > 0):
+        engine.step()
+    assert engine._requests[rid].phase == "prefill"
+    getattr(engine, stop)(rid)
+    store = packed.store
+    if stop == "cancel":
+        assert store.sequences == {} and store.accounting()["pages_used"] == 0
+        assert store.unreserved_pages() == store.num_pages and engine.kv.free_blocks == 200
+        return
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    (result,) = [f for f in finished if f.request_id == rid]
+    torch.testing.assert_close(result.logprobs, expected, atol=0, rtol=0)
+    assert store.accounting()["pages_used"] == 0 and engine.kv.free_blocks == 200
