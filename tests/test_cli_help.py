@@ -85,4 +85,5 @@ def test_the_demo_footnote_judges_quality_against_the_all_on_budget():
     assert "here it is within the all-on quality budget" in inside
     outside = quality_note(7.58, (1.6, 48.1), 0.967)
     assert "outside the all-on quality budget on this model" in outside
-    assert "Δ +7.58% > +1.0%" in outside and "top-1 0.967 < 0.98" in outside
+    assert "Δ bits/byte +7.58% > +1.0%" in outside and "top-1 agreement 96.70% < 98%" in outside
+    assert "interval's upper end +48.10% > +1.5%" in outside

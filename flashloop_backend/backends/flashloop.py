@@ -216,6 +216,7 @@ class FlashLoopBackend(AttentionBackend):
         self.dense_attention = kernels[OpName.DENSE_ATTENTION].impl.fn
         self._plan: BatchPlan | None = None
         self._routing: PlanRouting | None = None
+        self._prefill_ops = prefill_route_ops(config)  # the config is immutable
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can).
@@ -561,7 +562,7 @@ class FlashLoopBackend(AttentionBackend):
     def _runs(self, view: BatchView, plan: BatchPlan) -> list[tuple[OpName, KernelChoice, int]]:
         """(op, kernel choice, rows it runs on) of every op this batch launches, the op over
         every row whose other rows read nothing first (its output is the others' base)."""
-        prefill_ops = prefill_route_ops(self.config)
+        prefill_ops = self._prefill_ops
         launched = routable_ops(
             self.config, view.decode_only, view.decode_depths, view.prefill_depths
         )
@@ -581,7 +582,7 @@ class FlashLoopBackend(AttentionBackend):
         inputs) at ``layer``, from the batch's plan: the gathered queries, tables and
         lengths, the loop-2 references, the packed reader's metadata."""
         plan, routing, states = self._plan, self._routing, self.states
-        prefill_ops = prefill_route_ops(self.config)
+        prefill_ops = self._prefill_ops
         # the correction reads the reference's positions, not lengths
         mine, masked = routing.rows(
             op, n, layer, reads_lengths=op not in CORRECTION_OPS, decode=op not in prefill_ops

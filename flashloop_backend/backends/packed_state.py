@@ -23,8 +23,8 @@ import torch
 from flashloop_backend.backends.base import GraphStep, RequestKV
 from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kv.levels import (
-    LevelKind,
     LevelMetadata,
+    first_compact,
     level_metadata,
     level_version,
     level_widths,
@@ -294,8 +294,7 @@ class _GraphInputs:
             by_depth = []
             for d in range(levels):
                 kinds = row_kinds(entry, d, levels)
-                compact = [k for k, kind in enumerate(kinds) if kind == int(LevelKind.COMPACT)]
-                by_depth.append((kinds, compact[0] if compact else levels))
+                by_depth.append((kinds, first_compact(torch.tensor([kinds]))))
             cached = (version, by_depth, row_packed(entry))
             self._row_steps[row] = cached
         kinds, first = cached[1][min(depth, len(cached[1]) - 1)]

@@ -85,15 +85,9 @@ def measure(
 def quality_note(delta: float, interval: tuple[float, float], top1: float) -> str:
     """Footnote (c): how the measurement compares with the all-on quality budget, and why
     this table alone cannot settle it."""
-    from flashloop_backend.tools.pareto import ALL_ON_CI_UPPER, ALL_ON_DELTA, ALL_ON_TOP1
+    from flashloop_backend.tools.pareto import all_on_misses
 
-    misses = []
-    if delta > ALL_ON_DELTA:
-        misses.append(f"Δ {delta:+.2f}% > +{ALL_ON_DELTA}%")
-    if interval[1] > ALL_ON_CI_UPPER:
-        misses.append(f"interval's upper end {interval[1]:+.1f}% > +{ALL_ON_CI_UPPER}%")
-    if top1 < ALL_ON_TOP1:
-        misses.append(f"top-1 {top1:.3f} < {ALL_ON_TOP1}")
+    misses = all_on_misses(delta, interval[1], top1)
     verdict = (
         "within the all-on quality budget"
         if not misses

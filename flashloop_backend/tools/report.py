@@ -12,6 +12,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from flashloop_backend.tools.results_table import dense_and_flashloop
+
 # Records measured at an older tree than a later record of the same shape (results/README.md
 # lists both): drawn beside it, they would show two figures for one measurement with nothing
 # to tell the reader which one holds.
@@ -305,8 +307,7 @@ def _quality_vs_speed(results: Path, plt):
     points = []
     for label, record, index in runs:
         run = record["runs"][0]
-        results_by_backend = run["results"]
-        dense, mine = (results_by_backend[name] for name in list(results_by_backend)[:2])
+        dense, mine = dense_and_flashloop(record)
         speed = dense["tpot_ms"]["median"] / mine["tpot_ms"]["median"]
         point = grid["combinations"][index]
         low, high = point["delta_ci95_percent"]

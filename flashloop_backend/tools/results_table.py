@@ -41,11 +41,16 @@ ROWS: tuple[E2ERow | QualityRow, ...] = (
 )  # fmt: skip
 
 
-def _e2e_cells(row: E2ERow, record: dict) -> tuple[str, str, str]:
+def dense_and_flashloop(record: dict) -> tuple[dict, dict]:
+    """A ``bench e2e`` record's first run: the results of its baseline (the first backend)
+    and of its FlashLoop entry."""
     results = record["runs"][0]["results"]
-    dense_name = next(iter(results))
     flashloop = next(name for name in results if name.startswith("flashloop"))
-    dense, mine = results[dense_name], results[flashloop]
+    return results[next(iter(results))], results[flashloop]
+
+
+def _e2e_cells(row: E2ERow, record: dict) -> tuple[str, str, str]:
+    dense, mine = dense_and_flashloop(record)
     if row.metric == "tpot":
         a, b = dense["tpot_ms"]["median"], mine["tpot_ms"]["median"]
         return f"{a:.2f} ms", f"{b:.2f} ms", _ratio(a / b)
@@ -77,9 +82,7 @@ SECOND_RUN_32K16 = "decode_v3/bench_e2e_all_on_32k16_ad49b5e.json"
 
 
 def _ratio_of(results: Path, record: str, metric: str) -> float:
-    runs = json.loads((results / record).read_text())["runs"][0]["results"]
-    dense = runs[next(iter(runs))]
-    mine = runs[next(name for name in runs if name.startswith("flashloop"))]
+    dense, mine = dense_and_flashloop(json.loads((results / record).read_text()))
     if metric == "kv":
         return dense["kv_held_bytes_per_token"] / mine["kv_held_bytes_per_token"]
     return dense["tpot_ms"]["median"] / mine["tpot_ms"]["median"]
