@@ -1,9 +1,10 @@
 """Where a sparse-decode op's GPU time goes: each kernel's mean device time per call of the
-loop-2 source (BF16 pages and packed depth 2) and the loop 3-4 correction, under
-torch.profiler, at one shape (Ouro-1.4B attention: 16 heads of 128, random BF16 rows).
+loop-2 source (BF16 pages and packed depth 2) and the loop 3-4 correction, Triton and (on
+a GPU that builds them) CUDA, under torch.profiler, at one shape (Ouro-1.4B attention: 16
+heads of 128, random BF16 rows); ``--only`` keeps the ops whose name holds it.
 
     python3 scripts/profile_sparse_ops.py --context 32768 --concurrency 16 \
-        --key-retention 0.25 --json profile_sparse_ops_32k.json
+        --key-retention 0.25 --only cuda --json profile_sparse_ops_32k.json
 """
 
 import argparse
@@ -46,10 +47,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--key-retention", type=float, default=0.25)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--only", default="", help="keep the ops whose name holds this")
     parser.add_argument("--json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, kc, vc, tables, lengths = _bf16_rows(args.context, args.concurrency, gen)
+    q, caches, tables, lengths = _bf16_rows(args.context, args.concurrency, 1, gen)
+    kc, vc = caches[0]
     bucket = key_bucket(args.key_retention, args.context)
     ops = {}
     ops["bf16_source"] = lambda: dense_source_triton(
@@ -71,8 +74,23 @@ def main() -> int:
     ops["packed_correction_depth3"] = lambda: packed_sparse_correction_triton(
         q, store, 0, meta[2], kc, vc, tables, *state
     )
+    from flashloop_backend.kernels.cuda.loader import unavailable
+
+    if unavailable() is None:
+        from flashloop_backend.kernels.cuda.packed_selected import packed_sparse_correction_cuda
+        from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
+
+        ops["packed_source_depth2_cuda"] = lambda: packed_dense_source_cuda(
+            *reads, args.key_retention, bucket
+        )
+        for depth in (2, 3):
+            ops[f"packed_correction_depth{depth + 1}_cuda"] = lambda m=meta[depth]: (
+                packed_sparse_correction_cuda(q, store, 0, m, kc, vc, tables, *state)
+            )
     record = {"context": args.context, "concurrency": args.concurrency, "ops": {}}
     for name, fn in ops.items():
+        if args.only not in name:
+            continue
         means = _kernel_means(fn, args.calls)
         record["ops"][name] = means
         print(f"{name}: {sum(means.values()):.1f} us per call")

@@ -150,7 +150,7 @@ def test_the_cuda_selected_key_correction_matches_the_reference(levels, sparse):
 
 @pytest.mark.gpu
 def test_the_cuda_source_matches_the_reference_statistics():
-    from flashloop_backend.kernels.cuda.packed_selected import packed_dense_source_cuda
+    from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
     from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
 
     args, lengths = _packed_rows(2, sparse=False)
@@ -163,3 +163,28 @@ def test_the_cuda_source_matches_the_reference_statistics():
             assert agree > 0.98, agree
         else:
             torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_the_cuda_source_takes_the_earliest_ties_in_both_passes():
+    """A zero query scores every key 0: the selection takes the first K positions, and the
+    values pass's contribution sums exactly those (1/T each), in packed groups and the
+    BF16 tail alike; the other rows keep matching the reference."""
+    from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
+    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
+
+    args, lengths = _packed_rows(2, sparse=False)
+    q = args[0].clone()
+    q[0] = 0
+    args = (q, *args[1:])
+    retention = 0.99  # K reaches into row 0's BF16 tail
+    expected = packed_dense_source(*args, lengths, retention, 1088)
+    got = packed_dense_source_cuda(*args, lengths, retention, 1088)
+    count = -(-int(lengths[0]) * 99 // 100)
+    want = torch.arange(1088, device="cuda", dtype=torch.int32)
+    want = torch.where(want < count, want, -1)
+    assert torch.equal(got[1][0], want.expand(16, -1))
+    for name, e, g in zip(("output", "contribution"), expected[3:], got[3:], strict=True):
+        torch.testing.assert_close(g[0], e[0].float(), atol=1e-2, rtol=1e-2, msg=name)
+    torch.testing.assert_close(got[2][0], torch.full_like(got[2][0], count / int(lengths[0])))
+    torch.testing.assert_close(got[3][1:], expected[3][1:].float(), atol=2e-2, rtol=2e-2)

@@ -1,5 +1,7 @@
 """The Triton paged attention against the torch reference (interpreter on CPU, real on GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -297,3 +299,38 @@ def test_selection_tuning_names_the_tile_that_is_not_a_power_of_two(rng):
     tuning = SelectTuning(compact_block=48, sample=16)
     with pytest.raises(ValueError, match=r"\{'compact_block': 48\} must be powers of two"):
         dense_source_triton(q, kc, vc, tables, lengths, 0.3, 32, tuning=tuning)
+
+
+def test_the_selection_plan_names_the_last_tie_the_compaction_took(rng):
+    """A value pass takes the keys above the threshold and the ties at or before the plan's
+    last tie: the same keys the compaction wrote, when only some ties are taken (two
+    logit values, K inside the lower one's run), all of them, or none."""
+    from flashloop_backend.kernels.triton.paged_decode import merge_lse
+    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
+
+    rows, heads, span = 3, 2, 96
+    higher = torch.rand(rows, heads, span, generator=rng) < 0.2
+    logits = torch.where(higher, 2.0, 1.0).to(DEVICE)
+    logits[2] = torch.arange(span, dtype=torch.float32)  # no ties but the threshold itself
+    lengths = torch.tensor([96, 61, 80], dtype=torch.int32, device=DEVICE)
+    parts = logits.view(rows, heads, 3, span // 3)
+    part_max = parts.amax(-1)
+    part_sum = (parts - part_max[..., None]).exp().sum(-1)
+    lse = merge_lse(part_max, part_sum, torch.empty(rows, heads, device=DEVICE))
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+    lse = torch.stack([logits[r, :, :n].logsumexp(-1) for r, n in enumerate(lengths.tolist())])
+    indices = torch.empty(rows, heads, 48, dtype=torch.int32, device=DEVICE)
+    # 16-position splits: the ties spread over several compaction programs
+    small = SelectTuning(sample=16, candidates=64, block=16, compact_block=16, chunk_min=16)
+    tuning = dataclasses.replace(small, programs_per_sm=64)
+    plan = select_positions(logits, lse, lengths, indices, 0.3, tuning).plan
+    for r, n in enumerate(lengths.tolist()):
+        for h in range(heads):
+            chosen = indices[r, h][indices[r, h] >= 0].tolist()
+            threshold = logits[r, h, chosen].min().item()
+            ties = [p for p in chosen if logits[r, h, p].item() == threshold]
+            assert plan[r, h, 2].item() == max(ties)
+            rule = (logits[r, h, :n] > threshold) | (
+                (logits[r, h, :n] == threshold) & (torch.arange(n, device=DEVICE) <= max(ties))
+            )
+            assert rule.nonzero().flatten().tolist() == chosen

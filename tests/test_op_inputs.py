@@ -112,10 +112,8 @@ def test_over_packed_gives_each_paged_ops_packed_version():
 
 def _in_tree_functions():
     from flashloop_backend.kernels import torch_ref, triton
-    from flashloop_backend.kernels.cuda.packed_selected import (
-        packed_dense_source_cuda,
-        packed_sparse_correction_cuda,
-    )
+    from flashloop_backend.kernels.cuda.packed_selected import packed_sparse_correction_cuda
+    from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
     from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
     from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
     from flashloop_backend.kernels.triton import dense_source, packed_sparse, sparse_decode

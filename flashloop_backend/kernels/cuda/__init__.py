@@ -20,7 +20,7 @@ def _packed_decode(*args, **kwargs) -> torch.Tensor:
 
 
 def _packed_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    from flashloop_backend.kernels.cuda.packed_selected import packed_dense_source_cuda
+    from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
     return packed_dense_source_cuda(*args, **kwargs)
 
@@ -66,8 +66,9 @@ def provider() -> KernelProvider:
         priority=30,
         description=(
             "CUDA C++ packed INT4 KV readers built on first use with NVRTC: the streaming "
-            "decode read (cp.async rings, tensor-core K products) and the selected-key read "
-            "of the loop-2 contribution and the loop 3-4 correction"
+            "decode read (cp.async rings, tensor-core K products), the loop-2 source as a "
+            "keys pass and a values pass around the selection, and the selected-key read "
+            "of the loop 3-4 correction"
         ),
         impls={
             OpName.PACKED_DECODE: KernelImpl(OpName.PACKED_DECODE, _packed_decode, PACKED),

@@ -153,17 +153,21 @@ def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKer
     return _MODULES[key]
 
 
-def build_file(name: str, defines: dict[str, int], shared: int = 0) -> CudaKernel:
-    """Kernel ``name`` of this folder's ``name``.cu with ``defines`` prepended (its
-    ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
+def build_file(
+    name: str, defines: dict[str, int], shared: int = 0, kernel: str | None = None
+) -> CudaKernel:
+    """Kernel ``kernel`` (default ``name``) of this folder's ``name``.cu with ``defines``
+    prepended (its ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
     ``shared`` bytes of dynamic shared memory; built once per process, device and
     variant."""
-    return _build_file(name, tuple(sorted(defines.items())), shared, torch.cuda.current_device())
+    return _build_file(
+        name, kernel or name, tuple(sorted(defines.items())), shared, torch.cuda.current_device()
+    )
 
 
 @functools.cache
 def _build_file(
-    name: str, defines: tuple[tuple[str, int], ...], shared: int, device: int
+    name: str, kernel: str, defines: tuple[tuple[str, int], ...], shared: int, device: int
 ) -> CudaKernel:
     # ``device`` only keys the cache: ``build`` loads into the current device's context
     defines = dict(defines)
@@ -171,7 +175,8 @@ def _build_file(
     header = "".join(f"#define {key} {value}\n" for key, value in defines.items())
     common = folder.joinpath("common.cuh").read_text()
     body = folder.joinpath(f"{name}.cu").read_text().replace('#include "common.cuh"', common)
-    kernel = build(header + body, name, (name,))[name]
+    label = name if kernel == name else f"{name}.{kernel}"
+    built = build(header + body, label, (kernel,))[kernel]
     if shared:
-        kernel.allow_shared(shared)
-    return kernel
+        built.allow_shared(shared)
+    return built

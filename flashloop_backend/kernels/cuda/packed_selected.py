@@ -204,7 +204,7 @@ def packed_sparse_correction_cuda(
     return merge_splits(*parts, torch.empty_like(q), correction=correction)
 
 
-def packed_dense_source_cuda(
+def packed_dense_source_one_pass_cuda(
     q: torch.Tensor,
     store: PackedKVStore,
     layer: int,

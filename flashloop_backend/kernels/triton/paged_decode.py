@@ -108,6 +108,28 @@ def merge_splits(
     return out
 
 
+def merge_lse(part_max: torch.Tensor, part_sum: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` [R, H] (natural log) from the split states ``part_max`` / ``part_sum`` [R, H,
+    S] of a pass that sums no values (the keys pass of a two-pass read)."""
+    from flashloop_backend.kernels.triton.paged_decode_jit import merge_lse_kernel
+
+    rows, heads, splits = part_max.shape
+    if part_sum.stride() != part_max.stride():
+        raise ValueError("part_max and part_sum must share strides")
+    if rows:
+        merge_lse_kernel[(rows, heads)](
+            part_max,
+            part_sum,
+            lse,
+            part_max.stride(0),
+            part_max.stride(1),
+            lse.stride(0),
+            splits,
+            SPLITS_PAD=max(2, next_pow2(splits)),
+        )
+    return lse
+
+
 def _checked_spans(
     row_spans: torch.Tensor | None,
     max_span: int,

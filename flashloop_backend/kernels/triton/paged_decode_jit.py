@@ -233,3 +233,31 @@ def merge_splits_kernel(
     if STORE_LSE:  # natural-log log-sum-exp of the scaled logits (-inf for rows with no key)
         lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
         tl.store(lse_ptr + row * stride_lr + head, lse)
+
+
+@triton.jit
+def merge_lse_kernel(
+    part_max_ptr,
+    part_sum_ptr,
+    lse_ptr,
+    stride_mr,
+    stride_mh,
+    stride_lr,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One (row, query head): the natural-log LSE of the split states (max, sum) of a pass
+    over the keys only (-inf for rows with no key)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_mask = s < num_splits
+    m = tl.load(
+        part_max_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=float("-inf")
+    )
+    total_max = tl.max(m, axis=0)
+    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
+    sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
+    denom = tl.sum(tl.where(s_mask, sums * tl.exp(m - safe), 0.0), axis=0)
+    lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row * stride_lr + head, lse)

@@ -49,16 +49,21 @@ def compact_selected(
     """Positions [first, last) of one (row, head) in order: the keys above ``threshold`` and
     the ties at it whose rank (after ``ties_seen`` earlier ones) is below ``remaining`` are
     written to ``idx_row`` from slot ``written``. Returns their probability mass and, with
-    CONTRIBUTE, sum p * v from the paged values ([D] zeros otherwise: packed KV sums it)."""
+    CONTRIBUTE, sum p * v from the paged values ([D] zeros otherwise: packed KV sums it),
+    and the position of the last tie taken (-1: none)."""
     offs = tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
     mass = tl.zeros([], tl.float32)
     contribution = tl.zeros([HEAD_DIM], tl.float32)
+    last_tie = tl.full([], -1, tl.int32)
     for start in range(first, last, BLOCK):
         pos = start + offs
         visible = pos < last
         logit = tl.load(logits_row + pos, mask=visible, other=float("-inf"))
-        take, ties = take_selected(_order_key(logit), visible, threshold, remaining, ties_seen, 0)
+        key = _order_key(logit)
+        take, ties = take_selected(key, visible, threshold, remaining, ties_seen, 0)
+        tie_taken = take & (key == threshold)
+        last_tie = tl.maximum(last_tie, tl.max(tl.where(tie_taken, pos, -1), 0).to(tl.int32))
         slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(idx_row + slot, pos.to(tl.int32), mask=take)
         p = tl.where(take, tl.exp(logit - lse), 0.0)
@@ -76,7 +81,7 @@ def compact_selected(
         mass += tl.sum(p, 0)
         written += tl.sum(take.to(tl.int32), 0)
         ties_seen += ties
-    return mass, contribution
+    return mass, contribution, last_tie
 
 
 @triton.jit
@@ -236,7 +241,7 @@ def select_statistics_kernel(
     # ---- compaction in position order: indices, mass, contribution
     d = tl.arange(0, HEAD_DIM)
     zero = tl.zeros([], tl.int32)
-    mass, contribution = compact_selected(
+    mass, contribution, _ = compact_selected(
         logits_row,
         idx_ptr + row * stride_ir + head * stride_ih,
         0,

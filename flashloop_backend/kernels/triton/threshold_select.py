@@ -54,32 +54,34 @@ def selection_splits(rows: int, heads: int, span: int, device, tuning: SelectTun
     return splits, max(1, math.ceil(span / splits))
 
 
-def select_top_keys(
+@dataclass(frozen=True)
+class Selection:
+    """The selection's launches' results a value pass and the finish read: ``plan`` [R, H, 3]
+    int32 (threshold order key, ties to take at it, the last tie position taken), per split
+    ``offsets`` [R, H, S, 2] (output offset, earlier ties) and ``part_mass`` [R, H, S]
+    FP32, over ``splits`` splits of ``chunk`` positions."""
+
+    plan: torch.Tensor
+    offsets: torch.Tensor
+    part_mass: torch.Tensor
+    splits: int
+    chunk: int
+
+
+def select_positions(
     logits: torch.Tensor,
     lse: torch.Tensor,
     context_lengths: torch.Tensor,
-    value_cache: torch.Tensor | None,
-    block_tables: torch.Tensor,
-    output: torch.Tensor,
-    out: torch.Tensor,
     indices: torch.Tensor,
-    mass: torch.Tensor,
-    contribution: torch.Tensor,
     key_retention: float,
     tuning: SelectTuning = DEFAULT_SELECT,
-) -> None:
-    """Top-K selection over ``logits`` [R, Hq, T] FP32 (each row valid below its
-    ``context_lengths`` [R]) with ``lse`` [R, Hq]: writes ``indices`` [R, Hq, Kb] int32 in
-    position order (-1 past K), ``mass`` [R, Hq], ``out`` [R, Hq, D] (``output`` [R, Hq, D]
-    FP32 in out's dtype) and, when ``value_cache`` [NB, BS, Hkv, D] is given,
-    ``contribution`` [R, Hq, D] = sum over the selected keys of p * v from the pages of
-    ``block_tables`` [R, MB] (packed KV sums it itself and passes None). With a value
-    cache ``output`` is written (the dense output, summed in the same pass over the
-    values), without one it is read."""
+) -> Selection:
+    """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid below its
+    ``context_lengths`` [R]) with ``lse`` [R, H]: writes ``indices`` [R, H, Kb] int32 in
+    position order (-1 past K) and returns the plan a value pass takes the same keys by."""
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
 
     rows, heads, bucket = indices.shape
-    head_dim = output.shape[-1]
     if logits.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("logits and lse must have unit stride on their last axis")
     tiles = ("sample", "candidates", "block", "compact_block", "value_block")
@@ -90,26 +92,25 @@ def select_top_keys(
     }
     if odd:
         raise ValueError(f"SelectTuning {odd} must be powers of two (Triton tile extents)")
-    if rows == 0:
-        return
     device = logits.device
     span = logits.shape[-1]
     splits, chunk = selection_splits(rows, heads, span, device, tuning)
-    splits_pad = max(2, next_pow2(splits))
-    ratio = key_retention_fraction(key_retention)
     pairs = (rows, heads)
     int32 = {"dtype": torch.int32, "device": device}
+    plan = torch.empty((*pairs, 3), **int32)
+    offsets = torch.empty((*pairs, splits, 2), **int32)
+    part_mass = torch.empty((*pairs, splits), dtype=torch.float32, device=device)
+    selection = Selection(plan, offsets, part_mass, splits, chunk)
+    if rows == 0:
+        return selection
+    splits_pad = max(2, next_pow2(splits))
+    ratio = key_retention_fraction(key_retention)
     bracket = torch.empty((*pairs, 2), **int32)
     counter = torch.empty(pairs, **int32)
     above = torch.empty((*pairs, splits), **int32)
     cand_key = torch.empty((*pairs, tuning.candidates), **int32)
     cand_pos = torch.empty((*pairs, tuning.candidates), **int32)
-    plan = torch.empty((*pairs, 2), **int32)
-    offsets = torch.empty((*pairs, splits, 2), **int32)
-    part_mass = torch.empty((*pairs, splits), dtype=torch.float32, device=device)
-    contribute = value_cache is not None
     logit_strides = (logits.stride(0), logits.stride(1))
-    warps = tuning.num_warps
     jit.select_bracket_kernel[pairs](
         logits,
         context_lengths,
@@ -133,7 +134,7 @@ def select_top_keys(
         splits,
         BLOCK=tuning.block,
         CANDIDATES=tuning.candidates,
-        num_warps=warps,
+        num_warps=tuning.num_warps,
     )
     jit.select_threshold_kernel[pairs](
         logits,
@@ -171,45 +172,34 @@ def select_top_keys(
         splits,
         bucket,
         BLOCK=tuning.compact_block,
-        num_warps=warps,
+        num_warps=tuning.num_warps,
     )
-    if contribute:
-        _, block_size, num_kv_heads, _ = value_cache.shape
-        part_contrib = torch.empty((*pairs, splits, head_dim), dtype=torch.float32, device=device)
-        part_out = torch.empty_like(part_contrib)
-        group = heads // num_kv_heads
-        use_dot = DECODE_TUNING.use_dot
-        jit.source_values_kernel[(rows, num_kv_heads, splits)](
-            logits,
-            lse,
-            context_lengths,
-            plan,
-            offsets,
-            value_cache,
-            block_tables,
-            part_out,
-            part_contrib,
-            *logit_strides,
-            lse.stride(0),
-            *value_cache.stride()[:3],
-            block_tables.stride(0),
-            chunk,
-            splits,
-            GROUP=group,
-            # tensor-core tiles need M >= 16
-            GROUP_PAD=max(16, next_pow2(group)) if use_dot else next_pow2(group),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=tuning.value_block,
-            USE_DOT=use_dot,
-            DOT_PRECISION="ieee" if value_cache.dtype == torch.float32 else "tf32",
-            num_warps=DECODE_TUNING.num_warps,
-            num_stages=DECODE_TUNING.num_stages,
-        )
-    jit.select_finish_kernel[pairs](
+    return selection
+
+
+def finish_selection(
+    selection: Selection,
+    output: torch.Tensor,
+    out: torch.Tensor,
+    mass: torch.Tensor,
+    contribution: torch.Tensor,
+    value_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """``mass`` [R, H] from the compaction's partials; with ``value_parts`` (dense output,
+    contribution) [R, H, S', D] FP32 contiguous, their sums into ``output`` and
+    ``contribution`` [R, H, D] FP32; ``output`` then also in ``out``'s dtype [R, H, D]."""
+    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+
+    rows, heads = mass.shape
+    if rows == 0:
+        return
+    part_mass = selection.part_mass
+    part_out, part_contrib = value_parts if value_parts is not None else (part_mass, part_mass)
+    value_splits = part_out.shape[2] if value_parts is not None else 1
+    jit.select_finish_kernel[(rows, heads)](
         part_mass,
-        part_mass if not contribute else part_contrib,
-        part_mass if not contribute else part_out,
+        part_contrib,
+        part_out,
         output,
         out,
         mass,
@@ -221,8 +211,82 @@ def select_top_keys(
         mass.stride(0),
         contribution.stride(0),
         contribution.stride(1),
-        splits,
-        HEAD_DIM=head_dim,
-        SPLITS_PAD=splits_pad,
-        VALUES=contribute,
+        selection.splits,
+        value_splits,
+        HEAD_DIM=output.shape[-1],
+        SPLITS_PAD=max(2, next_pow2(selection.splits)),
+        VALUE_SPLITS_PAD=max(2, next_pow2(value_splits)),
+        VALUES=value_parts is not None,
     )
+
+
+def select_top_keys(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    context_lengths: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    output: torch.Tensor,
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    mass: torch.Tensor,
+    contribution: torch.Tensor,
+    key_retention: float,
+    tuning: SelectTuning = DEFAULT_SELECT,
+) -> None:
+    """Top-K selection over ``logits`` [R, Hq, T] FP32 (each row valid below its
+    ``context_lengths`` [R]) with ``lse`` [R, Hq]: writes ``indices`` [R, Hq, Kb] int32 in
+    position order (-1 past K), ``mass`` [R, Hq], ``out`` [R, Hq, D] (``output`` [R, Hq, D]
+    FP32 in out's dtype) and, when ``value_cache`` [NB, BS, Hkv, D] is given,
+    ``contribution`` [R, Hq, D] = sum over the selected keys of p * v from the pages of
+    ``block_tables`` [R, MB] (packed KV sums it itself and passes None). With a value
+    cache ``output`` is written (the dense output, summed in the same pass over the
+    values), without one it is read."""
+    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+
+    rows, heads, _ = indices.shape
+    head_dim = output.shape[-1]
+    selection = select_positions(logits, lse, context_lengths, indices, key_retention, tuning)
+    if rows == 0:
+        return
+    if value_cache is None:
+        finish_selection(selection, output, out, mass, contribution)
+        return
+    splits, chunk = selection.splits, selection.chunk
+    _, block_size, num_kv_heads, _ = value_cache.shape
+    pairs = (rows, heads)
+    part_contrib = torch.empty(
+        (*pairs, splits, head_dim), dtype=torch.float32, device=logits.device
+    )
+    part_out = torch.empty_like(part_contrib)
+    group = heads // num_kv_heads
+    use_dot = DECODE_TUNING.use_dot
+    jit.source_values_kernel[(rows, num_kv_heads, splits)](
+        logits,
+        lse,
+        context_lengths,
+        selection.plan,
+        selection.offsets,
+        value_cache,
+        block_tables,
+        part_out,
+        part_contrib,
+        logits.stride(0),
+        logits.stride(1),
+        lse.stride(0),
+        *value_cache.stride()[:3],
+        block_tables.stride(0),
+        chunk,
+        splits,
+        GROUP=group,
+        # tensor-core tiles need M >= 16
+        GROUP_PAD=max(16, next_pow2(group)) if use_dot else next_pow2(group),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tuning.value_block,
+        USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if value_cache.dtype == torch.float32 else "tf32",
+        num_warps=DECODE_TUNING.num_warps,
+        num_stages=DECODE_TUNING.num_stages,
+    )
+    finish_selection(selection, output, out, mass, contribution, (part_out, part_contrib))

@@ -195,7 +195,8 @@ def select_threshold_kernel(
     """One (row, head): the exact K-th largest key (from the candidates; by radix select
     over the row when the bracket missed it or overflowed the list), the ties at it to
     take, and per split the output offset and the ties in earlier splits. Writes ``plan``
-    [R, H, 2] (threshold key, ties to take) and ``offsets`` [R, H, S, 2]."""
+    [R, H, 3] (threshold key, ties to take, -1 for the compaction's last tie taken) and
+    ``offsets`` [R, H, S, 2]."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = row * tl.num_programs(1) + head
@@ -231,8 +232,9 @@ def select_threshold_kernel(
     ties_before = tl.cumsum(ties, 0) - ties
     taken = greater + tl.minimum(tl.maximum(remaining - ties_before, 0), ties)
     offsets = tl.cumsum(taken, 0) - taken
-    tl.store(plan_ptr + pair * 2, threshold.to(tl.int32, bitcast=True))
-    tl.store(plan_ptr + pair * 2 + 1, remaining)
+    tl.store(plan_ptr + pair * 3, threshold.to(tl.int32, bitcast=True))
+    tl.store(plan_ptr + pair * 3 + 1, remaining)
+    tl.store(plan_ptr + pair * 3 + 2, -1)  # the compaction's last tie taken (atomic max)
     in_range = s < num_splits
     tl.store(offsets_ptr + (pair * num_splits + s) * 2, offsets, mask=in_range)
     tl.store(offsets_ptr + (pair * num_splits + s) * 2 + 1, ties_before, mask=in_range)
@@ -261,15 +263,15 @@ def select_compact_kernel(
 ):
     """One (row, head, split): writes its selected positions in order at its offset in
     ``idx`` [R, H, Kb] (ties taken while the earlier ties number fewer than the plan's),
-    -1 over its share of [K, Kb), and its partial [R, H, S] of the mass sum
-    exp(logit - lse)."""
+    -1 over its share of [K, Kb), its partial [R, H, S] of the mass sum exp(logit - lse),
+    and raises the plan's last tie taken to its own."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
     pair = row * tl.num_programs(1) + head
     length = tl.load(lengths_ptr + row).to(tl.int64)
-    threshold = tl.load(plan_ptr + pair * 2).to(tl.uint32, bitcast=True)
-    remaining = tl.load(plan_ptr + pair * 2 + 1)
+    threshold = tl.load(plan_ptr + pair * 3).to(tl.uint32, bitcast=True)
+    remaining = tl.load(plan_ptr + pair * 3 + 1)
     written = tl.load(offsets_ptr + (pair * num_splits + split) * 2)
     ties_seen = tl.load(offsets_ptr + (pair * num_splits + split) * 2 + 1)
     lse = tl.load(lse_ptr + row * stride_er + head)
@@ -279,7 +281,7 @@ def select_compact_kernel(
     first = split * chunk
     last = tl.minimum(first + chunk, length)
     # no values read here (CONTRIBUTE off): the pointer and strides are never used
-    mass, _ = compact_selected(
+    mass, _, last_tie = compact_selected(
         logits_row,
         idx_row,
         first,
@@ -299,6 +301,8 @@ def select_compact_kernel(
         False,
     )
     tl.store(part_mass_ptr + pair * num_splits + split, mass)
+    # the last tie any split took: a value pass takes the ties at or before it
+    tl.atomic_max(plan_ptr + pair * 3 + 2, last_tie, mask=last_tie >= 0)
     # -1 past K: each split fills its share of [K, Kb)
     count = _selected_count(length, ratio_num, ratio_den)
     share = (bucket + num_splits - 1) // num_splits
@@ -352,8 +356,8 @@ def source_values_kernel(
     in_group = g < GROUP
     heads = kv_head * GROUP + g
     pair = row * (tl.num_programs(1) * GROUP) + heads
-    threshold = tl.load(plan_ptr + pair * 2, mask=in_group, other=0).to(tl.uint32, bitcast=True)
-    remaining = tl.load(plan_ptr + pair * 2 + 1, mask=in_group, other=0)
+    threshold = tl.load(plan_ptr + pair * 3, mask=in_group, other=0).to(tl.uint32, bitcast=True)
+    remaining = tl.load(plan_ptr + pair * 3 + 1, mask=in_group, other=0)
     ties_seen = tl.load(offsets_ptr + (pair * num_splits + split) * 2 + 1, mask=in_group, other=0)
     lse = tl.load(lse_ptr + row * stride_er + heads, mask=in_group, other=0.0)
     length = tl.load(lengths_ptr + row)
@@ -449,12 +453,14 @@ def select_finish_kernel(
     stride_cr,
     stride_ch,
     num_splits,
+    num_value_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    VALUE_SPLITS_PAD: tl.constexpr,
     VALUES: tl.constexpr,
 ):
     """One (row, head): mass [R, H] summed over the compaction's [R, H, S] partials in
-    split order; with VALUES, the value pass's [R, H, S, D] partials summed into the
+    split order; with VALUES, a value pass's [R, H, S', D] partials summed into the
     contribution [R, H, D] and the dense output [R, H, D] FP32 (``output``, otherwise
     read); the dense output also in ``out``'s dtype."""
     row = tl.program_id(0).to(tl.int64)
@@ -466,10 +472,12 @@ def select_finish_kernel(
     mass = tl.load(part_mass_ptr + pair * num_splits + s, mask=in_split, other=0.0)
     tl.store(mass_ptr + row * stride_mr + head, tl.sum(mass, 0))
     if VALUES:
-        parts = (pair * num_splits + s)[:, None] * HEAD_DIM + d[None, :]
-        contrib = tl.load(part_contrib_ptr + parts, mask=in_split[:, None], other=0.0)
+        v = tl.arange(0, VALUE_SPLITS_PAD)
+        in_value = v < num_value_splits
+        parts = (pair * num_value_splits + v)[:, None] * HEAD_DIM + d[None, :]
+        contrib = tl.load(part_contrib_ptr + parts, mask=in_value[:, None], other=0.0)
         tl.store(contrib_ptr + row * stride_cr + head * stride_ch + d, tl.sum(contrib, 0))
-        dense = tl.sum(tl.load(part_out_ptr + parts, mask=in_split[:, None], other=0.0), 0)
+        dense = tl.sum(tl.load(part_out_ptr + parts, mask=in_value[:, None], other=0.0), 0)
         tl.store(output_ptr + row * stride_or + head * stride_oh + d, dense)
     else:
         dense = tl.load(output_ptr + row * stride_or + head * stride_oh + d)

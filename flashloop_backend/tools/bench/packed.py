@@ -400,16 +400,22 @@ def sparse_ops_case(
         corrections = [("", packed_sparse_correction_triton)]
         if cuda and cuda_unavailable() is None:
             from flashloop_backend.kernels.cuda.packed_selected import (
-                packed_dense_source_cuda,
+                packed_dense_source_one_pass_cuda,
                 packed_sparse_correction_cuda,
             )
+            from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
             corrections.append(("_cuda", packed_sparse_correction_cuda))
-            record(
-                f"{name}_source_depth2_cuda",
-                lambda layer, s=store, src=source: packed_dense_source_cuda(q, s, layer, *src[3:]),
-                two_levels + selected_bytes(store, meta[1], indices, 2),
-            )
+            sources = [("_cuda", packed_dense_source_cuda)]
+            sources.append(("_cuda_one_pass", packed_dense_source_one_pass_cuda))
+            if sweep:
+                sources += _source_variants(packed_dense_source_cuda)
+            for suffix, source_fn in sources:
+                record(
+                    f"{name}_source_depth2{suffix}",
+                    lambda layer, s=store, src=source, f=source_fn: f(q, s, layer, *src[3:]),
+                    two_levels + selected_bytes(store, meta[1], indices, 2),
+                )
             if sweep:
                 corrections += _selected_variants(packed_sparse_correction_cuda)
         for suffix, correct in corrections:
@@ -422,6 +428,23 @@ def sparse_ops_case(
                     selected_bytes(store, meta[depth], indices, depth + 1),
                 )
     return results
+
+
+def _source_variants(source) -> list:
+    """(suffix, source) of the two-pass CUDA source under other launches: CTAs per SM and
+    ring stages of each pass."""
+    import functools
+
+    from flashloop_backend.kernels.cuda.packed_source import SourceTuning
+
+    shapes = [(3, 2, 2, 2), (6, 2, 2, 2), (8, 2, 2, 2), (4, 2, 3, 1), (4, 2, 4, 2), (6, 1, 2, 2)]
+    return [
+        (
+            f"_cuda_keys{kc}x{ks}_values{vc}x{vs}",
+            functools.partial(source, tuning=SourceTuning(kc, ks, vc, vs)),
+        )
+        for kc, ks, vc, vs in shapes
+    ]
 
 
 def _selected_variants(correct) -> list:

@@ -1,0 +1,205 @@
+"""Wrapper of the two-pass CUDA loop-2 source (``packed_source.cu``): the
+``packed_dense_source`` contract as a keys pass (exact logits and split states), the LSE
+merge and the Triton top-K selection, then a values pass that sums the dense output and
+the selected keys' contribution in one read of the values. BF16 queries and caches,
+head_dim 128, dense levels; metadata that may hold compact levels takes the Triton
+source."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.cuda.packed_stream import unsupported
+from flashloop_backend.kernels.triton.packed_decode import (
+    check_packed_inputs,
+    packed_span,
+    stream_splits,
+)
+from flashloop_backend.kernels.triton.packed_sparse import check_bucket
+from flashloop_backend.kernels.triton.paged_decode import merge_lse
+from flashloop_backend.kernels.triton.threshold_select import (
+    DEFAULT_SELECT,
+    SelectTuning,
+    finish_selection,
+    select_positions,
+)
+from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kv.levels import LevelMetadata
+from flashloop_backend.kv.store import PackedKVStore
+
+KEYS, VALUES = 1, 2
+
+
+@dataclass(frozen=True)
+class SourceTuning:
+    """Launches of the two passes: about ``*_ctas_per_sm`` CTAs per SM over the rows'
+    heads and splits, ``warps`` per CTA, ``*_stages`` ring buffers per warp (each one
+    group's half blocks at every level; the values pass's also its logits). The defaults
+    were the fastest at 32K x 16 on the H200 (results/README.md)."""
+
+    keys_ctas_per_sm: int = 4
+    keys_stages: int = 2
+    values_ctas_per_sm: int = 2
+    values_stages: int = 2
+    warps: int = 4
+
+
+DEFAULT_SOURCE = SourceTuning()
+
+
+def _layout(pointers: str, ints: str, scale: bool) -> list:
+    """ctypes fields of a Params struct: the pointers (``page_bytes`` an int64 after
+    ``blocks``), then the scale if any, then the ints."""
+    fields: list = []
+    for name in pointers.split():
+        fields.append((name, ctypes.c_void_p))
+        if name == "blocks":
+            fields.append(("page_bytes", ctypes.c_int64))
+    if scale:
+        fields.append(("scale", ctypes.c_float))
+    return fields + [(name, ctypes.c_int) for name in ints.split()]
+
+
+class _KeyParams(ctypes.Structure):
+    # the C layout of KeyParams in packed_source.cu
+    _fields_ = _layout(
+        "q blocks tables kinds packed k_cache block_tables lengths logits part_max part_sum",
+        "q_row q_head t_row t_level kind_row k_block k_slot k_head bt_row "
+        "g_row g_head s_row s_head groups_per_split group_q block_size",
+        scale=True,
+    )
+
+
+class _ValueParams(ctypes.Structure):
+    # the C layout of ValueParams in packed_source.cu
+    _fields_ = _layout(
+        "blocks tables kinds packed v_cache block_tables lengths logits lse plan "
+        "part_out part_contrib",
+        "t_row t_level kind_row v_block v_slot v_head bt_row g_row g_head e_row "
+        "o_row o_head o_split groups_per_split group_q block_size",
+        scale=False,
+    )
+
+
+def shared_bytes(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning) -> int:
+    """Dynamic shared memory of a pass: the warps' rings and the CTA's merge area."""
+    stages = tuning.keys_stages if which == KEYS else tuning.values_stages
+    stage = levels * (group * head_dim // 2 + 4 * head_dim) + (4 * group if which == VALUES else 0)
+    merge = 2 if which == KEYS else 2 * head_dim + 1
+    return tuning.warps * (stages * stage + 4 * merge)
+
+
+def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning):
+    defines = {
+        "HEAD_DIM": head_dim,
+        "GROUP": group,
+        "LEVELS": levels,
+        "WARPS": tuning.warps,
+        "STAGES": tuning.keys_stages if which == KEYS else tuning.values_stages,
+        "PASS": which,
+    }
+    name = "packed_source_keys" if which == KEYS else "packed_source_values"
+    shared = shared_bytes(which, levels, group, head_dim, tuning)
+    return loader.build_file("packed_source", defines, shared, kernel=name), shared
+
+
+def packed_dense_source_cuda(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    key_retention: float,
+    k_bucket: int,
+    scale: float | None = None,
+    tuning: SourceTuning = DEFAULT_SOURCE,
+    select: SelectTuning = DEFAULT_SELECT,
+) -> tuple[torch.Tensor, ...]:
+    """The ``PackedDenseSource`` contract: (out [R, Hq, D] q.dtype, indices [R, Hq, Kb]
+    int32 in position order (-1 past K), mass [R, Hq], output [R, Hq, D], contribution [R,
+    Hq, D]; the last three FP32) from q [R, Hq, D], K = max(1, ceil(key_retention * T)),
+    Kb = ``k_bucket``."""
+    rows, num_q_heads, head_dim = check_paged_inputs(
+        q, key_cache, value_cache, block_tables, context_lengths
+    )
+    check_packed_inputs(q, store, meta, key_cache)
+    reason = unsupported(q, store, key_cache)
+    if reason is not None:
+        raise ValueError(f"packed_dense_source_cuda: {reason}")
+    levels = meta.tables.shape[1]
+    if meta.compact_from < levels:  # the Triton source reads compact levels
+        from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
+
+        paged = (key_cache, value_cache, block_tables, context_lengths)
+        return packed_dense_source_triton(
+            q, store, layer, meta, *paged, key_retention, k_bucket, scale
+        )
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    span = packed_span(store, meta, block_tables, block_size)
+    check_bucket(span, rows, key_retention, k_bucket)
+    device = q.device
+    f32 = {"dtype": torch.float32, "device": device}
+    out = torch.empty_like(q)
+    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=device)
+    mass = torch.empty((rows, num_q_heads), **f32)
+    output = torch.empty((rows, num_q_heads, head_dim), **f32)
+    contribution = torch.empty_like(output)
+    if rows == 0:
+        return out, indices, mass, output, contribution
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    g = store.group_size
+    logits = torch.empty((rows, num_q_heads, span), **f32)
+    lse = torch.empty((rows, num_q_heads), **f32)
+    codes = store.blocks[:, layer]
+    block_tables = block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    t = lambda x: x.data_ptr()  # noqa: E731
+    group_q = num_q_heads // num_kv_heads
+
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, logits, tuning.keys_ctas_per_sm
+    )
+    part_max = torch.empty((rows, num_q_heads, splits), **f32)
+    part_sum = torch.empty_like(part_max)
+    keys = _KeyParams(
+        *(t(q), t(codes), codes.stride(0), t(meta.tables), t(meta.kinds)),
+        *(t(meta.packed_lengths), t(key_cache), t(block_tables), t(context_lengths)),
+        *(t(logits), t(part_max), t(part_sum), scale),
+        *(q.stride(0), q.stride(1), meta.tables.stride(0), meta.tables.stride(1)),
+        *(meta.kinds.stride(0), *key_cache.stride()[:3], block_tables.stride(0)),
+        *(logits.stride(0), logits.stride(1), part_max.stride(0), part_max.stride(1)),
+        *(per_split, group_q, block_size),
+    )
+    kernel, shared = _kernel(KEYS, levels, g, head_dim, tuning)
+    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [keys], shared)
+    merge_lse(part_max, part_sum, lse)
+
+    selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
+
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, logits, tuning.values_ctas_per_sm
+    )
+    part_out = torch.empty((rows, num_q_heads, splits, head_dim), **f32)
+    part_contrib = torch.empty_like(part_out)
+    values = _ValueParams(
+        *(t(codes), codes.stride(0), t(meta.tables), t(meta.kinds), t(meta.packed_lengths)),
+        *(t(value_cache), t(block_tables), t(context_lengths)),
+        *(t(logits), t(lse), t(selection.plan), t(part_out), t(part_contrib)),
+        *(meta.tables.stride(0), meta.tables.stride(1), meta.kinds.stride(0)),
+        *(*value_cache.stride()[:3], block_tables.stride(0)),
+        *(logits.stride(0), logits.stride(1), lse.stride(0)),
+        *(part_out.stride(0), part_out.stride(1), part_out.stride(2)),
+        *(per_split, group_q, block_size),
+    )
+    kernel, shared = _kernel(VALUES, levels, g, head_dim, tuning)
+    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [values], shared)
+    finish_selection(selection, output, out, mass, contribution, (part_out, part_contrib))
+    return out, indices, mass, output, contribution
