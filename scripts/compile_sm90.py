@@ -262,7 +262,7 @@ def _threshold_selection() -> bool:
         (
             "finish",
             jit.select_finish_kernel,
-            dict(HEAD_DIM=128, SPLITS_PAD=64, VALUES=True),
+            dict(HEAD_DIM=128, SPLITS_PAD=64, VALUE_SPLITS_PAD=16, VALUES=True),
             4,
         ),
         (
@@ -291,6 +291,7 @@ def _dense_kernels() -> bool:
     """The paged decode (with and without logits), split merge, sparse correction, tiled
     prefill and quantize kernels at their registered launch shapes."""
     from flashloop_backend.kernels.triton.paged_decode_jit import (
+        merge_lse_kernel,
         merge_splits_kernel,
         paged_attention_split_kernel,
     )
@@ -347,6 +348,7 @@ def _dense_kernels() -> bool:
             shape,
             4,
         )
+    ok &= _compile("merge_lse", merge_lse_kernel, {}, set(), dict(SPLITS_PAD=32), 4)
     shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=64, DOT_PRECISION="tf32")
     ok &= _compile("sparse_correction", sparse_correction_split_kernel, paged, {"scale"}, shape, 4)
     shape = dict(

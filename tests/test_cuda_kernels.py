@@ -81,32 +81,38 @@ def _packed_rows(levels, sparse, context=1024, tail=40, batch=3, seed=0):
 @pytest.mark.parametrize("levels", [1, 2, 4])
 def test_the_cuda_streaming_reader_matches_the_reference(levels):
     """Plain reads at 1, 2 and 4 dense levels plus BF16 tails (a row of length 0 reads
-    nothing), and the loop-2 read's logits and LSE, against the torch reference."""
+    nothing) against the torch reference."""
     from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
-    from flashloop_backend.kernels.torch_ref.packed import (
-        packed_decode_reference,
-        packed_history,
-    )
+    from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
 
     args, lengths = _packed_rows(levels, sparse=False)
     expected = packed_decode_reference(*args, lengths).float()
     got = packed_decode_cuda(*args, lengths).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+@pytest.mark.gpu
+def test_the_cuda_source_keys_pass_writes_the_logits_and_lse():
+    """The loop-2 keys pass: every position's scaled logit below the row's length, packed
+    groups and BF16 tail alike, and the rows' LSE, against the torch reference."""
+    from flashloop_backend.kernels.cuda.packed_source import source_keys
+    from flashloop_backend.kernels.torch_ref.packed import packed_history
     from flashloop_backend.kernels.triton.packed_decode import packed_span
 
+    args, lengths = _packed_rows(2, sparse=False)
     q, store, layer, meta, cache_k, cache_v, tables = args
     span = packed_span(store, meta, tables, 16)
     logits = torch.full((3, 16, span), float("nan"), device="cuda")
     lse = torch.empty(3, 16, device="cuda")
-    out = packed_decode_cuda(*args, lengths, logits=logits, lse=lse, out_dtype=torch.float32)
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    source_keys(q, store, layer, meta, cache_k, tables, lengths, logits, lse, 128**-0.5)
     keys, _ = packed_history(store, layer, meta, cache_k, cache_v, tables, q.dtype)
     want = torch.einsum("rhd,rthd->rht", q.float(), keys) / 128**0.5
     for r in range(2):
         n = int(lengths[r])
         torch.testing.assert_close(logits[r, :, :n], want[r, :, :n], atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[r], torch.logsumexp(want[r, :, :n], -1), atol=2e-2, rtol=0)
+    assert torch.isneginf(lse[2]).all()  # a row of length 0
 
 
 @pytest.mark.gpu

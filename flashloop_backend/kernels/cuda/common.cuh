@@ -75,6 +75,22 @@ __device__ __forceinline__ void nibbles(u32 w, u32 p[4]) {
     for (int i = 0; i < 4; ++i) asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[i]) : "r"(magic));
 }
 
+// One word of a v3 row -> its four FP16 pairs of the codes themselves: p[0], p[1] as
+// nibbles(); the high nibbles ORed into the mantissa of 64 (whose ulp is 1/16: 64 + c)
+// less 64, so one weight multiplies all four pairs.
+__device__ __forceinline__ void nibbles_unit(u32 w, u32 p[4]) {
+    const u32 magic = 0x64006400u, magic_hi = 0x54005400u;
+    u32 odd = w >> 8;
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[0]) : "r"(w), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;\n" : "=r"(p[1]) : "r"(odd), "r"(magic));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[2]) : "r"(w), "r"(magic_hi));
+    asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;\n" : "=r"(p[3]) : "r"(odd), "r"(magic_hi));
+    asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[0]) : "r"(magic));
+    asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[1]) : "r"(magic));
+    asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[2]) : "r"(magic_hi));
+    asm("sub.f16x2 %0, %0, %1;\n" : "+r"(p[3]) : "r"(magic_hi));
+}
+
 // One word of a v3 row -> its four pairs as FP16 1024 + c (p[0], p[1]) and 1024 + 16 c
 // (p[2], p[3]): the nibbles ORed into the mantissa of 1024, nothing subtracted (a reader
 // that sums in FP32 takes 1024 times its weights back once)

@@ -1,7 +1,6 @@
 // Attention over the selected keys of packed INT4 KV (encoding v3): the loop 3-4 sparse
-// correction's softmax partials, or (FROM_LOGITS) the loop-2 contribution sum exp(logit -
-// lse) v. Built by kernels/cuda/packed_selected.py with HEAD_DIM, GROUP, LEVELS, WARPS,
-// COMPACT_FROM, FROM_LOGITS and MIN_CTAS defined.
+// correction's softmax partials. Built by kernels/cuda/packed_selected.py with HEAD_DIM,
+// GROUP, LEVELS, WARPS, COMPACT_FROM and MIN_CTAS defined.
 //
 // One CTA = one (split, query head, row) over a range of the row's sorted selected
 // positions; each warp takes a quarter of the range in blocks of up to 16 keys whose pages
@@ -39,8 +38,6 @@ static_assert(G % 32 == 0, "V groups of whole words");
 struct Params {
     const u16* q;                 // [R, Hq, D] bf16
     const int* indices;           // [R, Hq, Kb] increasing positions, -1 after them
-    const float* logits;          // [R, Hq, T] natural (FROM_LOGITS)
-    const float* lse;             // [R, Hq] natural (FROM_LOGITS)
     const unsigned char* blocks;  // one layer's blocks (layer offset)
     i64 page_bytes;
     const int* tables;            // [R, Lv, P]
@@ -56,7 +53,6 @@ struct Params {
     float scale;
     int q_row, q_head;
     int i_row, i_head;
-    int g_row, g_head, e_row;
     int t_row, t_level, m_row, m_level, kind_row;
     int k_block, k_slot, k_head, v_block, v_slot, v_head, bt_row;
     int o_row, o_head, o_split, s_row, s_head;
@@ -104,10 +100,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
     const unsigned char* base = P.blocks + (i64)kv_head * BLOCK;
-#if FROM_LOGITS
-    const float* logits = P.logits + row * P.g_row + (i64)head * P.g_head;
-    const float lse = P.lse[row * P.e_row + head];
-#else
     float q[OWN];  // the query (base-2 logits) at the channels of this lane's segment
 #pragma unroll
     for (int m = 0; m < WORDS; ++m)
@@ -116,7 +108,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
                 q[8 * m + 2 * p + h] = qs * bf16_to_float(qrow[owned_channel(quad, m, p, h)]);
-#endif
     float m_run = NEG_INF, l_run = 0.f;
     float acc[OWN], mins[NG];
 #pragma unroll
@@ -157,13 +148,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         }
         // p of keys g and g + 8 of the block (this lane's quad)
         float p0, p1;
-#if FROM_LOGITS
-        {
-            const int pa = __shfl_sync(FULL_MASK, pos, g), pb = __shfl_sync(FULL_MASK, pos, g + 8);
-            p0 = g < take ? exp2f((logits[pa] - lse) * LOG2E) : 0.f;
-            p1 = g + 8 < take ? exp2f((logits[pb] - lse) * LOG2E) : 0.f;
-        }
-#else
         {
             float s0 = 0.f, s1 = 0.f;
 #pragma unroll
@@ -261,7 +245,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
             p1 = exp2f(s1 - m_run);
             l_run += warp_sum(quad == 0 ? p0 + p1 : 0.f);
         }
-#endif
         // ---- V of keys g (p0) and g + 8 (p1) at every level, FP32 sums
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
@@ -299,19 +282,14 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
     float tail[D / 4];
 #pragma unroll
     for (int k = 0; k < D / 4; ++k) tail[k] = 0.f;
-#if !FROM_LOGITS
     float qn[D / 4];
 #pragma unroll
     for (int k = 0; k < D / 4; ++k) qn[k] = qs * bf16_to_float(qrow[(D / 4) * quad + k]);
-#endif
     while (i < warp_end) {
         const int pos = i + g < warp_end ? idx[i + g] : -1;
         if (__shfl_sync(FULL_MASK, pos, 0) < 0) break;
         i64 page = 0;
         if (pos >= 0) page = P.block_tables[row * P.bt_row + pos / P.block_size];
-#if FROM_LOGITS
-        const float p = pos >= 0 ? exp2f((logits[pos] - lse) * LOG2E) : 0.f;
-#else
         float logit = NEG_INF;
         if (pos >= 0) {
             const i64 slot = page * P.k_block + (i64)(pos % P.block_size) * P.k_slot +
@@ -334,7 +312,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         }
         const float p = pos >= 0 ? exp2f(logit - m_run) : 0.f;
         l_run += warp_sum(quad == 0 ? p : 0.f);
-#endif
         if (pos >= 0) {
             const i64 vslot = page * P.v_block + (i64)(pos % P.block_size) * P.v_slot +
                               (i64)kv_head * P.v_head;
@@ -355,14 +332,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
     }
     __syncthreads();
     float* out = P.part_out + row * P.o_row + (i64)head * P.o_head + (i64)split * P.o_split;
-#if FROM_LOGITS
-    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += merge[w][d];
-        out[d] = v;
-    }
-#else
     float cta_max = NEG_INF;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) cta_max = fmaxf(cta_max, merge[w][D]);
@@ -381,5 +350,4 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-#endif
 }

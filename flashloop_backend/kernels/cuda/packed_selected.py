@@ -1,8 +1,6 @@
-"""Wrappers of the CUDA selected-key kernel (``packed_selected.cu``) and the packed
-sparse-decode ops over it: the loop 3-4 correction (``packed_sparse_correction``) and the
-loop-2 source (``packed_dense_source``: the CUDA streaming read with logits, the Triton
-top-K selection, the selected keys' contribution). BF16 queries and caches, head_dim 128;
-compact levels are read through their maps."""
+"""Wrapper of the CUDA selected-key kernel (``packed_selected.cu``) and the packed
+sparse-decode op over it, the loop 3-4 correction (``packed_sparse_correction``). BF16
+queries and caches, head_dim 128; compact levels are read through their maps."""
 
 from __future__ import annotations
 
@@ -13,15 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda, unsupported
+from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
-from flashloop_backend.kernels.triton.packed_sparse import (
-    check_selected_indices,
-    packed_key_splits,
-    packed_source,
-)
+from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
-from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -42,7 +35,7 @@ class SelectedTuning:
 DEFAULT_SELECTED = SelectedTuning()
 
 INT_FIELDS = (
-    *("q_row", "q_head", "i_row", "i_head", "g_row", "g_head", "e_row"),
+    *("q_row", "q_head", "i_row", "i_head"),
     *("t_row", "t_level", "m_row", "m_level", "kind_row"),
     *("k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "bt_row"),
     *("o_row", "o_head", "o_split", "s_row", "s_head"),
@@ -53,7 +46,7 @@ INT_FIELDS = (
 class _Params(ctypes.Structure):
     # the C layout of Params in packed_selected.cu
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("q", "indices", "logits", "lse", "blocks")),
+        *((name, ctypes.c_void_p) for name in ("q", "indices", "blocks")),
         ("page_bytes", ctypes.c_int64),
         *(
             (name, ctypes.c_void_p)
@@ -76,13 +69,10 @@ def packed_selected_parts_cuda(
     block_tables,
     indices: torch.Tensor,
     scale: float,
-    logits: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
     tuning: SelectedTuning = DEFAULT_SELECTED,
 ):
     """``packed_selected_parts``' contract (split partials over the selected positions
-    ``indices`` [R, Hq, Kb], increasing, -1 after them; with ``logits`` / ``lse`` only
-    part_out = sum exp(logit - lse) v per split) by the CUDA kernel."""
+    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     reason = unsupported(q, store, key_cache)
@@ -105,13 +95,10 @@ def packed_selected_parts_cuda(
     q = q if q.stride(-1) == 1 else q.contiguous()
     codes = store.blocks[:, layer]
     levels = meta.tables.shape[1]
-    from_logits = logits is not None
     t = lambda x: x.data_ptr()  # noqa: E731
     params = _Params(
         t(q),
         t(indices),
-        t(logits) if from_logits else 0,
-        t(lse) if from_logits else 0,
         t(codes),
         codes.stride(0),
         t(meta.tables),
@@ -129,9 +116,6 @@ def packed_selected_parts_cuda(
         q.stride(1),
         indices.stride(0),
         indices.stride(1),
-        logits.stride(0) if from_logits else 0,
-        logits.stride(1) if from_logits else 0,
-        lse.stride(0) if from_logits else 0,
         meta.tables.stride(0),
         meta.tables.stride(1),
         meta.maps.stride(0),
@@ -160,13 +144,10 @@ def packed_selected_parts_cuda(
         "LEVELS": levels,
         "WARPS": WARPS,
         "COMPACT_FROM": min(meta.compact_from, levels),
-        "FROM_LOGITS": int(from_logits),
         "MIN_CTAS": tuning.resident_ctas,
     }
     kernel = loader.build_file("packed_selected", defines)
     kernel((splits, num_q_heads, rows), (WARPS * 32, 1, 1), [params])
-    if from_logits:
-        part_max.fill_(0.0)  # unused: the parts are absolute sums
     return part_out, part_max, part_sum
 
 
@@ -202,37 +183,3 @@ def packed_sparse_correction_cuda(
     )
     correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
     return merge_splits(*parts, torch.empty_like(q), correction=correction)
-
-
-def packed_dense_source_one_pass_cuda(
-    q: torch.Tensor,
-    store: PackedKVStore,
-    layer: int,
-    meta: LevelMetadata,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lengths: torch.Tensor,
-    key_retention: float,
-    k_bucket: int,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The ``PackedDenseSource`` contract: ``packed_source`` over the CUDA reader (the
-    two-level read with logits) and the CUDA selected-key kernel (the contribution); the
-    top-K selection is the Triton one."""
-    return packed_source(
-        packed_decode_cuda,
-        packed_selected_parts_cuda,
-        q,
-        store,
-        layer,
-        meta,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lengths,
-        key_retention,
-        k_bucket,
-        scale,
-        DEFAULT_SELECT,
-    )

@@ -11,7 +11,7 @@
 //  values: p = exp(logit - lse) from those logits; the dense output sums p v and the
 //        contribution the same sum over the keys the selection took (its threshold key,
 //        and ties at it up to the last tie position it took): two FP16-pair sums per lane,
-//        the second skipped for rounds where no lane's token is taken.
+//        the second skipped for rounds of 8 tokens where no lane's token is taken.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -33,7 +33,7 @@ constexpr int ROUNDS = G / 8;
 constexpr int OWN = 8 * WORDS;
 constexpr int STAGE = LEVELS * HALF + (PASS == 2 ? 4 * G : 0);  // + the group's logits
 constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
+constexpr float LN2 = 0.6931471805599453f;  // keys pass: base-2 to natural logits
 constexpr float V_WEIGHT = 64.f;  // as packed_stream.cu: V weights stay normal FP16 numbers
 
 #ifndef MIN_CTAS
@@ -43,6 +43,7 @@ constexpr float V_WEIGHT = 64.f;  // as packed_stream.cu: V weights stay normal 
 static_assert(D == 128, "a lane's row segment is one 16-byte load (D = 128)");
 static_assert(CODES % 512 == 0 && PARAMS % 512 == 0, "a warp copies in rounds of 512 bytes");
 static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
+static_assert(KSTEPS == 8, "a k-step per token lane folds the query (D = 128)");
 
 struct KeyParams {
     const u16* q;                 // [R, Hq, D] bf16
@@ -116,14 +117,19 @@ packed_source_keys(const KeyParams P) {
 
     const u16* qrow = P.q + row * P.q_row + (i64)head * P.q_head;
     const float qs = P.scale * LOG2E;
-    float q[OWN];
+    // the lane's share of every fold: k-step tok (word tok / 2, its half tok % 2), the
+    // query at that k-step's four columns of its quad lane (times the 1/16 the B columns
+    // of a high half carry, for the scales; without, for the minima)
+    const int fold_word = tok >> 1, fold_half = tok & 1;
+    float q_scale[2][2], q_min[2][2];
 #pragma unroll
-    for (int m = 0; m < WORDS; ++m)
+    for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int p = 0; p < 4; ++p)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                q[8 * m + 2 * p + h] = qs * bf16_to_float(qrow[owned_channel(quad, m, p, h)]);
+        for (int h = 0; h < 2; ++h) {
+            const int channel = owned_channel(quad, fold_word, 2 * fold_half + e, h);
+            q_min[e][h] = qs * bf16_to_float(qrow[channel]);
+            q_scale[e][h] = q_min[e][h] * (fold_half ? 1.f / 16.f : 1.f);
+        }
     int kinds[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
@@ -161,37 +167,31 @@ packed_source_keys(const KeyParams P) {
         for (int l = 0; l < LEVELS; ++l) {
             if (kinds[l] != 0) continue;
             const unsigned char* half = stage + l * HALF;
-            // folded query fragments: row 0 (lanes 0-3) FP16, row 1 (lanes 4-7) the remainder
-            const u16* scale_a = (const u16*)(half + CODES) + 4 * WORDS * quad;
-            const u16* scale_b = scale_a + D / 2;
-            const u16* min_a = scale_a + D;
-            const u16* min_b = scale_b + D;
-            u32 fold[KSTEPS][2];
+            // folded query fragments: row 0 (lanes 0-3) FP16, row 1 (lanes 4-7) the
+            // remainder. Each lane folds its own k-step's four columns, hi and lo, and adds
+            // their q . min; lanes 0-7 then gather every k-step's pairs from its lanes.
+            const u16* params = (const u16*)(half + CODES) + 4 * WORDS * quad +
+                                fold_half * (D / 2) + 4 * fold_word;
+            u32 hi[2], lo[2];
             float part = 0.f;
 #pragma unroll
-            for (int m = 0; m < WORDS; ++m)
+            for (int e = 0; e < 2; ++e) {
+                const u32 sc = lds32(params + 2 * e), mn = lds32(params + D + 2 * e);
+                const float f0 = q_scale[e][0] * half_lo(sc), f1 = q_scale[e][1] * half_hi(sc);
+                part += q_min[e][0] * half_lo(mn) + q_min[e][1] * half_hi(mn);
+                hi[e] = pack_half2(f0, f1);
+                lo[e] = pack_half2(f0 - half_lo(hi[e]), f1 - half_hi(hi[e]));
+            }
+            part = warp_sum(part);
+            u32 fold[KSTEPS][2];
 #pragma unroll
-                for (int hb = 0; hb < 2; ++hb) {
-                    const u16* sc = hb ? scale_b : scale_a;
-                    const u16* mn = hb ? min_b : min_a;
-                    const float unit = hb ? 1.f / 16.f : 1.f;
+            for (int k = 0; k < KSTEPS; ++k)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float f[2];
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int col = 4 * m + 2 * e + h;
-                            const float qv = q[8 * m + 2 * (2 * hb + e) + h];
-                            part += qv * half_to_float(mn[col]);
-                            f[h] = qv * half_to_float(sc[col]) * unit;
-                        }
-                        u32 hi = pack_half2(f[0], f[1]);
-                        if (tok == 1) hi = pack_half2(f[0] - half_lo(hi), f[1] - half_hi(hi));
-                        fold[2 * m + hb][e] = tok <= 1 ? hi : 0u;
-                    }
+                for (int e = 0; e < 2; ++e) {
+                    const u32 h = __shfl_sync(FULL_MASK, hi[e], 4 * k + quad);
+                    const u32 l = __shfl_sync(FULL_MASK, lo[e], 4 * k + quad);
+                    fold[k][e] = tok == 0 ? h : (tok == 1 ? l : 0u);
                 }
-            part += __shfl_xor_sync(FULL_MASK, part, 1);
-            part += __shfl_xor_sync(FULL_MASK, part, 2);
             bias += part;
 #pragma unroll
             for (int r = 0; r < ROUNDS; ++r) {
@@ -380,13 +380,12 @@ packed_source_values(const ValueParams P) {
             m_run = page_max;
         }
         float p[ROUNDS];
-        bool any = false;
+        unsigned any = 0;  // bit r: some lane's token of round r is taken
 #pragma unroll
         for (int r = 0; r < ROUNDS; ++r) {
             p[r] = exp2f(s[r] - m_run);
-            any |= take[r];
+            any |= __any_sync(FULL_MASK, take[r]) ? 1u << r : 0u;
         }
-        any = __any_sync(FULL_MASK, any);
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
             if (kinds[l] != 0) continue;
@@ -402,34 +401,39 @@ packed_source_values(const ValueParams P) {
                 const u16* record = (const u16*)(half + CODES) + t * 2 * NG;
                 const uint4 seg = lds128(half + t * ROW + SEG * quad);
                 const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
-                const float ps = take[r] ? p[r] : 0.f;
-                u32 w_lo[NG], w_hi[NG], ws_lo[NG], ws_hi[NG];
+                u32 w[NG];
+                float vmin[NG], vscale[NG];
 #pragma unroll
                 for (int g = 0; g < NG; ++g) {
-                    const float vmin = half_to_float(record[2 * g]);
-                    const float vscale = V_WEIGHT * half_to_float(record[2 * g + 1]);
-                    mins[g] += p[r] * vmin;
-                    mins_sel[g] += ps * vmin;
-                    const float w = p[r] * vscale, ws = ps * vscale;
-                    w_lo[g] = pack_half2(w, w);
-                    w_hi[g] = pack_half2(w * (1.f / 16.f), w * (1.f / 16.f));
-                    ws_lo[g] = pack_half2(ws, ws);
-                    ws_hi[g] = pack_half2(ws * (1.f / 16.f), ws * (1.f / 16.f));
+                    vmin[g] = half_to_float(record[2 * g]);
+                    vscale[g] = V_WEIGHT * half_to_float(record[2 * g + 1]);
+                    mins[g] += p[r] * vmin[g];
+                    const float wg = p[r] * vscale[g];
+                    w[g] = pack_half2(wg, wg);
                 }
+                u32 pr[WORDS][4];
 #pragma unroll
                 for (int m = 0; m < WORDS; ++m) {
                     const int g = (32 * m) / G;
-                    u32 pr[4];
-                    nibbles(words[m], pr);
-                    sums[m][0] = hfma2(w_lo[g], pr[0], sums[m][0]);
-                    sums[m][1] = hfma2(w_lo[g], pr[1], sums[m][1]);
-                    sums[m][2] = hfma2(w_hi[g], pr[2], sums[m][2]);
-                    sums[m][3] = hfma2(w_hi[g], pr[3], sums[m][3]);
-                    if (any) {
-                        sums_sel[m][0] = hfma2(ws_lo[g], pr[0], sums_sel[m][0]);
-                        sums_sel[m][1] = hfma2(ws_lo[g], pr[1], sums_sel[m][1]);
-                        sums_sel[m][2] = hfma2(ws_hi[g], pr[2], sums_sel[m][2]);
-                        sums_sel[m][3] = hfma2(ws_hi[g], pr[3], sums_sel[m][3]);
+                    nibbles_unit(words[m], pr[m]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sums[m][e] = hfma2(w[g], pr[m][e], sums[m][e]);
+                }
+                if (any >> r & 1u) {  // warp-uniform: skipped for rounds with no taken key
+                    const float ps = take[r] ? p[r] : 0.f;
+                    u32 ws[NG];
+#pragma unroll
+                    for (int g = 0; g < NG; ++g) {
+                        mins_sel[g] += ps * vmin[g];
+                        const float wg = ps * vscale[g];
+                        ws[g] = pack_half2(wg, wg);
+                    }
+#pragma unroll
+                    for (int m = 0; m < WORDS; ++m) {
+                        const int g = (32 * m) / G;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            sums_sel[m][e] = hfma2(ws[g], pr[m][e], sums_sel[m][e]);
                     }
                 }
             }

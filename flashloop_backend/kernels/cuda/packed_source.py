@@ -108,6 +108,88 @@ def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTu
     return loader.build_file("packed_source", defines, shared, kernel=name), shared
 
 
+def source_keys(
+    q: torch.Tensor,
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    tuning: SourceTuning = DEFAULT_SOURCE,
+) -> None:
+    """The keys pass: the scaled natural logits into ``logits`` [R, Hq, >= span] FP32 (each
+    row's positions below its length) and their LSE into ``lse`` [R, Hq] FP32, from q [R,
+    Hq, D] BF16 over dense packed levels and the BF16 keys [NB, BS, Hkv, D] above each
+    row's packed length. Inputs are checked by the caller."""
+    rows, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, logits, tuning.keys_ctas_per_sm
+    )
+    part_max = torch.empty((rows, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    codes = store.blocks[:, layer]
+    t = lambda x: x.data_ptr()  # noqa: E731
+    keys = _KeyParams(
+        *(t(q), t(codes), codes.stride(0), t(meta.tables), t(meta.kinds)),
+        *(t(meta.packed_lengths), t(key_cache), t(block_tables), t(context_lengths)),
+        *(t(logits), t(part_max), t(part_sum), scale),
+        *(q.stride(0), q.stride(1), meta.tables.stride(0), meta.tables.stride(1)),
+        *(meta.kinds.stride(0), *key_cache.stride()[:3], block_tables.stride(0)),
+        *(logits.stride(0), logits.stride(1), part_max.stride(0), part_max.stride(1)),
+        *(per_split, num_q_heads // num_kv_heads, block_size),
+    )
+    levels = meta.tables.shape[1]
+    kernel, shared = _kernel(KEYS, levels, store.group_size, head_dim, tuning)
+    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [keys], shared)
+    merge_lse(part_max, part_sum, lse)
+
+
+def source_values(
+    store: PackedKVStore,
+    layer: int,
+    meta: LevelMetadata,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    plan: torch.Tensor,
+    tuning: SourceTuning = DEFAULT_SOURCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values pass: split partials (dense output, contribution) [R, Hq, S, D] FP32 of
+    sum p v over every key and over the keys ``plan`` [R, Hq, 3] takes (``Selection``), p
+    = exp(logit - lse) from the keys pass's ``logits`` and ``lse``."""
+    rows, num_q_heads, _ = logits.shape
+    _, block_size, num_kv_heads, head_dim = value_cache.shape
+    splits, per_split = stream_splits(  # logits [R, Hq, T] give the rows' shape and device
+        logits, store, meta, block_tables, block_size, None, tuning.values_ctas_per_sm
+    )
+    f32 = {"dtype": torch.float32, "device": logits.device}
+    part_out = torch.empty((rows, num_q_heads, splits, head_dim), **f32)
+    part_contrib = torch.empty_like(part_out)
+    codes = store.blocks[:, layer]
+    t = lambda x: x.data_ptr()  # noqa: E731
+    values = _ValueParams(
+        *(t(codes), codes.stride(0), t(meta.tables), t(meta.kinds), t(meta.packed_lengths)),
+        *(t(value_cache), t(block_tables), t(context_lengths)),
+        *(t(logits), t(lse), t(plan), t(part_out), t(part_contrib)),
+        *(meta.tables.stride(0), meta.tables.stride(1), meta.kinds.stride(0)),
+        *(*value_cache.stride()[:3], block_tables.stride(0)),
+        *(logits.stride(0), logits.stride(1), lse.stride(0)),
+        *(part_out.stride(0), part_out.stride(1), part_out.stride(2)),
+        *(per_split, num_q_heads // num_kv_heads, block_size),
+    )
+    levels = meta.tables.shape[1]
+    kernel, shared = _kernel(VALUES, levels, store.group_size, head_dim, tuning)
+    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [values], shared)
+    return part_out, part_contrib
+
+
 def packed_dense_source_cuda(
     q: torch.Tensor,
     store: PackedKVStore,
@@ -134,16 +216,14 @@ def packed_dense_source_cuda(
     reason = unsupported(q, store, key_cache)
     if reason is not None:
         raise ValueError(f"packed_dense_source_cuda: {reason}")
-    levels = meta.tables.shape[1]
-    if meta.compact_from < levels:  # the Triton source reads compact levels
+    if meta.compact_from < meta.tables.shape[1]:  # the Triton source reads compact levels
         from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
 
         paged = (key_cache, value_cache, block_tables, context_lengths)
         return packed_dense_source_triton(
             q, store, layer, meta, *paged, key_retention, k_bucket, scale
         )
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    span = packed_span(store, meta, block_tables, block_size)
+    span = packed_span(store, meta, block_tables, key_cache.shape[1])
     check_bucket(span, rows, key_retention, k_bucket)
     device = q.device
     f32 = {"dtype": torch.float32, "device": device}
@@ -155,51 +235,15 @@ def packed_dense_source_cuda(
     if rows == 0:
         return out, indices, mass, output, contribution
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    g = store.group_size
     logits = torch.empty((rows, num_q_heads, span), **f32)
     lse = torch.empty((rows, num_q_heads), **f32)
-    codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
-    t = lambda x: x.data_ptr()  # noqa: E731
-    group_q = num_q_heads // num_kv_heads
-
-    splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, logits, tuning.keys_ctas_per_sm
-    )
-    part_max = torch.empty((rows, num_q_heads, splits), **f32)
-    part_sum = torch.empty_like(part_max)
-    keys = _KeyParams(
-        *(t(q), t(codes), codes.stride(0), t(meta.tables), t(meta.kinds)),
-        *(t(meta.packed_lengths), t(key_cache), t(block_tables), t(context_lengths)),
-        *(t(logits), t(part_max), t(part_sum), scale),
-        *(q.stride(0), q.stride(1), meta.tables.stride(0), meta.tables.stride(1)),
-        *(meta.kinds.stride(0), *key_cache.stride()[:3], block_tables.stride(0)),
-        *(logits.stride(0), logits.stride(1), part_max.stride(0), part_max.stride(1)),
-        *(per_split, group_q, block_size),
-    )
-    kernel, shared = _kernel(KEYS, levels, g, head_dim, tuning)
-    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [keys], shared)
-    merge_lse(part_max, part_sum, lse)
-
+    tables = (block_tables, context_lengths)
+    source_keys(q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning)
     selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
-
-    splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, logits, tuning.values_ctas_per_sm
+    parts = source_values(
+        store, layer, meta, value_cache, *tables, logits, lse, selection.plan, tuning
     )
-    part_out = torch.empty((rows, num_q_heads, splits, head_dim), **f32)
-    part_contrib = torch.empty_like(part_out)
-    values = _ValueParams(
-        *(t(codes), codes.stride(0), t(meta.tables), t(meta.kinds), t(meta.packed_lengths)),
-        *(t(value_cache), t(block_tables), t(context_lengths)),
-        *(t(logits), t(lse), t(selection.plan), t(part_out), t(part_contrib)),
-        *(meta.tables.stride(0), meta.tables.stride(1), meta.kinds.stride(0)),
-        *(*value_cache.stride()[:3], block_tables.stride(0)),
-        *(logits.stride(0), logits.stride(1), lse.stride(0)),
-        *(part_out.stride(0), part_out.stride(1), part_out.stride(2)),
-        *(per_split, group_q, block_size),
-    )
-    kernel, shared = _kernel(VALUES, levels, g, head_dim, tuning)
-    kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [values], shared)
-    finish_selection(selection, output, out, mass, contribution, (part_out, part_contrib))
+    finish_selection(selection, output, out, mass, contribution, parts)
     return out, indices, mass, output, contribution

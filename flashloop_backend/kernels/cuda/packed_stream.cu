@@ -1,6 +1,6 @@
 // Streaming decode attention over packed INT4 KV (encoding v3), dense levels, plus the
 // BF16 pages above each row's packed length. Built by kernels/cuda/packed_stream.py with
-// HEAD_DIM, GROUP, LEVELS, WARPS, STAGES and LOGITS defined.
+// HEAD_DIM, GROUP, LEVELS, WARPS and STAGES defined.
 //
 // One CTA = one (split, query head, row); its warps take the split's groups in turn and
 // run independently (own online softmax, own output partial) until the CTA merges them.
@@ -8,9 +8,10 @@
 // K parameters, V records) into its own ring of STAGES shared buffers with cp.async, so
 // several groups' bytes are in flight while one is computed.
 //  K: each of the 8 rounds of 8 tokens runs D/16 m16n8k16 products: A is the query with
-//     each level's K scales folded in (row 0 FP16, row 1 the FP16 remainder when LOGITS
-//     asks for exact logits), B the tokens' codes as the v3 byte order lays them out for
-//     lane (token, quad lane); every product is exact, sums are FP32.
+//     each level's K scales folded in (row 0, FP16 pairs), B the tokens' codes as the v3
+//     byte order lays them out for lane (token, quad lane), unsubtracted; the bias q . min
+//     and the codes' offset come from the tensor cores too; sums are FP32. (The loop-2
+//     source's exact logits are packed_source.cu's.)
 //  V: lane (token n, quad lane j) owns the 32 channels of its row segment and sums
 //     p * V-scale * code over its tokens in FP16 pairs, flushed to FP32 every FLUSH
 //     tokens of its own (its 8 tokens of a group: the products are all >= 0, so the FP16
@@ -62,7 +63,6 @@ struct Params {
     float* part_out;              // [R, Hq, S, D]
     float* part_max;              // [R, Hq, S] natural log
     float* part_sum;
-    float* logits;                // [R, Hq, T] scaled natural logits (LOGITS)
     float scale;
     int q_row, q_head;            // strides (elements)
     int t_row, t_level;
@@ -72,7 +72,6 @@ struct Params {
     int bt_row;
     int o_row, o_head, o_split;
     int s_row, s_head;
-    int g_row, g_head;
     int groups_per_split;
     int group_q;
     int block_size;
@@ -105,8 +104,7 @@ packed_stream(const Params P) {
             for (int h = 0; h < 2; ++h)
                 q[8 * m + 2 * p + h] = qs * bf16_to_float(qrow[owned_channel(quad, m, p, h)]);
 
-#if !LOGITS
-    // plain reads: the query's FP16 pairs (k-steps of B columns carry the 1/16) to fold K's
+    // the query's FP16 pairs (k-steps of B columns carry the 1/16) to fold K's
     // scales into, and A fragments of the query itself (row 0 FP16, row 1 the remainder)
     // for the bias sum q . min on the tensor cores
     u32 qpair[KSTEPS][2], qrows[KSTEPS][2];
@@ -123,7 +121,6 @@ packed_stream(const Params P) {
                 const u32 lo = pack_half2(a - half_lo(hi), b - half_hi(hi));
                 qrows[2 * m + half][e] = tok == 0 ? hi : (tok == 1 ? lo : 0u);
             }
-#endif
     int kinds[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
@@ -171,54 +168,6 @@ packed_stream(const Params P) {
         for (int l = 0; l < LEVELS; ++l) {
             if (kinds[l] != 0) continue;
             const unsigned char* block = stage + l * BLOCK;
-#if LOGITS
-            // folded query fragments: row 0 (lanes 0-3) FP16, row 1 (lanes 4-7) the remainder
-            const u16* scale_a = (const u16*)(block + K_PARAMS) + 4 * WORDS * quad;
-            const u16* scale_b = scale_a + D / 2;
-            const u16* min_a = scale_a + D;
-            const u16* min_b = scale_b + D;
-            u32 fold[KSTEPS][2];
-            float part = 0.f;
-#pragma unroll
-            for (int m = 0; m < WORDS; ++m)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {  // k-step 2m (A columns), 2m + 1 (B)
-                    const u16* sc = half ? scale_b : scale_a;
-                    const u16* mn = half ? min_b : min_a;
-                    const float unit = half ? 1.f / 16.f : 1.f;
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {  // columns (4m, 4m+1), then (4m+2, 4m+3)
-                        float f[2];
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int col = 4 * m + 2 * e + h;
-                            const float qv = q[8 * m + 2 * (2 * half + e) + h];
-                            part += qv * half_to_float(mn[col]);
-                            f[h] = qv * half_to_float(sc[col]) * unit;
-                        }
-                        u32 hi = pack_half2(f[0], f[1]);
-                        if (tok == 1) hi = pack_half2(f[0] - half_lo(hi), f[1] - half_hi(hi));
-                        fold[2 * m + half][e] = tok <= 1 ? hi : 0u;
-                    }
-                }
-            part += __shfl_xor_sync(FULL_MASK, part, 1);
-            part += __shfl_xor_sync(FULL_MASK, part, 2);
-            bias += part;
-#pragma unroll
-            for (int r = 0; r < ROUNDS; ++r) {
-                const uint4 seg = lds128(block + (8 * r + tok) * ROW + SEG * quad);
-                const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
-#pragma unroll
-                for (int m = 0; m < WORDS; ++m) {
-                    u32 pr[4];
-                    nibbles(words[m], pr);
-                    const u32 a0[4] = {fold[2 * m][0], 0u, fold[2 * m][1], 0u};
-                    const u32 a1[4] = {fold[2 * m + 1][0], 0u, fold[2 * m + 1][1], 0u};
-                    mma16816(c[r], a0, pr[0], pr[1]);
-                    mma16816(c[r], a1, pr[2], pr[3]);
-                }
-            }
-#else
             // folded query (row 0, lanes 0-3): the lane's K scale pairs times its query pairs
             const unsigned char* params = block + K_PARAMS + 8 * WORDS * quad;
             u32 fold[KSTEPS][2];
@@ -264,9 +213,8 @@ packed_stream(const Params P) {
                     mma16816(c[r], a1, pr[2], pr[3]);
                 }
             }
-#endif
         }
-        // logits of tokens 8 r + 2 quad (+1): row 0 in lanes 0-3, its remainder row 1 in 4-7
+        // logits of tokens 8 r + 2 quad (+1): row 0, lanes 0-3
         float s[ROUNDS][2];
         float page_max = NEG_INF;
 #pragma unroll
@@ -274,17 +222,10 @@ packed_stream(const Params P) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float v = c[r][h];
-#if LOGITS
-                v += __shfl_down_sync(FULL_MASK, c[r][h], 4);
-#endif
                 const int pos = group * G + 8 * r + 2 * quad + h;
                 v = (pos < length) ? v + bias : NEG_INF;
                 s[r][h] = v;
                 page_max = fmaxf(page_max, tok == 0 ? v : NEG_INF);
-#if LOGITS
-                if (tok == 0 && pos < length)
-                    P.logits[row * P.g_row + (i64)head * P.g_head + pos] = v * LN2;
-#endif
             }
         }
         page_max = warp_max(page_max);
@@ -327,23 +268,20 @@ packed_stream(const Params P) {
                     const u16* record = (const u16*)(block + V_PARAMS) + t * 2 * NG;
                     const uint4 seg = lds128(block + V_CODES + t * ROW + SEG * quad);
                     const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
-                    u32 w_lo[NG], w_hi[NG];  // p * scale of each V group, and / 16
+                    u32 w[NG];  // p * scale of each V group
 #pragma unroll
                     for (int g = 0; g < NG; ++g) {
                         mins[g] += mine_p[r] * half_to_float(record[2 * g]);
-                        const float w = V_WEIGHT * mine_p[r] * half_to_float(record[2 * g + 1]);
-                        w_lo[g] = pack_half2(w, w);
-                        w_hi[g] = pack_half2(w * (1.f / 16.f), w * (1.f / 16.f));
+                        const float wg = V_WEIGHT * mine_p[r] * half_to_float(record[2 * g + 1]);
+                        w[g] = pack_half2(wg, wg);
                     }
 #pragma unroll
                     for (int m = 0; m < WORDS; ++m) {
                         const int g = (32 * m) / G;
                         u32 pr[4];
-                        nibbles(words[m], pr);
-                        sums[m][0] = hfma2(w_lo[g], pr[0], sums[m][0]);
-                        sums[m][1] = hfma2(w_lo[g], pr[1], sums[m][1]);
-                        sums[m][2] = hfma2(w_hi[g], pr[2], sums[m][2]);
-                        sums[m][3] = hfma2(w_hi[g], pr[3], sums[m][3]);
+                        nibbles_unit(words[m], pr);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sums[m][e] = hfma2(w[g], pr[e], sums[m][e]);
                     }
                 }
 #pragma unroll
@@ -381,10 +319,6 @@ packed_stream(const Params P) {
         }
         logit += __shfl_xor_sync(FULL_MASK, logit, 1);
         logit += __shfl_xor_sync(FULL_MASK, logit, 2);
-#if LOGITS
-        if (quad == 0 && pos < tail_end)
-            P.logits[row * P.g_row + (i64)head * P.g_head + pos] = logit * LN2;
-#endif
         const float m_new = fmaxf(m_run, warp_max(logit));
         if (m_new > m_run) {
             const float alpha = exp2f(m_run - m_new);

@@ -1,6 +1,5 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
-``packed_decode`` contract (and the loop-2 read with logits of ``packed_dense_source``)
-for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
+``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
 the Triton merge combines them. Rows whose metadata may hold compact levels (token-sparse
 depths) take the Triton reader, which reads them."""
 
@@ -43,7 +42,7 @@ DEFAULT_STREAM = StreamTuning()
 INT_FIELDS = (
     *("q_row", "q_head", "t_row", "t_level", "kind_row"),
     *("k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "bt_row"),
-    *("o_row", "o_head", "o_split", "s_row", "s_head", "g_row", "g_head"),
+    *("o_row", "o_head", "o_split", "s_row", "s_head"),
     *("groups_per_split", "group_q", "block_size"),
 )
 
@@ -64,7 +63,6 @@ class _Params(ctypes.Structure):
         ("part_out", ctypes.c_void_p),
         ("part_max", ctypes.c_void_p),
         ("part_sum", ctypes.c_void_p),
-        ("logits", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
     ]
@@ -82,9 +80,7 @@ def shared_bytes(levels: int, group: int, head_dim: int, tuning: StreamTuning) -
     return warps * stages * levels * head_dim * (group + 8) + warps * (head_dim + 2) * 4
 
 
-def _kernel(
-    levels: int, group: int, head_dim: int, logits: bool, tuning: StreamTuning
-) -> loader.CudaKernel:
+def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loader.CudaKernel:
     warps, stages = launch_shape(levels, tuning)
     defines = {
         "HEAD_DIM": head_dim,
@@ -92,7 +88,6 @@ def _kernel(
         "LEVELS": levels,
         "WARPS": warps,
         "STAGES": stages,
-        "LOGITS": int(logits),
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)
@@ -119,15 +114,10 @@ def packed_decode_cuda(
     block_tables,
     context_lengths,
     scale: float | None = None,
-    logits: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    correction: tuple | None = None,
     tuning: StreamTuning = DEFAULT_STREAM,
 ) -> torch.Tensor:
-    """``packed_decode_triton``'s contract (q [R, Hq, D] -> [R, Hq, D]; ``logits`` [R, Hq,
-    T] FP32 and ``lse`` [R, Hq] for the loop-2 statistics; ``correction`` applied by the
-    merge), read by the CUDA streaming kernel."""
+    """The ``PackedDecode`` contract (q [R, Hq, D] -> [R, Hq, D] in q's dtype), read by the
+    CUDA streaming kernel."""
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -147,25 +137,20 @@ def packed_decode_cuda(
             block_tables,
             context_lengths,
             scale,
-            logits=logits,
-            lse=lse,
-            out_dtype=out_dtype,
-            correction=correction,
         )
-    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
+    out = torch.empty_like(q)
     if rows == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _, block_size, num_kv_heads, _ = key_cache.shape
     g = store.group_size
     splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, logits, tuning.ctas_per_sm
+        q, store, meta, block_tables, block_size, None, tuning.ctas_per_sm
     )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
-    stored = logits if logits is not None else part_max
     pointer = lambda t: t.data_ptr()  # noqa: E731
     params = _Params(
         pointer(q),
@@ -181,7 +166,6 @@ def packed_decode_cuda(
         pointer(part_out),
         pointer(part_max),
         pointer(part_sum),
-        pointer(stored),
         scale,
         q.stride(0),
         q.stride(1),
@@ -200,18 +184,16 @@ def packed_decode_cuda(
         part_out.stride(2),
         part_max.stride(0),
         part_max.stride(1),
-        stored.stride(0) if logits is not None else 0,
-        stored.stride(1) if logits is not None else 0,
         per_split,
         num_q_heads // num_kv_heads,
         block_size,
     )
     warps, _ = launch_shape(levels, tuning)
-    kernel = _kernel(levels, g, head_dim, logits is not None, tuning)
+    kernel = _kernel(levels, g, head_dim, tuning)
     kernel(
         (splits, num_q_heads, rows),
         (warps * 32, 1, 1),
         [params],
         shared_bytes(levels, g, head_dim, tuning),
     )
-    return merge_splits(part_out, part_max, part_sum, out, lse, correction)
+    return merge_splits(part_out, part_max, part_sum, out)

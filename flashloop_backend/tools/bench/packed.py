@@ -197,11 +197,11 @@ def tuning_label(tuning) -> str:
 
 def _cuda_variants(levels: int, sweep: bool) -> list:
     """(with logits, StreamTuning) of the CUDA reader at ``levels`` levels: the registered
-    launch, with logits at two levels, and (``sweep``) other CTAs per SM, warps and
-    stages."""
+    launch and (``sweep``) other CTAs per SM, warps and stages (never with logits: the
+    loop-2 source's keys pass writes them, ``packed_source.cu``)."""
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
 
-    out = [(False, DEFAULT_STREAM)] + ([(True, DEFAULT_STREAM)] if levels == 2 else [])
+    out = [(False, DEFAULT_STREAM)]
     if sweep:
         shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
         for ctas in (1, 4, 8):
