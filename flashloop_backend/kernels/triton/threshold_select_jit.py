@@ -2,8 +2,8 @@
 
 Launches over each (row, head)'s logits: a strided sample brackets the K-th key by rank;
 split programs count the keys above the bracket and copy those inside it to a candidate
-list; one program per (row, head) finds the exact K-th key among the candidates (a radix
-select, a byte a step, for both bracket ranks too; no sort) and every split's output offset; split programs
+list; one program per (row, head) finds the exact K-th key among the candidates (one bit
+a step for both bracket ranks, no sort) and every split's output offset; split programs
 compact in position order (ties to the earlier positions) with mass partials; the
 contribution comes from a split pass over every value of the split's positions that also
 sums the dense output (the attention read the keys only; packed KV sums its own
@@ -29,31 +29,32 @@ def _selected_count(length, ratio_num, ratio_den):
 
 
 @triton.jit
-def _kth_largest_one(keys, valid, rank):
-    """The rank-th largest (0-based) of the ``valid`` keys (0 when fewer are valid): a radix
-    select most significant byte first, one 256-bin histogram of the keys matching the
-    digits found so far per byte (4 steps, where a bit at a time takes 32 reductions)."""
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.uint32)
-    prefix_mask = tl.zeros([], tl.uint32)
-    remaining = (rank + 1).to(tl.int32)
-    for level in tl.static_range(4):
-        shift = 24 - 8 * level
-        match = valid & ((keys & prefix_mask) == prefix)
-        digit = ((keys >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=match)
-        at_or_above = tl.cumsum(hist, 0, reverse=True)
-        chosen = tl.max(tl.where(at_or_above >= remaining, bins, 0), 0)
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), 0)
-        prefix |= chosen.to(tl.uint32) << shift
-        prefix_mask |= tl.full([], 255, tl.uint32) << shift
-    return prefix
+def _kth_largest(keys, valid, rank_a, rank_b):
+    """The rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys: for each, the
+    largest k with more than that rank valid keys >= k, built from the top bit down (32
+    steps; the two ranks' counts are independent, so their reductions overlap)."""
+    answer_a = tl.zeros([], tl.uint32)
+    answer_b = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        step = tl.full([], 1 << (31 - bit), tl.uint32)
+        trial_a = answer_a | step
+        trial_b = answer_b | step
+        count_a = tl.sum((valid & (keys >= trial_a)).to(tl.int32), 0)
+        count_b = tl.sum((valid & (keys >= trial_b)).to(tl.int32), 0)
+        answer_a = tl.where(count_a > rank_a, trial_a, answer_a)
+        answer_b = tl.where(count_b > rank_b, trial_b, answer_b)
+    return answer_a, answer_b
 
 
 @triton.jit
-def _kth_largest(keys, valid, rank_a, rank_b):
-    """The rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys."""
-    return _kth_largest_one(keys, valid, rank_a), _kth_largest_one(keys, valid, rank_b)
+def _kth_largest_one(keys, valid, rank):
+    """The rank-th largest (0-based) of the ``valid`` keys, as :func:`_kth_largest`."""
+    answer = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        trial = answer | tl.full([], 1 << (31 - bit), tl.uint32)
+        count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
+        answer = tl.where(count > rank, trial, answer)
+    return answer
 
 
 @triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
