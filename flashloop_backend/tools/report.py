@@ -290,8 +290,8 @@ def _quality_by_combination(results: Path, plt):
 
 # (label, e2e record, its run's shape, the evaluation-grid point of the same configuration)
 QUALITY_VS_SPEED = (
-    ("all on (configs/all_on.json)", "decode_v3/bench_e2e_all_on_32k16_9f9b53b.json", 13),
-    ("KV quantization alone, fixed_prompt", "decode_v3/bench_e2e_kv_quant_32k16_9f9b53b.json", 9),
+    ("all on (configs/all_on.json)", "decode_v3/bench_e2e_all_on_32k16_f483680.json", 13),
+    ("KV quantization alone, fixed_prompt", "decode_v3/bench_e2e_kv_quant_32k16_f483680.json", 9),
 )
 QUALITY_GRID = "quality/eval_grid_h200.json"
 
