@@ -117,3 +117,35 @@ def test_the_readme_results_table_is_the_one_the_records_give(tmp_path):
     text = copy.read_text()
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert block.count("\n| ") >= 7 and "results/decode_v3/" in block
+
+
+def _report_readme(*args):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "flashloop_backend.cli.main", "report", "--readme", *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_report_readme_names_a_missing_file_markers_or_record_and_writes_nothing(tmp_path):
+    """``report --readme`` exits 2 naming the bad value: a document that is not a file, one
+    without the table's markers, a results directory missing a record the table reads;
+    the document is left as it was."""
+    from flashloop_backend.tools.results_table import BEGIN, END
+
+    missing = tmp_path / "none.md"
+    result = _report_readme(str(missing), "--results", str(RESULTS))
+    assert result.returncode == 2 and f"--readme '{missing}' is not a file" in result.stderr
+    plain = tmp_path / "plain.md"
+    plain.write_text("# no table here\n")
+    result = _report_readme(str(plain), "--results", str(RESULTS))
+    assert result.returncode == 2 and "has no results-table markers" in result.stderr
+    assert plain.read_text() == "# no table here\n"
+    marked = tmp_path / "marked.md"
+    marked.write_text(f"before\n{BEGIN}\nold\n{END}\nafter\n")
+    empty = tmp_path / "results"
+    empty.mkdir()
+    result = _report_readme(str(marked), "--results", str(empty))
+    assert result.returncode == 2 and "cannot write the results table" in result.stderr
+    assert "decode_v3/bench_e2e_all_on_32k16" in result.stderr  # the record it could not read
+    assert marked.read_text() == f"before\n{BEGIN}\nold\n{END}\nafter\n"
