@@ -291,7 +291,6 @@ def _dense_kernels() -> bool:
     """The paged decode (with and without logits), split merge, sparse correction, tiled
     prefill and quantize kernels at their registered launch shapes."""
     from flashloop_backend.kernels.triton.paged_decode_jit import (
-        merge_lse_kernel,
         merge_splits_kernel,
         paged_attention_split_kernel,
     )
@@ -348,7 +347,8 @@ def _dense_kernels() -> bool:
             shape,
             4,
         )
-    ok &= _compile("merge_lse", merge_lse_kernel, {}, set(), dict(SPLITS_PAD=32), 4)
+    lse_only = dict(SPLITS_PAD=32, HEAD_DIM=16, STORE_LSE=True, CORRECT=False, STORE_OUT=False)
+    ok &= _compile("merge_splits STORE_OUT=False", merge_splits_kernel, {}, set(), lse_only, 4)
     shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=64, DOT_PRECISION="tf32")
     ok &= _compile("sparse_correction", sparse_correction_split_kernel, paged, {"scale"}, shape, 4)
     shape = dict(

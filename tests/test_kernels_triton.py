@@ -334,3 +334,12 @@ def test_the_selection_plan_names_the_last_tie_the_compaction_took(rng):
                 (logits[r, h, :n] == threshold) & (torch.arange(n, device=DEVICE) <= max(ties))
             )
             assert rule.nonzero().flatten().tolist() == chosen
+
+
+def test_merge_lse_refuses_split_states_of_different_strides():
+    from flashloop_backend.kernels.triton.paged_decode import merge_lse
+
+    part_max = torch.zeros(2, 3, 4, device=DEVICE)
+    part_sum = torch.ones(2, 4, 3, device=DEVICE).transpose(1, 2)
+    with pytest.raises(ValueError, match="part_max and part_sum must share strides"):
+        merge_lse(part_max, part_sum, torch.empty(2, 3, device=DEVICE))

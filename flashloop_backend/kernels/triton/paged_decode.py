@@ -110,22 +110,36 @@ def merge_splits(
 
 def merge_lse(part_max: torch.Tensor, part_sum: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``lse`` [R, H] (natural log) from the split states ``part_max`` / ``part_sum`` [R, H,
-    S] of a pass that sums no values (the keys pass of a two-pass read)."""
-    from flashloop_backend.kernels.triton.paged_decode_jit import merge_lse_kernel
+    S] of a pass that sums no values (the keys pass of a two-pass read): ``merge_splits``
+    without an output."""
+    from flashloop_backend.kernels.triton.paged_decode_jit import merge_splits_kernel
 
     rows, heads, splits = part_max.shape
     if part_sum.stride() != part_max.stride():
         raise ValueError("part_max and part_sum must share strides")
     if rows:
-        merge_lse_kernel[(rows, heads)](
+        unused = part_max  # the output's and correction's pointers: never read or written
+        merge_splits_kernel[(rows, heads)](
+            unused,
             part_max,
             part_sum,
+            unused,
             lse,
+            unused,
+            unused,
+            unused,
+            *(0, 0, 0),
             part_max.stride(0),
             part_max.stride(1),
+            *(0, 0),
             lse.stride(0),
+            *(0, 0, 0, 0, 0),
             splits,
             SPLITS_PAD=max(2, next_pow2(splits)),
+            HEAD_DIM=16,
+            STORE_LSE=True,
+            CORRECT=False,
+            STORE_OUT=False,
         )
     return lse
 

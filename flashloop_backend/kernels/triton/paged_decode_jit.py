@@ -202,9 +202,11 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     STORE_LSE: tl.constexpr,
     CORRECT: tl.constexpr,
+    STORE_OUT: tl.constexpr = True,
 ):
     """One (row, query head): combine split partial states; rows with no key give 0.
-    With CORRECT the result is the sparse correction ref - contrib + mass * merged."""
+    With CORRECT the result is the sparse correction ref - contrib + mass * merged.
+    Without STORE_OUT only the LSE: the states of a pass that sums no values."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -217,47 +219,21 @@ def merge_splits_kernel(
     safe = tl.where(total_max == float("-inf"), 0.0, total_max)
     weight = tl.where(s_mask, tl.exp(m - safe), 0.0)
     sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
-    acc = tl.load(
-        part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )
-    numer = tl.sum(acc * weight[:, None], axis=0)
     denom = tl.sum(sums * weight, axis=0)
-    out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
-    if CORRECT:
-        ref = tl.load(ref_ptr + row * stride_rr + head * stride_rh + d)
-        contrib = tl.load(contrib_ptr + row * stride_cr + head * stride_ch + d)
-        out = ref - contrib + tl.load(mass_ptr + row * stride_sr + head) * out
-    tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    if STORE_OUT:
+        acc = tl.load(
+            part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+            mask=s_mask[:, None],
+            other=0.0,
+        )
+        numer = tl.sum(acc * weight[:, None], axis=0)
+        out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
+        if CORRECT:
+            ref = tl.load(ref_ptr + row * stride_rr + head * stride_rh + d)
+            contrib = tl.load(contrib_ptr + row * stride_cr + head * stride_ch + d)
+            out = ref - contrib + tl.load(mass_ptr + row * stride_sr + head) * out
+        out_row = out_ptr + row * stride_or + head * stride_oh
+        tl.store(out_row + d, out.to(out_ptr.dtype.element_ty))
     if STORE_LSE:  # natural-log log-sum-exp of the scaled logits (-inf for rows with no key)
         lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
         tl.store(lse_ptr + row * stride_lr + head, lse)
-
-
-@triton.jit
-def merge_lse_kernel(
-    part_max_ptr,
-    part_sum_ptr,
-    lse_ptr,
-    stride_mr,
-    stride_mh,
-    stride_lr,
-    num_splits,
-    SPLITS_PAD: tl.constexpr,
-):
-    """One (row, query head): the natural-log LSE of the split states (max, sum) of a pass
-    over the keys only (-inf for rows with no key)."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_mask = s < num_splits
-    m = tl.load(
-        part_max_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=float("-inf")
-    )
-    total_max = tl.max(m, axis=0)
-    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
-    sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
-    denom = tl.sum(tl.where(s_mask, sums * tl.exp(m - safe), 0.0), axis=0)
-    lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
-    tl.store(lse_ptr + row * stride_lr + head, lse)
