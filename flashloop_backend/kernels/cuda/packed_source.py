@@ -27,6 +27,7 @@ from flashloop_backend.kernels.triton.threshold_select import (
     SelectTuning,
     finish_selection,
     select_positions,
+    source_outputs,
 )
 from flashloop_backend.kernels.validate import check_paged_inputs
 from flashloop_backend.kv.levels import LevelMetadata
@@ -227,11 +228,8 @@ def packed_dense_source_cuda(
     check_bucket(span, rows, key_retention, k_bucket)
     device = q.device
     f32 = {"dtype": torch.float32, "device": device}
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=device)
-    mass = torch.empty((rows, num_q_heads), **f32)
     output = torch.empty((rows, num_q_heads, head_dim), **f32)
-    contribution = torch.empty_like(output)
+    out, indices, mass, output, contribution = source_outputs(q, k_bucket, output)
     if rows == 0:
         return out, indices, mass, output, contribution
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

@@ -18,6 +18,7 @@ from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,
     select_top_keys,
+    source_outputs,
 )
 
 __all__ = [
@@ -88,10 +89,7 @@ def source_buffers(
         span,
         read_values=read_values,
     )
-    rows, heads, _ = q.shape
-    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
-    outputs = (torch.empty_like(q), indices, mass, output, torch.empty_like(output))
+    outputs = source_outputs(q, k_bucket, output)
     return logits, lse, block_tables.contiguous(), outputs
 
 

@@ -25,6 +25,7 @@ from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,
     select_top_keys,
+    source_outputs,
 )
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
@@ -208,72 +209,6 @@ def packed_sparse_correction_triton(
     )
 
 
-def packed_source(
-    read,
-    selected_parts,
-    q: torch.Tensor,
-    store: PackedKVStore,
-    layer: int,
-    meta: LevelMetadata,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lengths: torch.Tensor,
-    key_retention: float,
-    k_bucket: int,
-    scale: float | None,
-    tuning: SelectTuning,
-) -> tuple[torch.Tensor, ...]:
-    """The ``PackedDenseSource`` contract from a packed read with logits (``read``:
-    ``packed_decode_triton``'s arguments, ``logits`` / ``lse`` / ``out_dtype`` by name),
-    the Triton top-K selection (``tuning``) and the selected keys' contribution
-    (``selected_parts``: ``packed_selected_parts``' first eleven arguments): (out [R, Hq,
-    D] q.dtype, indices [R, Hq, Kb] int32 in position order (-1 past K), mass [R, Hq],
-    output [R, Hq, D], contribution [R, Hq, D]; the last three FP32), with K = max(1,
-    ceil(key_retention * T)) and Kb = ``k_bucket``."""
-    rows, num_q_heads, _ = q.shape
-    span = packed_span(store, meta, block_tables, key_cache.shape[1])
-    check_bucket(span, rows, key_retention, k_bucket)
-    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
-    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
-    paged = (key_cache, value_cache, block_tables)
-    output = read(
-        q,
-        store,
-        layer,
-        meta,
-        *paged,
-        context_lengths,
-        scale,
-        logits=logits,
-        lse=lse,
-        out_dtype=torch.float32,
-    )
-    out = torch.empty_like(q)
-    indices = torch.empty((rows, num_q_heads, k_bucket), dtype=torch.int32, device=q.device)
-    mass = torch.empty((rows, num_q_heads), dtype=torch.float32, device=q.device)
-    unused = torch.empty_like(output)  # the contribution: summed below from packed values
-    if rows == 0:
-        return out, indices, mass, output, unused
-    select_top_keys(
-        logits,
-        lse,
-        context_lengths,
-        None,
-        block_tables.contiguous(),
-        output,
-        out,
-        indices,
-        mass,
-        unused,
-        key_retention,
-        tuning,
-    )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    part_out, _, _ = selected_parts(q, store, layer, meta, *paged, indices, scale, logits, lse)
-    return out, indices, mass, output, part_out.sum(2)
-
-
 def packed_dense_source_triton(
     q: torch.Tensor,
     store: PackedKVStore,
@@ -291,25 +226,48 @@ def packed_dense_source_triton(
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
 ) -> tuple[torch.Tensor, ...]:
-    """``packed_source`` over the Triton reader and selected-key kernel (the
-    ``PackedDenseSource`` contract)."""
-
-    def parts(*args):
-        return packed_selected_parts(*args, block_n, num_warps, programs)
-
-    return packed_source(
-        packed_decode_triton,
-        parts,
+    """The ``PackedDenseSource`` contract from the Triton packed read with logits, the
+    Triton top-K selection (``tuning``) and the Triton selected-key kernel for the selected
+    keys' contribution: (out [R, Hq, D] q.dtype, indices [R, Hq, Kb] int32 in position
+    order (-1 past K), mass [R, Hq], output [R, Hq, D], contribution [R, Hq, D]; the last
+    three FP32), with K = max(1, ceil(key_retention * T)) and Kb = ``k_bucket``."""
+    rows, num_q_heads, _ = q.shape
+    span = packed_span(store, meta, block_tables, key_cache.shape[1])
+    check_bucket(span, rows, key_retention, k_bucket)
+    logits = torch.empty((rows, num_q_heads, span), device=q.device, dtype=torch.float32)
+    lse = torch.empty((rows, num_q_heads), device=q.device, dtype=torch.float32)
+    paged = (key_cache, value_cache, block_tables)
+    output = packed_decode_triton(
         q,
         store,
         layer,
         meta,
-        key_cache,
-        value_cache,
-        block_tables,
+        *paged,
         context_lengths,
-        key_retention,
-        k_bucket,
         scale,
+        logits=logits,
+        lse=lse,
+        out_dtype=torch.float32,
+    )
+    # the contribution is summed below from packed values, not by the selection
+    out, indices, mass, output, unused = source_outputs(q, k_bucket, output)
+    if rows == 0:
+        return out, indices, mass, output, unused
+    select_top_keys(
+        logits,
+        lse,
+        context_lengths,
+        None,
+        block_tables.contiguous(),
+        output,
+        out,
+        indices,
+        mass,
+        unused,
+        key_retention,
         tuning,
     )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    parts = (indices, scale, logits, lse, block_n, num_warps, programs)
+    part_out, _, _ = packed_selected_parts(q, store, layer, meta, *paged, *parts)
+    return out, indices, mass, output, part_out.sum(2)

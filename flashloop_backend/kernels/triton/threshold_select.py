@@ -68,6 +68,16 @@ class Selection:
     chunk: int
 
 
+def source_outputs(q: torch.Tensor, k_bucket: int, output: torch.Tensor) -> tuple:
+    """What a loop-2 source returns, allocated around its dense ``output`` [R, H, D] FP32:
+    (out [R, H, D] in q's dtype, indices [R, H, Kb] int32, mass [R, H] FP32, output,
+    contribution [R, H, D] like output)."""
+    rows, heads, _ = q.shape
+    indices = torch.empty((rows, heads, k_bucket), dtype=torch.int32, device=q.device)
+    mass = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
+    return torch.empty_like(q), indices, mass, output, torch.empty_like(output)
+
+
 def select_positions(
     logits: torch.Tensor,
     lse: torch.Tensor,
