@@ -196,19 +196,19 @@ def tuning_label(tuning) -> str:
 
 
 def _cuda_variants(levels: int, sweep: bool) -> list:
-    """(with logits, StreamTuning) of the CUDA reader at ``levels`` levels: the registered
-    launch and (``sweep``) other CTAs per SM, warps and stages (never with logits: the
-    loop-2 source's keys pass writes them, ``packed_source.cu``)."""
+    """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch and
+    (``sweep``) other CTAs per SM, warps and stages (the reader writes no logits: the
+    loop-2 source's keys pass does, ``packed_source.cu``)."""
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
 
-    out = [(False, DEFAULT_STREAM)]
+    out = [DEFAULT_STREAM]
     if sweep:
         shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
         for ctas in (1, 4, 8):
-            out.append((False, StreamTuning(ctas_per_sm=ctas)))
+            out.append(StreamTuning(ctas_per_sm=ctas))
         for warps, stages in shapes:
             for ctas in (2, 4):
-                out.append((False, StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages)))
+                out.append(StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages))
     return out
 
 
@@ -301,8 +301,8 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
                 _log_entry(log, f"packed ctx={context} conc={batch}", key, entry, dense)
             if sparse or cuda_unavailable() is not None:
                 continue
-            for with_logits, stream in _cuda_variants(depth + 1, sweep):
-                reader = _reader(stream, with_logits, q.shape, tables, "cuda")
+            for stream in _cuda_variants(depth + 1, sweep):
+                reader = _reader(stream, False, q.shape, tables, "cuda")
                 gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
                 ms = graph_ms(
                     lambda layer, m=meta, s=store, r=reader: r(
@@ -310,7 +310,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
                     ),
                     rotate=list(range(layers)),
                 )
-                key = name + "_cuda" + ("_logits" if with_logits else "") + _stream_label(stream)
+                key = name + "_cuda" + _stream_label(stream)
                 entry = {"ms": ms, "speedup_vs_flashinfer_bf16": dense["ms"] / ms}
                 entry |= _rate(nbytes, ms, dense["tb_s"]) | {
                     "max_abs_vs_fp32": gap.abs().max().item()
