@@ -251,7 +251,12 @@ def _threshold_selection() -> bool:
     pointers |= {"v_ptr": "*bf16", "out_ptr": "*bf16"}
     blocks = dict(BLOCK=tuning.block, CANDIDATES=tuning.candidates)
     variants = [
-        ("bracket", jit.select_bracket_kernel, dict(SAMPLE=tuning.sample), tuning.search_warps),
+        (
+            "bracket",
+            jit.select_bracket_kernel,
+            dict(SAMPLE=tuning.sample, BITS=tuning.bracket_bits),
+            tuning.search_warps,
+        ),
         ("candidates", jit.select_candidates_kernel, blocks, tuning.num_warps),
         (
             "threshold",

@@ -50,6 +50,27 @@ def _device_us(event) -> float:
     return 0.0
 
 
+def _profile_one_step(engine, step: int, layers: int) -> None:
+    """Print one decode step's kernels: launches and GPU µs per layer, by name."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=_device_us, reverse=True)
+    total = sum(_device_us(e) for e in kernels)
+    launches = sum(e.count for e in kernels)
+    print(
+        f"step {step}: {total / layers:.1f} GPU us and {launches / layers:.1f} launches a layer",
+        file=sys.stderr,
+    )
+    for e in kernels:
+        print(
+            f"  {_device_us(e) / layers:8.2f} us {e.count / layers:5.2f}x  {e.key[:90]}",
+            file=sys.stderr,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="flashloop")
@@ -63,6 +84,12 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=30, help="kernels listed")
     parser.add_argument("--json", help="write the record here")
+    parser.add_argument(
+        "--per-step",
+        action="store_true",
+        help="also list each profiled decode step's kernels (one loop depth a step at "
+        "concurrency 1)",
+    )
     args = parser.parse_args()
     model, request = random_ouro(args.layers, 16, fused=args.layer_ops == "fused")
     engine = _engine(args, model, request)
@@ -82,6 +109,9 @@ def main() -> int:
         engine.hand_over_prompts()  # the packing stays out of the timed decode steps
     torch.cuda.synchronize()
     wall_ms = None
+    if args.phase == "decode" and args.per_step:
+        for step in range(args.steps):
+            _profile_one_step(engine, step, args.layers)
     if args.phase == "decode":
         started = time.perf_counter()
         for _ in range(args.steps):

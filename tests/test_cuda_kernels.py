@@ -155,6 +155,39 @@ def test_the_cuda_selected_key_correction_matches_the_reference(levels, sparse):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_cuda_correction_reads_blocks_of_keys_on_many_pages(sparse):
+    """Selections whose 16-key blocks touch more than 8 pages: one key on each of 16
+    pages, runs on one page, keys a compact level lacks between keys it keeps, and BF16
+    tail keys, against the torch reference."""
+    from flashloop_backend.kernels.cuda.packed_selected import packed_sparse_correction_cuda
+    from flashloop_backend.kernels.torch_ref.packed import packed_sparse_correction
+
+    args, _ = _packed_rows(4, sparse)
+    q = args[0]
+    rows, heads = q.shape[0], q.shape[1]
+    isolated = [64 * p + (7 * p) % 64 for p in range(16)]
+    runs = [*range(300, 323), *range(640, 650)]
+    spread = [3 + 61 * k for k in range(16)]
+    tail = [1024, 1030]  # below both rows' lengths
+    picks = [sorted(set(isolated + runs + tail)), sorted(set(spread + runs)), sorted(isolated)]
+    bucket = 96
+    indices = torch.full((rows, heads, bucket), -1, dtype=torch.int32, device="cuda")
+    for r in range(rows - 1):  # the last row has length 0: it selects nothing
+        for h in range(heads):
+            chosen = picks[(r + h) % len(picks)]
+            indices[r, h, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    mass = torch.rand(rows, heads, device="cuda", generator=gen)
+    output = torch.randn(rows, heads, 128, device="cuda", generator=gen)
+    contribution = 0.5 * torch.randn(rows, heads, 128, device="cuda", generator=gen)
+    state = (indices, mass, output, contribution)
+    expected = packed_sparse_correction(*args, *state).float()
+    got = packed_sparse_correction_cuda(*args, *state).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_the_cuda_source_matches_the_reference_statistics():
     from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
     from flashloop_backend.kernels.torch_ref.packed import packed_dense_source

@@ -336,6 +336,42 @@ def test_the_selection_plan_names_the_last_tie_the_compaction_took(rng):
             assert rule.nonzero().flatten().tolist() == chosen
 
 
+@pytest.mark.parametrize("bits", [1, 12, 32])
+def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, rng):
+    """A bracket found to few top bits is wider (more candidates, or the radix select
+    over the row when they overflow the list), never wrong: the selected set is the
+    reference's at every ``bracket_bits``."""
+    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
+
+    rows, heads, span = 2, 2, 128
+    logits = (torch.randn(rows, heads, span, generator=rng) * 3.0).to(DEVICE)
+    lengths = torch.tensor([128, 77], dtype=torch.int32, device=DEVICE)
+    lse = torch.stack([logits[r, :, :n].logsumexp(-1) for r, n in enumerate(lengths.tolist())])
+    indices = torch.empty(rows, heads, 48, dtype=torch.int32, device=DEVICE)
+    tuning = SelectTuning(
+        sample=32, bracket_bits=bits, candidates=64, block=16, compact_block=16, chunk_min=32
+    )
+    select_positions(logits, lse, lengths, indices, 0.3, tuning)
+    for r, n in enumerate(lengths.tolist()):
+        count = -(-n * 3 // 10)
+        for h in range(heads):
+            want = logits[r, h, :n].topk(count).indices.sort().values.tolist()
+            assert indices[r, h, :count].tolist() == want
+            assert (indices[r, h, count:] == -1).all()
+
+
+@pytest.mark.parametrize("bits", [0, 33])
+def test_selection_tuning_names_bracket_bits_outside_1_to_32(bits, rng):
+    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
+
+    logits = torch.randn(1, 1, 32, generator=rng).to(DEVICE)
+    lengths = torch.tensor([32], dtype=torch.int32, device=DEVICE)
+    indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
+    tuning = SelectTuning(sample=16, bracket_bits=bits)
+    with pytest.raises(ValueError, match=f"bracket_bits={bits} must be in 1..32"):
+        select_positions(logits, logits.logsumexp(-1), lengths, indices, 0.3, tuning)
+
+
 def test_merge_lse_refuses_split_states_of_different_strides():
     from flashloop_backend.kernels.triton.paged_decode import merge_lse
 

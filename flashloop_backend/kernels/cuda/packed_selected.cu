@@ -3,13 +3,13 @@
 // GROUP, LEVELS, WARPS, COMPACT_FROM and MIN_CTAS defined.
 //
 // One CTA = one (split, query head, row) over a range of the row's sorted selected
-// positions; each warp takes a quarter of the range in blocks of up to 16 keys whose pages
-// lie, at every level, within 8 consecutive pages of that level's list (a dense level's
-// pages follow the positions, a compact level's its compact rows, both increasing).
-//  K: per level, the query with each of the 8 page rows' K scales folded in is the B
-//     operand of m16n8k16 products whose A operand is the 16 keys' code rows (the v3 byte
-//     order lays a key's row out as an A fragment); each key keeps its own page row's
-//     score plus that row's bias q . min. Products exact, sums FP32.
+// positions; each warp takes a quarter of the range in blocks of up to 16 keys that touch,
+// at every level, at most 8 runs of keys on one page (a dense level's pages follow the
+// positions, a compact level's its compact rows, both increasing), however far apart.
+//  K: per level, the query with each run's page K scales folded in is the B operand
+//     (column n: run n) of m16n8k16 products whose A operand is the 16 keys' code rows
+//     (the v3 byte order lays a key's row out as an A fragment); each key keeps its own
+//     run's score plus that run's bias q . min. Products exact, sums FP32.
 //  V: lane (key, quad lane) sums p * scale * code over its row segment's 32 channels in
 //     FP32, and p * min per V group.
 // Positions at or above the row's packed length come after the packed ones and are read
@@ -122,7 +122,11 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         const int lead = __shfl_sync(FULL_MASK, pos, 0);
         if (lead < 0 || lead >= packed) break;
         const bool valid = pos >= 0 && pos < packed;
-        int rows[LEVELS], firsts[LEVELS];
+        // per level, a run is a key whose page differs from the lane before it and the
+        // keys after it on the same page; a key's rank is its run's number in the block (a
+        // page met again after a key absent at the level takes a second run: same sums)
+        int rows[LEVELS], ranks[LEVELS];
+        u32 runs[LEVELS];
         bool outside = false;
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
@@ -131,9 +135,11 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
                 r = P.maps[row * P.m_row + (i64)l * P.m_level + pos];
             if (kinds[l] == EMPTY) r = -1;
             rows[l] = r;
-            const int first = __reduce_min_sync(FULL_MASK, r >= 0 ? r / G : 0x7fffffff);
-            firsts[l] = first;
-            outside |= r >= 0 && r / G - first >= NPW;
+            const int page_row = r >= 0 ? r / G : -1;
+            const int before = __shfl_up_sync(FULL_MASK, page_row, 1);
+            runs[l] = __ballot_sync(FULL_MASK, r >= 0 && (lane == 0 || before != page_row));
+            ranks[l] = __popc(runs[l] & (0xffffffffu >> (31 - lane))) - 1;
+            outside |= r >= 0 && ranks[l] >= NPW;
         }
         const u32 out_mask = __ballot_sync(FULL_MASK, outside);
         const int valid_count = __popc(__ballot_sync(FULL_MASK, valid));
@@ -144,6 +150,7 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
             if (lane >= take) rows[l] = -1;
+            runs[l] &= (1u << take) - 1u;  // take <= 16
             pages[l] = rows[l] >= 0 ? P.tables[row * P.t_row + (i64)l * P.t_level + rows[l] / G] : 0;
         }
         // p of keys g and g + 8 of the block (this lane's quad)
@@ -154,13 +161,18 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
             for (int l = 0; l < LEVELS; ++l) {
                 const bool here = rows[l] >= 0;
                 if (!__any_sync(FULL_MASK, here)) continue;
-                const int rel = here ? rows[l] / G - firsts[l] : -1;
-                const int last = __reduce_max_sync(FULL_MASK, rel);
-                // B: page row g's K scales folded into the query (this lane's k pairs)
+                const int rel = here ? ranks[l] : -1;
+                // B: run g's page K scales folded into the query (this lane's k pairs); run
+                // g starts at the (g+1)-th set bit of runs[l]
+                u32 first_keys = runs[l];
+#pragma unroll
+                for (int j = 0; j < NPW - 1; ++j)
+                    if (j < g) first_keys &= first_keys - 1u;
+                const int run_key = first_keys ? __ffs(first_keys) - 1 : 0;
+                const int page = __shfl_sync(FULL_MASK, pages[l], run_key);
                 u32 fold[2 * WORDS][2];
                 float bias = 0.f;
-                if (g <= last) {
-                    const int page = P.tables[row * P.t_row + (i64)l * P.t_level + firsts[l] + g];
+                if (first_keys) {
                     const unsigned char* params = base + page * P.page_bytes + K_PARAMS;
                     // scales and minima of this lane's 16 A columns and 16 B columns
                     u32 sc[2][8], mn[2][8];

@@ -89,6 +89,17 @@ packed_stream(const Params P) {
     const int packed_groups = P.packed[row] / G;
     const int first = split * P.groups_per_split;
     const int last = min(first + P.groups_per_split, (length + G - 1) / G);
+    if (first >= last) {  // no key of the row in this split (a row another op serves
+        // reads length 0): the empty partial, before any load of the query or the pages
+        float* out = P.part_out + row * P.o_row + (i64)head * P.o_head + (i64)split * P.o_split;
+        for (int d = threadIdx.x; d < D; d += WARPS * 32) out[d] = 0.f;
+        if (threadIdx.x == 0) {
+            const i64 at = row * P.s_row + (i64)head * P.s_head + split;
+            P.part_max[at] = NEG_INF;
+            P.part_sum[at] = 0.f;
+        }
+        return;
+    }
     unsigned char* ring = smem + warp * (STAGES * LEVELS * BLOCK);
     float* merge = (float*)(smem + WARPS * STAGES * LEVELS * BLOCK);  // [WARPS][D + 2]
 

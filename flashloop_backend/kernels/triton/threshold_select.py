@@ -23,7 +23,8 @@ from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
 
 @dataclass(frozen=True)
 class SelectTuning:
-    """Selection launch shape: ``sample`` logits bracket the K-th key; up to
+    """Selection launch shape: ``sample`` logits bracket the K-th key (each end found to
+    its top ``bracket_bits`` bits and widened outwards, 1-32); up to
     ``candidates`` keys inside the bracket are kept (more, or a miss, takes the exact radix
     select over the row, ``radix_bits`` per pass); split programs of at least
     ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
@@ -33,6 +34,7 @@ class SelectTuning:
     takes ``value_block`` positions per step."""
 
     sample: int = 2048
+    bracket_bits: int = 20
     candidates: int = 4096
     block: int = 1024
     compact_block: int = 256
@@ -102,6 +104,8 @@ def select_positions(
     }
     if odd:
         raise ValueError(f"SelectTuning {odd} must be powers of two (Triton tile extents)")
+    if not 1 <= tuning.bracket_bits <= 32:
+        raise ValueError(f"SelectTuning bracket_bits={tuning.bracket_bits} must be in 1..32")
     device = logits.device
     span = logits.shape[-1]
     splits, chunk = selection_splits(rows, heads, span, device, tuning)
@@ -129,6 +133,7 @@ def select_positions(
         *ratio,
         *logit_strides,
         SAMPLE=tuning.sample,
+        BITS=tuning.bracket_bits,
         num_warps=tuning.search_warps,
     )
     jit.select_candidates_kernel[(*pairs, splits)](
@@ -149,6 +154,7 @@ def select_positions(
     jit.select_threshold_kernel[pairs](
         logits,
         context_lengths,
+        bracket,
         counter,
         above,
         cand_key,

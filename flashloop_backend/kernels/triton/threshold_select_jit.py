@@ -29,13 +29,14 @@ def _selected_count(length, ratio_num, ratio_den):
 
 
 @triton.jit
-def _kth_largest(keys, valid, rank_a, rank_b):
-    """The rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys: for each, the
-    largest k with more than that rank valid keys >= k, built from the top bit down (32
-    steps; the two ranks' counts are independent, so their reductions overlap)."""
+def _kth_largest(keys, valid, rank_a, rank_b, BITS: tl.constexpr):
+    """Lower bounds of the rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys
+    to their top BITS bits: for each, the largest k with BITS high bits and zeros below
+    with more than that rank valid keys >= k, built from the top bit down (the two ranks'
+    counts are independent, so their reductions overlap)."""
     answer_a = tl.zeros([], tl.uint32)
     answer_b = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(32):
+    for bit in tl.static_range(BITS):
         step = tl.full([], 1 << (31 - bit), tl.uint32)
         trial_a = answer_a | step
         trial_b = answer_b | step
@@ -47,13 +48,27 @@ def _kth_largest(keys, valid, rank_a, rank_b):
 
 
 @triton.jit
-def _kth_largest_one(keys, valid, rank):
-    """The rank-th largest (0-based) of the ``valid`` keys, as :func:`_kth_largest`."""
-    answer = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(32):
-        trial = answer | tl.full([], 1 << (31 - bit), tl.uint32)
+def _common_prefix(lowest, highest):
+    """(the high bits ``lowest`` and ``highest`` share, zeros below; how many, at most 31)."""
+    diff = lowest ^ highest
+    shared = tl.zeros([], tl.int32)
+    for b in tl.static_range(31):
+        shared += ((diff >> (31 - b)) == 0).to(tl.int32)
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    return lowest & (ones ^ (ones >> shared.to(tl.uint32))), shared
+
+
+@triton.jit
+def _kth_largest_from(keys, valid, rank, prefix, shared):
+    """The rank-th largest (0-based) of the ``valid`` keys, which all carry ``prefix``'s
+    ``shared`` high bits: the bit search of the bits below them."""
+    answer = prefix
+    step = tl.full([], 0x80000000, tl.uint32) >> shared.to(tl.uint32)
+    for _ in range(shared, 32):
+        trial = answer | step
         count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
         answer = tl.where(count > rank, trial, answer)
+        step = step >> 1
     return answer
 
 
@@ -68,10 +83,12 @@ def select_bracket_kernel(
     stride_lr,
     stride_lh,
     SAMPLE: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """One (row, head): bracket [lowest, highest] of the K-th largest key from a strided
-    sample of SAMPLE logits (its rank +- 3 sigma + 16 sample ranks), written to
-    ``bracket`` [R, H, 2]; zeroes the candidate counter [R, H]."""
+    sample of SAMPLE logits (its rank +- 3 sigma + 16 sample ranks, each to its top BITS
+    bits, widened outwards), written to ``bracket`` [R, H, 2]; zeroes the candidate counter
+    [R, H]."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pair = row * tl.num_programs(1) + head
@@ -88,8 +105,11 @@ def select_bracket_kernel(
     fraction = count.to(tl.float32) / tl.maximum(length, 1).to(tl.float32)
     margin = (3.0 * tl.sqrt(taken * fraction * (1.0 - fraction)) + 16.0).to(tl.int32)
     rank = (count * taken // tl.maximum(length, 1)).to(tl.int32)
-    low_key, high_key = _kth_largest(keys, in_sample, rank + margin, rank - margin)
+    low_key, high_key = _kth_largest(keys, in_sample, rank + margin, rank - margin, BITS)
     lowest = tl.where(rank + margin < taken, low_key, 0)
+    # the bits below BITS widen the bracket upwards: it still holds the K-th key
+    if BITS < 32:
+        high_key = high_key | (tl.full([], 0xFFFFFFFF, tl.uint32) >> BITS)
     highest = tl.where(rank >= margin, high_key, 0xFFFFFFFF).to(tl.uint32)
     tl.store(bracket_ptr + pair * 2, lowest.to(tl.int32, bitcast=True))
     tl.store(bracket_ptr + pair * 2 + 1, highest.to(tl.int32, bitcast=True))
@@ -175,6 +195,7 @@ def _split_counts(logits_row, length, chunk, num_splits, threshold, SPLITS_PAD, 
 def select_threshold_kernel(
     logits_ptr,
     lengths_ptr,
+    bracket_ptr,
     counter_ptr,
     above_ptr,
     cand_key_ptr,
@@ -194,7 +215,8 @@ def select_threshold_kernel(
 ):
     """One (row, head): the exact K-th largest key (from the candidates; by radix select
     over the row when the bracket missed it or overflowed the list), the ties at it to
-    take, and per split the output offset and the ties in earlier splits. Writes ``plan``
+    take, and per split the output offset and the ties in earlier splits (the candidates
+    lie in the ``bracket`` [R, H, 2]: the search skips the bits its ends share). Writes ``plan``
     [R, H, 3] (threshold key, ties to take, -1 for the compaction's last tie taken) and
     ``offsets`` [R, H, S, 2]."""
     row = tl.program_id(0).to(tl.int64)
@@ -214,7 +236,10 @@ def select_threshold_kernel(
     )
     split_of = tl.load(cand_pos_ptr + pair * CANDIDATES + c, mask=valid, other=0) // chunk
     need = count - above
-    threshold = _kth_largest_one(keys, valid, need - 1)
+    lowest = tl.load(bracket_ptr + pair * 2).to(tl.uint32, bitcast=True)
+    highest = tl.load(bracket_ptr + pair * 2 + 1).to(tl.uint32, bitcast=True)
+    prefix, shared = _common_prefix(lowest, highest)
+    threshold = _kth_largest_from(keys, valid, need - 1, prefix, shared)
     remaining = need - tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
     greater = above_s + tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys > threshold))
     ties = tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys == threshold))

@@ -400,14 +400,12 @@ def sparse_ops_case(
         corrections = [("", packed_sparse_correction_triton)]
         if cuda and cuda_unavailable() is None:
             from flashloop_backend.kernels.cuda.packed_selected import (
-                packed_dense_source_one_pass_cuda,
                 packed_sparse_correction_cuda,
             )
             from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
             corrections.append(("_cuda", packed_sparse_correction_cuda))
             sources = [("_cuda", packed_dense_source_cuda)]
-            sources.append(("_cuda_one_pass", packed_dense_source_one_pass_cuda))
             if sweep:
                 sources += _source_variants(packed_dense_source_cuda)
             for suffix, source_fn in sources:
