@@ -368,6 +368,15 @@ def _dense_kernels() -> bool:
             {**shape, "DIRECT": direct},
             8,
         )
+    from flashloop_backend.kernels.triton.reference_store_jit import store_reference_kernel
+
+    store = {
+        **{name: "*i64" for name in ("slot_ptr", "incarnation_ptr", "state_incarnation_ptr")},
+        **{name: "*i32" for name in ("indices_ptr", "state_indices_ptr")},
+    }
+    ok &= _compile(
+        "store_reference", store_reference_kernel, store, set(), dict(BLOCK_K=1024, HEAD_PAD=128), 4
+    )
     quant = {"x_ptr": "*bf16", "codes_ptr": "*u8", "min_ptr": "*fp16", "scale_ptr": "*fp16"}
     ok &= _compile("quantize_int4", quantize_int4_kernel, quant, set(), {"GROUP": 64}, 4)
     from flashloop_backend.kernels.triton.encode import DEFAULT_ENCODE

@@ -1,6 +1,8 @@
 """Sparse decode attention end to end: state store, paged reference ops, backend dispatch,
 and the host against the naive model running the RFC algorithm."""
 
+import os
+
 import pytest
 import torch
 
@@ -91,6 +93,38 @@ def test_state_store_incarnations_and_retirement():
             torch.ones(3, 1, 2),
         )
     assert key_bucket(0.1, 4096) == 416
+
+
+@pytest.mark.parametrize("width", [16, 11])
+def test_the_triton_reference_store_writes_what_indexing_writes(width, rng):
+    """One launch for every field: indices padded with -1 to the bucket, mass, output,
+    contribution and the incarnation at each row's slot, against the indexing writes;
+    rows not kept go to the scratch slot and leave the others untouched."""
+    from flashloop_backend.backends.sparse_state import store_by_indexing
+    from flashloop_backend.kernels.triton.reference_store import store_reference_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton store runs on a GPU or under TRITON_INTERPRET=1")
+    shape = {"num_slots": 3, "num_layers": 2, "num_heads": 2, "head_dim": 16, "k_bucket": 16}
+    by_index = ReferenceStates(**shape, device=device)
+    by_kernel = ReferenceStates(**shape, device=device)
+    target = torch.tensor([2, 0, 1, 0], device=device)
+    keep = torch.tensor([True, True, False, False], device=device)
+    rows = by_index.write_rows(target, torch.tensor([5, 6, 7, 8], device=device), keep)
+    idx = torch.randint(0, 100, (4, 2, width), generator=rng, dtype=torch.int32).to(device)
+    mass = torch.rand(4, 2, generator=rng).to(device)
+    output, contribution = (torch.randn(4, 2, 16, generator=rng).to(device) for _ in range(2))
+    fields = (idx, mass, output, contribution)
+    store_by_indexing(by_index.tensors(), 1, *rows, *fields)
+    store_reference_triton(by_kernel.tensors(), 1, *rows, *fields)
+    *per_slot, incarnation = by_kernel.tensors()
+    *want_per_slot, want_incarnation = by_index.tensors()
+    for mine, want in zip(per_slot, want_per_slot, strict=True):
+        assert torch.equal(mine[:, :3], want[:, :3])  # slot 3 is scratch
+    assert torch.equal(incarnation[:3], want_incarnation[:3])
+    assert incarnation[:3, 1].tolist() == [6, -1, 5]
+    assert (by_kernel.indices[1, 2, :, width:] == -1).all()
 
 
 def test_missing_reference_runs_dense_and_is_counted(rng):

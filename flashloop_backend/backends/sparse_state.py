@@ -25,6 +25,32 @@ def key_bucket(key_retention: float, max_context: int) -> int:
     return 16 * math.ceil(selected_count(key_retention, max_context) / 16)
 
 
+def store_by_indexing(
+    state: tuple[torch.Tensor, ...],
+    layer: int,
+    slot: torch.Tensor,
+    incarnation: torch.Tensor,
+    indices: torch.Tensor,
+    mass: torch.Tensor,
+    output: torch.Tensor,
+    contribution: torch.Tensor,
+) -> None:
+    """The reference store's write by tensor indexing (the Triton store's oracle): row r's
+    ``indices`` [N, H, W] int32 (-1 up to the bucket), ``mass`` [N, H], ``output`` and
+    ``contribution`` [N, H, D] into slot ``slot[r]`` of ``state`` at ``layer``, and its
+    ``incarnation`` at [slot, layer]."""
+    state_indices, state_mass, state_output, state_contribution, state_incarnation = state
+    width, bucket = indices.shape[-1], state_indices.shape[-1]
+    if width < bucket:  # one tensor write (a Python scalar would be copied from the host:
+        # not capturable)
+        indices = torch.nn.functional.pad(indices, (0, bucket - width), value=-1)
+    state_indices[layer, slot] = indices
+    state_mass[layer, slot] = mass
+    state_output[layer, slot] = output
+    state_contribution[layer, slot] = contribution
+    state_incarnation[slot, layer] = incarnation
+
+
 class ReferenceStates:
     """indices [L, S+1, H, K] int32 (-1 = unused), mass [L, S+1, H] FP32, output and
     contribution [L, S+1, H, D] FP32, incarnation [S+1, L] int64. Slot S is scratch: rows
@@ -82,14 +108,21 @@ class ReferenceStates:
         if width > self.k_bucket:
             raise ValueError(f"{width} selected keys exceed the state's bucket of {self.k_bucket}")
         indices = indices.to(torch.int32)
-        if width < self.k_bucket:  # one tensor write (a Python scalar would be copied from
-            # the host: not capturable)
-            indices = torch.nn.functional.pad(indices, (0, self.k_bucket - width), value=-1)
-        self.indices[layer, slot] = indices
-        self.mass[layer, slot] = mass
-        self.output[layer, slot] = output
-        self.contribution[layer, slot] = contribution
-        self.incarnation[slot, layer] = incarnation
+        if self.indices.is_cuda:  # one launch for every field (indexing takes one each)
+            from flashloop_backend.kernels.triton.reference_store import store_reference_triton
+
+            fields = (f.float().contiguous() for f in (mass, output, contribution))
+            store_reference_triton(
+                self.tensors(), layer, slot, incarnation, indices.contiguous(), *fields
+            )
+            return
+        store_by_indexing(
+            self.tensors(), layer, slot, incarnation, indices, mass, output, contribution
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(indices, mass, output, contribution, incarnation): the store's own tensors."""
+        return self.indices, self.mass, self.output, self.contribution, self.incarnation
 
     def write_at(
         self,
@@ -160,5 +193,4 @@ class ReferenceStates:
         return int((self.incarnation[:-1] != EMPTY).any(dim=1).sum())
 
     def nbytes(self) -> int:
-        tensors = (self.indices, self.mass, self.output, self.contribution, self.incarnation)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())

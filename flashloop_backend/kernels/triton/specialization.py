@@ -26,6 +26,8 @@ PAGED_PER_ROW = [*SCALAR_PER_ROW, "spans_ptr"]
 MERGE_SPLITS_METADATA = ["num_splits", "stride_mr", "stride_mh", "stride_lr", "stride_sr"]
 PAGED_SPLIT_METADATA = ["blocks_per_split", "stride_mr", "stride_mh"]
 PACKED_SPLIT_METADATA = ["groups_per_split", "stride_sr", "stride_sh"]
+# the layer a write goes to: an offset, one value per layer of a traversal
+LAYER_INDEX = ["layer"]
 
 
 @contextmanager
