@@ -16,6 +16,7 @@ from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.host.speculation import SpeculationSettings
 from flashloop_backend.registry import Registry, resolve
+from flashloop_backend.tools.bench.replay_bytes import ModelShapes, record_bandwidth
 from flashloop_backend.tools.bench.timing import environment_record, require_cuda
 
 
@@ -387,10 +388,11 @@ def bench_end_to_end(
         del engine, backend
         gc.collect()  # the engine and its graph runner reference each other: free the caches now
         torch.cuda.empty_cache()
-    return {
+    record = {
         "kind": "end_to_end_host",
         "environment": environment_record(),
         "model": described,
+        "model_shapes": dataclasses.asdict(ModelShapes.of(cfg)),
         "context": context,
         "concurrency": concurrency,
         "new_tokens": new_tokens,
@@ -406,3 +408,6 @@ def bench_end_to_end(
         "config": (config or FlashLoopConfig()).model_dump(mode="json"),
         "results": results,
     }
+    # per backend and graph key: the bytes a replay moves and the TB/s its median makes
+    record["replay_bandwidth_by_key"] = record_bandwidth(record)
+    return record
