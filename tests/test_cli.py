@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,30 @@ def test_info_text_mentions_choice(capsys):
     out = capsys.readouterr().out
     assert "auto picks: flashloop" in out
     assert "digest" in out
+
+
+def test_info_reports_how_many_requests_fit_a_kv_budget(capsys):
+    """The allocator's accounting at Ouro-1.4B's shapes: a dense request of 32K holds 24
+    GiB of BF16 KV on four planes; all on holds it until its prompt is packed, then far
+    less, so one budget holds more requests."""
+    all_on = str(Path(__file__).resolve().parents[1] / "configs" / "all_on.json")
+    args = ["info", "--config", all_on, "--context", "32768", "--json"]
+    assert main([*args, "--kv-memory-gib", "64"]) == 0
+    capacity = json.loads(capsys.readouterr().out)["capacity"]
+    dense, mine = capacity["dense"], capacity["config"]
+    assert dense["prefill_bytes_per_request"] == dense["decode_bytes_per_request"] == 24 * 2**30
+    assert mine["decode_bytes_per_request"] * 3 < dense["decode_bytes_per_request"]
+    assert (dense["requests"], capacity["prompt_tokens"]) == (2, 32768 - 256)
+    assert mine["requests"] > dense["requests"]
+    assert main(["info", "--config", all_on, "--context", "32768"]) == 0
+    assert "this config / dense: " in capsys.readouterr().out
+
+
+def test_info_names_a_request_shape_it_cannot_plan():
+    result = run("info", "--context", "1024", "--new-tokens", "1024")
+    assert result.returncode == 2
+    assert "--new-tokens 1024 must be at least 1 and below --context 1024" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_unknown_backend_exits_nonzero_without_traceback():

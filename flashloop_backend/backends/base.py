@@ -32,6 +32,7 @@ __all__ = [
     "EngineCapacity",
     "GraphStep",
     "OutOfPackedPagesError",
+    "RequestCost",
     "RequestKV",
 ]
 
@@ -57,6 +58,19 @@ class EngineCapacity:
     block_size: int
     device: torch.device
     packed_pages: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    """What one request holds of a backend's own pools, from the format alone (no pool
+    need exist): ``packed_pages`` pages of ``page_bytes`` reserved at admission;
+    ``packed_rows`` of its prompt rows that leave the host's BF16 cache once the prompt ran
+    every loop and was packed; ``slot_bytes`` of backend state per token-state slot."""
+
+    packed_pages: int = 0
+    page_bytes: int = 0
+    packed_rows: int = 0
+    slot_bytes: int = 0
 
 
 class RequestKV(Protocol):
@@ -136,6 +150,13 @@ class AttentionBackend(ABC):
         return None
 
     # ------------------------------------------------------------ requests
+    def request_cost(
+        self, capacity: EngineCapacity, prompt_length: int, max_new_tokens: int
+    ) -> RequestCost:
+        """:class:`RequestCost` of a request under an engine shaped like ``capacity`` (its
+        pool sizes are not read): nothing for a backend that keeps no pool of its own."""
+        return RequestCost()
+
     def pages_needed(self, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
         """(packed pages a request can ever hold, pages of the whole pool); (0, 0) when the
         backend stores no packed KV."""

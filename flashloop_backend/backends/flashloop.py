@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashloop_backend._version import __version__
-from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, GraphStep, RequestKV
+from flashloop_backend.backends.base import (
+    AttentionBackend,
+    EngineCapacity,
+    GraphStep,
+    RequestCost,
+    RequestKV,
+)
 from flashloop_backend.backends.batch_plan import BatchPlan, PlanRouting
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
@@ -41,6 +47,7 @@ from flashloop_backend.kernels.ops import (
     SourceInputs,
     over_packed,
 )
+from flashloop_backend.kv.layout import PackedLayout
 from flashloop_backend.kv.store import PackedKVStore, SharedRows, encoding_descriptor
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
@@ -357,6 +364,29 @@ class FlashLoopBackend(AttentionBackend):
         self.states = ReferenceStates(num_slots, num_layers, num_heads, head_dim, bucket, device)
 
     # ------------------------------------------------------------ requests
+    def request_cost(
+        self, capacity: EngineCapacity, prompt_length: int, max_new_tokens: int
+    ) -> RequestCost:
+        """Packed pages (KV quantization: the bound a reservation takes, every level a
+        whole page per group) and the reference store's bytes per slot (sparse decode)."""
+        c = capacity
+        slot = 0
+        if self.config.sparse_decode_attention.enabled:
+            span = self.reader_span(c.max_context, c.block_size)
+            bucket = key_bucket(self.config.sparse_decode_attention.key_retention, span)
+            per_head = bucket * 4 + 4 + 2 * c.head_dim * 4  # indices, mass, output, contribution
+            slot = c.num_layers * (c.num_heads * per_head + 8)  # and the incarnation
+        quant = self.config.kv_residual_quantization
+        if not quant.enabled:
+            return RequestCost(slot_bytes=slot)
+        policy, tail, group = quant.policy, quant.tail_size, quant.group_size
+        pages = PackedState.page_bound(
+            prompt_length, max_new_tokens, self.config.num_loops, group, policy, tail
+        )
+        block = PackedLayout(group, c.head_dim).block_bytes
+        rows = PackedState.packable_rows(prompt_length, group, policy, tail)
+        return RequestCost(pages, c.num_layers * c.num_kv_heads * block, rows, slot)
+
     def pages_needed(self, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
         if self.packed is None:
             return 0, 0

@@ -56,6 +56,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
 # ------------------------------------------------------------------ shared set-up
 def pick_device(name: str):
     import torch

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from flashloop_backend._version import __version__
+from flashloop_backend.cli.arguments import positive_float, positive_int
 from flashloop_backend.config import ConfigError, UnservableError
 
 EXIT_USAGE = 2
@@ -75,6 +76,8 @@ def _info(args: argparse.Namespace) -> int:
         report["digest"] = None
         report["error"] = str(exc)
         status = EXIT_UNSERVABLE
+    if args.context is not None and not status:
+        report["capacity"] = _capacity(args, registry, request, config)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -82,6 +85,57 @@ def _info(args: argparse.Namespace) -> int:
     if status:
         print(f"error: {report['error']}", file=sys.stderr)
     return status
+
+
+def _capacity(args, registry, request, config) -> dict[str, object]:
+    """How many requests of ``--context`` tokens (``--new-tokens`` of them generated) a
+    KV budget of ``--kv-memory-gib`` holds at Ouro-1.4B's shapes, dense and under
+    ``config``: the accounting ``Engine(kv_memory_bytes=...)`` sizes its pools by."""
+    import torch
+
+    from flashloop_backend.backends.base import EngineCapacity
+    from flashloop_backend.config import FlashLoopConfig
+    from flashloop_backend.host.capacity import footprint, plan_pools
+    from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+
+    if not 1 <= args.new_tokens < args.context:
+        raise ConfigError(
+            f"--new-tokens {args.new_tokens} must be at least 1 and below --context {args.context}"
+        )
+    model = ouro_1p4b_shapes()
+    shape = EngineCapacity(
+        max_slots=1,
+        max_context=args.context,
+        num_layers=model.num_hidden_layers,
+        num_heads=model.num_attention_heads,
+        num_kv_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        loops=model.total_ut_steps,
+        num_blocks=0,
+        block_size=16,
+        device=torch.device("cpu"),
+    )
+    budget = int(args.kv_memory_gib * 2**30)
+    prompt = args.context - args.new_tokens
+    rows: dict[str, object] = {
+        "model": "Ouro-1.4B shapes (24 layers, 16 KV heads of 128, 4 loops), BF16 cache",
+        "kv_memory_bytes": budget,
+        "prompt_tokens": prompt,
+        "new_tokens": args.new_tokens,
+    }
+    for name, chosen in (("dense", FlashLoopConfig()), ("config", config)):
+        backend = registry.create("flashloop", request, chosen)
+        cost = footprint(backend, shape, prompt, args.new_tokens)
+        try:
+            requests = plan_pools(budget, cost).requests
+        except ValueError:
+            requests = 0
+        rows[name] = {
+            "requests": requests,
+            "prefill_bytes_per_request": cost.prefill_bytes,
+            "decode_bytes_per_request": cost.decode_bytes,
+        }
+    return rows
 
 
 def _backend_rows(registry, config, request) -> dict[str, object]:
@@ -191,6 +245,22 @@ def _print_text(report: dict) -> None:
             )
     elif report.get("error"):
         print(f"\nno effective config: {report['error']}")
+    capacity = report.get("capacity")
+    if capacity:
+        dense, mine = capacity["dense"], capacity["config"]
+        ratio = f"{mine['requests'] / dense['requests']:.2f}x" if dense["requests"] else "-"
+        print(
+            f"\ncapacity at {capacity['kv_memory_bytes'] / 2**30:g} GiB of KV memory, "
+            f"{capacity['model']}, requests of {capacity['prompt_tokens']} + "
+            f"{capacity['new_tokens']} tokens (one prefilling at a time):"
+        )
+        for label, row in (("dense", dense), ("this config", mine)):
+            print(
+                f"  {label}: {row['requests']} requests "
+                f"({row['prefill_bytes_per_request'] / 2**30:.2f} GiB each while prefilling, "
+                f"{row['decode_bytes_per_request'] / 2**30:.2f} GiB decoding)"
+            )
+        print(f"  this config / dense: {ratio}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -300,6 +370,24 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", help="explicit backend to resolve (default: flashloop)")
     info.add_argument("--config", help="FlashLoop config file (.json or .toml)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument(
+        "--context",
+        type=positive_int,
+        help="also report how many requests of this many tokens (prompt and new) fit a KV "
+        "memory budget, dense and under the config, at Ouro-1.4B's shapes",
+    )
+    info.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=256,
+        help="tokens each of those requests generates (default 256)",
+    )
+    info.add_argument(
+        "--kv-memory-gib",
+        type=positive_float,
+        default=64.0,
+        help="the KV memory budget in GiB for that report (default 64)",
+    )
     info.set_defaults(handler=_info)
     add_bench_command(sub)
     report = sub.add_parser("report", help="PNG plots from the committed JSON records")

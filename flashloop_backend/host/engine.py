@@ -19,6 +19,7 @@ import torch
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
+from flashloop_backend.host.capacity import footprint, plan_pools
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
@@ -57,19 +58,22 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         model: OuroModel,
         backend: AttentionBackend,
         *,
-        num_blocks: int = 256,
+        num_blocks: int | None = None,
         block_size: int = 16,
         max_batch_tokens: int = 512,
         prefill_chunk: int = 256,
         pad_to_multiple: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
-        max_slots: int = 256,
+        max_slots: int | None = None,
         packed_pages: int | None = None,
         cuda_graphs: GraphSettings | None = None,
         max_context: int | None = None,
         graph_capture=None,
         prefix_cache: bool = False,
         speculation: SpeculationSettings | None = None,
+        kv_memory_bytes: int | None = None,
+        planned_request: tuple[int, int] | None = None,
+        prefill_requests: int = 1,
     ) -> None:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
@@ -81,7 +85,13 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`).
         ``speculation``: block speculation with a loop-1 or loop-2 draft
         (:mod:`~flashloop_backend.host.speculation`); refused, naming why, for a model that
-        exits early or a backend whose features do not verify speculative rows."""
+        exits early or a backend whose features do not verify speculative rows.
+        ``kv_memory_bytes``: size the BF16 pool, the packed pool and the token-state slots
+        from this budget instead of ``num_blocks`` / ``packed_pages`` / ``max_slots`` (give
+        none of those then): as many requests of ``planned_request`` (prompt, new tokens;
+        default ``max_context`` tokens of which ``min(256, max_context // 2)`` new) as fit
+        with ``prefill_requests`` of them prefilling at once (:mod:`~flashloop_backend.host.capacity`;
+        the plan is ``capacity_plan``). Without a budget: 256 blocks and slots."""
         cfg = model.config
         limit = cfg.max_position_embeddings
         self.max_context = max_context or limit
@@ -96,6 +106,22 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         param = next(model.parameters())
         self.model, self.backend, self.cfg = model, backend, cfg
         self.device, self.dtype = param.device, param.dtype
+        self.capacity_plan = None
+        if kv_memory_bytes is not None:
+            given = {"num_blocks": num_blocks, "packed_pages": packed_pages, "max_slots": max_slots}
+            clash = [name for name, value in given.items() if value is not None]
+            if clash:
+                raise ValueError(
+                    f"kv_memory_bytes sizes the pools: give it or {', '.join(clash)}, not both"
+                )
+            self.capacity_plan = self._plan_pools(
+                kv_memory_bytes, block_size, planned_request, prefill_requests
+            )
+            plan = self.capacity_plan
+            num_blocks, packed_pages, max_slots = plan.num_blocks, plan.packed_pages, plan.max_slots
+            packed_pages = max(1, packed_pages)  # a backend that packs nothing ignores it
+        num_blocks = 256 if num_blocks is None else num_blocks
+        max_slots = 256 if max_slots is None else max_slots
         self.kv = PagedKVCache(
             num_blocks,
             num_layers=cfg.num_hidden_layers,
@@ -163,6 +189,41 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 graph_capture,
                 verify_rows=speculation.block_size if self.speculation is not None else 1,
             )
+
+    def _plan_pools(
+        self,
+        budget: int,
+        block_size: int,
+        planned: tuple[int, int] | None,
+        prefill_requests: int,
+    ):
+        """The :class:`~flashloop_backend.host.capacity.PoolPlan` of ``budget`` bytes for
+        requests of ``planned`` (prompt, new tokens)."""
+        if planned is None:
+            new = min(256, self.max_context // 2)
+            planned = (self.max_context - new, new)
+        prompt, new = planned
+        if prompt < 1 or new < 1 or prompt + new > self.max_context:
+            raise ValueError(
+                f"planned_request={planned} needs a prompt and new tokens >= 1 within "
+                f"max_context={self.max_context}"
+            )
+        cfg = self.cfg
+        shape = EngineCapacity(
+            max_slots=1,
+            max_context=self.max_context,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            loops=cfg.total_ut_steps,
+            num_blocks=0,
+            block_size=block_size,
+            device=self.device,
+        )
+        element = torch.empty((), dtype=self.dtype).element_size()
+        request = footprint(self.backend, shape, prompt, new, element)
+        return plan_pools(budget, request, prefill_requests)
 
     # ------------------------------------------------------------ requests
     def add_request(

@@ -1,0 +1,118 @@
+"""What one request costs in an engine, and the pools a KV memory budget buys.
+
+A request holds, from admission until its prompt has run every loop and been packed, its
+BF16 reservation on every depth plane (prompt + new tokens) and, under KV quantization,
+the packed pages reserved for it; after the packing only the BF16 blocks the packing
+leaves (the rows past its last whole group and the new tokens) and its pages. A budget
+therefore holds ``prefill_requests`` prompts in flight at their prefill cost and every
+other request at its decode cost: the BF16 pool is sized for that mix and the packed pool
+for every request's pages, so the same bytes admit more requests when the backend packs.
+The token-state slot's backend state (the loop-2 references) counts per request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flashloop_backend.backends.base import AttentionBackend, EngineCapacity
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One request of ``prompt`` + ``new_tokens``: ``prefill_blocks`` BF16 blocks (every
+    plane) until its prompt is packed, ``decode_blocks`` after, of ``block_bytes`` each;
+    ``packed_pages`` of ``page_bytes``; ``slot_bytes`` of backend state."""
+
+    prompt: int
+    new_tokens: int
+    prefill_blocks: int
+    decode_blocks: int
+    block_bytes: int
+    packed_pages: int
+    page_bytes: int
+    slot_bytes: int
+
+    @property
+    def prefill_bytes(self) -> int:
+        return self._bytes(self.prefill_blocks)
+
+    @property
+    def decode_bytes(self) -> int:
+        return self._bytes(self.decode_blocks)
+
+    def _bytes(self, blocks: int) -> int:
+        return blocks * self.block_bytes + self.packed_pages * self.page_bytes + self.slot_bytes
+
+
+def footprint(
+    backend: AttentionBackend,
+    capacity: EngineCapacity,
+    prompt: int,
+    new_tokens: int,
+    dtype_bytes: int = 2,
+) -> Footprint:
+    """:class:`Footprint` of a request under an engine shaped like ``capacity`` (its pool
+    sizes are not read) with a BF16 cache of ``dtype_bytes`` per element."""
+    c = capacity
+    cost = backend.request_cost(c, prompt, new_tokens)
+    per_plane = math.ceil((prompt + new_tokens) / c.block_size)
+    if cost.packed_rows % c.block_size:
+        raise ValueError(
+            f"packed rows {cost.packed_rows} are not whole KV blocks of {c.block_size}"
+        )
+    block_bytes = c.block_size * c.num_layers * c.num_kv_heads * c.head_dim * 2 * dtype_bytes
+    return Footprint(
+        prompt,
+        new_tokens,
+        c.loops * per_plane,
+        c.loops * (per_plane - cost.packed_rows // c.block_size),
+        block_bytes,
+        cost.packed_pages,
+        cost.page_bytes,
+        cost.slot_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Pools for ``requests`` concurrent requests of one :class:`Footprint` within
+    ``budget_bytes``, ``prefill_requests`` of them in prefill at once: ``num_blocks`` BF16
+    blocks, ``packed_pages`` pages, ``max_slots`` token-state slots; ``used_bytes`` the
+    pools' bytes (the scratch slot's included)."""
+
+    budget_bytes: int
+    prefill_requests: int
+    requests: int
+    num_blocks: int
+    packed_pages: int
+    max_slots: int
+    used_bytes: int
+
+
+def plan_pools(budget_bytes: int, request: Footprint, prefill_requests: int = 1) -> PoolPlan:
+    """The most requests ``budget_bytes`` holds: ``prefill_requests`` at their prefill
+    cost, the rest at their decode cost, and one more slot's state (the backend's scratch
+    slot) (raises ``ValueError`` naming both when not even one request fits)."""
+    if prefill_requests < 1:
+        raise ValueError(f"prefill_requests={prefill_requests} must be >= 1")
+    prefill, decode = request.prefill_bytes, request.decode_bytes
+    budget = budget_bytes - request.slot_bytes
+    if budget < prefill:
+        raise ValueError(
+            f"a KV memory budget of {budget_bytes} bytes cannot hold one request of "
+            f"{request.prompt} + {request.new_tokens} tokens: its prefill needs {prefill} bytes"
+        )
+    in_flight = min(prefill_requests, budget // prefill)
+    requests = in_flight + (budget - in_flight * prefill) // decode
+    blocks = in_flight * request.prefill_blocks + (requests - in_flight) * request.decode_blocks
+    used = in_flight * prefill + (requests - in_flight) * decode + request.slot_bytes
+    return PoolPlan(
+        budget_bytes,
+        in_flight,
+        requests,
+        blocks,
+        requests * request.packed_pages,
+        requests,
+        used,
+    )

@@ -1,0 +1,173 @@
+"""Pools sized to a KV memory budget (``host/capacity.py``, ``Engine(kv_memory_bytes=...)``):
+what one request costs dense and packed, the most requests a budget holds, and an engine
+under one budget that runs more requests at once when it packs, holds no more than the
+budget, and returns every block, page and slot after a random admit / cancel / finish load."""
+
+import random
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig
+from flashloop_backend.backends.base import EngineCapacity
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, SamplingParams
+from flashloop_backend.host.capacity import Footprint, footprint, plan_pools
+from flashloop_backend.registry import Registry
+
+from .host_helpers import tiny_model
+
+REQUEST = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
+QUANT = {"enabled": True, "group_size": 16}
+CONFIGS = {
+    "dense": FlashLoopConfig(),
+    "kv_quant": FlashLoopConfig(kv_residual_quantization=QUANT),
+    "all_on": FlashLoopConfig(
+        kv_residual_quantization=QUANT,
+        sparse_decode_attention={"enabled": True, "key_retention": 0.25},
+        token_sparse_prefill={"enabled": True, "window_size": 16, "retention": [1, 1, 1, 0.5]},
+    ),
+}
+SHAPE = EngineCapacity(
+    max_slots=1,
+    max_context=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    loops=4,
+    num_blocks=0,
+    block_size=4,
+    device=torch.device("cpu"),
+)
+
+
+def _backend(name: str):
+    return Registry.discover().create("flashloop", REQUEST, CONFIGS[name])
+
+
+def test_a_dense_request_holds_its_bf16_blocks_from_admission_to_the_end():
+    cost = footprint(_backend("dense"), SHAPE, 70, 10, dtype_bytes=4)
+    block = 4 * 2 * 2 * 16 * 2 * 4  # tokens x layers x KV heads x dims x (K, V) x bytes
+    assert (cost.prefill_blocks, cost.decode_blocks, cost.block_bytes) == (80, 80, block)
+    assert cost.prefill_bytes == cost.decode_bytes == 80 * block
+    assert (cost.packed_pages, cost.slot_bytes) == (0, 0)
+
+
+def test_a_packed_request_keeps_its_pages_and_the_rows_past_its_last_group():
+    cost = footprint(_backend("kv_quant"), SHAPE, 70, 10, dtype_bytes=4)
+    # 64 prompt rows pack (4 groups of 16): 16 of each plane's 20 blocks leave
+    assert (cost.prefill_blocks, cost.decode_blocks) == (80, 4 * (20 - 16))
+    assert cost.packed_pages == 4 * 4  # 4 levels x 4 groups
+    assert cost.page_bytes == 2 * 2 * 16 * (16 + 8)  # layers x KV heads x v3 block bytes
+    assert cost.decode_bytes < cost.prefill_bytes
+
+
+def test_sparse_decode_counts_its_reference_slot():
+    cost = footprint(_backend("all_on"), SHAPE, 70, 10, dtype_bytes=4)
+    backend = _backend("all_on")
+    backend.reserve_state(1, 2, 4, 16, backend.reader_span(128, 4), "cpu")
+    per_slot = backend.states.nbytes() // 2  # one slot and the scratch slot
+    assert cost.slot_bytes == per_slot
+
+
+@pytest.mark.parametrize("prefill_requests", [1, 3])
+def test_a_plan_fills_the_budget_with_requests_at_their_decode_cost(prefill_requests):
+    request = Footprint(100, 10, 40, 8, 1000, 12, 300, 50)
+    budget = 1_000_000
+    plan = plan_pools(budget, request, prefill_requests)
+    held = prefill_requests * request.prefill_bytes + request.slot_bytes  # and the scratch
+    held += (plan.requests - prefill_requests) * request.decode_bytes
+    assert plan.used_bytes == held <= budget < held + request.decode_bytes
+    assert plan.num_blocks == prefill_requests * 40 + (plan.requests - prefill_requests) * 8
+    assert (plan.packed_pages, plan.max_slots) == (12 * plan.requests, plan.requests)
+
+
+def test_a_budget_below_one_request_is_refused_by_name():
+    request = Footprint(100, 10, 40, 8, 1000, 12, 300, 50)
+    with pytest.raises(ValueError, match="budget of 1000 bytes cannot hold one request of 100"):
+        plan_pools(1000, request)
+    with pytest.raises(ValueError, match="prefill_requests=0 must be >= 1"):
+        plan_pools(10**6, request, 0)
+
+
+def _engine(name: str, budget: int, **extra) -> Engine:
+    model = tiny_model(max_position_embeddings=128)
+    return Engine(
+        model,
+        _backend(name),
+        block_size=4,
+        prefill_chunk=128,
+        max_context=128,
+        kv_memory_bytes=budget,
+        planned_request=(80, 16),
+        **extra,
+    )
+
+
+def test_the_engine_refuses_a_budget_beside_explicit_pools():
+    with pytest.raises(ValueError, match="give it or num_blocks, max_slots, not both"):
+        _engine("dense", 10**6, num_blocks=64, max_slots=4)
+    with pytest.raises(ValueError, match=r"planned_request=\(120, 16\) needs a prompt"):
+        Engine(tiny_model(max_position_embeddings=128), _backend("dense"), block_size=4,
+               max_context=128, kv_memory_bytes=10**6, planned_request=(120, 16))  # fmt: skip
+
+
+def _run(engine: Engine, prompts: int) -> int:
+    """The most requests held at once (admitted, not done) while ``prompts`` requests of
+    80 + 16 run; the engine's pools never hold more than its plan's bytes."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    for i in range(prompts):
+        engine.add_request([(7 * i + 3 * t) % 61 for t in range(80)], params)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        held = [r for r in engine._requests.values() if r.phase in ("prefill", "decode")]
+        most = max(most, len(held))
+    return most
+
+
+def _pool_bytes(engine: Engine) -> int:
+    block = engine.kv.bytes_per_token() * engine.kv.block_size // engine.cfg.total_ut_steps
+    return engine.kv.num_blocks * block + sum(engine.backend.memory().values())
+
+
+def test_one_budget_decodes_more_requests_at_once_when_the_backend_packs():
+    dense = _engine("dense", 1_200_000)
+    packed = _engine("all_on", 1_200_000)
+    for engine in (dense, packed):
+        assert _pool_bytes(engine) == engine.capacity_plan.used_bytes <= 1_200_000
+    assert packed.capacity_plan.requests >= 2 * dense.capacity_plan.requests
+    assert _run(dense, 18) <= dense.capacity_plan.requests
+    assert _run(packed, 18) >= 2 * dense.capacity_plan.requests
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_accounting_returns_to_its_baseline_after_a_random_load(name):
+    engine = _engine(name, 400_000)
+    rng = random.Random(5)
+    free_blocks, free_slots = engine.kv.free_blocks, len(engine._free_slots)
+    packed = engine.backend.packed
+    live: list[int] = []
+    for _ in range(60):
+        action = rng.random()
+        if action < 0.4:
+            length = rng.randint(8, 100)
+            params = SamplingParams(max_new_tokens=rng.randint(1, 16), ignore_eos=True)
+            live.append(engine.add_request([rng.randrange(61) for _ in range(length)], params))
+        elif action < 0.55 and live:
+            request = live.pop(rng.randrange(len(live)))
+            if engine.output_count(request) is not None:
+                engine.cancel(request)
+        for result in engine.step():
+            if result.request_id in live:
+                live.remove(result.request_id)
+        if packed is not None:
+            report = packed.store.accounting()
+            assert report["pages_used"] + report["pages_reserved"] <= report["pages_total"]
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.kv.free_blocks, len(engine._free_slots)) == (free_blocks, free_slots)
+    if packed is not None:
+        report = packed.store.accounting()
+        assert report["pages_used"] == report["pages_reserved"] == 0
