@@ -104,6 +104,21 @@ def test_out_of_kv_blocks(tmp_path):
     assert "KV blocks" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_generate_sizes_its_pools_from_a_kv_budget_and_reports_the_plan(tmp_path):
+    model_dir = _model_dir(tmp_path, vocab_size=258)
+    args = ("generate", "--model", model_dir, "--prompt", "hello", "--max-new-tokens", "3")
+    result = cli(*args, "--kv-memory-gib", "0.01", "--block-size", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["capacity_plan"]
+    assert plan["requests"] >= 1 and plan["used_bytes"] <= 0.01 * 2**30
+    assert "KV pools from 0.01 GiB: " in result.stderr
+    both = cli(*args, "--kv-memory-gib", "0.01", "--num-blocks", "64")
+    assert both.returncode == 2
+    assert "give it or --num-blocks, not both" in both.stderr
+    small = cli(*args, "--kv-memory-gib", "0.000001")
+    assert small.returncode == 2 and "cannot hold one request" in small.stderr
+
+
 def test_unknown_backend_and_bad_model(tmp_path):
     result = cli(
         "generate", "--model", str(embedded_model_path()), "--prompt", "a", "--backend", "nope"

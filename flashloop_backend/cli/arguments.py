@@ -132,7 +132,15 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="FlashLoop config file (.json or .toml)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument(
-        "--num-blocks", type=positive_int, default=512, help="KV blocks in the pool (>= 1)"
+        "--num-blocks",
+        type=positive_int,
+        help="KV blocks in the pool (>= 1; default 512, or sized by --kv-memory-gib)",
+    )
+    parser.add_argument(
+        "--kv-memory-gib",
+        type=positive_float,
+        help="size the KV pools (BF16 blocks, packed pages, slots) from this many GiB "
+        "instead of --num-blocks, for requests of the model's context (docs/host.md)",
     )
     parser.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per KV block (>= 1)"

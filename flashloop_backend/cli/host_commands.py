@@ -7,6 +7,7 @@ The parser is built without torch; each command imports what it runs when it run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -64,17 +65,29 @@ def _setup(args: argparse.Namespace, log):
         f"kernels {dict(effective.kernels)}"
     )
     speculation = speculation_from_args(args) if hasattr(args, "speculate") else None
+    budget = getattr(args, "kv_memory_gib", None)
+    if budget is not None and args.num_blocks is not None:
+        raise ConfigError("--kv-memory-gib sizes the pools: give it or --num-blocks, not both")
+    pools = {"num_blocks": 512 if args.num_blocks is None else args.num_blocks}
+    if budget is not None:
+        pools = {"kv_memory_bytes": int(budget * 2**30)}
     try:
         engine = Engine(
             model,
             backend,
-            num_blocks=args.num_blocks,
             block_size=args.block_size,
             detokenize=tokenizer.decode,
             speculation=speculation,
+            **pools,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if engine.capacity_plan is not None:
+        plan = engine.capacity_plan
+        log(
+            f"KV pools from {budget:g} GiB: {plan.requests} requests of {engine.max_context} "
+            f"tokens ({plan.num_blocks} BF16 blocks, {plan.packed_pages} packed pages)"
+        )
     return engine, tokenizer, selection
 
 
@@ -304,6 +317,8 @@ def _generate(args: argparse.Namespace) -> int:
         if args.snapshot is not None:
             record["snapshot"] = args.snapshot
             record["snapshot_bytes"] = saved_bytes
+        if engine.capacity_plan is not None:
+            record["capacity_plan"] = dataclasses.asdict(engine.capacity_plan)
         if engine.speculation is not None:
             counts = engine.speculation.counters()
             record["acceptance_rate"] = counts.pop("acceptance_rate")
