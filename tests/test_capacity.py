@@ -171,3 +171,30 @@ def test_accounting_returns_to_its_baseline_after_a_random_load(name):
     if packed is not None:
         report = packed.store.accounting()
         assert report["pages_used"] == report["pages_reserved"] == 0
+
+
+def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
+    """``bench capacity``'s loop on a tiny model: every client's request is submitted at
+    once, each variant's engine admits what its plan holds, every request completes."""
+    from flashloop_backend.tools.bench.capacity import capacity_variants, serve_at_budget
+
+    variants = capacity_variants(CONFIGS["all_on"], "flashloop")
+    assert [v.name for v in variants] == ["dense", "kv_residual_quantization alone", "config"]
+    model = tiny_model(max_position_embeddings=128)
+    records = serve_at_budget(
+        model, REQUEST, variants, 1_200_000, 80, 16, 18, block_size=4, log=lambda _: None,
+        warm=False,
+    )  # fmt: skip
+    held = {r["variant"]: r["most_requests_held"] for r in records}
+    assert all(r["completed"] == 18 and r["failed_requests"] == 0 for r in records)
+    assert held["dense"] <= records[0]["plan"]["requests"]
+    assert held["config"] >= 2 * held["dense"]
+    assert held["kv_residual_quantization alone"] >= 2 * held["dense"]
+
+
+def test_bench_capacity_needs_kv_quantization():
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.capacity import capacity_variants
+
+    with pytest.raises(ConfigError, match="must enable kv_residual_quantization"):
+        capacity_variants(CONFIGS["dense"], "flashloop")

@@ -10,6 +10,8 @@ from flashloop_backend.cli.arguments import (
     at_least_two,
     int_list,
     non_negative_int,
+    positive_float,
+    positive_int,
     speculation_from_args,
 )
 from flashloop_backend.config import ConfigError, UnservableError
@@ -61,7 +63,20 @@ def _bench(args: argparse.Namespace) -> int:
             with open(args.out, "w") as handle:
                 handle.write(json.dumps(partial, indent=2) + "\n")
 
-    if args.mode == "serving":
+    if args.mode == "capacity":
+        from flashloop_backend.tools.bench.capacity import bench_capacity
+
+        record = bench_capacity(
+            config,
+            baseline=names[0],
+            contexts=args.contexts,
+            new_tokens=args.new_tokens,
+            kv_memory_gib=args.kv_memory_gib,
+            layers=args.layers,
+            clients=args.clients,
+            log=progress_log,
+        )
+    elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
 
         record = bench_serving(
@@ -151,6 +166,7 @@ BENCH_MODES = {
     "prefill": "prefill attention per layer call on token-sparse subsets (--retention)",
     "packed": "the packed INT4 KV readers and sparse ops, bytes and TB/s (--parts)",
     "serving": "arrivals and closed loops per feature variant (--variants, --rate)",
+    "capacity": "requests held and served at one KV budget (--kv-memory-gib, --clients)",
 }
 
 
@@ -301,6 +317,18 @@ def add_bench_command(sub) -> None:
         type=int,
         default=1,
         help="e2e: timed passes per backend (TTFT and TPOT are medians over them)",
+    )
+    bench.add_argument(
+        "--kv-memory-gib",
+        type=positive_float,
+        default=64.0,
+        help="capacity: the KV memory budget every variant's pools are planned from (default 64)",
+    )
+    bench.add_argument(
+        "--clients",
+        type=positive_int,
+        help="capacity: requests submitted at once (default three times what the config's "
+        "plan holds)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true", help="print the record as JSON")

@@ -293,10 +293,13 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
 
     def counters(self) -> dict[str, int]:
         """Work so far, for progress displays: prompt rows computed (every loop counted),
-        tokens generated, and requests whose prompt is still waiting or prefilling."""
+        requests admitted and not done (holding KV), tokens generated, and requests whose
+        prompt is still waiting or prefilling."""
         prompts = sum(r.phase in ("waiting", "prefill") for r in self._requests.values())
+        held = sum(r.phase in ("prefill", "decode") for r in self._requests.values())
         return {
             "prefill_rows": self.prefill_rows_run,
+            "requests_held": held,
             "tokens_generated": self.tokens_generated,
             "prompts_running": prompts,
             "steps": self.steps,

@@ -114,8 +114,9 @@ def run_workload(
     many in flight, the next one entering when one finishes). A request the engine
     refuses counts as failed with its reason; the run goes on. ``kv_held``: the most KV
     bytes the live requests held after any step (``Engine.kv_held``: BF16 blocks in use
-    plus the packed store's steady bytes), with their tokens; the probe's host time is
-    kept off the latency clock. ``shared_prefix``: every prompt starts with the same that
+    plus the packed store's steady bytes), with their tokens, and ``most_requests_held``
+    the most requests admitted at once; the probe's host time is kept off the latency
+    clock. ``shared_prefix``: every prompt starts with the same that
     many tokens (the rest random). ``prompt_rows`` counts the prompt rows computed (every
     loop) and, with the engine's prefix cache on, ``prefix`` its lookups, hits, misses and
     reused positions over the workload."""
@@ -126,6 +127,7 @@ def run_workload(
     live: dict[int, RequestTimes] = {}
     pending = list(arrivals)
     held = (0, 0)  # (tokens, bytes) at the largest bytes seen
+    most_held = 0  # the most requests admitted and not done after any step
     prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     counted = engine.counters()
     start = clock()
@@ -158,6 +160,7 @@ def run_workload(
         probe = clock()
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
+        most_held = max(most_held, engine.counters()["requests_held"])
         start += clock() - probe
         for rid, entry in live.items():
             produced = engine.output_count(rid)
@@ -179,6 +182,7 @@ def run_workload(
     }
     now = engine.counters()
     summary["prompt_rows"] = now["prefill_rows"] - counted["prefill_rows"]
+    summary["most_requests_held"] = most_held
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
         summary["prefix"] = {

@@ -1,0 +1,187 @@
+"""``bench capacity``: one KV memory budget for every variant (dense, KV quantization
+alone, the config), engines whose pools are planned from it (``Engine(kv_memory_bytes=...)``),
+and a closed loop of more clients than dense can hold: the most requests each variant
+held at once, output tokens/s, TTFT and inter-token latency percentiles, refusals and
+peak memory, one process.
+
+The functions take any model, so the same code runs a tiny model on CPU (tests) and
+Ouro-1.4B shapes on the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+
+from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.tools.bench.serving import Variant, memory_breakdown, warm_up
+from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
+
+
+def capacity_variants(config: FlashLoopConfig, baseline: str) -> list[Variant]:
+    """Dense on ``baseline``, KV quantization alone (when ``config`` quantizes and has
+    other features on too), and ``config``."""
+    if not config.kv_residual_quantization.enabled:
+        raise ConfigError(
+            "bench capacity compares what KV quantization frees: --config must enable "
+            "kv_residual_quantization"
+        )
+    out = [Variant("dense", baseline, FlashLoopConfig())]
+    alone = FlashLoopConfig(kv_residual_quantization=config.kv_residual_quantization)
+    if alone != config:
+        out.append(Variant("kv_residual_quantization alone", "flashloop", alone))
+    out.append(Variant("config", "flashloop", config))
+    return out
+
+
+def serve_at_budget(
+    model,
+    request,
+    variants: list[Variant],
+    budget_bytes: int,
+    prompt: int,
+    new_tokens: int,
+    clients: int,
+    block_size: int = 16,
+    sync: Callable[[], None] = lambda: None,
+    log=print,
+    graphs=None,
+    warm: bool = True,
+) -> list[dict]:
+    """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
+    ``new_tokens`` (one prefilling at a time), an untimed warm-up, then ``clients``
+    requests of that shape submitted at once (the engine admits what its pools hold; the
+    rest wait): the workload's summary with the plan and the memory breakdown. ``warm``
+    False skips the warm-up (its prompts need a context of 132 tokens)."""
+    from flashloop_backend.capabilities import Capability
+    from flashloop_backend.host.engine import Engine
+    from flashloop_backend.registry import Registry, resolve
+
+    registry = Registry.discover()
+    vocab = model.config.vocab_size
+    arrivals = fixed_arrival_schedule(clients, 1.0, [prompt], [new_tokens])
+    workload = {"name": f"closed_{clients}_clients", "concurrency": clients, "arrivals": arrivals}
+    records = []
+    for variant in variants:
+        wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
+        backend = registry.create(variant.backend, wanted, variant.config)
+        try:
+            engine = Engine(
+                model,
+                backend,
+                block_size=block_size,
+                max_context=prompt + new_tokens,
+                cuda_graphs=graphs,
+                kv_memory_bytes=budget_bytes,
+                planned_request=(prompt, new_tokens),
+            )
+        except ValueError as exc:  # the budget holds not even one request of the variant
+            records.append({"variant": variant.name, "backend": variant.backend, "error": str(exc)})
+            log(f"  capacity {variant.name}: {exc}")
+            continue
+        effective = resolve(variant.config, variant.backend, wanted, registry)
+        if warm:
+            held = min(clients, engine.capacity_plan.requests)
+            warm_up(engine, [{"concurrency": held}], vocab, sync)
+        summary = run_workload(engine, arrivals, vocab, clients, sync)
+        summary.update(
+            variant=variant.name,
+            backend=variant.backend,
+            workload=workload["name"],
+            config_digest=effective.digest(),
+            plan=dataclasses.asdict(engine.capacity_plan),
+            memory=memory_breakdown(engine),
+        )
+        records.append(summary)
+        log(
+            f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
+            f"(plan {engine.capacity_plan.requests}), {summary['throughput_tokens_s']:8.1f} tok/s, "
+            f"failed {summary['failed_requests']}"
+        )
+        del engine, backend
+        gc.collect()
+    return records
+
+
+def bench_capacity(
+    config: FlashLoopConfig,
+    baseline: str,
+    contexts: list[int],
+    new_tokens: int,
+    kv_memory_gib: float,
+    layers: int | None,
+    clients: int | None = None,
+    log=print,
+) -> dict:
+    """The GPU record: for each context, every variant of :func:`capacity_variants` under
+    the same ``kv_memory_gib`` budget, ``clients`` requests of (context - new_tokens) +
+    new_tokens (default: three times what the config's plan holds)."""
+    import torch
+
+    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.timing import environment_record
+
+    variants_named = capacity_variants(config, baseline)
+    budget = int(kv_memory_gib * 2**30)
+    block_size = 16
+    model, request = random_ouro(layers, block_size)
+    runs = []
+    for context in contexts:
+        if not 0 < new_tokens < context:
+            raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
+        base, graphs = graph_variant(baseline, max(1, clients or 64), context)
+        variants = [
+            dataclasses.replace(v, backend=base) if v.name == "dense" else v for v in variants_named
+        ]
+        n = clients or 3 * _planned_requests(model, request, config, budget, context, new_tokens)
+        log(f"  capacity ctx={context}: {n} clients, {kv_memory_gib:g} GiB of KV memory")
+        records = serve_at_budget(
+            model,
+            request,
+            variants,
+            budget,
+            context - new_tokens,
+            new_tokens,
+            n,
+            block_size,
+            sync=torch.cuda.synchronize,
+            log=log,
+            graphs=graphs,
+        )
+        runs.append({"context": context, "clients": n, "records": records})
+    return {
+        "kind": "capacity",
+        "environment": environment_record(),
+        "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
+        "kv_memory_bytes": budget,
+        "new_tokens": new_tokens,
+        "config": config.model_dump(mode="json"),
+        "method": "one engine per variant planned from the same KV budget, an untimed warm-up, "
+        "then every client's request submitted at once",
+        "runs": runs,
+    }
+
+
+def _planned_requests(model, request, config, budget: int, context: int, new: int) -> int:
+    """The requests the config's plan holds (its engine's ``capacity_plan``)."""
+    import torch
+
+    from flashloop_backend.backends.base import EngineCapacity
+    from flashloop_backend.host.capacity import footprint, plan_pools
+    from flashloop_backend.registry import Registry
+
+    cfg = model.config
+    backend = Registry.discover().create("flashloop", request, config)
+    shape = EngineCapacity(
+        max_slots=1,
+        max_context=context,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        loops=cfg.total_ut_steps,
+        num_blocks=0,
+        block_size=16,
+        device=torch.device("cpu"),
+    )
+    return plan_pools(budget, footprint(backend, shape, context - new, new)).requests
