@@ -149,3 +149,30 @@ def test_report_readme_names_a_missing_file_markers_or_record_and_writes_nothing
     assert result.returncode == 2 and "cannot write the results table" in result.stderr
     assert "decode_v3/bench_e2e_all_on_32k16" in result.stderr  # the record it could not read
     assert marked.read_text() == f"before\n{BEGIN}\nold\n{END}\nafter\n"
+
+
+def test_the_docs_quote_the_decode_ratios_of_the_readmes_records():
+    """``docs/status.md`` and ``docs/flashloop.md`` restate the all-on TPOT ratios of the
+    README's table by hand: each must be the ratio its record gives (to two decimals)."""
+    from pathlib import Path
+
+    from flashloop_backend.tools.results_table import ROWS, _ratio_of
+
+    repo = Path(__file__).resolve().parents[1]
+    records = {row.what: row.record for row in ROWS}
+
+    def ratio(shape: str) -> str:
+        record = records[f"decode TPOT, {shape}, all on"]
+        return f"{_ratio_of(repo / 'results', record, 'tpot'):.2f}x"
+
+    short, long, many = (
+        ratio("8K x 1 (24 layers)"),
+        ratio("32K x 1 (24 layers)"),
+        ratio("32K x 16 (4 layers)"),
+    )
+    status = (repo / "docs" / "status.md").read_text()
+    shapes = "dense TPOT at 8K x 1 / 32K x 1 / 32K x 16"
+    assert f"End to end all on is {short} / {long} / {many} {shapes}" in status
+    flashloop = " ".join((repo / "docs" / "flashloop.md").read_text().split())
+    assert f"all on decodes {many} dense at 32K x 16 and {long} at 32K x 1" in flashloop
+    assert f"(all on {short} / {long} dense TPOT at 8K x 1 / 32K x 1" in flashloop
