@@ -78,16 +78,18 @@ def _packed_rows(levels, sparse, context=1024, tail=40, batch=3, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("few_rows", [False, True])
 @pytest.mark.parametrize("levels", [1, 2, 4])
-def test_the_cuda_streaming_reader_matches_the_reference(levels):
+def test_the_cuda_streaming_reader_matches_the_reference(levels, few_rows):
     """Plain reads at 1, 2 and 4 dense levels plus BF16 tails (a row of length 0 reads
-    nothing) against the torch reference."""
+    nothing) against the torch reference, split over the SMs or one CTA per (row, head)
+    (the ``few_rows`` hint of a loop 3-4 fallback)."""
     from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
     from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
 
     args, lengths = _packed_rows(levels, sparse=False)
     expected = packed_decode_reference(*args, lengths).float()
-    got = packed_decode_cuda(*args, lengths).float()
+    got = packed_decode_cuda(*args, lengths, None, few_rows).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 

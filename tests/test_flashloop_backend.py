@@ -1,5 +1,7 @@
 """The flashloop backend's dispatch path against the reference kernel row by row."""
 
+import dataclasses
+
 import torch
 
 from flashloop_backend import FlashLoopConfig
@@ -440,3 +442,36 @@ def test_the_flashinfer_plan_key_compares_contents_of_inference_tensors():
     with torch.inference_mode():
         frozen = torch.zeros(3, dtype=torch.int32)
     assert tensor_versions(plain, frozen) is None
+
+
+def test_a_batch_of_loop_3_4_rows_only_hints_its_packed_read_as_a_fallback():
+    """Where every row decodes at a sparse loop, the packed read serves only rows without
+    a loop-2 reference: its inputs carry ``few_rows``; a batch with another depth, a
+    prefill row or unknown depths does not."""
+    from flashloop_backend import FlashLoopConfig
+
+    config = FlashLoopConfig(
+        sparse_decode_attention={"enabled": True}, kv_residual_quantization={"enabled": True}
+    )
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    tables = torch.zeros(4, 2, 2, dtype=torch.int32)  # depth planes, rows, blocks
+    decode = [RowMode.DECODE, RowMode.DECODE]
+
+    def view(depths, modes=decode, known=True, decode_only=True):
+        base = _view(modes, depths, [3, 5], tables)
+        return dataclasses.replace(
+            base,
+            decode_only=decode_only,
+            decode_depths=frozenset(depths) if known else None,
+        )
+
+    assert backend._fallback_only(view([2, 3]))
+    assert backend._fallback_only(view([3, 3]))
+    assert not backend._fallback_only(view([1, 3]))  # a loop-2 source row
+    assert not backend._fallback_only(view([0, 2]))  # a loop-1 read
+    assert not backend._fallback_only(view([2, 3], known=False))
+    assert not backend._fallback_only(view([2, 3], decode_only=False))
+    plain = Registry.discover().create(
+        "flashloop", REQUEST, FlashLoopConfig(kv_residual_quantization={"enabled": True})
+    )
+    assert not plain._fallback_only(view([2, 3]))  # KV quantization alone: a real read

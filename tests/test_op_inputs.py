@@ -59,7 +59,8 @@ def _sentinels(cls) -> tuple[object, dict[str, object]]:
         kv = PackedKV(store="store", layer="layer", meta="meta")
         paged, named = _sentinels(PAGED_OF[cls])
         named |= {f.name: getattr(kv, f.name) for f in dataclasses.fields(PackedKV)}
-        return cls(kv, paged), named
+        own = {f.name: f"<{f.name}>" for f in dataclasses.fields(cls)[2:]}  # after kv, paged
+        return cls(kv, paged, **own), named | own
     named = {f.name: f"<{f.name}>" for f in dataclasses.fields(cls)}
     return cls(**named), named
 

@@ -236,6 +236,24 @@ def test_torch_reference_reader_agrees_with_the_triton_reader(group, half, rng):
                                packed_decode_triton(*args, lengths, tuning=tuning), atol=tol, rtol=tol)  # fmt: skip
 
 
+def test_the_few_rows_hint_launches_one_program_per_row_and_head_with_the_same_result(rng):
+    """``few_rows`` (a loop 3-4 fallback read) changes the launch, not the output: one
+    split per (row, head) reads the whole history, rows of length 0 give zeros."""
+    from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
+    from flashloop_backend.kernels.triton.packed_decode import (
+        PackedTuning,
+        packed_decode_triton,
+    )
+
+    args, lengths = _sparse_case(rng, GROUPS[0])
+    tuning = PackedTuning(half_products=False)
+    lengths[1] = 0  # a row another op serves
+    expected = packed_decode_reference(*args, lengths, few_rows=True)
+    got = packed_decode_triton(*args, lengths, None, True, tuning=tuning)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
 @pytest.mark.parametrize("layers_per_pass", [2, 3])
 def test_encoding_several_layers_per_pass_writes_the_same_pages(rng, layers_per_pass):
     """Layers encoded together (fewer launches, more scratch) give the one-layer pages and

@@ -26,6 +26,7 @@ from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
 from flashloop_backend.config import ConfigError, FlashLoopConfig, UnservableError
 from flashloop_backend.dispatch import (
+    SPARSE_START_DEPTH,
     BatchView,
     config_capabilities,
     decode_route_ops,
@@ -641,7 +642,21 @@ class FlashLoopBackend(AttentionBackend):
                 )
             meta = self.packed.meta_for(plan.view, plan.order)
             inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
+            if op == OpName.PACKED_DECODE and self._fallback_only(plan.view):
+                inputs = replace(inputs, few_rows=True)
         return mine, inputs
+
+    def _fallback_only(self, view: BatchView) -> bool:
+        """Whether the batch's packed read serves only rows a loop 3-4 correction could not
+        (every row decodes at a sparse loop: none in a steady run), the launch hint
+        ``few_rows``."""
+        depths = view.decode_depths
+        return (
+            self.config.sparse_decode_attention.enabled
+            and view.decode_only
+            and bool(depths)
+            and min(depths) >= SPARSE_START_DEPTH
+        )
 
 
 def factory() -> FlashLoopSpec:

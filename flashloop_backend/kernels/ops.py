@@ -141,7 +141,10 @@ class PackedDecode(Protocol):
     below ``meta.packed_lengths`` reconstructed from layer ``layer`` of the packed ``store``
     at the row's depth (``meta``: :class:`~flashloop_backend.kv.levels.LevelMetadata` of
     the R rows), later rows from the BF16 paged cache [NB, BS, Hkv, D] through block_tables
-    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype."""
+    [R, MB]; context_lengths [R] int32. Returns [R, Hq, D] in q's dtype. ``few_rows``: a
+    launch hint, not a change of result: at most a few rows read any key (the rows a loop
+    3-4 correction could not serve, none in a steady run), so one program per (row, head)
+    serves them and an empty launch costs little."""
 
     def __call__(
         self,
@@ -154,6 +157,7 @@ class PackedDecode(Protocol):
         block_tables: torch.Tensor,
         context_lengths: torch.Tensor,
         scale: float | None = None,
+        few_rows: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -323,10 +327,11 @@ class PackedKV:
 class PackedDecodeInputs:
     """Inputs of ``packed_decode`` (:class:`PackedDecode`): ``dense_attention``'s
     :class:`PagedInputs` (the BF16 pages above each row's packed length) plus the packed
-    KV below it."""
+    KV below it; ``few_rows`` the protocol's launch hint."""
 
     kv: PackedKV
     paged: PagedInputs
+    few_rows: bool = False
 
     def call(self, fn: PackedDecode) -> torch.Tensor:
         """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
@@ -341,6 +346,7 @@ class PackedDecodeInputs:
             p.block_tables,
             p.context_lengths,
             p.scale,
+            self.few_rows,
         )
 
 

@@ -114,10 +114,11 @@ def packed_decode_cuda(
     block_tables,
     context_lengths,
     scale: float | None = None,
+    few_rows: bool = False,
     tuning: StreamTuning = DEFAULT_STREAM,
 ) -> torch.Tensor:
     """The ``PackedDecode`` contract (q [R, Hq, D] -> [R, Hq, D] in q's dtype), read by the
-    CUDA streaming kernel."""
+    CUDA streaming kernel; ``few_rows``: one CTA per (row, head)."""
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -137,6 +138,7 @@ def packed_decode_cuda(
             block_tables,
             context_lengths,
             scale,
+            few_rows=few_rows,
         )
     out = torch.empty_like(q)
     if rows == 0:
@@ -144,9 +146,8 @@ def packed_decode_cuda(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _, block_size, num_kv_heads, _ = key_cache.shape
     g = store.group_size
-    splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, None, tuning.ctas_per_sm
-    )
+    per_sm = 0 if few_rows else tuning.ctas_per_sm
+    splits, per_split = stream_splits(q, store, meta, block_tables, block_size, None, per_sm)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()

@@ -117,8 +117,10 @@ def packed_decode_reference(
     block_tables: torch.Tensor,
     context_lengths: torch.Tensor,
     scale: float | None = None,
+    few_rows: bool = False,
 ) -> torch.Tensor:
-    """``packed_decode`` (arguments and shapes as :class:`~.ops.PackedDecode`)."""
+    """``packed_decode`` (arguments and shapes as :class:`~.ops.PackedDecode`; the launch
+    hint ``few_rows`` changes nothing here)."""
 
     def run(q, meta, block_tables, context_lengths):
         return _decode_rows(

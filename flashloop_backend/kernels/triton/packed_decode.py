@@ -141,6 +141,7 @@ def packed_decode_triton(
     block_tables,
     context_lengths,
     scale: float | None = None,
+    few_rows: bool = False,
     tuning: PackedTuning = DEFAULT_TUNING,
     logits: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -154,7 +155,7 @@ def packed_decode_triton(
     Selection statistics (``packed_dense_source``): ``logits`` [R, Hq, T >= the grid's
     span] FP32 receives every visible key's scaled logit, ``lse`` [R, Hq] FP32 the LSE.
     ``correction`` (output, contribution [R, Hq, D], mass [R, Hq], FP32) is applied by
-    the merge."""
+    the merge. ``few_rows``: one program per (row, head) (``PackedDecode``'s hint)."""
     from flashloop_backend.kernels.triton.packed_decode_jit import packed_decode_split_kernel
 
     rows, num_q_heads, head_dim = check_paged_inputs(
@@ -167,9 +168,8 @@ def packed_decode_triton(
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = store.group_size
-    splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, logits, tuning.programs_per_sm
-    )
+    per_sm = 0 if few_rows else tuning.programs_per_sm
+    splits, per_split = stream_splits(q, store, meta, block_tables, block_size, logits, per_sm)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes, halves, page_bytes = layer_blocks(store, layer)
     block_tables = block_tables.contiguous()
