@@ -93,28 +93,15 @@ def _capacity(args, registry, request, config) -> dict[str, object]:
     ``config``: the accounting ``Engine(kv_memory_bytes=...)`` sizes its pools by."""
     import torch
 
-    from flashloop_backend.backends.base import EngineCapacity
     from flashloop_backend.config import FlashLoopConfig
-    from flashloop_backend.host.capacity import footprint, plan_pools
+    from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
     from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
 
     if not 1 <= args.new_tokens < args.context:
         raise ConfigError(
             f"--new-tokens {args.new_tokens} must be at least 1 and below --context {args.context}"
         )
-    model = ouro_1p4b_shapes()
-    shape = EngineCapacity(
-        max_slots=1,
-        max_context=args.context,
-        num_layers=model.num_hidden_layers,
-        num_heads=model.num_attention_heads,
-        num_kv_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        loops=model.total_ut_steps,
-        num_blocks=0,
-        block_size=16,
-        device=torch.device("cpu"),
-    )
+    shape = planning_capacity(ouro_1p4b_shapes(), args.context, 16, torch.device("cpu"))
     budget = int(args.kv_memory_gib * 2**30)
     prompt = args.context - args.new_tokens
     rows: dict[str, object] = {

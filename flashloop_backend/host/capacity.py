@@ -45,6 +45,23 @@ class Footprint:
         return blocks * self.block_bytes + self.packed_pages * self.page_bytes + self.slot_bytes
 
 
+def planning_capacity(cfg, max_context: int, block_size: int, device) -> EngineCapacity:
+    """An :class:`EngineCapacity` of model config ``cfg`` (``OuroConfig``) to plan with:
+    its shapes, ``max_context`` and ``block_size``; no pool size (nothing is allocated)."""
+    return EngineCapacity(
+        max_slots=1,
+        max_context=max_context,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        loops=cfg.total_ut_steps,
+        num_blocks=0,
+        block_size=block_size,
+        device=device,
+    )
+
+
 def footprint(
     backend: AttentionBackend,
     capacity: EngineCapacity,

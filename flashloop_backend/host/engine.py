@@ -19,7 +19,7 @@ import torch
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
-from flashloop_backend.host.capacity import footprint, plan_pools
+from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
@@ -208,19 +208,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 f"planned_request={planned} needs a prompt and new tokens >= 1 within "
                 f"max_context={self.max_context}"
             )
-        cfg = self.cfg
-        shape = EngineCapacity(
-            max_slots=1,
-            max_context=self.max_context,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            loops=cfg.total_ut_steps,
-            num_blocks=0,
-            block_size=block_size,
-            device=self.device,
-        )
+        shape = planning_capacity(self.cfg, self.max_context, block_size, self.device)
         element = torch.empty((), dtype=self.dtype).element_size()
         request = footprint(self.backend, shape, prompt, new, element)
         return plan_pools(budget, request, prefill_requests)

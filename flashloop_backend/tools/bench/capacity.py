@@ -166,22 +166,9 @@ def _planned_requests(model, request, config, budget: int, context: int, new: in
     """The requests the config's plan holds (its engine's ``capacity_plan``)."""
     import torch
 
-    from flashloop_backend.backends.base import EngineCapacity
-    from flashloop_backend.host.capacity import footprint, plan_pools
+    from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
     from flashloop_backend.registry import Registry
 
-    cfg = model.config
     backend = Registry.discover().create("flashloop", request, config)
-    shape = EngineCapacity(
-        max_slots=1,
-        max_context=context,
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        loops=cfg.total_ut_steps,
-        num_blocks=0,
-        block_size=16,
-        device=torch.device("cpu"),
-    )
+    shape = planning_capacity(model.config, context, 16, torch.device("cpu"))
     return plan_pools(budget, footprint(backend, shape, context - new, new)).requests
