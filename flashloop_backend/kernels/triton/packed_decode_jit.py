@@ -20,6 +20,7 @@ from flashloop_backend.kernels.triton.packed_block_jit import (
     units,
 )
 from flashloop_backend.kernels.triton.specialization import (
+    LEVEL_METADATA,
     PACKED_SPLIT_METADATA,
     SCALAR_PER_ROW,
 )
@@ -202,7 +203,10 @@ def _level_kind(kinds, level):
     return tl.sum(tl.where(tl.arange(0, kinds.shape[0]) == level, kinds, 0), axis=0)
 
 
-@triton.jit(do_not_specialize=PACKED_SPLIT_METADATA, do_not_specialize_on_alignment=SCALAR_PER_ROW)
+@triton.jit(
+    do_not_specialize=[*PACKED_SPLIT_METADATA, *LEVEL_METADATA],
+    do_not_specialize_on_alignment=SCALAR_PER_ROW,
+)
 def packed_decode_split_kernel(
     q_ptr,
     codes_ptr,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from flashloop_backend.kernels.triton.packed_block_jit import channel_a, nibbles, param_slot
+from flashloop_backend.kernels.triton.specialization import LEVEL_METADATA
 from flashloop_backend.kv.levels import LevelKind
 
 COMPACT = tl.constexpr(int(LevelKind.COMPACT))
@@ -75,7 +76,12 @@ def _pick(values, index, LP: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["keys_per_split", "bucket"])
+@triton.jit(
+    do_not_specialize=[
+        *("keys_per_split", "bucket", "stride_er", "stride_sr", "stride_sh"),
+        *LEVEL_METADATA,
+    ]
+)
 def packed_selected_split_kernel(
     q_ptr,
     idx_ptr,

@@ -26,6 +26,9 @@ PAGED_PER_ROW = [*SCALAR_PER_ROW, "spans_ptr"]
 MERGE_SPLITS_METADATA = ["num_splits", "stride_mr", "stride_mh", "stride_lr", "stride_sr"]
 PAGED_SPLIT_METADATA = ["blocks_per_split", "stride_mr", "stride_mh"]
 PACKED_SPLIT_METADATA = ["groups_per_split", "stride_sr", "stride_sh"]
+# the strides of the packed readers' level metadata (tables [R, Lv, P], maps [R, Lv, Tp],
+# kinds [R, Lv]): they follow the batch's level count and page width (1 where either is)
+LEVEL_METADATA = ["stride_lr", "stride_ll", "stride_mr", "stride_ml", "stride_kr"]
 # the layer a write goes to: an offset, one value per layer of a traversal
 LAYER_INDEX = ["layer"]
 
