@@ -198,3 +198,14 @@ def test_bench_capacity_needs_kv_quantization():
 
     with pytest.raises(ConfigError, match="must enable kv_residual_quantization"):
         capacity_variants(CONFIGS["dense"], "flashloop")
+
+
+def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_found_it():
+    engine = _engine("all_on", 1_200_000)
+    free = (engine.kv.free_blocks, len(engine._free_slots))
+    seconds = engine.warm_up(sizes=[1, 2])
+    assert seconds > 0 and not engine.has_unfinished()
+    assert (engine.kv.free_blocks, len(engine._free_slots)) == free
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="warm_up needs an idle engine"):
+        engine.warm_up()

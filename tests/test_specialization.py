@@ -77,3 +77,50 @@ def test_every_unspecialized_argument_names_a_parameter_of_its_kernel():
                 assert listed <= set(kernel.arg_names), f"{name}.{option}: {listed}"
                 checked += bool(listed)
     assert checked >= 8
+
+
+@pytest.fixture
+def triton_on_cpu():
+    """The Triton provider's declarations widened to CPU tensors (as the census script
+    does), put back afterwards: other tests must keep choosing the torch reference."""
+    from flashloop_backend.capabilities.support import Support
+    from flashloop_backend.kernels import triton as triton_kernels
+
+    supports = [v for v in vars(triton_kernels).values() if isinstance(v, Support)]
+    saved = [s.devices for s in supports]
+    for support in supports:
+        object.__setattr__(support, "devices", support.devices | {"cpu"})
+    yield
+    for support, devices in zip(supports, saved, strict=True):
+        object.__setattr__(support, "devices", devices)
+
+
+def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_on_cpu):
+    """``Engine.warm_up`` meets every Triton specialization a later mixed workload needs
+    (all on, every op the Triton provider implements, the embedded model): prompts of 30
+    to 300 tokens decoding together add no key, so a GPU would compile nothing while
+    serving them."""
+    import random
+    from pathlib import Path
+
+    from flashloop_backend import embedded_model_path
+    from flashloop_backend.config import load_config
+    from flashloop_backend.host import Engine, SamplingParams, load_model
+    from flashloop_backend.registry import Registry
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "all_on.json")
+    ops = {op.value: "triton" for op in Registry.discover().kernels["triton"].impls}
+    config = config.model_copy(update={"kernel_overrides": ops})
+    model = load_model(embedded_model_path(), "cpu", torch.float32)
+    backend = Registry.discover().create("flashloop", model.support_request(16), config)
+    engine = Engine(model, backend, num_blocks=2048, prefill_chunk=128, max_context=512,
+                    max_slots=4)  # fmt: skip
+    rng = random.Random(0)
+    with specialization_census() as census:
+        engine.warm_up()
+        warmed = {name: set(keys) for name, keys in census.items()}
+        prompts = [[rng.randrange(250) for _ in range(rng.randint(30, 300))] for _ in range(4)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    new = {name: set(keys) - warmed.get(name, set()) for name, keys in census.items()}
+    assert not {name: len(keys) for name, keys in new.items() if keys}
+    assert len(warmed) >= 8  # the census saw the packed, selection and layer kernels

@@ -12,6 +12,7 @@ of either; a request that does not fit waits, one that can never fit is refused.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -636,6 +637,29 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         return request
 
     # ------------------------------------------------------------ convenience
+    def warm_up(self, sizes: list[int] | None = None) -> float:
+        """Run synthetic requests through the paths serving takes, so that kernels compile
+        and graphs are captured before any real request: for each batch size in ``sizes``
+        (default: every graph bucket up to ``max_slots``, else 1, 2 and 3), that many
+        requests at once, prompts alternately short (under one 64-row group) and long
+        (two groups and part of a third, a compact level where token-sparse prefill keeps
+        one), each generating 3 tokens through every loop. Needs an idle engine; returns
+        the seconds it took."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine: requests are still running")
+        if sizes is None:
+            buckets = self.graphs.settings.buckets if self.graphs is not None else (1, 2, 3)
+            sizes = [b for b in buckets if b <= self.max_slots] or [1]
+        started = time.perf_counter()
+        vocab, longest = self.cfg.vocab_size, max(2, self.max_context - 3)
+        lengths = (min(7, longest), min(2 * 64 + 21, longest))
+        for size in sizes:
+            prompts = [
+                [(13 * i + 5 * t) % vocab for t in range(lengths[i % 2])] for i in range(size)
+            ]
+            self.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        return time.perf_counter() - started
+
     def generate(
         self,
         prompts: list[list[int]],

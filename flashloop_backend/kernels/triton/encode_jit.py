@@ -15,6 +15,7 @@ from triton.language.extra import libdevice
 
 from flashloop_backend.kernels.triton.packed_block_jit import channel_a, param_slot
 from flashloop_backend.kernels.triton.quantize_jit import int4_codes
+from flashloop_backend.kernels.triton.specialization import APPEND_METADATA
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _earlier_codes(codes_ptr, row, byte, mask):
     return (value & 15).to(tl.float32), (value >> 4).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=APPEND_METADATA)
 def encode_level_kernel(
     k_ptr,
     v_ptr,

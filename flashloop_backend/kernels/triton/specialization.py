@@ -29,6 +29,9 @@ PACKED_SPLIT_METADATA = ["groups_per_split", "stride_sr", "stride_sh"]
 # the strides of the packed readers' level metadata (tables [R, Lv, P], maps [R, Lv, Tp],
 # kinds [R, Lv]): they follow the batch's level count and page width (1 where either is)
 LEVEL_METADATA = ["stride_lr", "stride_ll", "stride_mr", "stride_ml", "stride_kr"]
+# the level an append encodes and the row strides of its page and slot tables (1 where an
+# append touches one page): offsets that follow the append, not the tile shapes
+APPEND_METADATA = ["level", "stride_st", "stride_pl"]
 # the layer a write goes to: an offset, one value per layer of a traversal
 LAYER_INDEX = ["layer"]
 
