@@ -91,17 +91,14 @@ def _capacity(args, registry, request, config) -> dict[str, object]:
     """How many requests of ``--context`` tokens (``--new-tokens`` of them generated) a
     KV budget of ``--kv-memory-gib`` holds at Ouro-1.4B's shapes, dense and under
     ``config``: the accounting ``Engine(kv_memory_bytes=...)`` sizes its pools by."""
-    import torch
-
     from flashloop_backend.config import FlashLoopConfig
-    from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
+    from flashloop_backend.host.capacity import requests_that_fit
     from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
 
     if not 1 <= args.new_tokens < args.context:
         raise ConfigError(
             f"--new-tokens {args.new_tokens} must be at least 1 and below --context {args.context}"
         )
-    shape = planning_capacity(ouro_1p4b_shapes(), args.context, 16, torch.device("cpu"))
     budget = int(args.kv_memory_gib * 2**30)
     prompt = args.context - args.new_tokens
     rows: dict[str, object] = {
@@ -112,11 +109,9 @@ def _capacity(args, registry, request, config) -> dict[str, object]:
     }
     for name, chosen in (("dense", FlashLoopConfig()), ("config", config)):
         backend = registry.create("flashloop", request, chosen)
-        cost = footprint(backend, shape, prompt, args.new_tokens)
-        try:
-            requests = plan_pools(budget, cost).requests
-        except ValueError:
-            requests = 0
+        requests, cost = requests_that_fit(
+            backend, ouro_1p4b_shapes(), args.context, args.new_tokens, budget
+        )
         rows[name] = {
             "requests": requests,
             "prefill_bytes_per_request": cost.prefill_bytes,

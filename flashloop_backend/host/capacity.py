@@ -133,3 +133,20 @@ def plan_pools(budget_bytes: int, request: Footprint, prefill_requests: int = 1)
         requests,
         used,
     )
+
+
+def requests_that_fit(
+    backend: AttentionBackend, cfg, context: int, new_tokens: int, budget_bytes: int
+) -> tuple[int, Footprint]:
+    """(requests of ``context`` tokens, ``new_tokens`` of them generated, that
+    ``budget_bytes`` holds with one prefilling at a time under ``backend`` and model config
+    ``cfg`` with a BF16 cache in blocks of 16; 0 when not one fits, one request's
+    :class:`Footprint`)."""
+    import torch
+
+    shape = planning_capacity(cfg, context, 16, torch.device("cpu"))
+    cost = footprint(backend, shape, context - new_tokens, new_tokens)
+    try:
+        return plan_pools(budget_bytes, cost).requests, cost
+    except ValueError:
+        return 0, cost

@@ -104,10 +104,12 @@ def summary(results: Path) -> str:
     quant = ratio("decode TPOT, 32K x 16, KV quantization alone")
     row = next(r for r in ROWS if isinstance(r, QualityRow))
     point = json.loads((results / row.record).read_text())["combinations"][row.index]
+    planned = _planned_capacity(results)
     return (
         f"- **Memory**: all three features hold **{memory:.1f}x less KV per token** than "
-        "dense. The pools are not yet sized to a memory budget, so that does not yet admit "
-        "more requests (open work).\n"
+        f"dense. Pools planned from one KV budget (`--kv-memory-gib`) hold {planned} "
+        "by the allocator's accounting (`info --context N`), not yet measured end to end "
+        "on the GPU.\n"
         f"- **Decode speed**: with many long requests (32K x 16) all on decodes "
         f"**{fast:.2f}x** dense's speed ({second:.2f}x in another run, one kernel revision "
         "earlier); "
@@ -120,6 +122,36 @@ def summary(results: Path) -> str:
         f"{100 * point['top1_agreement']:.1f}% (measured before encoding v3, which changed "
         "the byte order in pages, not what is stored).\n"
     )
+
+
+# The capacity the README quotes: requests of these contexts (256 new tokens) at this KV
+# budget, Ouro-1.4B's shapes, dense against configs/all_on.json.
+CAPACITY_CONTEXTS, CAPACITY_GIB = (8192, 32768), 64
+
+
+def _planned_capacity(results: Path) -> str:
+    """'A / B dense's requests of 8K / 32K at 64 GiB' from the allocator's plan, all on as
+    ``configs/all_on.json`` beside ``results``."""
+    from flashloop_backend import FlashLoopConfig
+    from flashloop_backend.capabilities import SupportRequest
+    from flashloop_backend.config import load_config
+    from flashloop_backend.host.capacity import requests_that_fit
+    from flashloop_backend.registry import Registry
+    from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+
+    all_on = load_config(results.parent / "configs" / "all_on.json")
+    registry, request = Registry.discover(), SupportRequest(head_dim=128, block_size=16)
+    shapes, budget, ratios = ouro_1p4b_shapes(), CAPACITY_GIB * 2**30, []
+    for context in CAPACITY_CONTEXTS:
+        counts = [
+            requests_that_fit(
+                registry.create("flashloop", request, c), shapes, context, 256, budget
+            )[0]
+            for c in (FlashLoopConfig(), all_on)
+        ]
+        ratios.append(f"{counts[1] / counts[0]:.1f}x")
+    contexts = " / ".join(f"{c // 1024}K" for c in CAPACITY_CONTEXTS)
+    return f"{' / '.join(ratios)} dense's requests of {contexts} tokens at {CAPACITY_GIB} GiB"
 
 
 def table(results: Path) -> str:

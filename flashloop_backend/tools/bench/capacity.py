@@ -164,11 +164,8 @@ def bench_capacity(
 
 def _planned_requests(model, request, config, budget: int, context: int, new: int) -> int:
     """The requests the config's plan holds (its engine's ``capacity_plan``)."""
-    import torch
-
-    from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
+    from flashloop_backend.host.capacity import requests_that_fit
     from flashloop_backend.registry import Registry
 
     backend = Registry.discover().create("flashloop", request, config)
-    shape = planning_capacity(model.config, context, 16, torch.device("cpu"))
-    return plan_pools(budget, footprint(backend, shape, context - new, new)).requests
+    return requests_that_fit(backend, model.config, context, new, budget)[0]
