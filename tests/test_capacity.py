@@ -83,11 +83,19 @@ def test_a_plan_fills_the_budget_with_requests_at_their_decode_cost(prefill_requ
     assert (plan.packed_pages, plan.max_slots) == (12 * plan.requests, plan.requests)
 
 
+def test_a_speculating_request_plans_a_slot_per_block_row():
+    request = Footprint(100, 10, 40, 8, 1000, 12, 300, 50)
+    one, four = plan_pools(1_000_000, request), plan_pools(1_000_000, request, 1, 4)
+    assert four.max_slots == 4 * four.requests and four.requests <= one.requests
+    held = request.prefill_bytes + (four.requests - 1) * request.decode_bytes
+    assert four.used_bytes == held + 3 * 50 * four.requests + 50 <= 1_000_000
+
+
 def test_a_budget_below_one_request_is_refused_by_name():
     request = Footprint(100, 10, 40, 8, 1000, 12, 300, 50)
     with pytest.raises(ValueError, match="budget of 1000 bytes cannot hold one request of 100"):
         plan_pools(1000, request)
-    with pytest.raises(ValueError, match="prefill_requests=0 must be >= 1"):
+    with pytest.raises(ValueError, match="prefill_requests=0 and slots_per_request=1 must be"):
         plan_pools(10**6, request, 0)
 
 

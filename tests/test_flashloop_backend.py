@@ -475,3 +475,8 @@ def test_a_batch_of_loop_3_4_rows_only_hints_its_packed_read_as_a_fallback():
         "flashloop", REQUEST, FlashLoopConfig(kv_residual_quantization={"enabled": True})
     )
     assert not plain._fallback_only(view([2, 3]))  # KV quantization alone: a real read
+    # the hint is part of the graph key: a graph captured with it never serves loop 1-2 rows
+    hinted = backend.decode_ops(frozenset({2, 3}))
+    assert "packed_decode:few_rows" in hinted and "packed_sparse_correction" in hinted
+    assert "packed_decode" in backend.decode_ops(frozenset({0, 2}))
+    assert backend.decode_ops(frozenset({0, 2})) != hinted

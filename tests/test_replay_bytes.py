@@ -48,12 +48,12 @@ def test_the_weights_are_the_models_projection_bytes():
     linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
     shapes = ModelShapes.of(cfg)
     assert shapes.layer_weight_bytes() == 2 * linear
-    assert shapes.head_bytes() == 2 * model.lm_head.weight.numel()
 
 
-@pytest.mark.parametrize(("context", "layers", "bound"), [(8192, 24, 1.38), (32768, 24, 2.03)])
+@pytest.mark.parametrize(("context", "layers", "bound"), [(8192, 24, 1.39), (32768, 24, 2.06)])
 def test_all_on_moves_the_byte_bound_the_decode_issue_names(context, layers, bound):
-    """Four loops of all on against four of dense at batch 1: the issue's 1.38x / 2.03x."""
+    """Four loops of all on against four of dense at batch 1: the issue's byte bounds
+    (about 1.38x / 2.03x with the LM head; the replays leave it out)."""
     shapes = ModelShapes.of(ouro_1p4b_shapes(layers))
     dense = sum(
         replay_bytes(("dense_attention",), d, 1, context, shapes, ALL_ON)["total"]
@@ -69,13 +69,20 @@ def test_all_on_moves_the_byte_bound_the_decode_issue_names(context, layers, bou
     assert dense / flashloop == pytest.approx(bound, abs=0.03)
 
 
-def test_a_dense_key_spreads_the_lm_head_over_the_loops():
+def test_a_replay_reads_its_layers_weights_at_every_loop_and_not_the_lm_head():
+    """The graph holds the recurrent traversal; the LM head runs after it."""
     shapes = ModelShapes.of(ouro_1p4b_shapes(2))
     every = key_bytes("(1, 1, ('dense_attention',))", 1024, shapes, ALL_ON)
     last = replay_bytes(("dense_attention",), 4, 1, 1024, shapes, ALL_ON)
-    first = replay_bytes(("dense_attention",), 1, 1, 1024, shapes, ALL_ON)
-    assert every["weights"] == pytest.approx(first["weights"] + shapes.head_bytes() / 4)
-    assert last["weights"] == first["weights"] + shapes.head_bytes()
+    assert every["weights"] == last["weights"] == 2 * shapes.layer_weight_bytes()
+
+
+def test_a_fallback_only_read_is_marked_and_moves_nothing():
+    shapes = ModelShapes.of(ouro_1p4b_shapes(1))
+    key = "(1, 3, ('packed_decode:few_rows', 'packed_sparse_correction'))"
+    marked = key_bytes(key, 4096, shapes, ALL_ON)
+    alone = replay_bytes(("packed_sparse_correction",), 3, 1, 4096, shapes, ALL_ON)
+    assert marked == alone
 
 
 def test_the_fallback_reader_of_loops_3_4_moves_nothing_but_kv_quantization_alone_reads():

@@ -271,8 +271,14 @@ class FlashLoopBackend(AttentionBackend):
         ]
 
     def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
-        """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
-        return tuple(sorted(op.value for op in routable_ops(self.config, True, depths)))
+        """The ops a decode-only step with rows at ``depths`` launches (a graph key part);
+        the packed read marked ``:few_rows`` where it carries that launch hint (a graph
+        captured with it must not serve a step that reads real rows)."""
+        ops = sorted(op.value for op in routable_ops(self.config, True, depths))
+        if self._fallback_depths(depths):
+            hinted = OpName.PACKED_DECODE.value
+            ops = [f"{op}:few_rows" if op == hinted else op for op in ops]
+        return tuple(ops)
 
     # ------------------------------------------------------------ start-up
     def reserve(self, capacity: EngineCapacity) -> None:
@@ -650,10 +656,12 @@ class FlashLoopBackend(AttentionBackend):
         """Whether the batch's packed read serves only rows a loop 3-4 correction could not
         (every row decodes at a sparse loop: none in a steady run), the launch hint
         ``few_rows``."""
-        depths = view.decode_depths
+        return view.decode_only and self._fallback_depths(view.decode_depths)
+
+    def _fallback_depths(self, depths: frozenset[int] | None) -> bool:
+        """Whether decode rows at ``depths`` (None: unknown) all run at a sparse loop."""
         return (
             self.config.sparse_decode_attention.enabled
-            and view.decode_only
             and bool(depths)
             and min(depths) >= SPARSE_START_DEPTH
         )

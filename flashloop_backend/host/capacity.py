@@ -107,14 +107,23 @@ class PoolPlan:
     used_bytes: int
 
 
-def plan_pools(budget_bytes: int, request: Footprint, prefill_requests: int = 1) -> PoolPlan:
+def plan_pools(
+    budget_bytes: int, request: Footprint, prefill_requests: int = 1, slots_per_request: int = 1
+) -> PoolPlan:
     """The most requests ``budget_bytes`` holds: ``prefill_requests`` at their prefill
-    cost, the rest at their decode cost, and one more slot's state (the backend's scratch
-    slot) (raises ``ValueError`` naming both when not even one request fits)."""
-    if prefill_requests < 1:
-        raise ValueError(f"prefill_requests={prefill_requests} must be >= 1")
-    prefill, decode = request.prefill_bytes, request.decode_bytes
-    budget = budget_bytes - request.slot_bytes
+    cost, the rest at their decode cost, each with ``slots_per_request`` token-state slots
+    (a speculating request holds one per block row), and one more slot's state (the
+    backend's scratch slot) (raises ``ValueError`` naming both when not even one request
+    fits)."""
+    if prefill_requests < 1 or slots_per_request < 1:
+        raise ValueError(
+            f"prefill_requests={prefill_requests} and slots_per_request={slots_per_request} "
+            "must be >= 1"
+        )
+    scratch = request.slot_bytes
+    extra = (slots_per_request - 1) * request.slot_bytes
+    prefill, decode = request.prefill_bytes + extra, request.decode_bytes + extra
+    budget = budget_bytes - scratch
     if budget < prefill:
         raise ValueError(
             f"a KV memory budget of {budget_bytes} bytes cannot hold one request of "
@@ -123,14 +132,14 @@ def plan_pools(budget_bytes: int, request: Footprint, prefill_requests: int = 1)
     in_flight = min(prefill_requests, budget // prefill)
     requests = in_flight + (budget - in_flight * prefill) // decode
     blocks = in_flight * request.prefill_blocks + (requests - in_flight) * request.decode_blocks
-    used = in_flight * prefill + (requests - in_flight) * decode + request.slot_bytes
+    used = in_flight * prefill + (requests - in_flight) * decode + scratch
     return PoolPlan(
         budget_bytes,
         in_flight,
         requests,
         blocks,
         requests * request.packed_pages,
-        requests,
+        requests * slots_per_request,
         used,
     )
 

@@ -115,8 +115,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 raise ValueError(
                     f"kv_memory_bytes sizes the pools: give it or {', '.join(clash)}, not both"
                 )
+            slots = speculation.block_size if speculation is not None else 1
             self.capacity_plan = self._plan_pools(
-                kv_memory_bytes, block_size, planned_request, prefill_requests
+                kv_memory_bytes, block_size, planned_request, prefill_requests, slots
             )
             plan = self.capacity_plan
             num_blocks, packed_pages, max_slots = plan.num_blocks, plan.packed_pages, plan.max_slots
@@ -197,9 +198,11 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         block_size: int,
         planned: tuple[int, int] | None,
         prefill_requests: int,
+        slots_per_request: int,
     ):
         """The :class:`~flashloop_backend.host.capacity.PoolPlan` of ``budget`` bytes for
-        requests of ``planned`` (prompt, new tokens)."""
+        requests of ``planned`` (prompt, new tokens), each holding ``slots_per_request``
+        token-state slots (a speculating request one per block row)."""
         if planned is None:
             new = min(256, self.max_context // 2)
             planned = (self.max_context - new, new)
@@ -212,7 +215,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         shape = planning_capacity(self.cfg, self.max_context, block_size, self.device)
         element = torch.empty((), dtype=self.dtype).element_size()
         request = footprint(self.backend, shape, prompt, new, element)
-        return plan_pools(budget, request, prefill_requests)
+        return plan_pools(budget, request, prefill_requests, slots_per_request)
 
     # ------------------------------------------------------------ requests
     def add_request(

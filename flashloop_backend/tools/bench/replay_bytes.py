@@ -3,8 +3,8 @@ the model's shapes, the layout and the configuration, beside FlashInfer BF16 dec
 the same rows: with a replay's time they give its achieved TB/s and the fraction of the
 H200's HBM bandwidth a replay reached.
 
-Counted once per layer: the weights a traversal reads (attention and MLP projections;
-the LM head at the last loop), and each attention op's reads:
+Counted once per layer: the weights a traversal reads (attention and MLP projections; the
+LM head runs after the graph, outside the replay), and each attention op's reads:
 
 - dense BF16: K and V of every visible position;
 - packed read at depth d: every level's 144 B a token-head (K and V codes, K parameters,
@@ -45,7 +45,6 @@ class ModelShapes:
     kv_heads: int
     head_dim: int
     intermediate: int
-    vocab: int
     loops: int
 
     @staticmethod
@@ -58,7 +57,6 @@ class ModelShapes:
             config.num_key_value_heads,
             config.head_dim,
             config.intermediate_size,
-            config.vocab_size,
             config.total_ut_steps,
         )
 
@@ -67,9 +65,6 @@ class ModelShapes:
         k_and_v = 2 * self.hidden * self.kv_heads * self.head_dim
         mlp = 3 * self.hidden * self.intermediate
         return 2 * (q_and_o + k_and_v + mlp)
-
-    def head_bytes(self) -> int:
-        return 2 * self.vocab * self.hidden
 
 
 def _level_bytes(config: FlashLoopConfig, levels: int) -> float:
@@ -96,13 +91,17 @@ def attention_bytes(
     token_heads = rows * context * shapes.kv_heads
     if op == "dense_attention":
         return token_heads * shapes.head_dim * 2 * 2
+    if op == "packed_decode:few_rows":  # it serves only rows without a loop-2 reference
+        return 0.0
     if op == "packed_decode":
-        # at loops 3-4 it serves only rows without a loop-2 reference: none in a steady run
+        # beside a correction (records before the few_rows mark, and keys that also hold
+        # loop 1-2 rows) the rows it reads are not known: counted as none
         if config.sparse_decode_attention.enabled and depth >= 3:
             return 0.0
         return token_heads * _level_bytes(config, depth)
-    if op == "packed_dense_source":
-        return token_heads * (_level_bytes(config, 2) + 2 * LOGIT_BYTES)
+    if op == "packed_dense_source":  # logits [R, Hq, T]: written, then read back
+        logits = rows * context * shapes.heads * 2 * LOGIT_BYTES
+        return token_heads * _level_bytes(config, 2) + logits
     if op == "packed_sparse_correction":
         keys = math.ceil(config.sparse_decode_attention.key_retention * context)
         query_heads = rows * shapes.heads
@@ -116,7 +115,9 @@ def attention_bytes(
     )
 
 
-PACKED_OPS = frozenset({"packed_decode", "packed_dense_source", "packed_sparse_correction"})
+PACKED_OPS = frozenset(
+    {"packed_decode", "packed_decode:few_rows", "packed_dense_source", "packed_sparse_correction"}
+)
 
 
 def key_bytes(
@@ -124,8 +125,7 @@ def key_bytes(
 ) -> dict[str, float]:
     """:func:`replay_bytes` of a graph key as ``DecodeGraphs.replay_ms`` names it, ``"(rows,
     variant, ops)"``: a packed traversal's variant is its level count, the loop it runs
-    (steps of one depth); a dense traversal's key serves every loop, so it carries the LM
-    head's bytes spread over the loops."""
+    (steps of one depth); a dense traversal's key serves every loop."""
     rows, variant, ops = ast.literal_eval(key)
     depth = variant if PACKED_OPS.intersection(ops) else None
     return replay_bytes(tuple(ops), depth, rows, context, shapes, config)
@@ -139,15 +139,11 @@ def replay_bytes(
     shapes: ModelShapes,
     config: FlashLoopConfig,
 ) -> dict[str, float]:
-    """One traversal's bytes at loop ``depth`` (None: the mean over the loops, for a
-    traversal that serves them all): ``weights``, ``attention`` (every op, every layer),
+    """One traversal's bytes at loop ``depth`` (None: any loop, for a dense traversal):
+    ``weights``, ``attention`` (every op, every layer),
     ``total``, and ``flashinfer_attention``: FlashInfer BF16 decode's reads of the same
     rows."""
     weights = shapes.layers * shapes.layer_weight_bytes()
-    if depth is None:
-        weights += shapes.head_bytes() / shapes.loops
-    elif depth == shapes.loops:
-        weights += shapes.head_bytes()
     attention = shapes.layers * sum(
         attention_bytes(op, depth, rows, context, shapes, config) for op in ops
     )
