@@ -132,9 +132,8 @@ CAPACITY_CONTEXTS, CAPACITY_GIB = (8192, 32768), 64
 def _planned_capacity(results: Path) -> str:
     """'A / B dense's requests of 8K / 32K at 64 GiB' from the allocator's plan, all on as
     ``configs/all_on.json`` beside ``results``."""
-    from flashloop_backend import FlashLoopConfig
     from flashloop_backend.capabilities import SupportRequest
-    from flashloop_backend.config import load_config
+    from flashloop_backend.config import FlashLoopConfig, load_config
     from flashloop_backend.host.capacity import requests_that_fit
     from flashloop_backend.registry import Registry
     from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
