@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from flashloop_backend.config import FlashLoopConfig
-from flashloop_backend.host.config import OuroConfig
-from flashloop_backend.host.model import OuroModel
 from flashloop_backend.kv.layout import PackedLayout
 from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
 from flashloop_backend.tools.bench.replay_bytes import (
@@ -20,6 +18,8 @@ from flashloop_backend.tools.bench.replay_bytes import (
     record_bandwidth,
     replay_bytes,
 )
+
+from .host_helpers import tiny_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 ALL_ON = FlashLoopConfig.from_dict(
@@ -33,21 +33,10 @@ def test_a_level_costs_a_v3_blocks_bytes_per_token():
 
 
 def test_the_weights_are_the_models_projection_bytes():
-    cfg = OuroConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        vocab_size=50,
-        total_ut_steps=4,
-    )
-    model = OuroModel(cfg)
+    model = tiny_model()
     layer = model.model.layers[0]
     linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    shapes = ModelShapes.of(cfg)
-    assert shapes.layer_weight_bytes() == 2 * linear
+    assert ModelShapes.of(model.config).layer_weight_bytes() == 2 * linear
 
 
 @pytest.mark.parametrize(("context", "layers", "bound"), [(8192, 24, 1.39), (32768, 24, 2.06)])

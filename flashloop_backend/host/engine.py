@@ -11,13 +11,14 @@ of either; a request that does not fit waits, one that can never fit is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
 
 import torch
 
-from flashloop_backend.backends.base import AttentionBackend, EngineCapacity, OutOfPackedPagesError
+from flashloop_backend.backends.base import AttentionBackend, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
 from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
@@ -162,21 +163,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         # them) when the next step starts: the packing is not on the first token's path.
         self._prompts_to_hand_over: list[Request] = []
         self._fingerprint: str | None = None  # the model's, computed on first use
-        backend.reserve(
-            EngineCapacity(
-                max_slots=max_slots,
-                max_context=self.max_context,
-                num_layers=cfg.num_hidden_layers,
-                num_heads=cfg.num_attention_heads,
-                num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim,
-                loops=cfg.total_ut_steps,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                device=self.device,
-                packed_pages=packed_pages,
-            )
-        )
+        shape = planning_capacity(cfg, self.max_context, block_size, self.device)
+        pools = {"max_slots": max_slots, "num_blocks": num_blocks, "packed_pages": packed_pages}
+        backend.reserve(dataclasses.replace(shape, **pools))
         self._set_up_speculation(speculation, max_slots)
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
