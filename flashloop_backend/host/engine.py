@@ -202,8 +202,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 f"max_context={self.max_context}"
             )
         shape = planning_capacity(self.cfg, self.max_context, block_size, self.device)
-        element = torch.empty((), dtype=self.dtype).element_size()
-        request = footprint(self.backend, shape, prompt, new, element)
+        request = footprint(self.backend, shape, prompt, new, self.dtype.itemsize)
         return plan_pools(budget, request, prefill_requests, slots_per_request)
 
     # ------------------------------------------------------------ requests
