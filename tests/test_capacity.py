@@ -217,3 +217,11 @@ def test_warm_up_runs_every_batch_size_and_leaves_the_engine_as_it_found_it():
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="warm_up needs an idle engine"):
         engine.warm_up()
+
+
+def test_bench_capacity_refuses_new_tokens_beyond_a_context_before_any_gpu_work():
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.capacity import bench_capacity
+
+    with pytest.raises(ConfigError, match=r"--new-tokens 2048 must lie in \[1, context 1024\)"):
+        bench_capacity(CONFIGS["all_on"], "triton", [4096, 1024], 2048, 64.0, 1)

@@ -122,18 +122,19 @@ def bench_capacity(
     from flashloop_backend.tools.bench.timing import environment_record
 
     variants_named = capacity_variants(config, baseline)
+    for context in contexts:  # refused before any GPU work
+        if not 0 < new_tokens < context:
+            raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
     budget = int(kv_memory_gib * 2**30)
     block_size = 16
     model, request = random_ouro(layers, block_size)
     runs = []
     for context in contexts:
-        if not 0 < new_tokens < context:
-            raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
-        base, graphs = graph_variant(baseline, max(1, clients or 64), context)
+        n = clients or 3 * _planned_requests(model, request, config, budget, context, new_tokens)
+        base, graphs = graph_variant(baseline, n, context)
         variants = [
             dataclasses.replace(v, backend=base) if v.name == "dense" else v for v in variants_named
         ]
-        n = clients or 3 * _planned_requests(model, request, config, budget, context, new_tokens)
         log(f"  capacity ctx={context}: {n} clients, {kv_memory_gib:g} GiB of KV memory")
         records = serve_at_budget(
             model,
