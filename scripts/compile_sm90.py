@@ -254,7 +254,7 @@ def _threshold_selection() -> bool:
         (
             "bracket",
             jit.select_bracket_kernel,
-            dict(SAMPLE=tuning.sample, BITS=tuning.bracket_bits),
+            dict(SAMPLE=tuning.sample, BITS=tuning.bracket_bits, RADIX_BITS=tuning.radix_bits),
             tuning.search_warps,
         ),
         ("candidates", jit.select_candidates_kernel, blocks, tuning.num_warps),

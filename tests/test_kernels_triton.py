@@ -336,11 +336,11 @@ def test_the_selection_plan_names_the_last_tie_the_compaction_took(rng):
             assert rule.nonzero().flatten().tolist() == chosen
 
 
-@pytest.mark.parametrize("bits", [1, 12, 32])
-def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, rng):
+@pytest.mark.parametrize("bits, radix_bits", [(1, 8), (12, 8), (32, 8), (12, 4), (7, 2), (20, 1)])
+def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, radix_bits, rng):
     """A bracket found to few top bits is wider (more candidates, or the radix select
     over the row when they overflow the list), never wrong: the selected set is the
-    reference's at every ``bracket_bits``."""
+    reference's at every ``bracket_bits`` and every digit width of the searches."""
     from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
 
     rows, heads, span = 2, 2, 128
@@ -349,7 +349,13 @@ def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, rng):
     lse = torch.stack([logits[r, :, :n].logsumexp(-1) for r, n in enumerate(lengths.tolist())])
     indices = torch.empty(rows, heads, 48, dtype=torch.int32, device=DEVICE)
     tuning = SelectTuning(
-        sample=32, bracket_bits=bits, candidates=64, block=16, compact_block=16, chunk_min=32
+        sample=32,
+        bracket_bits=bits,
+        radix_bits=radix_bits,
+        candidates=64,
+        block=16,
+        compact_block=16,
+        chunk_min=32,
     )
     select_positions(logits, lse, lengths, indices, 0.3, tuning)
     for r, n in enumerate(lengths.tolist()):
@@ -369,6 +375,18 @@ def test_selection_tuning_names_bracket_bits_outside_1_to_32(bits, rng):
     indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
     tuning = SelectTuning(sample=16, bracket_bits=bits)
     with pytest.raises(ValueError, match=f"bracket_bits={bits} must be in 1..32"):
+        select_positions(logits, logits.logsumexp(-1), lengths, indices, 0.3, tuning)
+
+
+@pytest.mark.parametrize("radix_bits", [0, 3, 16])
+def test_selection_tuning_names_radix_bits_outside_whole_digits(radix_bits, rng):
+    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
+
+    logits = torch.randn(1, 1, 32, generator=rng).to(DEVICE)
+    lengths = torch.tensor([32], dtype=torch.int32, device=DEVICE)
+    indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
+    tuning = SelectTuning(sample=16, radix_bits=radix_bits)
+    with pytest.raises(ValueError, match=f"radix_bits={radix_bits} must be one of 1, 2, 4, 8"):
         select_positions(logits, logits.logsumexp(-1), lengths, indices, 0.3, tuning)
 
 

@@ -24,9 +24,9 @@ from flashloop_backend.kernels.triton.paged_decode import next_pow2, sm_count
 @dataclass(frozen=True)
 class SelectTuning:
     """Selection launch shape: ``sample`` logits bracket the K-th key (each end found to
-    its top ``bracket_bits`` bits and widened outwards, 1-32); up to
-    ``candidates`` keys inside the bracket are kept (more, or a miss, takes the exact radix
-    select over the row, ``radix_bits`` per pass); split programs of at least
+    its top ``bracket_bits`` bits, 1-32, rounded up to whole digits, and widened outwards);
+    up to ``candidates`` keys inside the bracket are kept (more, or a miss, takes the exact
+    radix select over the row); every search takes ``radix_bits`` per digit (1, 2, 4 or 8); split programs of at least
     ``chunk_min`` positions, about ``programs_per_sm`` per SM over all (row, head) pairs,
     scan ``block`` positions per step when counting and ``compact_block`` when compacting,
     with ``num_warps`` warps; the bracket and threshold searches run on ``search_warps``
@@ -104,6 +104,8 @@ def select_positions(
     }
     if odd:
         raise ValueError(f"SelectTuning {odd} must be powers of two (Triton tile extents)")
+    if tuning.radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"SelectTuning radix_bits={tuning.radix_bits} must be one of 1, 2, 4, 8")
     if not 1 <= tuning.bracket_bits <= 32:
         raise ValueError(f"SelectTuning bracket_bits={tuning.bracket_bits} must be in 1..32")
     device = logits.device
@@ -134,6 +136,7 @@ def select_positions(
         *logit_strides,
         SAMPLE=tuning.sample,
         BITS=tuning.bracket_bits,
+        RADIX_BITS=tuning.radix_bits,
         num_warps=tuning.search_warps,
     )
     jit.select_candidates_kernel[(*pairs, splits)](

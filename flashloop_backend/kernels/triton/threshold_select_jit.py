@@ -2,8 +2,9 @@
 
 Launches over each (row, head)'s logits: a strided sample brackets the K-th key by rank;
 split programs count the keys above the bracket and copy those inside it to a candidate
-list; one program per (row, head) finds the exact K-th key among the candidates (one bit
-a step for both bracket ranks, no sort) and every split's output offset; split programs
+list; one program per (row, head) finds the exact K-th key among the candidates (one
+histogram per radix digit, as for both bracket ranks; no sort) and every split's output
+offset; split programs
 compact in position order (ties to the earlier positions) with mass partials; the
 contribution comes from a split pass over every value of the split's positions that also
 sums the dense output (the attention read the keys only; packed KV sums its own
@@ -29,21 +30,44 @@ def _selected_count(length, ratio_num, ratio_den):
 
 
 @triton.jit
-def _kth_largest(keys, valid, rank_a, rank_b, BITS: tl.constexpr):
+def _digit_round(keys, valid, rank, answer, greater, bit, RADIX_BITS: tl.constexpr):
+    """One radix digit of the rank-th largest (0-based) of the ``valid`` keys: ``answer``
+    holds its bits above ``bit`` (zeros below) and ``greater`` counts the valid keys whose
+    bits above ``bit`` exceed them; returns both extended by the RADIX_BITS bits below
+    ``bit``. One histogram counts every trial digit at once, so a digit costs one
+    reduction round rather than one per bit."""
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    bit = (tl.zeros([], tl.int32) + bit).to(tl.uint32)
+    high = ones ^ (ones >> bit)
+    shift = 32 - RADIX_BITS - bit
+    match = valid & ((keys & high) == answer)
+    digit = ((keys >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+    hist = tl.histogram(digit, 1 << RADIX_BITS, mask=match)
+    at_or_above = greater + tl.cumsum(hist, 0, reverse=True)
+    bins = tl.arange(0, 1 << RADIX_BITS)
+    chosen = tl.max(tl.where(at_or_above > rank, bins, 0), 0)
+    greater += tl.sum(tl.where(bins > chosen, hist, 0), 0)
+    return answer | (chosen.to(tl.uint32) << shift), greater
+
+
+@triton.jit
+def _kth_largest(keys, valid, rank_a, rank_b, BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Lower bounds of the rank_a-th and rank_b-th largest (0-based) of the ``valid`` keys
-    to their top BITS bits: for each, the largest k with BITS high bits and zeros below
-    with more than that rank valid keys >= k, built from the top bit down (the two ranks'
-    counts are independent, so their reductions overlap)."""
+    to their top BITS bits rounded up to whole digits: each the key itself with the bits
+    below cleared (0 when fewer keys are valid), by radix digits from the top (the two
+    ranks' rounds are independent, so their reductions overlap)."""
     answer_a = tl.zeros([], tl.uint32)
     answer_b = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(BITS):
-        step = tl.full([], 1 << (31 - bit), tl.uint32)
-        trial_a = answer_a | step
-        trial_b = answer_b | step
-        count_a = tl.sum((valid & (keys >= trial_a)).to(tl.int32), 0)
-        count_b = tl.sum((valid & (keys >= trial_b)).to(tl.int32), 0)
-        answer_a = tl.where(count_a > rank_a, trial_a, answer_a)
-        answer_b = tl.where(count_b > rank_b, trial_b, answer_b)
+    greater_a = tl.zeros([], tl.int32)
+    greater_b = tl.zeros([], tl.int32)
+    for digit in tl.static_range((BITS + RADIX_BITS - 1) // RADIX_BITS):
+        bit = digit * RADIX_BITS
+        answer_a, greater_a = _digit_round(
+            keys, valid, rank_a, answer_a, greater_a, bit, RADIX_BITS
+        )
+        answer_b, greater_b = _digit_round(
+            keys, valid, rank_b, answer_b, greater_b, bit, RADIX_BITS
+        )
     return answer_a, answer_b
 
 
@@ -59,17 +83,17 @@ def _common_prefix(lowest, highest):
 
 
 @triton.jit
-def _kth_largest_from(keys, valid, rank, prefix, shared):
-    """The rank-th largest (0-based) of the ``valid`` keys, which all carry ``prefix``'s
-    ``shared`` high bits: the bit search of the bits below them."""
-    answer = prefix
-    step = tl.full([], 0x80000000, tl.uint32) >> shared.to(tl.uint32)
-    for _ in range(shared, 32):
-        trial = answer | step
-        count = tl.sum((valid & (keys >= trial)).to(tl.int32), 0)
-        answer = tl.where(count > rank, trial, answer)
-        step = step >> 1
-    return answer
+def _kth_largest_from(keys, valid, rank, prefix, shared, RADIX_BITS: tl.constexpr):
+    """(the rank-th largest (0-based) of the ``valid`` keys, which all carry ``prefix``'s
+    ``shared`` high bits; how many valid keys exceed it): radix digits from the digit
+    holding the first bit they do not share."""
+    start = (shared // RADIX_BITS) * RADIX_BITS
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    answer = prefix & (ones ^ (ones >> start.to(tl.uint32)))
+    greater = tl.zeros([], tl.int32)
+    for bit in range(start, 32, RADIX_BITS):
+        answer, greater = _digit_round(keys, valid, rank, answer, greater, bit, RADIX_BITS)
+    return answer, greater
 
 
 @triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
@@ -84,6 +108,7 @@ def select_bracket_kernel(
     stride_lh,
     SAMPLE: tl.constexpr,
     BITS: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
     """One (row, head): bracket [lowest, highest] of the K-th largest key from a strided
     sample of SAMPLE logits (its rank +- 3 sigma + 16 sample ranks, each to its top BITS
@@ -105,7 +130,9 @@ def select_bracket_kernel(
     fraction = count.to(tl.float32) / tl.maximum(length, 1).to(tl.float32)
     margin = (3.0 * tl.sqrt(taken * fraction * (1.0 - fraction)) + 16.0).to(tl.int32)
     rank = (count * taken // tl.maximum(length, 1)).to(tl.int32)
-    low_key, high_key = _kth_largest(keys, in_sample, rank + margin, rank - margin, BITS)
+    low_key, high_key = _kth_largest(
+        keys, in_sample, rank + margin, rank - margin, BITS, RADIX_BITS
+    )
     lowest = tl.where(rank + margin < taken, low_key, 0)
     # the bits below BITS widen the bracket upwards: it still holds the K-th key
     if BITS < 32:
@@ -239,8 +266,10 @@ def select_threshold_kernel(
     lowest = tl.load(bracket_ptr + pair * 2).to(tl.uint32, bitcast=True)
     highest = tl.load(bracket_ptr + pair * 2 + 1).to(tl.uint32, bitcast=True)
     prefix, shared = _common_prefix(lowest, highest)
-    threshold = _kth_largest_from(keys, valid, need - 1, prefix, shared)
-    remaining = need - tl.sum((valid & (keys > threshold)).to(tl.int32), 0)
+    threshold, above_threshold = _kth_largest_from(
+        keys, valid, need - 1, prefix, shared, RADIX_BITS
+    )
+    remaining = need - above_threshold
     greater = above_s + tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys > threshold))
     ties = tl.histogram(split_of, SPLITS_PAD, mask=valid & (keys == threshold))
     if (not ok) & (count > 0):

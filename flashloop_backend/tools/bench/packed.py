@@ -447,16 +447,18 @@ def _source_variants(source) -> list:
 
 def _selected_variants(correct) -> list:
     """(suffix, correction) of the CUDA selected-key kernel under other launches: CTAs per
-    SM in the grid and resident at once (the register cap)."""
+    SM in the grid, resident at once (the register cap) and the fewest keys a split takes."""
     import functools
 
     from flashloop_backend.kernels.cuda.packed_selected import DEFAULT_SELECTED, SelectedTuning
 
     out = []
-    for ctas, resident in ((4, 0), (3, 3), (8, 4), (6, 3), (12, 4)):
-        tuning = SelectedTuning(ctas_per_sm=ctas, resident_ctas=resident)
+    shapes = ((4, 0, 128), (8, 4, 128), (8, 4, 64), (16, 4, 64), (16, 4, 32), (32, 4, 32))
+    for ctas, resident, keys in shapes:
+        tuning = SelectedTuning(ctas_per_sm=ctas, resident_ctas=resident, keys_per_split=keys)
         if tuning != DEFAULT_SELECTED:
-            out.append((f"_cuda_c{ctas}_r{resident}", functools.partial(correct, tuning=tuning)))
+            suffix = f"_cuda_c{ctas}_r{resident}_k{keys}"
+            out.append((suffix, functools.partial(correct, tuning=tuning)))
     return out
 
 
