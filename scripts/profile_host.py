@@ -7,7 +7,11 @@ Python functions that take the host time (cProfile over one more pass).
 
 On a GPU the model has Ouro-1.4B shapes with random weights; ``--tiny`` (any device) a
 small model of the same depth, so the host's own work shows beside small kernels. A
-step whose wait is near zero is host-bound: the device idled while the host planned."""
+step whose wait is near zero is host-bound: the device idled while the host planned.
+
+``--decode N`` profiles decode instead: N-token decodes of one request from CUDA graphs
+(``--graphs``) or eager, each step's wall time beside the GPU time of its graph replays,
+and cProfile over one more decode (the host's share of a token)."""
 
 import argparse
 import cProfile
@@ -66,6 +70,51 @@ def _pass(engine, prompts, new_tokens):
     return steps
 
 
+def _decode(engine, prompt, new_tokens, profiler=None):
+    """Wall ms of every decode step after the first token of one request."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    while not engine.has_first_token(rid):
+        engine.step()
+    sync()
+    walls = []
+    if profiler is not None:
+        profiler.enable()
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        walls.append(1e3 * (time.perf_counter() - start))
+    sync()
+    if profiler is not None:
+        profiler.disable()
+    return walls
+
+
+def _profile_decode(engine, prompt, args) -> dict:
+    """The decode record: step walls, replay GPU ms by graph key and the top functions."""
+    _decode(engine, prompt, args.decode)  # compiles and captures every decode graph
+    if engine.graphs is not None:
+        engine.graphs.time_replays()
+    walls = _decode(engine, prompt, args.decode)
+    replays = engine.graphs.replay_ms() if engine.graphs is not None else {}
+    profiler = cProfile.Profile()
+    profiled = _decode(engine, prompt, args.decode, profiler)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(args.rows)
+    stats.sort_stats("cumulative").print_stats(args.rows)
+    print(text.getvalue())
+    median = sorted(walls)[len(walls) // 2]
+    replay_sum = sum(r["median_ms"] for r in replays.values())
+    for key, r in replays.items():
+        print(f"replay {key}: median {r['median_ms']:.3f} ms over {r['replays']}")
+    print(
+        f"decode step wall median {median:.3f} ms (profiled {sorted(profiled)[len(profiled) // 2]:.3f}),"
+        f" replay medians sum {replay_sum:.3f} ms: {median - replay_sum:.3f} ms outside the replays"
+    )
+    return {"step_wall_ms": walls, "replay_ms_by_key": replays, "top_functions": text.getvalue()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="flashloop")
@@ -76,11 +125,20 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU or GPU)")
     parser.add_argument("--rows", type=int, default=30, help="functions listed")
     parser.add_argument("--json", help="write the record here")
+    parser.add_argument("--decode", type=int, help="profile decode steps of this many tokens")
+    parser.add_argument("--graphs", action="store_true", help="decode from CUDA graphs")
     args = parser.parse_args()
     model, request = _model(args)
     config = FlashLoopConfig()
     if args.config:
         config = FlashLoopConfig.from_dict(json.load(open(args.config)))
+    graphs = None
+    if args.graphs:
+        from flashloop_backend.capabilities import Capability
+        from flashloop_backend.host.graphs import GraphSettings
+
+        request = request.with_required({Capability.CUDA_GRAPHS})
+        graphs = GraphSettings(buckets=(1,), max_context=args.context + 64 + (args.decode or 2))
     backend = Registry.discover().create(args.backend, request, config)
     engine = Engine(
         model,
@@ -89,10 +147,20 @@ def main() -> int:
         block_size=16,
         prefill_chunk=args.prefill_chunk,
         max_batch_tokens=args.prefill_chunk,
-        max_context=args.context + 64,
+        max_context=args.context + 64 + (args.decode or 2),
         max_slots=1,
+        cuda_graphs=graphs,
     )
     prompt = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
+    if args.decode:
+        _pass(engine, [prompt[: args.prefill_chunk]], 2)  # compiles every prefill kernel
+        record = _profile_decode(engine, prompt, args)
+        record.update(backend=args.backend, config=args.config, context=args.context)
+        record.update(layers=args.layers, graphs=args.graphs, device=str(engine.device))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        return 0
     _pass(engine, [prompt[: args.prefill_chunk]], 2)  # compiles every kernel
     _pass(engine, [prompt], 2)  # the timed length's shapes
     steps = _pass(engine, [prompt], 2)

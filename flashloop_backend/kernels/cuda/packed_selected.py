@@ -28,7 +28,7 @@ class SelectedTuning:
     so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap)."""
 
     ctas_per_sm: int = 4
-    keys_per_split: int = 128
+    keys_per_split: int = 64
     resident_ctas: int = 4
 
 

@@ -453,7 +453,7 @@ def _selected_variants(correct) -> list:
     from flashloop_backend.kernels.cuda.packed_selected import DEFAULT_SELECTED, SelectedTuning
 
     out = []
-    shapes = ((4, 0, 128), (8, 4, 128), (8, 4, 64), (16, 4, 64), (16, 4, 32), (32, 4, 32))
+    shapes = ((4, 4, 128), (4, 0, 64), (8, 4, 64), (4, 4, 32), (16, 4, 32))
     for ctas, resident, keys in shapes:
         tuning = SelectedTuning(ctas_per_sm=ctas, resident_ctas=resident, keys_per_split=keys)
         if tuning != DEFAULT_SELECTED:
