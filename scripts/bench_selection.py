@@ -1,0 +1,63 @@
+"""The loop-2 top-K selection alone (bracket, candidates, threshold, compaction) on the GPU,
+per radix digit width of its searches, from CUDA graphs of 10 calls:
+
+    python3 scripts/bench_selection.py --json selection.json
+
+Logits are N(0, 3^2) per (row, head) at 16 heads, key retention 0.10, the bucket the
+backend sizes; every width's indices are checked against the first's."""
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from flashloop_backend.backends.sparse_state import key_bucket
+from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT, select_positions
+from flashloop_backend.tools.bench.timing import graph_ms
+
+HEADS = 16
+RETENTION = 0.10
+
+
+def _case(context: int, rows: int, widths: list[int], gen: torch.Generator) -> dict:
+    logits = torch.randn(rows, HEADS, context, generator=gen, device="cuda") * 3.0
+    lse = logits.logsumexp(-1)
+    lengths = torch.full((rows,), context, dtype=torch.int32, device="cuda")
+    bucket = key_bucket(RETENTION, context)
+    record, first = {"context": context, "rows": rows, "bucket": bucket, "us": {}}, None
+    for width in widths:
+        tuning = dataclasses.replace(DEFAULT_SELECT, radix_bits=width)
+        indices = torch.empty(rows, HEADS, bucket, dtype=torch.int32, device="cuda")
+
+        def select(tuning=tuning, indices=indices):
+            select_positions(logits, lse, lengths, indices, RETENTION, tuning)
+
+        us = 1e3 * graph_ms(select)
+        if first is None:
+            first = indices.clone()
+        elif not torch.equal(indices, first):
+            raise AssertionError(f"radix_bits={width} selects other keys than {widths[0]}")
+        record["us"][str(width)] = us
+        print(f"selection ctx={context} rows={rows} radix_bits={width}: {us:.1f} us")
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--widths", default="1,2,4,8")
+    parser.add_argument("--shapes", default="8192x1,32768x1,32768x16")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    widths = [int(w) for w in args.widths.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    records = [_case(context, rows, widths, gen) for context, rows in shapes]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "cases": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
