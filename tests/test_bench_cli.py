@@ -20,7 +20,10 @@ def cli(*args):
         (("bench", "fast"), "invalid choice"),
         (("bench", "prefill", "--retention", "0.5,1.5"), "must list retention values in (0, 1]"),
         (("bench", "e2e", "--config", "/nonexistent.json"), "/nonexistent.json"),
-        (("bench", "kernel", "--backends", "triton+graphs"), "apply to e2e and serving only"),
+        (
+            ("bench", "kernel", "--backends", "triton+graphs"),
+            "apply to e2e, serving and capacity only",
+        ),
         (("bench", "serving"), "--config must enable at least one"),
         (
             ("bench", "serving", "--config", "configs/all_on.json", "--variants", "dense,all"),
@@ -53,6 +56,18 @@ def test_bench_argument_errors(args, fragment):
     result = cli(*args)
     assert result.returncode == (3 if "unknown backends" in fragment else 2)
     assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_bench_capacity_takes_a_graphed_baseline():
+    """``scripts/device_capacity.sh`` runs dense from CUDA graphs: the entry passes the
+    argument checks and stops only where the GPU is missing."""
+    result = cli(
+        *("bench", "capacity", "--backends", "triton+graphs", "--config", "configs/all_on.json"),
+        *("--contexts", "4096", "--new-tokens", "64", "--kv-memory-gib", "8"),
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no CUDA GPU is available" in result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")

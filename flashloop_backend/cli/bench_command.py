@@ -52,9 +52,9 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, given in e2e_only:
         if given and args.mode != "e2e":
             raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
-    if graphed and args.mode not in ("e2e", "serving"):
+    if graphed and args.mode not in ("e2e", "serving", "capacity"):
         raise ConfigError(
-            f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e and serving only"
+            f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e, serving and capacity only"
         )
     config = load_config(args.config) if args.config else FlashLoopConfig()
 

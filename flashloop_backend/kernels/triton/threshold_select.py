@@ -38,7 +38,7 @@ class SelectTuning:
     candidates: int = 4096
     block: int = 1024
     compact_block: int = 256
-    radix_bits: int = 8
+    radix_bits: int = 4
     chunk_min: int = 256
     programs_per_sm: int = 8
     num_warps: int = 4
