@@ -198,6 +198,25 @@ def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
     assert held["dense"] <= records[0]["plan"]["requests"]
     assert held["config"] >= 2 * held["dense"]
     assert held["kv_residual_quantization alone"] >= 2 * held["dense"]
+    assert records[0]["pools_filled"]  # dense holds its plan
+
+
+def test_bench_capacity_says_when_requests_end_before_the_pools_fill():
+    """One new token a request: each finishes in the step after its prompt, so the run
+    holds fewer than the plan, and the record and the log say so."""
+    from flashloop_backend.tools.bench.capacity import capacity_variants, serve_at_budget
+
+    config = capacity_variants(CONFIGS["all_on"], "flashloop")[-1]
+    lines = []
+    records = serve_at_budget(
+        tiny_model(max_position_embeddings=128), REQUEST, [config], 1_200_000, 80, 1, 12,
+        block_size=4, log=lines.append, warm=False,
+    )  # fmt: skip
+    (record,) = records
+    assert record["completed"] == 12
+    assert record["most_requests_held"] < record["plan"]["requests"]
+    assert not record["pools_filled"]
+    assert "requests ended before the pools filled" in lines[-1]
 
 
 def test_bench_capacity_needs_kv_quantization():

@@ -84,7 +84,11 @@ def serve_at_budget(
             held = min(clients, engine.capacity_plan.requests)
             warm_up(engine, [{"concurrency": held}], vocab, sync)
         summary = run_workload(engine, arrivals, vocab, clients, sync)
+        planned = engine.capacity_plan.requests
         summary.update(
+            # fewer held than planned: requests finished before the pools filled (one
+            # prompt prefills at a time), so the run measured the prefill pipeline
+            pools_filled=summary["most_requests_held"] >= min(planned, clients),
             variant=variant.name,
             backend=variant.backend,
             workload=workload["name"],
@@ -95,8 +99,9 @@ def serve_at_budget(
         records.append(summary)
         log(
             f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
-            f"(plan {engine.capacity_plan.requests}), {summary['throughput_tokens_s']:8.1f} tok/s, "
+            f"(plan {planned}), {summary['throughput_tokens_s']:8.1f} tok/s, "
             f"failed {summary['failed_requests']}"
+            + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )
         del engine, backend
         gc.collect()
