@@ -2,7 +2,7 @@
 # H200 call that measures capacity at one KV memory budget (issue 44's bench capacity):
 # dense Triton from graphs, KV quantization alone and all on (configs/all_on.json), every
 # variant's pools planned from the same budget, clients submitted at once; records and
-# logs under $OUT. CONTEXTS (default 32768), GIB (default 96), NEW (default 512: a request
+# logs under $OUT. CONTEXTS (default 32768), GIB (budgets, comma-separated; default 96), NEW (default 512: a request
 # must still decode while the plan's other prompts prefill, one at a time, or the run
 # measures the prefill pipeline rather than the pools), CLIENTS
 # (default: three times what all on's plan holds), LAYERS (default 24).

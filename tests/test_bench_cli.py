@@ -25,6 +25,8 @@ def cli(*args):
             "apply to e2e, serving and capacity only",
         ),
         (("bench", "serving"), "--config must enable at least one"),
+        (("bench", "capacity", "--kv-memory-gib", "64,0"), "'0' must be a finite number > 0"),
+        (("bench", "capacity", "--kv-memory-gib", ","), "',' must list numbers > 0"),
         (
             ("bench", "serving", "--config", "configs/all_on.json", "--variants", "dense,all"),
             "unknown serving variants ['all']",

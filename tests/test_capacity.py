@@ -243,4 +243,4 @@ def test_bench_capacity_refuses_new_tokens_beyond_a_context_before_any_gpu_work(
     from flashloop_backend.tools.bench.capacity import bench_capacity
 
     with pytest.raises(ConfigError, match=r"--new-tokens 2048 must lie in \[1, context 1024\)"):
-        bench_capacity(CONFIGS["all_on"], "triton", [4096, 1024], 2048, 64.0, 1)
+        bench_capacity(CONFIGS["all_on"], "triton", [4096, 1024], 2048, [64.0], 1)

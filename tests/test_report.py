@@ -12,9 +12,16 @@ pytest.importorskip("matplotlib")
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
+# The capacity plot waits for its first GPU record (bench capacity has not completed on the
+# H200 yet); once a record is committed, it is required like every other plot.
+AWAITING_RECORDS = (
+    set() if any(RESULTS.glob("**/bench_capacity*.json")) else {"capacity_vs_budget.png"}
+)
+
+
 def test_every_plot_is_drawn_from_the_committed_records(tmp_path):
     written = make_plots(RESULTS, tmp_path, log=lambda m: None)
-    assert sorted(p.name for p in written) == sorted(PLOTS)
+    assert sorted(p.name for p in written) == sorted(set(PLOTS) - AWAITING_RECORDS)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
@@ -176,3 +183,41 @@ def test_the_docs_quote_the_decode_ratios_of_the_readmes_records():
     flashloop = " ".join((repo / "docs" / "flashloop.md").read_text().split())
     assert f"all on decodes {many} dense at 32K x 16 and {long} at 32K x 1" in flashloop
     assert f"(all on {short} / {long} dense TPOT at 8K x 1 / 32K x 1" in flashloop
+
+
+def _capacity_record(gpu, points):
+    """A bench capacity record: points are (GiB, context, variant, held, tokens/s, filled)."""
+    runs = {}
+    for gib, context, variant, held, rate, filled in points:
+        run = runs.setdefault((gib, context), {"kv_memory_bytes": int(gib * 2**30),
+                                               "context": context, "clients": 9, "records": []})  # fmt: skip
+        run["records"].append({"variant": variant, "most_requests_held": held,
+                               "throughput_tokens_s": rate, "pools_filled": filled})  # fmt: skip
+    return {
+        "kind": "capacity",
+        "environment": {"gpu": gpu},
+        "model": "tiny",
+        "runs": list(runs.values()),
+    }
+
+
+def test_the_capacity_plot_draws_each_variant_against_the_budget(tmp_path):
+    from flashloop_backend.tools.capacity_plot import capacity_series
+
+    first = _capacity_record("H200", [(64, 32768, "dense", 2, 11.0, True),
+                                      (64, 32768, "config", 2, 4.0, False)])  # fmt: skip
+    later = _capacity_record("H200", [(64, 32768, "config", 5, 20.0, True),
+                                      (96, 32768, "config", 8, 30.0, True),
+                                      (96, 32768, "dense", 3, 15.0, True)])  # fmt: skip
+    later["runs"][0]["records"].append({"variant": "kv alone", "error": "holds no request"})
+    series = capacity_series([first, later])
+    assert series == {
+        (32768, "dense"): [(64.0, 2, 11.0, True), (96.0, 3, 15.0, True)],
+        (32768, "config"): [(64.0, 5, 20.0, True), (96.0, 8, 30.0, True)],  # the later record
+    }
+    results = tmp_path / "results"
+    (results / "capacity").mkdir(parents=True)
+    for name, record in (("bench_capacity_a.json", first), ("bench_capacity_b.json", later)):
+        (results / "capacity" / name).write_text(json.dumps(record))
+    written = make_plots(results, tmp_path / "out", log=lambda m: None)
+    assert [p.name for p in written] == ["capacity_vs_budget.png"]

@@ -63,6 +63,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_float_list(text: str) -> list[float]:
+    """Comma-separated finite numbers > 0, each checked as :func:`positive_float`."""
+    parts = [part for part in text.split(",") if part]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} must list numbers > 0")
+    return [positive_float(part) for part in parts]
+
+
 # ------------------------------------------------------------------ shared set-up
 def pick_device(name: str):
     import torch

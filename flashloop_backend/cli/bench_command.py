@@ -10,7 +10,7 @@ from flashloop_backend.cli.arguments import (
     at_least_two,
     int_list,
     non_negative_int,
-    positive_float,
+    positive_float_list,
     positive_int,
     speculation_from_args,
 )
@@ -320,9 +320,10 @@ def add_bench_command(sub) -> None:
     )
     bench.add_argument(
         "--kv-memory-gib",
-        type=positive_float,
-        default=64.0,
-        help="capacity: the KV memory budget every variant's pools are planned from (default 64)",
+        type=positive_float_list,
+        default=[64.0],
+        help="capacity: KV memory budgets in GiB, comma-separated (default 64); every "
+        "variant's pools are planned from each in turn",
     )
     bench.add_argument(
         "--clients",

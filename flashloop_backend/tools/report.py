@@ -1,6 +1,6 @@
 """PNG plots generated from the committed JSON records (``flashloop-backend report``):
 speedup vs context, KV bytes per token, quality per feature combination, quality vs speed,
-host decode eager vs CUDA graphs, serving TPOT vs dense.
+host decode eager vs CUDA graphs, serving TPOT vs dense, capacity against the KV budget.
 Every number drawn is read from a record; a missing record skips its plot and says so.
 Only current records are drawn: the ones :data:`SUPERSEDED` names are left out (and the
 log says which), and the serving plot draws CUDA-graph records only (:data:`SERVING_METHOD`)."""
@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from flashloop_backend.tools.capacity_plot import draw_capacity
 from flashloop_backend.tools.results_table import dense_and_flashloop
 
 # Records measured at an older tree than a later record of the same shape (results/README.md
@@ -536,6 +537,7 @@ PLOTS: dict[str, Callable] = {
     "quality_vs_speed.png": _quality_vs_speed,
     "graphs_tpot.png": _graphs_tpot,
     "serving_speedup.png": _serving_speedup,
+    "capacity_vs_budget.png": draw_capacity,
 }
 
 

@@ -113,14 +113,14 @@ def bench_capacity(
     baseline: str,
     contexts: list[int],
     new_tokens: int,
-    kv_memory_gib: float,
+    kv_memory_gib: list[float],
     layers: int | None,
     clients: int | None = None,
     log=print,
 ) -> dict:
-    """The GPU record: for each context, every variant of :func:`capacity_variants` under
-    the same ``kv_memory_gib`` budget, ``clients`` requests of (context - new_tokens) +
-    new_tokens (default: three times what the config's plan holds)."""
+    """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
+    of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
+    new_tokens) + new_tokens (default: three times what the config's plan holds there)."""
     import torch
 
     from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
@@ -130,36 +130,40 @@ def bench_capacity(
     for context in contexts:  # refused before any GPU work
         if not 0 < new_tokens < context:
             raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
-    budget = int(kv_memory_gib * 2**30)
     block_size = 16
     model, request = random_ouro(layers, block_size)
     runs = []
-    for context in contexts:
-        n = clients or 3 * _planned_requests(model, request, config, budget, context, new_tokens)
-        base, graphs = graph_variant(baseline, n, context)
-        variants = [
-            dataclasses.replace(v, backend=base) if v.name == "dense" else v for v in variants_named
-        ]
-        log(f"  capacity ctx={context}: {n} clients, {kv_memory_gib:g} GiB of KV memory")
-        records = serve_at_budget(
-            model,
-            request,
-            variants,
-            budget,
-            context - new_tokens,
-            new_tokens,
-            n,
-            block_size,
-            sync=torch.cuda.synchronize,
-            log=log,
-            graphs=graphs,
-        )
-        runs.append({"context": context, "clients": n, "records": records})
+    for gib in kv_memory_gib:
+        budget = int(gib * 2**30)
+        for context in contexts:
+            n = clients or 3 * _planned_requests(
+                model, request, config, budget, context, new_tokens
+            )
+            base, graphs = graph_variant(baseline, n, context)
+            variants = [
+                dataclasses.replace(v, backend=base) if v.name == "dense" else v
+                for v in variants_named
+            ]
+            log(f"  capacity ctx={context}: {n} clients, {gib:g} GiB of KV memory")
+            records = serve_at_budget(
+                model,
+                request,
+                variants,
+                budget,
+                context - new_tokens,
+                new_tokens,
+                n,
+                block_size,
+                sync=torch.cuda.synchronize,
+                log=log,
+                graphs=graphs,
+            )
+            run = {"kv_memory_bytes": budget, "context": context, "clients": n}
+            runs.append(run | {"records": records})
     return {
         "kind": "capacity",
         "environment": environment_record(),
         "model": "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else ""),
-        "kv_memory_bytes": budget,
         "new_tokens": new_tokens,
         "config": config.model_dump(mode="json"),
         "method": "one engine per variant planned from the same KV budget, an untimed warm-up, "

@@ -1,0 +1,70 @@
+"""The capacity plot of ``report``: per variant and context, the most requests held at once
+and the output tokens/s against the KV memory budget, from ``bench capacity`` records
+(``bench_capacity*.json`` anywhere under the results). Where two records measured the same
+point, the later by file name is drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# (budget GiB, most requests held, output tokens/s, the pools filled)
+Point = tuple[float, int, float, bool]
+
+
+def capacity_series(records: list[dict]) -> dict[tuple[int, str], list[Point]]:
+    """(context, variant) -> its points by budget; a variant whose budget held no request
+    (its record carries the error) has no point there."""
+    points: dict[tuple[int, str], dict[float, Point]] = {}
+    for record in records:
+        for run in record["runs"]:
+            gib = run["kv_memory_bytes"] / 2**30
+            for entry in run["records"]:
+                if "error" in entry:
+                    continue
+                point = (
+                    gib,
+                    entry["most_requests_held"],
+                    entry["throughput_tokens_s"],
+                    entry["pools_filled"],
+                )
+                points.setdefault((run["context"], entry["variant"]), {})[gib] = point
+    return {key: [by_gib[g] for g in sorted(by_gib)] for key, by_gib in points.items()}
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
+def draw_capacity(results: Path, plt):
+    """Two panels against the budget: requests held at once and output tokens/s; an x
+    marks a run whose requests ended before the pools filled (``pools_filled`` false)."""
+    paths = sorted(results.glob("**/bench_capacity*.json"))
+    if not paths:
+        return None
+    records = [json.loads(p.read_text()) for p in paths]
+    series = capacity_series(records)
+    if not series:
+        return None
+    fig, (held_ax, rate_ax) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for (context, variant), points in sorted(series.items()):
+        label = f"{variant}, {_context_label(context)} tokens"
+        budgets = [p[0] for p in points]
+        (line,) = held_ax.plot(budgets, [p[1] for p in points], marker="o", label=label)
+        rate_ax.plot(budgets, [p[2] for p in points], marker="o", color=line.get_color())
+        unfilled = [p for p in points if not p[3]]
+        held_ax.plot([p[0] for p in unfilled], [p[1] for p in unfilled], "kx", ms=9)
+    gpus = sorted({r["environment"]["gpu"] or "CPU" for r in records})
+    models = sorted({r["model"] for r in records})
+    held_ax.set(xlabel="KV memory budget (GiB)", ylabel="most requests held at once")
+    rate_ax.set(xlabel="KV memory budget (GiB)", ylabel="output tokens/s")
+    for ax in (held_ax, rate_ax):
+        ax.grid(color="0.9")
+        ax.set_axisbelow(True)
+        ax.set_ylim(bottom=0)
+    held_ax.legend(loc="upper left", frameon=False)
+    fig.suptitle(
+        f"Capacity at a fixed KV budget ({' / '.join(gpus)}, {' / '.join(models)}); "
+        "x: requests ended before the pools filled"
+    )
+    return fig
