@@ -567,14 +567,7 @@ class FlashLoopBackend(AttentionBackend):
         counted in ``states.missing_reference``. No host synchronisation.
         """
         states = self.states
-        if self.config.sparse_decode_attention.enabled and states is None:
-            raise RuntimeError(
-                "sparse decode needs reserve(EngineCapacity) (or reserve_state) before the first forward"
-            )
-        if self._plan is None or self._plan.view is not view:  # once per batch, not per layer
-            self._plan = BatchPlan.of(view, self.config)
-            self._routing = PlanRouting(self._plan, states, self.config)
-        plan, routing = self._plan, self._routing
+        plan, routing = self._planned(view)
         gathered_q = plan.gather(q)
         out = None
         for op, choice, n in self._runs(view, plan):
@@ -595,6 +588,17 @@ class FlashLoopBackend(AttentionBackend):
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
         return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
+
+    def _planned(self, view: BatchView) -> tuple[BatchPlan, PlanRouting]:
+        """The batch's plan and routing, made at its first layer and reused by the others."""
+        if self.config.sparse_decode_attention.enabled and self.states is None:
+            raise RuntimeError(
+                "sparse decode needs reserve(EngineCapacity) (or reserve_state) before the first forward"
+            )
+        if self._plan is None or self._plan.view is not view:
+            self._plan = BatchPlan.of(view, self.config)
+            self._routing = PlanRouting(self._plan, self.states, self.config)
+        return self._plan, self._routing
 
     def _runs(self, view: BatchView, plan: BatchPlan) -> list[tuple[OpName, KernelChoice, int]]:
         """(op, kernel choice, rows it runs on) of every op this batch launches, the op over
