@@ -1,5 +1,6 @@
 """The loop-2 top-K selection alone (bracket, candidates, threshold, compaction) on the GPU,
-per radix digit width of its searches, from CUDA graphs of 10 calls:
+per radix digit width of its searches and per candidate-list size, from CUDA graphs of 10
+calls:
 
     python3 scripts/bench_selection.py --json selection.json
 
@@ -20,14 +21,13 @@ HEADS = 16
 RETENTION = 0.10
 
 
-def _case(context: int, rows: int, widths: list[int], gen: torch.Generator) -> dict:
+def _case(context: int, rows: int, tunings: dict, gen: torch.Generator) -> dict:
     logits = torch.randn(rows, HEADS, context, generator=gen, device="cuda") * 3.0
     lse = logits.logsumexp(-1)
     lengths = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     bucket = key_bucket(RETENTION, context)
     record, first = {"context": context, "rows": rows, "bucket": bucket, "us": {}}, None
-    for width in widths:
-        tuning = dataclasses.replace(DEFAULT_SELECT, radix_bits=width)
+    for name, tuning in tunings.items():
         indices = torch.empty(rows, HEADS, bucket, dtype=torch.int32, device="cuda")
 
         def select(tuning=tuning, indices=indices):
@@ -37,22 +37,29 @@ def _case(context: int, rows: int, widths: list[int], gen: torch.Generator) -> d
         if first is None:
             first = indices.clone()
         elif not torch.equal(indices, first):
-            raise AssertionError(f"radix_bits={width} selects other keys than {widths[0]}")
-        record["us"][str(width)] = us
-        print(f"selection ctx={context} rows={rows} radix_bits={width}: {us:.1f} us")
+            raise AssertionError(f"{name} selects other keys than {next(iter(tunings))}")
+        record["us"][name] = us
+        print(f"selection ctx={context} rows={rows} {name}: {us:.1f} us")
     return record
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--widths", default="1,2,4,8")
+    parser.add_argument("--widths", default="1,2,4,8", help="radix_bits values")
+    parser.add_argument("--candidates", default="", help="candidate-list sizes (default digits)")
     parser.add_argument("--shapes", default="8192x1,32768x1,32768x16")
     parser.add_argument("--json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    widths = [int(w) for w in args.widths.split(",")]
+    tunings = {
+        f"radix_bits={w}": dataclasses.replace(DEFAULT_SELECT, radix_bits=int(w))
+        for w in args.widths.split(",")
+        if w
+    }
+    for size in (int(c) for c in args.candidates.split(",") if c):
+        tunings[f"candidates={size}"] = dataclasses.replace(DEFAULT_SELECT, candidates=size)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    records = [_case(context, rows, widths, gen) for context, rows in shapes]
+    records = [_case(context, rows, tunings, gen) for context, rows in shapes]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "cases": records}, f, indent=1)
