@@ -10,6 +10,8 @@
 #            quantization alone at 32K x 16 (SHAPES picks a subset: "8k 32k1 32k16 kv")
 #   tests    graph replay, the host on the GPU, snapshots and speculation for every
 #            feature combination (the combination GPU tests)
+#   selection  the loop-2 selection alone per radix digit width and candidate-list size
+#            (scripts/bench_selection.py) at 8K x 1, 32K x 1 and 32K x 16
 #   convert  a prompt's conversion to packed INT4 (the Triton level writer) at 8K and
 #            32K, 24 layers, with its top CUDA ops
 set -uo pipefail
@@ -25,7 +27,7 @@ e2e() {  # name, config, then bench e2e arguments
   grep -E "Error|error" "$OUT/bench_e2e_$name.log" | tail -3
   python3 scripts/e2e_summary.py "$OUT/bench_e2e_$name.json" | cut -c1-200
 }
-case "${1:?stage: kernels, e2e, tests or convert}" in
+case "${1:?stage: kernels, e2e, tests, selection or convert}" in
   kernels)
     OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
       2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
@@ -56,6 +58,10 @@ json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
       tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_gpu_snapshot.py \
       tests/test_gpu_speculation.py tests/test_sparse_decode.py 2>&1 \
       | tee "$OUT/gpu_tests_combinations_v3.log" | tail -6 ;;
+  selection)
+    run python3 scripts/bench_selection.py --widths "${WIDTHS:-4,8}" \
+      --candidates "${CANDIDATES:-1024,2048}" --json "$OUT/bench_selection.json" \
+      2>&1 | tee "$OUT/bench_selection.log" | tail -12 ;;
   convert)
     for context in 8192 32768; do
       run python3 scripts/profile_conversion.py --context "$context" --layers 24 --chunks 4096 \
