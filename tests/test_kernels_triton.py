@@ -366,27 +366,24 @@ def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, radix_b
             assert (indices[r, h, count:] == -1).all()
 
 
-@pytest.mark.parametrize("bits", [0, 33])
-def test_selection_tuning_names_bracket_bits_outside_1_to_32(bits, rng):
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("bracket_bits", 0, "bracket_bits=0 must be in 1..32"),
+        ("bracket_bits", 33, "bracket_bits=33 must be in 1..32"),
+        ("radix_bits", 0, "radix_bits=0 must be one of 1, 2, 4, 8"),
+        ("radix_bits", 3, "radix_bits=3 must be one of 1, 2, 4, 8"),
+        ("radix_bits", 16, "radix_bits=16 must be one of 1, 2, 4, 8"),
+    ],
+)
+def test_selection_tuning_names_a_search_width_outside_its_range(field, value, message, rng):
     from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
 
     logits = torch.randn(1, 1, 32, generator=rng).to(DEVICE)
     lengths = torch.tensor([32], dtype=torch.int32, device=DEVICE)
     indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
-    tuning = SelectTuning(sample=16, bracket_bits=bits)
-    with pytest.raises(ValueError, match=f"bracket_bits={bits} must be in 1..32"):
-        select_positions(logits, logits.logsumexp(-1), lengths, indices, 0.3, tuning)
-
-
-@pytest.mark.parametrize("radix_bits", [0, 3, 16])
-def test_selection_tuning_names_radix_bits_outside_whole_digits(radix_bits, rng):
-    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
-
-    logits = torch.randn(1, 1, 32, generator=rng).to(DEVICE)
-    lengths = torch.tensor([32], dtype=torch.int32, device=DEVICE)
-    indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
-    tuning = SelectTuning(sample=16, radix_bits=radix_bits)
-    with pytest.raises(ValueError, match=f"radix_bits={radix_bits} must be one of 1, 2, 4, 8"):
+    tuning = SelectTuning(sample=16, **{field: value})
+    with pytest.raises(ValueError, match=message):
         select_positions(logits, logits.logsumexp(-1), lengths, indices, 0.3, tuning)
 
 

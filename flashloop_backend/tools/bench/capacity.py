@@ -80,11 +80,10 @@ def serve_at_budget(
             log(f"  capacity {variant.name}: {exc}")
             continue
         effective = resolve(variant.config, variant.backend, wanted, registry)
-        if warm:
-            held = min(clients, engine.capacity_plan.requests)
-            warm_up(engine, [{"concurrency": held}], vocab, sync)
-        summary = run_workload(engine, arrivals, vocab, clients, sync)
         planned = engine.capacity_plan.requests
+        if warm:
+            warm_up(engine, [{"concurrency": min(clients, planned)}], vocab, sync)
+        summary = run_workload(engine, arrivals, vocab, clients, sync)
         summary.update(
             # fewer held than planned: requests finished before the pools filled (one
             # prompt prefills at a time), so the run measured the prefill pipeline
