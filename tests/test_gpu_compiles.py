@@ -22,14 +22,23 @@ ALL_ON = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"
 
 
 class _TritonLoads:
-    """Triton's in-memory cache misses (a compile, or a load from its disk cache) by
-    kernel, through the runtime's cache hook, while installed."""
+    """Triton's in-memory cache misses (a compile, or a load from its disk cache) through
+    the runtime's cache hook, while installed: per kernel, each variant as {argument:
+    type, specialization attributes or constexpr value} plus its launch options."""
 
     def __init__(self) -> None:
-        self.kernels: list[str] = []
+        self.variants: dict[str, list[dict[str, str]]] = {}
 
     def __call__(self, **hook) -> bool:
-        self.kernels.append(hook["repr"])  # the kernel's name, launch options and signature
+        compile = hook["compile"]
+        names = list(compile["signature"])
+        variant = {name: str(kind) for name, kind in compile["signature"].items()}
+        for path, value in compile["constants"].items():
+            variant[names[path[0]]] = f"={value}"
+        for path, attrs in compile["configs"][0].items():
+            variant[names[path[0]]] += str(attrs)
+        variant["options"] = f"warps={compile['num_warps']} stages={compile['num_stages']}"
+        self.variants.setdefault(hook["fn"].name, []).append(variant)
         return False  # compile as usual
 
     def __enter__(self):
@@ -45,6 +54,21 @@ class _TritonLoads:
         knobs.runtime.jit_cache_hook = self._saved
 
 
+def _unmet(warmed: _TritonLoads, loaded: _TritonLoads) -> dict[str, list[dict]]:
+    """Per kernel loaded while serving, how each new variant differs from the nearest
+    variant the warm-up loaded: the arguments whose specialization the warm-up missed."""
+    out = {}
+    for name, variants in loaded.variants.items():
+        seen = warmed.variants.get(name, [])
+        for new in variants:
+            near = min(
+                seen, key=lambda old: sum(old.get(k) != v for k, v in new.items()), default={}
+            )
+            diff = {k: (near.get(k), v) for k, v in new.items() if near.get(k) != v}
+            out.setdefault(name, []).append(diff)
+    return out
+
+
 def test_a_mixed_workload_after_warm_up_compiles_builds_and_captures_nothing():
     from flashloop_backend.kernels.cuda import loader
 
@@ -57,7 +81,8 @@ def test_a_mixed_workload_after_warm_up_compiles_builds_and_captures_nothing():
     graphs = GraphSettings(buckets=(1, 2, 4), max_context=512)
     engine = Engine(model, backend, num_blocks=2048, prefill_chunk=128, max_context=512,
                     max_slots=4, cuda_graphs=graphs)  # fmt: skip
-    engine.warm_up()
+    with _TritonLoads() as warmed:
+        engine.warm_up()
     builds = loader._build_file.cache_info().misses
     captured = set(engine.graphs.graphs)
     rng = random.Random(0)
@@ -69,7 +94,10 @@ def test_a_mixed_workload_after_warm_up_compiles_builds_and_captures_nothing():
             ]
             engine.generate(prompts, SamplingParams(max_new_tokens=9, ignore_eos=True))
         torch.cuda.synchronize()
-    assert loads.kernels == [], f"Triton variants loaded while serving: {loads.kernels}"
+    assert not loads.variants, (
+        f"Triton variants loaded while serving (argument: (warm-up's, new)): "
+        f"{_unmet(warmed, loads)}"
+    )
     assert loader._build_file.cache_info().misses == builds, "CUDA kernels built while serving"
     assert set(engine.graphs.graphs) == captured, (
         f"graphs captured while serving: {sorted(set(engine.graphs.graphs) - captured)}"

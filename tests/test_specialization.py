@@ -4,6 +4,7 @@ specialization key is a compile on the GPU. The census computes, under the inter
 the key the NVIDIA backend's JIT would compile each launch under."""
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -95,17 +96,40 @@ def triton_on_cpu():
         object.__setattr__(support, "devices", devices)
 
 
-def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_on_cpu):
+class _LaunchOnlyCapture:
+    """Graph capture that keeps nothing: the capture's own launches happen, a replay
+    launches nothing, as with a CUDA graph (tokens are not checked here)."""
+
+    class _Graph:
+        def replay(self) -> None:
+            pass
+
+    def reserved(self) -> int:
+        return 0
+
+    def new_graph(self) -> "_LaunchOnlyCapture._Graph":
+        return self._Graph()
+
+    @contextmanager
+    def capturing(self, graph):
+        yield
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphs"])
+def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_on_cpu, graphed):
     """``Engine.warm_up`` meets every Triton specialization a later mixed workload needs
     (all on, every op the Triton provider implements, the embedded model): prompts of 30
     to 300 tokens decoding together add no key, so a GPU would compile nothing while
-    serving them."""
+    serving them. With graphs (buckets 1, 2, 4, as ``tests/test_gpu_compiles.py``),
+    decode steps replay and only mixed steps launch, at block-table widths the warm-up's
+    captures did not use."""
     import random
     from pathlib import Path
 
     from flashloop_backend import embedded_model_path
     from flashloop_backend.config import load_config
     from flashloop_backend.host import Engine, SamplingParams, load_model
+    from flashloop_backend.host.graphs import GraphSettings
     from flashloop_backend.registry import Registry
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "all_on.json")
@@ -113,14 +137,30 @@ def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_o
     config = config.model_copy(update={"kernel_overrides": ops})
     model = load_model(embedded_model_path(), "cpu", torch.float32)
     backend = Registry.discover().create("flashloop", model.support_request(16), config)
+    graphs = {}
+    if graphed:
+        graphs = {
+            "cuda_graphs": GraphSettings(buckets=(1, 2, 4), max_context=512),
+            "graph_capture": _LaunchOnlyCapture(),
+        }
     engine = Engine(model, backend, num_blocks=2048, prefill_chunk=128, max_context=512,
-                    max_slots=4)  # fmt: skip
+                    max_slots=4, **graphs)  # fmt: skip
     rng = random.Random(0)
+    vocab = model.config.vocab_size
     with specialization_census() as census:
         engine.warm_up()
         warmed = {name: set(keys) for name, keys in census.items()}
-        prompts = [[rng.randrange(250) for _ in range(rng.randint(30, 300))] for _ in range(4)]
-        engine.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
-    new = {name: set(keys) - warmed.get(name, set()) for name, keys in census.items()}
-    assert not {name: len(keys) for name, keys in new.items() if keys}
+        for size in (3, 1, 4, 2) if graphed else (4,):
+            prompts = [
+                [rng.randrange(vocab) for _ in range(rng.randint(30, 300))] for _ in range(size)
+            ]
+            engine.generate(prompts, SamplingParams(max_new_tokens=9, ignore_eos=True))
+    new = {
+        name: varying_arguments([*warmed.get(name, ()), *(set(keys) - warmed.get(name, set()))])
+        for name, keys in census.items()
+        if set(keys) - warmed.get(name, set())
+    }
+    assert not new, f"new Triton variants while serving, by kernel and varying argument: {new}"
     assert len(warmed) >= 8  # the census saw the packed, selection and layer kernels
+    if graphed:
+        assert engine.graphs.stats()["replays"] > 0

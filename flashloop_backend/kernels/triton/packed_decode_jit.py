@@ -20,6 +20,7 @@ from flashloop_backend.kernels.triton.packed_block_jit import (
     units,
 )
 from flashloop_backend.kernels.triton.specialization import (
+    BLOCK_TABLE_ROWS,
     LEVEL_METADATA,
     PACKED_SPLIT_METADATA,
     SCALAR_PER_ROW,
@@ -204,7 +205,7 @@ def _level_kind(kinds, level):
 
 
 @triton.jit(
-    do_not_specialize=[*PACKED_SPLIT_METADATA, *LEVEL_METADATA],
+    do_not_specialize=[*PACKED_SPLIT_METADATA, *LEVEL_METADATA, *BLOCK_TABLE_ROWS],
     do_not_specialize_on_alignment=SCALAR_PER_ROW,
 )
 def packed_decode_split_kernel(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from flashloop_backend.kernels.triton.packed_block_jit import channel_a, nibbles, param_slot
-from flashloop_backend.kernels.triton.specialization import LEVEL_METADATA
+from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS, LEVEL_METADATA
 from flashloop_backend.kv.levels import LevelKind
 
 COMPACT = tl.constexpr(int(LevelKind.COMPACT))
@@ -80,6 +80,7 @@ def _pick(values, index, LP: tl.constexpr):
     do_not_specialize=[
         *("keys_per_split", "bucket", "stride_er", "stride_sr", "stride_sh"),
         *LEVEL_METADATA,
+        *BLOCK_TABLE_ROWS,
     ]
 )
 def packed_selected_split_kernel(

@@ -5,13 +5,17 @@ import triton
 import triton.language as tl
 
 from flashloop_backend.kernels.triton.specialization import (
+    BLOCK_TABLE_ROWS,
     MERGE_SPLITS_METADATA,
     PAGED_PER_ROW,
     PAGED_SPLIT_METADATA,
 )
 
 
-@triton.jit(do_not_specialize=PAGED_SPLIT_METADATA, do_not_specialize_on_alignment=PAGED_PER_ROW)
+@triton.jit(
+    do_not_specialize=[*PAGED_SPLIT_METADATA, *BLOCK_TABLE_ROWS],
+    do_not_specialize_on_alignment=PAGED_PER_ROW,
+)
 def paged_attention_split_kernel(
     q_ptr,
     k_ptr,

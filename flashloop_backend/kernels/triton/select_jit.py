@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.specialization import SCALAR_PER_ROW
+from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS, SCALAR_PER_ROW
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def _bracket_threshold(
     return threshold, (count - higher).to(tl.int32), ok
 
 
-@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
+@triton.jit(do_not_specialize=BLOCK_TABLE_ROWS, do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def select_statistics_kernel(
     logits_ptr,
     lse_ptr,

@@ -3,8 +3,10 @@
 import triton
 import triton.language as tl
 
+from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS
 
-@triton.jit
+
+@triton.jit(do_not_specialize=BLOCK_TABLE_ROWS)
 def sparse_correction_split_kernel(
     q_ptr,
     k_ptr,

@@ -4,6 +4,8 @@
 import triton
 import triton.language as tl
 
+from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS
+
 
 @triton.jit
 def _attend_block(
@@ -68,7 +70,7 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BLOCK_TABLE_ROWS)
 def sparse_prefill_kernel(
     q_ptr,
     k_ptr,

@@ -32,6 +32,10 @@ LEVEL_METADATA = ["stride_lr", "stride_ll", "stride_mr", "stride_ml", "stride_kr
 # the level an append encodes and the row strides of its page and slot tables (1 where an
 # append touches one page): offsets that follow the append, not the tile shapes
 APPEND_METADATA = ["level", "stride_st", "stride_pl"]
+# the row stride of a batch's block table [R, MB]: MB follows the longest row of an eager
+# batch but is the graph capacity's width in a captured step, so its class (1, divisible
+# by 16, neither) differs between steps that read the same tiles
+BLOCK_TABLE_ROWS = ["stride_tr"]
 # the layer a write goes to: an offset, one value per layer of a traversal
 LAYER_INDEX = ["layer"]
 

@@ -20,7 +20,7 @@ from flashloop_backend.kernels.triton.select_jit import (
     compact_selected,
     take_selected,
 )
-from flashloop_backend.kernels.triton.specialization import SCALAR_PER_ROW
+from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS, SCALAR_PER_ROW
 
 
 @triton.jit
@@ -367,7 +367,7 @@ def select_compact_kernel(
         tl.store(idx_row + pos, -1, mask=pos < fill_last)
 
 
-@triton.jit(do_not_specialize_on_alignment=SCALAR_PER_ROW)
+@triton.jit(do_not_specialize=BLOCK_TABLE_ROWS, do_not_specialize_on_alignment=SCALAR_PER_ROW)
 def source_values_kernel(
     logits_ptr,
     lse_ptr,
