@@ -229,3 +229,75 @@ def test_the_cuda_source_takes_the_earliest_ties_in_both_passes():
         torch.testing.assert_close(g[0], e[0].float(), atol=1e-2, rtol=1e-2, msg=name)
     torch.testing.assert_close(got[2][0], torch.full_like(got[2][0], count / int(lengths[0])))
     torch.testing.assert_close(got[3][1:], expected[3][1:].float(), atol=2e-2, rtol=2e-2)
+
+
+def _oracle_selection(logits, lengths, retention, bucket):
+    """Indices [R, H, Kb] of the top K = max(1, ceil(retention * T)) logits per (row,
+    head), earlier positions first among equals, in position order, -1 past K."""
+    from flashloop_backend.kernels.torch_ref.sparse_decode import selected_counts
+
+    span = logits.shape[-1]
+    pos = torch.arange(span, device=logits.device)
+    visible = pos < lengths[:, None, None].long()
+    masked = torch.where(visible, logits, float("-inf"))
+    order = torch.sort(-masked, dim=-1, stable=True).indices
+    counts = selected_counts(lengths, retention)[:, None, None]
+    rank = torch.arange(span, device=logits.device)
+    chosen = torch.where(rank < counts, order, span)  # span sorts past every position
+    chosen = torch.sort(chosen, dim=-1).values[..., :bucket]
+    return torch.where(chosen < span, chosen, -1).to(torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("span", [64, 8192, 40000])
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(span, ties):
+    """Rows of every length class (1, odd, full span), logits drawn from a few values
+    (many ties at the threshold) or continuous, in a strided view: the CUDA selection
+    picks the oracle's positions, the Triton selection's threshold plan, and its mass."""
+    from flashloop_backend.backends.sparse_state import key_bucket
+    from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
+    from flashloop_backend.kernels.triton.threshold_select import select_positions
+
+    gen = torch.Generator(device="cuda").manual_seed(span + ties)
+    rows, heads, retention = 5, 16, 0.1
+    padded = torch.randn(rows, heads, span + 8, device="cuda", generator=gen) * 3.0
+    if ties:
+        padded = torch.round(padded)
+    logits = padded[..., :span]  # a row stride above the span
+    lengths = torch.tensor([1, span, span // 2 + 1, max(1, span - 7), 3], device="cuda")
+    lengths = lengths.to(torch.int32)
+    visible = torch.arange(span, device="cuda") < lengths[:, None, None]
+    lse = torch.where(visible, logits, float("-inf")).logsumexp(-1)
+    bucket = key_bucket(retention, span)
+    want = _oracle_selection(logits, lengths, retention, bucket)
+    triton_indices = torch.full_like(want, 7)
+    cuda_indices = torch.full_like(want, 7)
+    expected = select_positions(logits, lse, lengths, triton_indices, retention)
+    got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention)
+    assert torch.equal(triton_indices, want)
+    assert torch.equal(cuda_indices, want)
+    assert torch.equal(got.plan, expected.plan)
+    assert torch.equal(got.offsets, torch.zeros_like(got.offsets))
+    torch.testing.assert_close(got.part_mass.sum(-1), expected.part_mass.sum(-1))
+    taken = torch.where(want >= 0, want, 0).long()
+    mass = torch.where(want >= 0, (logits.gather(-1, taken) - lse[..., None]).exp(), 0.0)
+    torch.testing.assert_close(got.part_mass[..., 0], mass.sum(-1))
+
+
+@pytest.mark.gpu
+def test_the_one_launch_selection_takes_nothing_from_an_empty_row_and_refuses_long_spans():
+    from flashloop_backend.kernels.cuda.select_top_k import MAX_SPAN, select_positions_cuda
+
+    logits = torch.randn(2, 4, 256, device="cuda")
+    lse = logits.logsumexp(-1)
+    lengths = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+    indices = torch.full((2, 4, 32), 7, dtype=torch.int32, device="cuda")
+    selection = select_positions_cuda(logits, lse, lengths, indices, 0.1)
+    assert torch.equal(indices[0], torch.full_like(indices[0], -1))
+    assert torch.equal(selection.plan[0, :, 1:], torch.tensor([[0, -1]] * 4, device="cuda"))
+    assert torch.equal(selection.part_mass[0], torch.zeros_like(selection.part_mass[0]))
+    assert (indices[1, :, :26] >= 0).all() and (indices[1, :, 26:] == -1).all()
+    too_long = torch.zeros(1, 1, MAX_SPAN + 1, device="cuda")
+    with pytest.raises(ValueError, match=f"spans up to {MAX_SPAN}; got {MAX_SPAN + 1}"):
+        select_positions_cuda(too_long, lse[:1, :1], lengths[:1], indices[:1, :1], 0.1)

@@ -1,6 +1,6 @@
 """Wrapper of the two-pass CUDA loop-2 source (``packed_source.cu``): the
 ``packed_dense_source`` contract as a keys pass (exact logits and split states), the LSE
-merge and the Triton top-K selection, then a values pass that sums the dense output and
+merge and the exact top-K selection, then a values pass that sums the dense output and
 the selected keys' contribution in one read of the values. BF16 queries and caches,
 head_dim 128, dense levels; metadata that may hold compact levels takes the Triton
 source."""
@@ -15,6 +15,7 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
+from flashloop_backend.kernels.cuda.select_top_k import fits, select_positions_cuda
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_span,
@@ -41,13 +42,17 @@ class SourceTuning:
     """Launches of the two passes: about ``*_ctas_per_sm`` CTAs per SM over the rows'
     heads and splits, ``warps`` per CTA, ``*_stages`` ring buffers per warp (each one
     group's half blocks at every level; the values pass's also its logits). The defaults
-    were the fastest at 32K x 16 on the H200 (results/README.md)."""
+    were the fastest at 32K x 16 on the H200 (results/README.md). The selection between
+    the passes is the one-launch CUDA kernel (``select_top_k.py``) where the span fits it,
+    else (or with ``one_launch_selection`` off) the Triton launches; both select the same
+    keys."""
 
     keys_ctas_per_sm: int = 4
     keys_stages: int = 2
     values_ctas_per_sm: int = 2
     values_stages: int = 2
     warps: int = 4
+    one_launch_selection: bool = True
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -239,7 +244,10 @@ def packed_dense_source_cuda(
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables = (block_tables, context_lengths)
     source_keys(q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning)
-    selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
+    if tuning.one_launch_selection and fits(logits):
+        selection = select_positions_cuda(logits, lse, context_lengths, indices, key_retention)
+    else:
+        selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
     parts = source_values(
         store, layer, meta, value_cache, *tables, logits, lse, selection.plan, tuning
     )

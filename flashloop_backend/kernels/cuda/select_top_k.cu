@@ -1,0 +1,241 @@
+// The loop-2 exact top-K selection in one launch: one CTA of 1024 threads per (row, head)
+// stages the row's order keys in shared memory, finds the K-th largest key exactly, and
+// writes the selected positions in position order with their probability mass (the
+// contract of select_positions in kernels/triton/threshold_select.py, one split).
+//
+// The first digit is a linear bin of (lse - logit): attention logits crowd a few
+// exponents, so a histogram over the keys' top bits makes most of a warp's atomics hit one
+// address; linear bins spread them. fl(lse - x) * 32 is monotone in x, so a lower bin
+// holds strictly larger logits and the K-th key lies in one bin. Three radix digits of the
+// order key (11, 11 and 10 bits) over that bin's keys then give the exact threshold.
+#include "common.cuh"
+
+#ifndef THREADS
+#define THREADS 1024
+#endif
+#define WARPS (THREADS / 32)
+#define BINS 2048
+#define BINS_PER_NAT 32.0f
+
+struct Params {
+    const float* logits;  // [R, H, T] scaled natural logits, valid below the row's length
+    const float* lse;     // [R, H]
+    const int* lengths;   // [R]
+    int* plan;            // [R, H, 3]: threshold key, ties to take, last tie taken
+    int* offsets;         // [R, H, 1, 2]: the one split's output offset and earlier ties
+    int* indices;         // [R, H, Kb]: selected positions in order, -1 past K
+    float* mass;          // [R, H]: sum exp(logit - lse) over the selected keys
+    long long l_row, l_head;
+    int e_row, i_row, i_head, m_row;
+    int ratio_num, ratio_den, bucket;
+};
+
+__device__ __forceinline__ u32 order_key(float logit) {
+    const u32 raw = __float_as_uint(logit);
+    return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
+}
+__device__ __forceinline__ float key_logit(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+__device__ __forceinline__ int linear_bin(u32 key, float lse) {
+    const float distance = __fmul_rn(__fsub_rn(lse, key_logit(key)), BINS_PER_NAT);
+    return (int)fminf(fmaxf(distance, 0.0f), (float)(BINS - 1));
+}
+
+struct Found {
+    int bin;     // the bin holding the rank-th key in scan order
+    int before;  // keys in bins scanned before it
+};
+
+// The bin of hist [BINS] (scanned upward, or downward when DOWN) where the cumulative
+// count passes rank; every thread returns it. Two barriers inside, hist read-only.
+template <bool DOWN>
+__device__ Found find_bin(const int* hist, int rank, int* warp_sum, Found* found) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int SLICE = BINS / WARPS;  // bins per warp, in scan order
+    constexpr int PER_LANE = SLICE / 32;
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const int o = warp * SLICE + lane * PER_LANE + j;
+        mine += hist[DOWN ? BINS - 1 - o : o];
+    }
+    int total = mine;
+#pragma unroll
+    for (int d = 16; d; d >>= 1) total += __shfl_xor_sync(FULL_MASK, total, d);
+    if (lane == 0) warp_sum[warp] = total;
+    __syncthreads();
+    // each warp finds the slice alone (no second barrier needed for the search itself)
+    int slice = lane < WARPS ? warp_sum[lane] : 0;
+    int incl = slice;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += up;
+    }
+    const u32 hit = __ballot_sync(FULL_MASK, incl > rank);
+    const int owner = hit ? __ffs(hit) - 1 : WARPS - 1;
+    const int slice_before = __shfl_sync(FULL_MASK, incl - slice, owner);
+    if (warp == owner) {
+        int lane_incl = mine;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int up = __shfl_up_sync(FULL_MASK, lane_incl, d);
+            if (lane >= d) lane_incl += up;
+        }
+        const u32 lane_hit = __ballot_sync(FULL_MASK, slice_before + lane_incl > rank);
+        const int at = lane_hit ? __ffs(lane_hit) - 1 : 31;
+        if (lane == at) {
+            int before = slice_before + lane_incl - mine;
+            int o = warp * SLICE + lane * PER_LANE;
+            for (int j = 0; j < PER_LANE; ++j, ++o) {
+                const int count = hist[DOWN ? BINS - 1 - o : o];
+                if (before + count > rank || j == PER_LANE - 1) break;
+                before += count;
+            }
+            found->bin = DOWN ? BINS - 1 - o : o;
+            found->before = before;
+        }
+    }
+    __syncthreads();
+    return *found;
+}
+
+__device__ __forceinline__ int warp_exclusive(int value, int lane) {
+    int incl = value;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += up;
+    }
+    return incl - value;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Params P) {
+    extern __shared__ u32 keys[];  // [T >= length]
+    __shared__ int hist[BINS];
+    __shared__ int warp_sum[WARPS], warp_gt[WARPS], warp_ties[WARPS];
+    __shared__ float warp_mass[WARPS];
+    __shared__ Found found;
+    const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const long long pair = (long long)row * gridDim.x + head;
+    const int length = P.lengths[row];
+    const long long want = ((long long)length * P.ratio_num + P.ratio_den - 1) / P.ratio_den;
+    const int count = (int)(want < length ? want : length);
+    int* out = P.indices + row * (long long)P.i_row + head * (long long)P.i_head;
+    for (int s = count + tid; s < P.bucket; s += THREADS) out[s] = -1;
+    if (tid == 0) {
+        P.offsets[pair * 2] = 0;
+        P.offsets[pair * 2 + 1] = 0;
+    }
+    if (count == 0) {
+        if (tid == 0) {
+            P.plan[pair * 3] = 0;
+            P.plan[pair * 3 + 1] = 0;
+            P.plan[pair * 3 + 2] = -1;
+            P.mass[row * (long long)P.m_row + head] = 0.0f;
+        }
+        return;
+    }
+    const float* logits = P.logits + row * P.l_row + head * P.l_head;
+    const float lse = P.lse[row * (long long)P.e_row + head];
+
+    // digit 1: linear bins of lse - logit, while the keys land in shared memory
+    for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
+    __syncthreads();
+#pragma unroll 8
+    for (int p = tid; p < length; p += THREADS) {
+        const u32 key = order_key(logits[p]);
+        keys[p] = key;
+        atomicAdd(&hist[linear_bin(key, lse)], 1);
+    }
+    __syncthreads();
+    int rank = count - 1;  // of the K-th key among those still in the search
+    const Found first = find_bin<false>(hist, rank, warp_sum, &found);
+    const int bin = first.bin;
+    rank -= first.before;
+
+    // digits 2-4: the order key's bits 31-21, 20-10 and 9-0 over that bin's keys
+    u32 prefix = 0, high = 0;
+#pragma unroll 1
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+        const u32 digit_mask = pass == 2 ? 0x3ffu : 0x7ffu;
+        for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
+        __syncthreads();
+#pragma unroll 8
+        for (int p = tid; p < length; p += THREADS) {
+            const u32 key = keys[p];
+            if ((key & high) == prefix && linear_bin(key, lse) == bin)
+                atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+        }
+        __syncthreads();
+        const Found digit = find_bin<true>(hist, rank, warp_sum, &found);
+        rank -= digit.before;
+        prefix |= (u32)digit.bin << shift;
+        high |= digit_mask << shift;
+    }
+    const u32 threshold = prefix;
+    const int remaining = rank + 1;  // ties at the threshold to take, earliest first
+
+    // counts per warp over a contiguous range of positions, then the ordered compaction
+    const int per_warp = ((length + WARPS * 32 - 1) / (WARPS * 32)) * 32;
+    const int begin = warp * per_warp;
+    const int end = min(begin + per_warp, length);
+    int gt = 0, ties = 0;
+    for (int p = begin + lane; p < end; p += 32) {
+        const u32 key = keys[p];
+        gt += key > threshold;
+        ties += key == threshold;
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) {
+        gt += __shfl_xor_sync(FULL_MASK, gt, d);
+        ties += __shfl_xor_sync(FULL_MASK, ties, d);
+    }
+    if (lane == 0) {
+        warp_gt[warp] = gt;
+        warp_ties[warp] = ties;
+    }
+    __syncthreads();
+    const int lane_ties = lane < WARPS ? warp_ties[lane] : 0;
+    const int ties_before_lane = warp_exclusive(lane_ties, lane);
+    const int taken_ties = min(max(remaining - ties_before_lane, 0), lane_ties);
+    const int lane_taken = (lane < WARPS ? warp_gt[lane] : 0) + taken_ties;
+    const int taken_before_lane = warp_exclusive(lane_taken, lane);
+    int written = __shfl_sync(FULL_MASK, taken_before_lane, warp);
+    int ties_seen = __shfl_sync(FULL_MASK, ties_before_lane, warp);
+    const u32 below = (1u << lane) - 1;
+    float mass = 0.0f;
+    for (int base = begin; base < end; base += 32) {
+        const int p = base + lane;
+        const u32 key = p < end ? keys[p] : 0;
+        const bool tie = p < end && key == threshold;
+        const u32 tie_bits = __ballot_sync(FULL_MASK, tie);
+        const int tie_rank = ties_seen + __popc(tie_bits & below);
+        const bool take = (p < end && key > threshold) || (tie && tie_rank < remaining);
+        const u32 take_bits = __ballot_sync(FULL_MASK, take);
+        if (take) {
+            out[written + __popc(take_bits & below)] = p;
+            mass += expf(key_logit(key) - lse);
+            if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = p;
+        }
+        written += __popc(take_bits);
+        ties_seen += __popc(tie_bits);
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) mass += __shfl_xor_sync(FULL_MASK, mass, d);
+    if (lane == 0) warp_mass[warp] = mass;
+    __syncthreads();
+    if (warp == 0) {
+        float total = lane < WARPS ? warp_mass[lane] : 0.0f;
+#pragma unroll
+        for (int d = 16; d; d >>= 1) total += __shfl_xor_sync(FULL_MASK, total, d);
+        if (lane == 0) {
+            P.mass[row * (long long)P.m_row + head] = total;
+            P.plan[pair * 3] = (int)threshold;
+            P.plan[pair * 3 + 1] = remaining;
+        }
+    }
+}

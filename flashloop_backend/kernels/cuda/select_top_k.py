@@ -1,0 +1,90 @@
+"""Wrapper of the one-launch loop-2 top-K selection (``select_top_k.cu``): the
+``select_positions`` contract (``kernels/triton/threshold_select.py``) as one CTA per
+(row, head) with the row's keys in shared memory, so it serves spans up to
+``MAX_SPAN`` positions; longer spans take the Triton selection, which has the same
+semantics."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from flashloop_backend.algorithms import key_retention_fraction
+from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.triton.threshold_select import Selection
+
+THREADS = 1024
+# the keys' shared memory beside the kernel's 8.7 KB of static shared memory, within the
+# 227 KB a Hopper or Ampere (sm_80) CTA may hold
+MAX_SPAN = 54 * 1024
+
+
+class _Params(ctypes.Structure):
+    # the C layout of Params in select_top_k.cu
+    _fields_ = [
+        *(
+            (name, ctypes.c_void_p)
+            for name in "logits lse lengths plan offsets indices mass".split()
+        ),
+        ("l_row", ctypes.c_int64),
+        ("l_head", ctypes.c_int64),
+        *((name, ctypes.c_int) for name in "e_row i_row i_head m_row".split()),
+        *((name, ctypes.c_int) for name in "ratio_num ratio_den bucket".split()),
+    ]
+
+
+def fits(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` [R, H, T] FP32 has a span this kernel holds."""
+    return logits.shape[-1] <= MAX_SPAN
+
+
+def select_positions_cuda(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    context_lengths: torch.Tensor,
+    indices: torch.Tensor,
+    key_retention: float,
+) -> Selection:
+    """Top-K selection over ``logits`` [R, H, T] FP32 (T <= ``MAX_SPAN``; each row valid
+    below its ``context_lengths`` [R] int32) with ``lse`` [R, H] FP32: writes ``indices``
+    [R, H, Kb] int32 in position order (-1 past K = max(1, ceil(key_retention * T))) and
+    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass)."""
+    rows, heads, bucket = indices.shape
+    span = logits.shape[-1]
+    if logits.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ValueError(f"logits and lse must be float32; got {logits.dtype}, {lse.dtype}")
+    if context_lengths.dtype != torch.int32 or indices.dtype != torch.int32:
+        raise ValueError(
+            f"context_lengths and indices must be int32; got {context_lengths.dtype}, "
+            f"{indices.dtype}"
+        )
+    if logits.shape[:2] != (rows, heads) or lse.shape != (rows, heads):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and lse {tuple(lse.shape)} must lead with "
+            f"indices' (rows, heads) = {(rows, heads)}"
+        )
+    if logits.stride(-1) != 1 or lse.stride(-1) != 1 or indices.stride(-1) != 1:
+        raise ValueError("logits, lse and indices must have unit stride on their last axis")
+    if not fits(logits):
+        raise ValueError(f"select_positions_cuda holds spans up to {MAX_SPAN}; got {span}")
+    device = logits.device
+    int32 = {"dtype": torch.int32, "device": device}
+    plan = torch.empty((rows, heads, 3), **int32)
+    offsets = torch.empty((rows, heads, 1, 2), **int32)
+    part_mass = torch.empty((rows, heads, 1), dtype=torch.float32, device=device)
+    selection = Selection(plan, offsets, part_mass, 1, span)
+    if rows == 0 or heads == 0:
+        return selection
+    ratio_num, ratio_den = key_retention_fraction(key_retention)
+    t = lambda x: ctypes.c_void_p(x.data_ptr()).value  # noqa: E731
+    params = _Params(
+        *(t(logits), t(lse), t(context_lengths), t(plan), t(offsets), t(indices), t(part_mass)),
+        *(logits.stride(0), logits.stride(1), lse.stride(0)),
+        *(indices.stride(0), indices.stride(1), part_mass.stride(0)),
+        *(ratio_num, ratio_den, bucket),
+    )
+    shared = 4 * span
+    kernel = loader.build_file("select_top_k", {"THREADS": THREADS}, 4 * MAX_SPAN)
+    kernel((heads, rows, 1), (THREADS, 1, 1), [params], shared)
+    return selection
