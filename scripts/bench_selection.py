@@ -35,8 +35,10 @@ def _case(context: int, rows: int, tunings: dict, gen: torch.Generator) -> dict:
         selections = []
 
         def select(tuning=tuning, indices=indices, selections=selections):
-            if tuning is None:
-                selections.append(select_positions_cuda(logits, lse, lengths, indices, RETENTION))
+            if isinstance(tuning, int):  # the CUDA kernel's threads per CTA
+                selections.append(
+                    select_positions_cuda(logits, lse, lengths, indices, RETENTION, tuning)
+                )
             else:
                 selections.append(
                     select_positions(logits, lse, lengths, indices, RETENTION, tuning)
@@ -70,7 +72,8 @@ def main() -> int:
     }
     for size in (int(c) for c in args.candidates.split(",") if c):
         tunings[f"candidates={size}"] = dataclasses.replace(DEFAULT_SELECT, candidates=size)
-    tunings["cuda one launch"] = None
+    tunings["cuda one launch, 1024 threads"] = 1024
+    tunings["cuda one launch, 512 threads"] = 512
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     records = [_case(context, rows, tunings, gen) for context, rows in shapes]
     if args.json:

@@ -250,20 +250,27 @@ def _oracle_selection(logits, lengths, retention, bucket):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("span", [64, 8192, 40000])
-@pytest.mark.parametrize("ties", [False, True])
-def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(span, ties):
-    """Rows of every length class (1, odd, full span), logits drawn from a few values
-    (many ties at the threshold) or continuous, in a strided view: the CUDA selection
-    picks the oracle's positions, the Triton selection's threshold plan, and its mass."""
+@pytest.mark.parametrize("logits_kind", ["continuous", "integers", "constant"])
+@pytest.mark.parametrize("threads", [512, 1024])
+def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
+    span, logits_kind, threads
+):
+    """Rows of every length class (1, odd, full span), logits continuous, drawn from a few
+    values (many ties at the threshold) or constant (every key in one bin: more than the
+    candidate list holds, so the digits search the row), in a strided view: the CUDA
+    selection picks the oracle's positions, the Triton selection's threshold plan, and
+    its mass."""
     from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
     from flashloop_backend.kernels.triton.threshold_select import select_positions
 
-    gen = torch.Generator(device="cuda").manual_seed(span + ties)
+    gen = torch.Generator(device="cuda").manual_seed(span)
     rows, heads, retention = 5, 16, 0.1
     padded = torch.randn(rows, heads, span + 8, device="cuda", generator=gen) * 3.0
-    if ties:
+    if logits_kind == "integers":
         padded = torch.round(padded)
+    elif logits_kind == "constant":
+        padded = torch.full_like(padded, 1.5)
     logits = padded[..., :span]  # a row stride above the span
     lengths = torch.tensor([1, span, span // 2 + 1, max(1, span - 7), 3], device="cuda")
     lengths = lengths.to(torch.int32)
@@ -274,7 +281,7 @@ def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(sp
     triton_indices = torch.full_like(want, 7)
     cuda_indices = torch.full_like(want, 7)
     expected = select_positions(logits, lse, lengths, triton_indices, retention)
-    got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention)
+    got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention, threads)
     assert torch.equal(triton_indices, want)
     assert torch.equal(cuda_indices, want)
     assert torch.equal(got.plan, expected.plan)
@@ -286,8 +293,8 @@ def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(sp
 
 
 @pytest.mark.gpu
-def test_the_one_launch_selection_takes_nothing_from_an_empty_row_and_refuses_long_spans():
-    from flashloop_backend.kernels.cuda.select_top_k import MAX_SPAN, select_positions_cuda
+def test_the_one_launch_selection_takes_nothing_from_an_empty_row():
+    from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
 
     logits = torch.randn(2, 4, 256, device="cuda")
     lse = logits.logsumexp(-1)
@@ -298,6 +305,5 @@ def test_the_one_launch_selection_takes_nothing_from_an_empty_row_and_refuses_lo
     assert torch.equal(selection.plan[0, :, 1:], torch.tensor([[0, -1]] * 4, device="cuda"))
     assert torch.equal(selection.part_mass[0], torch.zeros_like(selection.part_mass[0]))
     assert (indices[1, :, :26] >= 0).all() and (indices[1, :, 26:] == -1).all()
-    too_long = torch.zeros(1, 1, MAX_SPAN + 1, device="cuda")
-    with pytest.raises(ValueError, match=f"spans up to {MAX_SPAN}; got {MAX_SPAN + 1}"):
-        select_positions_cuda(too_long, lse[:1, :1], lengths[:1], indices[:1, :1], 0.1)
+    with pytest.raises(ValueError, match=r"threads=256 must be one of \(512, 1024\)"):
+        select_positions_cuda(logits, lse, lengths, indices, 0.1, threads=256)

@@ -366,6 +366,24 @@ def test_the_selection_is_exact_whatever_bits_the_bracket_searches(bits, radix_b
             assert (indices[r, h, count:] == -1).all()
 
 
+def test_the_selection_ties_negative_and_positive_zero_as_torch_does(rng):
+    """-0.0 and +0.0 compare equal in torch (the reference): among a run of zeros of both
+    signs at the threshold the earlier positions are taken, whatever their sign."""
+    from flashloop_backend.kernels.triton.threshold_select import SelectTuning, select_positions
+
+    logits = torch.full((1, 1, 32), -1.0)
+    logits[0, 0, 4:12] = torch.tensor([-0.0, 0.0] * 4)
+    logits[0, 0, 20] = 1.0
+    logits = logits.to(DEVICE)
+    lengths = torch.tensor([32], dtype=torch.int32, device=DEVICE)
+    lse = logits.logsumexp(-1)
+    indices = torch.empty(1, 1, 16, dtype=torch.int32, device=DEVICE)
+    small = SelectTuning(sample=16, candidates=16, block=16, compact_block=16, chunk_min=16)
+    select_positions(logits, lse, lengths, indices, 0.1, small)  # K = 4
+    assert indices[0, 0, :4].tolist() == [4, 5, 6, 20]
+    assert logits[0, 0, 4].item() == 0.0 and str(logits[0, 0, 4].item()) == "-0.0"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -15,7 +15,7 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
-from flashloop_backend.kernels.cuda.select_top_k import fits, select_positions_cuda
+from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_span,
@@ -43,9 +43,8 @@ class SourceTuning:
     heads and splits, ``warps`` per CTA, ``*_stages`` ring buffers per warp (each one
     group's half blocks at every level; the values pass's also its logits). The defaults
     were the fastest at 32K x 16 on the H200 (results/README.md). The selection between
-    the passes is the one-launch CUDA kernel (``select_top_k.py``) where the span fits it,
-    else (or with ``one_launch_selection`` off) the Triton launches; both select the same
-    keys."""
+    the passes is the one-launch CUDA kernel (``select_top_k.py``), or with
+    ``one_launch_selection`` off the Triton launches; both select the same keys."""
 
     keys_ctas_per_sm: int = 4
     keys_stages: int = 2
@@ -244,7 +243,7 @@ def packed_dense_source_cuda(
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables = (block_tables, context_lengths)
     source_keys(q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning)
-    if tuning.one_launch_selection and fits(logits):
+    if tuning.one_launch_selection:
         selection = select_positions_cuda(logits, lse, context_lengths, indices, key_retention)
     else:
         selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)

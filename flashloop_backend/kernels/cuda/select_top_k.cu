@@ -1,13 +1,17 @@
-// The loop-2 exact top-K selection in one launch: one CTA of 1024 threads per (row, head)
-// stages the row's order keys in shared memory, finds the K-th largest key exactly, and
-// writes the selected positions in position order with their probability mass (the
-// contract of select_positions in kernels/triton/threshold_select.py, one split).
-//
-// The first digit is a linear bin of (lse - logit): attention logits crowd a few
-// exponents, so a histogram over the keys' top bits makes most of a warp's atomics hit one
-// address; linear bins spread them. fl(lse - x) * 32 is monotone in x, so a lower bin
-// holds strictly larger logits and the K-th key lies in one bin. Three radix digits of the
-// order key (11, 11 and 10 bits) over that bin's keys then give the exact threshold.
+// The loop-2 exact top-K selection in one launch: one CTA per (row, head) finds the K-th
+// largest logit's order key exactly and writes the selected positions in position order
+// with their probability mass (the contract of select_positions in
+// kernels/triton/threshold_select.py, as one split), in three reads of the row:
+//   1. a histogram of linear bins of (lse - logit). Attention logits crowd a few
+//      exponents, so bins over the keys' top bits would send most of a warp's atomics to
+//      one address; linear bins spread them. fl(lse - x) * 32 is monotone in x, so a
+//      lower bin holds strictly larger logits and the K-th key lies in one bin;
+//   2. that bin's keys and positions into a shared candidate list, and per warp the keys
+//      in lower bins; three radix digits of the order key (11, 11, 10 bits) over the list
+//      give the threshold, and the list gives each warp's keys above it and ties at it;
+//   3. each warp writes its range's selected positions in order (ballots give the slots).
+// A bin fuller than the list takes the same digits over the row instead (slower, exact).
+// Warp w reads positions [w * per_warp, (w + 1) * per_warp), lanes consecutive.
 #include "common.cuh"
 
 #ifndef THREADS
@@ -16,6 +20,7 @@
 #define WARPS (THREADS / 32)
 #define BINS 2048
 #define BINS_PER_NAT 32.0f
+#define CANDIDATES 4096
 
 struct Params {
     const float* logits;  // [R, H, T] scaled natural logits, valid below the row's length
@@ -30,8 +35,9 @@ struct Params {
     int ratio_num, ratio_den, bucket;
 };
 
+// -0.0 keys as +0.0: torch (the reference) compares them equal
 __device__ __forceinline__ u32 order_key(float logit) {
-    const u32 raw = __float_as_uint(logit);
+    const u32 raw = __float_as_uint(logit == 0.0f ? 0.0f : logit);
     return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
 }
 __device__ __forceinline__ float key_logit(u32 key) {
@@ -111,11 +117,13 @@ __device__ __forceinline__ int warp_exclusive(int value, int lane) {
     return incl - value;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Params P) {
-    extern __shared__ u32 keys[];  // [T >= length]
+extern "C" __global__ void __launch_bounds__(THREADS) select_top_k(const Params P) {
     __shared__ int hist[BINS];
+    __shared__ u32 cand_key[CANDIDATES];
+    __shared__ int cand_pos[CANDIDATES];
     __shared__ int warp_sum[WARPS], warp_gt[WARPS], warp_ties[WARPS];
     __shared__ float warp_mass[WARPS];
+    __shared__ int cand_count;
     __shared__ Found found;
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -140,35 +148,65 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Para
     }
     const float* logits = P.logits + row * P.l_row + head * P.l_head;
     const float lse = P.lse[row * (long long)P.e_row + head];
+    const int per_warp = ((length + WARPS * 32 - 1) / (WARPS * 32)) * 32;
+    const int begin = warp * per_warp;
+    const int end = min(begin + per_warp, length);
 
-    // digit 1: linear bins of lse - logit, while the keys land in shared memory
+    // read 1: the linear bins
     for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
+    if (tid == 0) cand_count = 0;
     __syncthreads();
-#pragma unroll 8
-    for (int p = tid; p < length; p += THREADS) {
-        const u32 key = order_key(logits[p]);
-        keys[p] = key;
-        atomicAdd(&hist[linear_bin(key, lse)], 1);
-    }
+#pragma unroll 4
+    for (int p = begin + lane; p < end; p += 32)
+        atomicAdd(&hist[linear_bin(order_key(logits[p]), lse)], 1);
     __syncthreads();
     int rank = count - 1;  // of the K-th key among those still in the search
     const Found first = find_bin<false>(hist, rank, warp_sum, &found);
     const int bin = first.bin;
     rank -= first.before;
+    const bool listed = hist[bin] <= CANDIDATES;
 
-    // digits 2-4: the order key's bits 31-21, 20-10 and 9-0 over that bin's keys
+    // read 2: the bin's keys into the list, each warp's keys in lower bins
+    int gt = 0;
+#pragma unroll 4
+    for (int p = begin + lane; p < end; p += 32) {
+        const u32 key = order_key(logits[p]);
+        const int b = linear_bin(key, lse);
+        gt += b < bin;
+        if (b == bin && listed) {
+            const int slot = atomicAdd(&cand_count, 1);
+            cand_key[slot] = key;
+            cand_pos[slot] = p;
+        }
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) gt += __shfl_xor_sync(FULL_MASK, gt, d);
+    if (lane == 0) {
+        warp_gt[warp] = gt;
+        warp_ties[warp] = 0;
+    }
+    const int listed_count = listed ? hist[bin] : 0;
+
+    // the digits over the list (or over the row's keys in the bin)
     u32 prefix = 0, high = 0;
 #pragma unroll 1
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
         const u32 digit_mask = pass == 2 ? 0x3ffu : 0x7ffu;
+        __syncthreads();  // the last search's reads of hist are done
         for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
         __syncthreads();
-#pragma unroll 8
-        for (int p = tid; p < length; p += THREADS) {
-            const u32 key = keys[p];
-            if ((key & high) == prefix && linear_bin(key, lse) == bin)
-                atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+        if (listed) {
+            for (int c = tid; c < listed_count; c += THREADS) {
+                const u32 key = cand_key[c];
+                if ((key & high) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+            }
+        } else {
+            for (int p = begin + lane; p < end; p += 32) {
+                const u32 key = order_key(logits[p]);
+                if ((key & high) == prefix && linear_bin(key, lse) == bin)
+                    atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+            }
         }
         __syncthreads();
         const Found digit = find_bin<true>(hist, rank, warp_sum, &found);
@@ -179,26 +217,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Para
     const u32 threshold = prefix;
     const int remaining = rank + 1;  // ties at the threshold to take, earliest first
 
-    // counts per warp over a contiguous range of positions, then the ordered compaction
-    const int per_warp = ((length + WARPS * 32 - 1) / (WARPS * 32)) * 32;
-    const int begin = warp * per_warp;
-    const int end = min(begin + per_warp, length);
-    int gt = 0, ties = 0;
-    for (int p = begin + lane; p < end; p += 32) {
-        const u32 key = keys[p];
-        gt += key > threshold;
-        ties += key == threshold;
-    }
+    // each warp's keys of the bin above the threshold and at it
+    if (listed) {
+        for (int c = tid; c < listed_count; c += THREADS) {
+            const u32 key = cand_key[c];
+            const int w = cand_pos[c] / per_warp;
+            if (key > threshold) atomicAdd(&warp_gt[w], 1);
+            if (key == threshold) atomicAdd(&warp_ties[w], 1);
+        }
+    } else {
+        int above = 0, ties = 0;
+        for (int p = begin + lane; p < end; p += 32) {
+            const u32 key = order_key(logits[p]);
+            above += key > threshold && linear_bin(key, lse) == bin;
+            ties += key == threshold;
+        }
 #pragma unroll
-    for (int d = 16; d; d >>= 1) {
-        gt += __shfl_xor_sync(FULL_MASK, gt, d);
-        ties += __shfl_xor_sync(FULL_MASK, ties, d);
-    }
-    if (lane == 0) {
-        warp_gt[warp] = gt;
-        warp_ties[warp] = ties;
+        for (int d = 16; d; d >>= 1) {
+            above += __shfl_xor_sync(FULL_MASK, above, d);
+            ties += __shfl_xor_sync(FULL_MASK, ties, d);
+        }
+        if (lane == 0) {
+            warp_gt[warp] += above;
+            warp_ties[warp] = ties;
+        }
     }
     __syncthreads();
+
+    // read 3: each warp's selected positions in order at its offset
     const int lane_ties = lane < WARPS ? warp_ties[lane] : 0;
     const int ties_before_lane = warp_exclusive(lane_ties, lane);
     const int taken_ties = min(max(remaining - ties_before_lane, 0), lane_ties);
@@ -210,7 +256,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Para
     float mass = 0.0f;
     for (int base = begin; base < end; base += 32) {
         const int p = base + lane;
-        const u32 key = p < end ? keys[p] : 0;
+        const float logit = p < end ? logits[p] : 0.0f;
+        const u32 key = order_key(logit);
         const bool tie = p < end && key == threshold;
         const u32 tie_bits = __ballot_sync(FULL_MASK, tie);
         const int tie_rank = ties_seen + __popc(tie_bits & below);
@@ -218,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) select_top_k(const Para
         const u32 take_bits = __ballot_sync(FULL_MASK, take);
         if (take) {
             out[written + __popc(take_bits & below)] = p;
-            mass += expf(key_logit(key) - lse);
+            mass += expf(logit - lse);
             if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = p;
         }
         written += __popc(take_bits);

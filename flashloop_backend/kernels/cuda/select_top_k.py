@@ -1,8 +1,6 @@
 """Wrapper of the one-launch loop-2 top-K selection (``select_top_k.cu``): the
 ``select_positions`` contract (``kernels/triton/threshold_select.py``) as one CTA per
-(row, head) with the row's keys in shared memory, so it serves spans up to
-``MAX_SPAN`` positions; longer spans take the Triton selection, which has the same
-semantics."""
+(row, head) reading the row's logits three times."""
 
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.triton.threshold_select import Selection
 
-THREADS = 1024
-# the keys' shared memory beside the kernel's 8.7 KB of static shared memory, within the
-# 227 KB a Hopper or Ampere (sm_80) CTA may hold
-MAX_SPAN = 54 * 1024
+THREADS = (512, 1024)  # per CTA: the kernel's 32 registers let two CTAs of 1024 share an SM
 
 
 class _Params(ctypes.Structure):
@@ -34,22 +29,19 @@ class _Params(ctypes.Structure):
     ]
 
 
-def fits(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` [R, H, T] FP32 has a span this kernel holds."""
-    return logits.shape[-1] <= MAX_SPAN
-
-
 def select_positions_cuda(
     logits: torch.Tensor,
     lse: torch.Tensor,
     context_lengths: torch.Tensor,
     indices: torch.Tensor,
     key_retention: float,
+    threads: int = 1024,
 ) -> Selection:
-    """Top-K selection over ``logits`` [R, H, T] FP32 (T <= ``MAX_SPAN``; each row valid
+    """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid
     below its ``context_lengths`` [R] int32) with ``lse`` [R, H] FP32: writes ``indices``
     [R, H, Kb] int32 in position order (-1 past K = max(1, ceil(key_retention * T))) and
-    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass)."""
+    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``threads``
+    per CTA, one of ``THREADS``."""
     rows, heads, bucket = indices.shape
     span = logits.shape[-1]
     if logits.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -66,8 +58,8 @@ def select_positions_cuda(
         )
     if logits.stride(-1) != 1 or lse.stride(-1) != 1 or indices.stride(-1) != 1:
         raise ValueError("logits, lse and indices must have unit stride on their last axis")
-    if not fits(logits):
-        raise ValueError(f"select_positions_cuda holds spans up to {MAX_SPAN}; got {span}")
+    if threads not in THREADS:
+        raise ValueError(f"threads={threads} must be one of {THREADS}")
     device = logits.device
     int32 = {"dtype": torch.int32, "device": device}
     plan = torch.empty((rows, heads, 3), **int32)
@@ -84,7 +76,6 @@ def select_positions_cuda(
         *(indices.stride(0), indices.stride(1), part_mass.stride(0)),
         *(ratio_num, ratio_den, bucket),
     )
-    shared = 4 * span
-    kernel = loader.build_file("select_top_k", {"THREADS": THREADS}, 4 * MAX_SPAN)
-    kernel((heads, rows, 1), (THREADS, 1, 1), [params], shared)
+    kernel = loader.build_file("select_top_k", {"THREADS": threads})
+    kernel((heads, rows, 1), (threads, 1, 1), [params])
     return selection

@@ -8,7 +8,9 @@ from flashloop_backend.kernels.triton.specialization import BLOCK_TABLE_ROWS, SC
 
 @triton.jit
 def _order_key(logit):
-    """FP32 -> uint32 with the same order (larger logit, larger key)."""
+    """FP32 -> uint32 with the same order (larger logit, larger key); -0.0 is +0.0, as
+    torch compares them."""
+    logit = tl.where(logit == 0.0, 0.0, logit)
     bits = logit.to(tl.int32, bitcast=True)
     raw = logit.to(tl.uint32, bitcast=True)
     return tl.where(bits >= 0, raw | 0x80000000, raw ^ 0xFFFFFFFF)
