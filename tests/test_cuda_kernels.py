@@ -251,9 +251,9 @@ def _oracle_selection(logits, lengths, retention, bucket):
 @pytest.mark.gpu
 @pytest.mark.parametrize("span", [64, 8192, 40000])
 @pytest.mark.parametrize("logits_kind", ["continuous", "integers", "constant"])
-@pytest.mark.parametrize("threads", [512, 1024])
+@pytest.mark.parametrize("threads, batch", [(512, 4), (1024, 4), (1024, 8)])
 def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
-    span, logits_kind, threads
+    span, logits_kind, threads, batch
 ):
     """Rows of every length class (1, odd, full span), logits continuous, drawn from a few
     values (many ties at the threshold) or constant (every key in one bin: more than the
@@ -281,7 +281,7 @@ def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
     triton_indices = torch.full_like(want, 7)
     cuda_indices = torch.full_like(want, 7)
     expected = select_positions(logits, lse, lengths, triton_indices, retention)
-    got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention, threads)
+    got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention, threads, batch)
     assert torch.equal(triton_indices, want)
     assert torch.equal(cuda_indices, want)
     assert torch.equal(got.plan, expected.plan)
@@ -305,5 +305,5 @@ def test_the_one_launch_selection_takes_nothing_from_an_empty_row():
     assert torch.equal(selection.plan[0, :, 1:], torch.tensor([[0, -1]] * 4, device="cuda"))
     assert torch.equal(selection.part_mass[0], torch.zeros_like(selection.part_mass[0]))
     assert (indices[1, :, :26] >= 0).all() and (indices[1, :, 26:] == -1).all()
-    with pytest.raises(ValueError, match=r"threads=256 must be one of \(512, 1024\)"):
+    with pytest.raises(ValueError, match=r"threads=256 and batch=4 must be one of \(512, 1024\)"):
         select_positions_cuda(logits, lse, lengths, indices, 0.1, threads=256)

@@ -21,6 +21,12 @@
 #define BINS 2048
 #define BINS_PER_NAT 32.0f
 #define CANDIDATES 4096
+#ifndef BATCH
+#define BATCH 4  // tiles of 32 positions a warp loads before using any
+#endif
+#ifndef MIN_CTAS
+#define MIN_CTAS 1
+#endif
 
 struct Params {
     const float* logits;  // [R, H, T] scaled natural logits, valid below the row's length
@@ -46,6 +52,16 @@ __device__ __forceinline__ float key_logit(u32 key) {
 __device__ __forceinline__ int linear_bin(u32 key, float lse) {
     const float distance = __fmul_rn(__fsub_rn(lse, key_logit(key)), BINS_PER_NAT);
     return (int)fminf(fmaxf(distance, 0.0f), (float)(BINS - 1));
+}
+
+// a lane's BATCH logits at first, first + 32, ... below end, issued before any is used
+// (positions at or past end read as 0 and are masked by the caller)
+__device__ __forceinline__ void load_batch(float* batch, const float* logits, int first, int end) {
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+        const int p = first + 32 * j;
+        batch[j] = p < end ? logits[p] : 0.0f;
+    }
 }
 
 struct Found {
@@ -117,7 +133,7 @@ __device__ __forceinline__ int warp_exclusive(int value, int lane) {
     return incl - value;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) select_top_k(const Params P) {
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(const Params P) {
     __shared__ int hist[BINS];
     __shared__ u32 cand_key[CANDIDATES];
     __shared__ int cand_pos[CANDIDATES];
@@ -156,9 +172,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_top_k(const Params 
     for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
     if (tid == 0) cand_count = 0;
     __syncthreads();
-#pragma unroll 4
-    for (int p = begin + lane; p < end; p += 32)
-        atomicAdd(&hist[linear_bin(order_key(logits[p]), lse)], 1);
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j)
+            if (base + lane + 32 * j < end) atomicAdd(&hist[linear_bin(order_key(batch[j]), lse)], 1);
+    }
     __syncthreads();
     int rank = count - 1;  // of the K-th key among those still in the search
     const Found first = find_bin<false>(hist, rank, warp_sum, &found);
@@ -168,15 +188,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_top_k(const Params 
 
     // read 2: the bin's keys into the list, each warp's keys in lower bins
     int gt = 0;
-#pragma unroll 4
-    for (int p = begin + lane; p < end; p += 32) {
-        const u32 key = order_key(logits[p]);
-        const int b = linear_bin(key, lse);
-        gt += b < bin;
-        if (b == bin && listed) {
-            const int slot = atomicAdd(&cand_count, 1);
-            cand_key[slot] = key;
-            cand_pos[slot] = p;
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int p = base + lane + 32 * j;
+            const u32 key = order_key(batch[j]);
+            const int b = linear_bin(key, lse);
+            gt += p < end && b < bin;
+            if (p < end && b == bin && listed) {
+                const int slot = atomicAdd(&cand_count, 1);
+                cand_key[slot] = key;
+                cand_pos[slot] = p;
+            }
         }
     }
 #pragma unroll
@@ -254,22 +279,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) select_top_k(const Params 
     int ties_seen = __shfl_sync(FULL_MASK, ties_before_lane, warp);
     const u32 below = (1u << lane) - 1;
     float mass = 0.0f;
-    for (int base = begin; base < end; base += 32) {
-        const int p = base + lane;
-        const float logit = p < end ? logits[p] : 0.0f;
-        const u32 key = order_key(logit);
-        const bool tie = p < end && key == threshold;
-        const u32 tie_bits = __ballot_sync(FULL_MASK, tie);
-        const int tie_rank = ties_seen + __popc(tie_bits & below);
-        const bool take = (p < end && key > threshold) || (tie && tie_rank < remaining);
-        const u32 take_bits = __ballot_sync(FULL_MASK, take);
-        if (take) {
-            out[written + __popc(take_bits & below)] = p;
-            mass += expf(logit - lse);
-            if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = p;
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int p = base + lane + 32 * j;
+            const u32 key = order_key(batch[j]);
+            const bool tie = p < end && key == threshold;
+            const u32 tie_bits = __ballot_sync(FULL_MASK, tie);
+            const int tie_rank = ties_seen + __popc(tie_bits & below);
+            const bool take = (p < end && key > threshold) || (tie && tie_rank < remaining);
+            const u32 take_bits = __ballot_sync(FULL_MASK, take);
+            if (take) {
+                out[written + __popc(take_bits & below)] = p;
+                mass += expf(batch[j] - lse);
+                if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = p;
+            }
+            written += __popc(take_bits);
+            ties_seen += __popc(tie_bits);
         }
-        written += __popc(take_bits);
-        ties_seen += __popc(tie_bits);
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) mass += __shfl_xor_sync(FULL_MASK, mass, d);
