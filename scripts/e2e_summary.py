@@ -14,10 +14,11 @@ import sys
 from flashloop_backend.tools.bench.replay_bytes import record_bandwidth
 
 
-def summary(record: dict) -> list[str]:
+def summary(record: dict, gpu: str | None = None) -> list[str]:
+    """``record``'s lines, bandwidth fractions of ``gpu``'s HBM (None: the H200)."""
     lines = []
     results = record["results"]
-    bandwidth = record.get("replay_bandwidth_by_key") or record_bandwidth(record)
+    bandwidth = record_bandwidth(record, gpu)
     first = next(iter(results.values()))["tpot_ms"]["median"]
     for name, result in results.items():
         tpot = result["tpot_ms"]["median"]
@@ -47,5 +48,6 @@ if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as handle:
             record = json.load(handle)
+        gpu = record.get("environment", {}).get("gpu")
         for run in record.get("runs", [record]):  # the CLI's record holds one run a context
-            print("\n".join(summary(run)))
+            print("\n".join(summary(run, gpu)))

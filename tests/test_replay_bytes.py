@@ -93,3 +93,14 @@ def test_a_committed_record_gets_rates_below_the_hbm_peak():
     assert set(bandwidth) == {"triton+graphs", "flashloop+graphs"}
     rates = [e["fraction_of_hbm"] for keys in bandwidth.values() for e in keys.values()]
     assert len(rates) == 5 and all(0 < r < 1 for r in rates)
+
+
+def test_the_hbm_fraction_follows_the_gpu_a_record_ran_on():
+    from flashloop_backend.tools.bench.replay_bytes import achieved, hbm_tb_s
+
+    assert hbm_tb_s("NVIDIA H100 80GB HBM3") == 3.35
+    assert hbm_tb_s("NVIDIA H200") == hbm_tb_s(None) == 4.8
+    nbytes = {"total": 3.35e9}
+    assert achieved(nbytes, 1.0, "NVIDIA H100 80GB HBM3")["fraction_of_hbm"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"GPU 'NVIDIA A10'; known: \['H100', 'H200'\]"):
+        hbm_tb_s("NVIDIA A10")

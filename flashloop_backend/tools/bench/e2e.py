@@ -409,5 +409,6 @@ def bench_end_to_end(
         "results": results,
     }
     # per backend and graph key: the bytes a replay moves and the TB/s its median makes
-    record["replay_bandwidth_by_key"] = record_bandwidth(record)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    record["replay_bandwidth_by_key"] = record_bandwidth(record, gpu)
     return record

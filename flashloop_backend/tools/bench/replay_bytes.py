@@ -26,7 +26,18 @@ from dataclasses import dataclass
 
 from flashloop_backend.config import FlashLoopConfig
 
-H200_HBM_TB_S = 4.8
+# HBM bandwidth by GPU (TB/s, the datasheets'); records without a GPU name ran on the H200
+HBM_TB_S = {"H200": 4.8, "H100": 3.35}
+
+
+def hbm_tb_s(gpu: str | None) -> float:
+    """The HBM bandwidth of ``gpu`` (a ``torch.cuda.get_device_name``; None: the H200)."""
+    for name, rate in HBM_TB_S.items():
+        if gpu is None or name in gpu:
+            return rate
+    raise ValueError(f"no HBM bandwidth known for GPU {gpu!r}; known: {sorted(HBM_TB_S)}")
+
+
 CODE_ROW_BYTES = 64  # K or V codes of one token-head (128 channels, 4 bits)
 V_RECORD_BYTES = 8  # V scale and minimum per 64-channel group, FP16
 K_PARAM_BYTES = 512  # K scale and minimum per channel of one 64-token group, FP16
@@ -156,11 +167,13 @@ def replay_bytes(
     }
 
 
-def achieved(nbytes: dict[str, float], replay_ms: float) -> dict[str, float]:
+def achieved(
+    nbytes: dict[str, float], replay_ms: float, gpu: str | None = None
+) -> dict[str, float]:
     """``nbytes`` (:func:`replay_bytes`) over a replay's median time: TB/s of the whole
-    traversal and its fraction of the H200's HBM bandwidth."""
+    traversal and its fraction of ``gpu``'s HBM bandwidth (:func:`hbm_tb_s`)."""
     tb_s = nbytes["total"] / (replay_ms * 1e-3) / 1e12
-    return {"tb_s": tb_s, "fraction_of_hbm": tb_s / H200_HBM_TB_S}
+    return {"tb_s": tb_s, "fraction_of_hbm": tb_s / hbm_tb_s(gpu)}
 
 
 def record_shapes(record: dict) -> ModelShapes | None:
@@ -180,10 +193,13 @@ def record_shapes(record: dict) -> ModelShapes | None:
     return ModelShapes.of(ouro_1p4b_shapes(layers))
 
 
-def record_bandwidth(record: dict) -> dict[str, dict[str, dict[str, float]]]:
+def record_bandwidth(
+    record: dict, gpu: str | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
     """Per backend and graph key of a ``bench e2e`` run record: the bytes a replay moves
     (:func:`key_bytes`, at the mean context of its decode steps) and what its median
-    replay time makes of them (:func:`achieved`); empty where the shapes are unknown."""
+    replay time makes of them on ``gpu`` (:func:`achieved`); empty where the shapes are
+    unknown."""
     shapes = record_shapes(record)
     if shapes is None:
         return {}
@@ -195,6 +211,6 @@ def record_bandwidth(record: dict) -> dict[str, dict[str, dict[str, float]]]:
         config = FlashLoopConfig.model_validate(point) if point else shared
         for key, timing in (result.get("replay_ms_by_key") or {}).items():
             nbytes = key_bytes(key, context, shapes, config)
-            entry = {**nbytes, **achieved(nbytes, timing["median_ms"])}
+            entry = {**nbytes, **achieved(nbytes, timing["median_ms"], gpu)}
             out.setdefault(name, {})[key] = entry
     return out
