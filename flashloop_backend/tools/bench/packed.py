@@ -405,7 +405,7 @@ def sparse_ops_case(
             from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
             corrections.append(("_cuda", packed_sparse_correction_cuda))
-            sources = [("_cuda", packed_dense_source_cuda)]
+            sources = [("_cuda", packed_dense_source_cuda), _triton_selection_source()]
             if sweep:
                 sources += _source_variants(packed_dense_source_cuda)
             for suffix, source_fn in sources:
@@ -426,6 +426,20 @@ def sparse_ops_case(
                     selected_bytes(store, meta[depth], indices, depth + 1),
                 )
     return results
+
+
+def _triton_selection_source() -> tuple:
+    """(suffix, source) of the two-pass CUDA source with the Triton selection launches in
+    place of the one-launch kernel, timed beside it in every run."""
+    import functools
+
+    from flashloop_backend.kernels.cuda.packed_source import (
+        DEFAULT_SOURCE,
+        packed_dense_source_cuda,
+    )
+
+    tuning = replace(DEFAULT_SOURCE, one_launch_selection=False)
+    return "_cuda_triton_selection", functools.partial(packed_dense_source_cuda, tuning=tuning)
 
 
 def _source_variants(source) -> list:
