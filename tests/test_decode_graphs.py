@@ -141,6 +141,39 @@ def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
     assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
 
 
+@pytest.mark.parametrize(
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
+)  # fmt: skip
+def test_graphs_captured_on_padding_rows_at_warm_up_serve_every_later_step(flags, monkeypatch):
+    """``Engine.warm_up`` captures every graph key a decode step can meet, on padding rows
+    (``DecodeGraphs.prepare_every_key``): serving then captures nothing, and the replays
+    of those graphs, which read the real rows from the fixed buffers, give the eager
+    tokens."""
+    from flashloop_backend.kernels.torch_ref import packed as torch_packed
+
+    from .graph_recorder import RecordingCapture
+
+    monkeypatch.setattr(torch_packed, "_only_rows", _every_row)
+    model = tiny_model(seed=7)
+    config = _config(flags)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = _engine(model, config, max_batch_tokens=24).generate(PROMPTS, params)
+    settings = GraphSettings(buckets=(1, 2, 4), max_context=128)
+    engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=settings,
+                     graph_capture=RecordingCapture())  # fmt: skip
+    engine.warm_up()
+    captured = set(engine.graphs.graphs)
+    loops = model.config.total_ut_steps
+    deepest = engine.backend.graph_variants(frozenset({loops - 1}))
+    assert deepest == ((1, loops) if flags["kv_residual_quantization"] else (1,))
+    assert engine.graphs.prepare_every_key(engine.max_slots, loops) == 0  # all there
+    replays = engine.graphs.replays
+    graphed = engine.generate(PROMPTS, params)
+    assert set(engine.graphs.graphs) == captured
+    assert engine.graphs.replays > replays
+    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+
+
 def test_recorded_replays_catch_a_plan_made_outside_the_capture(monkeypatch):
     """The negative control: if the capture reused the warm-up's batch view (so the
     backend's per-view plan was made before capturing), replays keep the first step's

@@ -253,6 +253,11 @@ class AttentionBackend(ABC):
         """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
         return ("dense_attention",)
 
+    def graph_variants(self, depths: frozenset[int]) -> tuple[int, ...]:
+        """Every ``GraphStep.variant`` a decode step with rows at ``depths`` can plan (the
+        keys a warm-up captures ahead of serving)."""
+        return (1,)
+
     def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
         """Allocate fixed-address inputs for graphs of up to ``rows`` rows whose histories
         reach ``max_context`` positions."""

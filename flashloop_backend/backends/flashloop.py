@@ -516,6 +516,13 @@ class FlashLoopBackend(AttentionBackend):
         if self.packed is not None:
             self.packed.reserve_graph_inputs(rows, max_context, self.config.num_loops)
 
+    def graph_variants(self, depths: frozenset[int]) -> tuple[int, ...]:
+        if self.packed is None:
+            return (1,)
+        # the packed reader's levels: the deepest row whose sequence has packed pages, + 1
+        # (1 when none has: a prompt shorter than one group packs nothing)
+        return tuple(sorted({1, *(depth + 1 for depth in depths)}))
+
     def plan_graph_step(self, request_ids: list[int | None], depths: list[int]) -> GraphStep:
         if self.packed is None:
             return GraphStep()

@@ -634,8 +634,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         (default: every graph bucket up to ``max_slots``, else 1, 2 and 3), that many
         requests at once, prompts alternately short (under one 64-row group) and long
         (two groups and part of a third, a compact level where token-sparse prefill keeps
-        one), each generating 3 tokens through every loop. Needs an idle engine; returns
-        the seconds it took."""
+        one), each generating 3 tokens through every loop; then, with graphs, every graph
+        key a decode step of up to ``max_slots`` requests can meet (``DecodeGraphs.
+        prepare_every_key``). Needs an idle engine; returns the seconds it took."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are still running")
         if sizes is None:
@@ -649,6 +650,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 [(13 * i + 5 * t) % vocab for t in range(lengths[i % 2])] for i in range(size)
             ]
             self.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        if self.graphs is not None:
+            rows = self.max_slots * self.graphs.verify_rows
+            self.graphs.prepare_every_key(rows, self.cfg.total_ut_steps)
         return time.perf_counter() - started
 
     def generate(

@@ -29,6 +29,7 @@ replay on the GPU (the tests' reference), and the planning path on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -255,13 +256,54 @@ class DecodeGraphs:
                 return out[:rows].clone()  # the pool is shared: the next replay reuses it
             out = traverse()  # this step's result; compiles every kernel before the capture
             self.eager_steps += 1
-            before = self.capture.reserved()
-            graph = self.capture.new_graph()
-            with self.capture.capturing(graph):
-                static = traverse()
-            self.graph_bytes += self.capture.reserved() - before
-            self.graphs[key] = (graph, static)
+            self._capture(key, traverse)
             return out[:rows]
+
+    def _capture(self, key: tuple, traverse: Callable[[], torch.Tensor]) -> None:
+        before = self.capture.reserved()
+        graph = self.capture.new_graph()
+        with self.capture.capturing(graph):
+            static = traverse()
+        self.graph_bytes += self.capture.reserved() - before
+        self.graphs[key] = (graph, static)
+
+    def prepare(self, bucket: int, depths: frozenset[int], variant: int) -> bool:
+        """Capture the graph of key (``bucket``, ``variant``, the ops of rows at ``depths``)
+        on padding rows, unless it exists: a replay reads whatever rows the fixed buffers
+        hold then, so serving that key later captures and compiles nothing. Returns
+        whether it captured."""
+        key = (bucket, variant, self.backend.decode_ops(depths))
+        if not self.settings.capture or key in self.graphs:
+            return False
+        self._fill([], self.hidden[:0], bucket)
+        planned = self.backend.plan_graph_step([None] * bucket, [0] * bucket)
+        step = dataclasses.replace(planned, variant=variant)
+
+        def traverse() -> torch.Tensor:
+            view = self._view(bucket, depths)
+            self.backend.bind_graph_step(view, step)
+            return self.traverse(self.hidden[:bucket], Batch(view, self.kv_slots[:bucket], (), 0))
+
+        with torch.no_grad():
+            traverse()  # compiles every kernel before the capture
+            self._capture(key, traverse)
+        return True
+
+    def prepare_every_key(self, max_rows: int, loops: int) -> int:
+        """:meth:`prepare` every key a decode step of up to ``max_rows`` rows at depths
+        below ``loops`` can meet: each bucket that holds such a step (the smallest at or
+        above ``max_rows`` included), each set of depths with no more depths than the
+        bucket has rows, each variant the backend can plan for them. Returns how many
+        graphs it captured."""
+        captured = 0
+        for bucket in self.settings.buckets:
+            for size in range(1, min(bucket, loops) + 1):
+                for depths in map(frozenset, itertools.combinations(range(loops), size)):
+                    for variant in self.backend.graph_variants(depths):
+                        captured += self.prepare(bucket, depths, variant)
+            if bucket >= max_rows:
+                break
+        return captured
 
     def time_replays(self) -> None:
         """From now on, time every replay on the device (no host sync per step)."""
