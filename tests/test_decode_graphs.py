@@ -117,12 +117,9 @@ def _every_row(needed, fn, q, meta, block_tables, *per_row):
     return tuple(keep(t) for t in result) if isinstance(result, tuple) else keep(result)
 
 
-@pytest.mark.parametrize(
-    "flags", COMBINATIONS, ids=COMBINATION_IDS
-)  # fmt: skip
-def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
-    """Capture and replay with the CPU recorder: replays run no Python, so everything the
-    traversal needs must be read from the fixed buffers; the tokens equal eager's."""
+def _recorded(flags, monkeypatch):
+    """(plain engine's tokens of PROMPTS, an engine capturing with the CPU recorder, the
+    sampling parameters) for a feature combination."""
     from flashloop_backend.kernels.torch_ref import packed as torch_packed
 
     from .graph_recorder import RecordingCapture
@@ -135,10 +132,20 @@ def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
     settings = GraphSettings(buckets=(1, 2, 4), max_context=128)
     engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=settings,
                      graph_capture=RecordingCapture())  # fmt: skip
+    return [r.output_token_ids for r in plain], engine, params
+
+
+@pytest.mark.parametrize(
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
+)  # fmt: skip
+def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
+    """Capture and replay with the CPU recorder: replays run no Python, so everything the
+    traversal needs must be read from the fixed buffers; the tokens equal eager's."""
+    plain, engine, params = _recorded(flags, monkeypatch)
     graphed = engine.generate(PROMPTS, params)
     stats = engine.graphs.stats()
     assert stats["replays"] > 0 and len(stats["graphs"]) >= 2, stats
-    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+    assert [r.output_token_ids for r in graphed] == plain
 
 
 @pytest.mark.parametrize(
@@ -149,21 +156,10 @@ def test_graphs_captured_on_padding_rows_at_warm_up_serve_every_later_step(flags
     (``DecodeGraphs.prepare_every_key``): serving then captures nothing, and the replays
     of those graphs, which read the real rows from the fixed buffers, give the eager
     tokens."""
-    from flashloop_backend.kernels.torch_ref import packed as torch_packed
-
-    from .graph_recorder import RecordingCapture
-
-    monkeypatch.setattr(torch_packed, "_only_rows", _every_row)
-    model = tiny_model(seed=7)
-    config = _config(flags)
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    plain = _engine(model, config, max_batch_tokens=24).generate(PROMPTS, params)
-    settings = GraphSettings(buckets=(1, 2, 4), max_context=128)
-    engine = _engine(model, config, max_batch_tokens=24, cuda_graphs=settings,
-                     graph_capture=RecordingCapture())  # fmt: skip
+    plain, engine, params = _recorded(flags, monkeypatch)
     engine.warm_up()
     captured = set(engine.graphs.graphs)
-    loops = model.config.total_ut_steps
+    loops = engine.cfg.total_ut_steps
     deepest = engine.backend.graph_variants(frozenset({loops - 1}))
     assert deepest == ((1, loops) if flags["kv_residual_quantization"] else (1,))
     assert engine.graphs.prepare_every_key(engine.max_slots, loops) == 0  # all there
@@ -171,7 +167,7 @@ def test_graphs_captured_on_padding_rows_at_warm_up_serve_every_later_step(flags
     graphed = engine.generate(PROMPTS, params)
     assert set(engine.graphs.graphs) == captured
     assert engine.graphs.replays > replays
-    assert [r.output_token_ids for r in graphed] == [r.output_token_ids for r in plain]
+    assert [r.output_token_ids for r in graphed] == plain
 
 
 def test_recorded_replays_catch_a_plan_made_outside_the_capture(monkeypatch):
