@@ -9,7 +9,8 @@
 #            8K x 1 and 32K x 1 (24 layers) and 32K x 16 (4 layers, 64 new tokens); KV
 #            quantization alone at 32K x 16 (SHAPES picks a subset: "8k 32k1 32k16 kv")
 #   tests    graph replay, the host on the GPU, snapshots and speculation for every
-#            feature combination (the combination GPU tests)
+#            feature combination (the combination GPU tests), and no Triton load, CUDA
+#            build or graph capture after the engine's warm-up (tests/test_gpu_compiles.py)
 #   selection  the loop-2 selection alone per radix digit width and candidate-list size
 #            (scripts/bench_selection.py) at 8K x 1, 32K x 1 and 32K x 16
 #   convert  a prompt's conversion to packed INT4 (the Triton level writer) at 8K and
@@ -56,7 +57,7 @@ json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
   tests)
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-15}" \
       tests/test_gpu_graphs.py tests/test_gpu_dense.py tests/test_gpu_snapshot.py \
-      tests/test_gpu_speculation.py tests/test_sparse_decode.py 2>&1 \
+      tests/test_gpu_speculation.py tests/test_sparse_decode.py tests/test_gpu_compiles.py 2>&1 \
       | tee "$OUT/gpu_tests_combinations_v3.log" | tail -6 ;;
   selection)
     run python3 scripts/bench_selection.py --widths "${WIDTHS:-4,8}" \
