@@ -203,3 +203,10 @@ __device__ __forceinline__ void store_warp_partial(float* out, const float* owne
                 for (int h = 0; h < 2; ++h) out[owned_channel(quad, m, p, h)] += owned[8 * m + 2 * p + h];
     }
 }
+
+// FP32 -> u32 in the same order (select_jit._order_key): -0.0 keys as +0.0, since torch
+// (the reference) compares them equal
+__device__ __forceinline__ u32 order_key(float logit) {
+    const u32 raw = __float_as_uint(logit == 0.0f ? 0.0f : logit);
+    return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
+}

@@ -288,10 +288,9 @@ packed_source_keys(const KeyParams P) {
 
 #if PASS == 2
 // the selection's rule on a logit: above the threshold key, or at it and not after the last
-// tie the compaction took (order keys as select_jit._order_key)
+// tie the compaction took
 __device__ __forceinline__ bool taken(float logit, int pos, u32 threshold, int last_tie) {
-    const u32 bits = __float_as_uint(logit == 0.0f ? 0.0f : logit);  // -0.0 as +0.0
-    const u32 key = (int)bits >= 0 ? bits | 0x80000000u : ~bits;
+    const u32 key = order_key(logit);
     return key > threshold || (key == threshold && pos <= last_tie);
 }
 

@@ -41,11 +41,6 @@ struct Params {
     int ratio_num, ratio_den, bucket;
 };
 
-// -0.0 keys as +0.0: torch (the reference) compares them equal
-__device__ __forceinline__ u32 order_key(float logit) {
-    const u32 raw = __float_as_uint(logit == 0.0f ? 0.0f : logit);
-    return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
-}
 __device__ __forceinline__ float key_logit(u32 key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
@@ -62,6 +57,18 @@ __device__ __forceinline__ void load_batch(float* batch, const float* logits, in
         const int p = first + 32 * j;
         batch[j] = p < end ? logits[p] : 0.0f;
     }
+}
+
+__device__ __forceinline__ int warp_inclusive(int value, int lane) {
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(FULL_MASK, value, d);
+        if (lane >= d) value += up;
+    }
+    return value;
+}
+__device__ __forceinline__ int warp_exclusive(int value, int lane) {
+    return warp_inclusive(value, lane) - value;
 }
 
 struct Found {
@@ -88,23 +95,13 @@ __device__ Found find_bin(const int* hist, int rank, int* warp_sum, Found* found
     if (lane == 0) warp_sum[warp] = total;
     __syncthreads();
     // each warp finds the slice alone (no second barrier needed for the search itself)
-    int slice = lane < WARPS ? warp_sum[lane] : 0;
-    int incl = slice;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int up = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += up;
-    }
+    const int slice = lane < WARPS ? warp_sum[lane] : 0;
+    const int incl = warp_inclusive(slice, lane);
     const u32 hit = __ballot_sync(FULL_MASK, incl > rank);
     const int owner = hit ? __ffs(hit) - 1 : WARPS - 1;
     const int slice_before = __shfl_sync(FULL_MASK, incl - slice, owner);
     if (warp == owner) {
-        int lane_incl = mine;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int up = __shfl_up_sync(FULL_MASK, lane_incl, d);
-            if (lane >= d) lane_incl += up;
-        }
+        const int lane_incl = warp_inclusive(mine, lane);
         const u32 lane_hit = __ballot_sync(FULL_MASK, slice_before + lane_incl > rank);
         const int at = lane_hit ? __ffs(lane_hit) - 1 : 31;
         if (lane == at) {
@@ -123,15 +120,6 @@ __device__ Found find_bin(const int* hist, int rank, int* warp_sum, Found* found
     return *found;
 }
 
-__device__ __forceinline__ int warp_exclusive(int value, int lane) {
-    int incl = value;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int up = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += up;
-    }
-    return incl - value;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(const Params P) {
     __shared__ int hist[BINS];
