@@ -226,18 +226,10 @@ class DecodeGraphs:
         self._fill(groups, hidden, bucket)
         self.fill_seconds += time.perf_counter() - started
 
-        def traverse() -> torch.Tensor:
-            # A new view object each time: the backend plans once per view (gather order,
-            # routes, packed metadata), so the capture must see one no eager run planned,
-            # or the graph would replay the warm-up's plan instead of computing it.
-            view = self._view(bucket, depths)
-            self.backend.bind_graph_step(view, step)
-            batch = Batch(view, self.kv_slots[:bucket], tuple(groups), rows)
-            return self.traverse(self.hidden[:bucket], batch)
-
         # the depths present decide which ops the traversal launches (and so captures)
-        depths = frozenset(g.depth for g in groups)
-        key = (bucket, step.variant, self.backend.decode_ops(depths))
+        present = frozenset(g.depth for g in groups)
+        traverse = self._traversal(bucket, present, step, tuple(groups), rows)
+        key = (bucket, step.variant, self.backend.decode_ops(present))
         with torch.no_grad():
             if not self.settings.capture:
                 self.eager_steps += 1
@@ -259,6 +251,27 @@ class DecodeGraphs:
             self._capture(key, traverse)
             return out[:rows]
 
+    def _traversal(
+        self,
+        bucket: int,
+        depths: frozenset[int],
+        step: GraphStep,
+        groups: tuple[RowGroup, ...],
+        rows: int,
+    ) -> Callable[[], torch.Tensor]:
+        """The traversal of ``bucket`` rows from the fixed buffers, ``rows`` of them real."""
+
+        def traverse() -> torch.Tensor:
+            # A new view object each time: the backend plans once per view (gather order,
+            # routes, packed metadata), so the capture must see one no eager run planned,
+            # or the graph would replay the warm-up's plan instead of computing it.
+            view = self._view(bucket, depths)
+            self.backend.bind_graph_step(view, step)
+            batch = Batch(view, self.kv_slots[:bucket], groups, rows)
+            return self.traverse(self.hidden[:bucket], batch)
+
+        return traverse
+
     def _capture(self, key: tuple, traverse: Callable[[], torch.Tensor]) -> None:
         before = self.capture.reserved()
         graph = self.capture.new_graph()
@@ -278,12 +291,7 @@ class DecodeGraphs:
         self._fill([], self.hidden[:0], bucket)
         planned = self.backend.plan_graph_step([None] * bucket, [0] * bucket)
         step = dataclasses.replace(planned, variant=variant)
-
-        def traverse() -> torch.Tensor:
-            view = self._view(bucket, depths)
-            self.backend.bind_graph_step(view, step)
-            return self.traverse(self.hidden[:bucket], Batch(view, self.kv_slots[:bucket], (), 0))
-
+        traverse = self._traversal(bucket, depths, step, (), 0)
         with torch.no_grad():
             traverse()  # compiles every kernel before the capture
             self._capture(key, traverse)

@@ -32,8 +32,10 @@ HBM_TB_S = {"H200": 4.8, "H100": 3.35}
 
 def hbm_tb_s(gpu: str | None) -> float:
     """The HBM bandwidth of ``gpu`` (a ``torch.cuda.get_device_name``; None: the H200)."""
+    if gpu is None:
+        return HBM_TB_S["H200"]
     for name, rate in HBM_TB_S.items():
-        if gpu is None or name in gpu:
+        if name in gpu:
             return rate
     raise ValueError(f"no HBM bandwidth known for GPU {gpu!r}; known: {sorted(HBM_TB_S)}")
 
