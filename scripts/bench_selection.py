@@ -35,9 +35,9 @@ def _case(context: int, rows: int, tunings: dict, gen: torch.Generator) -> dict:
         selections = []
 
         def select(tuning=tuning, indices=indices, selections=selections):
-            if isinstance(tuning, tuple):  # the CUDA kernel's threads per CTA and batch
+            if isinstance(tuning, int):  # the CUDA kernel's tiles in flight per warp
                 selections.append(
-                    select_positions_cuda(logits, lse, lengths, indices, RETENTION, *tuning)
+                    select_positions_cuda(logits, lse, lengths, indices, RETENTION, tuning)
                 )
             else:
                 selections.append(
@@ -72,8 +72,8 @@ def main() -> int:
     }
     for size in (int(c) for c in args.candidates.split(",") if c):
         tunings[f"candidates={size}"] = dataclasses.replace(DEFAULT_SELECT, candidates=size)
-    for threads, batch in ((1024, 4), (1024, 8), (512, 4), (512, 8)):
-        tunings[f"cuda one launch, {threads} threads, batch {batch}"] = (threads, batch)
+    for batch in (4, 8):
+        tunings[f"cuda one launch, batch {batch}"] = batch
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     records = [_case(context, rows, tunings, gen) for context, rows in shapes]
     if args.json:

@@ -12,9 +12,9 @@ from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.triton.threshold_select import Selection
 
-THREADS = (512, 1024)  # per CTA
+THREADS = 1024  # per CTA
 # tiles of 32 positions a warp loads before using any: 4 fits the 32 registers a thread
-# has when an SM holds 2048 threads; 8 takes more registers and one CTA per SM
+# has when an SM holds two CTAs; 8 takes more registers and one CTA per SM
 BATCH = (4, 8)
 
 
@@ -38,14 +38,13 @@ def select_positions_cuda(
     context_lengths: torch.Tensor,
     indices: torch.Tensor,
     key_retention: float,
-    threads: int = 1024,
     batch: int = 4,
 ) -> Selection:
     """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid
     below its ``context_lengths`` [R] int32) with ``lse`` [R, H] FP32: writes ``indices``
     [R, H, Kb] int32 in position order (-1 past K = max(1, ceil(key_retention * T))) and
-    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``threads``
-    per CTA and ``batch`` tiles in flight per warp, one of ``THREADS`` and ``BATCH``."""
+    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``batch``
+    tiles in flight per warp, one of ``BATCH``."""
     rows, heads, bucket = indices.shape
     span = logits.shape[-1]
     if logits.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -62,10 +61,8 @@ def select_positions_cuda(
         )
     if logits.stride(-1) != 1 or lse.stride(-1) != 1 or indices.stride(-1) != 1:
         raise ValueError("logits, lse and indices must have unit stride on their last axis")
-    if threads not in THREADS or batch not in BATCH:
-        raise ValueError(
-            f"threads={threads} and batch={batch} must be one of {THREADS} and {BATCH}"
-        )
+    if batch not in BATCH:
+        raise ValueError(f"batch={batch} must be one of {BATCH}")
     device = logits.device
     int32 = {"dtype": torch.int32, "device": device}
     plan = torch.empty((rows, heads, 3), **int32)
@@ -82,8 +79,7 @@ def select_positions_cuda(
         *(indices.stride(0), indices.stride(1), part_mass.stride(0)),
         *(ratio_num, ratio_den, bucket),
     )
-    min_ctas = 2048 // threads if batch == 4 else 1
-    defines = {"THREADS": threads, "BATCH": batch, "MIN_CTAS": min_ctas}
+    defines = {"THREADS": THREADS, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
     kernel = loader.build_file("select_top_k", defines)
-    kernel((heads, rows, 1), (threads, 1, 1), [params])
+    kernel((heads, rows, 1), (THREADS, 1, 1), [params])
     return selection
