@@ -210,3 +210,68 @@ __device__ __forceinline__ u32 order_key(float logit) {
     const u32 raw = __float_as_uint(logit == 0.0f ? 0.0f : logit);
     return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
 }
+
+// ---- split partials merged by the last CTA of their (row, head): no merge launch
+// (the grid-sync pattern: every thread's writes fenced, one arrival counted per CTA)
+struct SplitMerge {
+    int* counters;         // [R, Hq] arrivals, 0 between launches; nullptr: no merge here
+    u16* out;              // [R, Hq, D] bf16
+    const float* ref;      // the correction's O_ref [R, Hq, D] FP32; nullptr: plain merge
+    const float* contrib;  // C_ref [R, Hq, D] FP32
+    const float* mass;     // m [R, Hq] FP32
+    int out_row, out_head, ref_row, ref_head, contrib_row, contrib_head, mass_row;
+    int splits;            // CTAs of one (row, head)
+};
+
+__device__ __forceinline__ float ldcg(const float* p) {  // from L2: written by other SMs
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u16 float_to_bf16(float v) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+    return h;
+}
+
+// Whether this CTA, its partial written, is the last of its (row, head) to arrive; the
+// last one resets the counter for the next launch (graph replays reuse it).
+__device__ __forceinline__ bool last_split(int* counter, int splits) {
+    __shared__ int is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(counter, 1) == splits - 1;
+        if (is_last) {
+            atomicExch(counter, 0);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return is_last;
+}
+
+// The merge of split partials (``merge_splits``' arithmetic): part_out [S, D] at split
+// stride o_split, part_max (natural log) and part_sum [S]; rows with no key give 0, a
+// correction ref - contrib + mass * merged.
+template <int D, int THREADS>
+__device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 row, int head, const float* part_out,
+                                     i64 o_split, const float* part_max, const float* part_sum) {
+    float top = NEG_INF;
+    for (int s = 0; s < M.splits; ++s) top = fmaxf(top, ldcg(part_max + s));
+    const float safe = top == NEG_INF ? 0.f : top;
+    float denom = 0.f;
+    for (int s = 0; s < M.splits; ++s) denom += ldcg(part_sum + s) * expf(ldcg(part_max + s) - safe);
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+        float numer = 0.f;
+        for (int s = 0; s < M.splits; ++s)
+            numer += ldcg(part_out + s * o_split + d) * expf(ldcg(part_max + s) - safe);
+        float v = denom > 0.f ? numer / denom : 0.f;
+        if (M.ref != nullptr)
+            v = M.ref[row * M.ref_row + (i64)head * M.ref_head + d] -
+                M.contrib[row * M.contrib_row + (i64)head * M.contrib_head + d] +
+                M.mass[row * M.mass_row + head] * v;
+        M.out[row * M.out_row + (i64)head * M.out_head + d] = float_to_bf16(v);
+    }
+}

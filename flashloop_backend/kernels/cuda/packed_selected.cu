@@ -57,6 +57,7 @@ struct Params {
     int k_block, k_slot, k_head, v_block, v_slot, v_head, bt_row;
     int o_row, o_head, o_split, s_row, s_head;
     int keys_per_split, bucket, group_q, block_size;
+    SplitMerge merge;             // the last CTA's merge (counters nullptr: none)
 };
 
 __device__ __forceinline__ uint4 ldg128(const unsigned char* p) {
@@ -72,6 +73,17 @@ __device__ __forceinline__ void codes8(u32 w, float c[8]) {
         c[2 * i] = half_lo(p[i]) * (i >= 2 ? 1.f / 16.f : 1.f);
         c[2 * i + 1] = half_hi(p[i]) * (i >= 2 ? 1.f / 16.f : 1.f);
     }
+}
+
+// the split merge, in the (row, head)'s last CTA to write its partial
+__device__ __forceinline__ void merge_if_last(const Params& P, i64 row, int head) {
+    if (P.merge.counters == nullptr ||
+        !last_split(P.merge.counters + row * gridDim.y + head, P.merge.splits))
+        return;
+    const i64 at = row * P.s_row + (i64)head * P.s_head;
+    merge_split_partials<D, WARPS * 32>(P.merge, row, head,
+                                     P.part_out + row * P.o_row + (i64)head * P.o_head,
+                                     P.o_split, P.part_max + at, P.part_sum + at);
 }
 
 #if MIN_CTAS > 0  // registers capped so that MIN_CTAS CTAs fit on an SM
@@ -362,4 +374,5 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
+    merge_if_last(P, row, head);
 }

@@ -12,6 +12,7 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
+from flashloop_backend.kernels.cuda.split_merge import NO_MERGE, SplitMergeFields, split_merge
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
 from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
@@ -25,11 +26,14 @@ WARPS = 4
 class SelectedTuning:
     """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
     over the (row, head) pairs, at least ``keys_per_split`` keys a split, registers capped
-    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap)."""
+    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap); ``merge_in_kernel``:
+    the correction's last CTA of each (row, head) merges the splits (False: the Triton merge
+    launch after it)."""
 
     ctas_per_sm: int = 4
     keys_per_split: int = 64
     resident_ctas: int = 4
+    merge_in_kernel: bool = True
 
 
 DEFAULT_SELECTED = SelectedTuning()
@@ -56,6 +60,7 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
+        ("merge", SplitMergeFields),
     ]
 
 
@@ -70,9 +75,12 @@ def packed_selected_parts_cuda(
     indices: torch.Tensor,
     scale: float,
     tuning: SelectedTuning = DEFAULT_SELECTED,
+    merge: tuple[torch.Tensor, tuple[torch.Tensor, ...] | None] | None = None,
 ):
     """``packed_selected_parts``' contract (split partials over the selected positions
-    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel."""
+    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel; with ``merge``
+    = (out [R, Hq, D] bf16, correction as ``split_merge`` takes it) the kernel's last CTA
+    of each (row, head) also writes the merged result into out (rows > 0, Kb > 0 only)."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     reason = unsupported(q, store, key_cache)
@@ -137,6 +145,7 @@ def packed_selected_parts_cuda(
         bucket,
         num_q_heads // num_kv_heads,
         block_size,
+        NO_MERGE if merge is None else split_merge(merge[0], splits, merge[1]),
     )
     defines = {
         "HEAD_DIM": head_dim,
@@ -169,6 +178,13 @@ def packed_sparse_correction_cuda(
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S over the selected keys
     ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    correction = (
+        output.float().contiguous(),
+        contribution.float().contiguous(),
+        mass.float().contiguous(),
+    )
+    out = torch.empty_like(q)
+    fused = tuning.merge_in_kernel and q.shape[0] > 0 and indices.shape[-1] > 0
     parts = packed_selected_parts_cuda(
         q,
         store,
@@ -180,6 +196,6 @@ def packed_sparse_correction_cuda(
         indices.to(torch.int32),
         scale,
         tuning=tuning,
+        merge=(out, correction) if fused else None,
     )
-    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
-    return merge_splits(*parts, torch.empty_like(q), correction=correction)
+    return out if fused else merge_splits(*parts, out, correction=correction)

@@ -66,6 +66,19 @@ struct KeyParams {
     int groups_per_split, group_q, block_size;
 };
 
+// The finish of the values pass, in the last CTA of each (row, head): the splits'
+// partials summed (they are already scaled by the row's LSE) and the selection's mass
+struct SourceFinish {
+    int* counters;                // [R, Hq] arrivals, 0 between launches; nullptr: none
+    const float* part_mass;       // [R, Hq, Sm] the selection's, contiguous
+    float* output;                // [R, Hq, D] FP32 dense output
+    u16* out;                     // [R, Hq, D] bf16
+    float* mass;                  // [R, Hq]
+    float* contribution;          // [R, Hq, D] FP32
+    int output_row, output_head, out_row, out_head, mass_row, contrib_row, contrib_head;
+    int mass_splits, value_splits;
+};
+
 struct ValueParams {
     const unsigned char* blocks;
     i64 page_bytes;
@@ -85,6 +98,7 @@ struct ValueParams {
     int g_row, g_head, e_row;
     int o_row, o_head, o_split;
     int groups_per_split, group_q, block_size;
+    SourceFinish finish;          // the last CTA's finish (counters nullptr: none)
 };
 
 // copies one half of a block (codes at ``codes``, parameters at ``params``) into ``dst``
@@ -528,6 +542,26 @@ packed_source_values(const ValueParams P) {
             P.part_out[at + d] = v;
         else
             P.part_contrib[at + d - D] = v;
+    }
+    const SourceFinish& F = P.finish;
+    if (F.counters == nullptr || !last_split(F.counters + row * gridDim.y + head, F.value_splits))
+        return;
+    const i64 pair = row * gridDim.y + head;
+    const i64 first_part = row * P.o_row + (i64)head * P.o_head;
+    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+        float dense = 0.f, contrib = 0.f;
+        for (int s = 0; s < F.value_splits; ++s) {
+            dense += ldcg(P.part_out + first_part + (i64)s * P.o_split + d);
+            contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
+        }
+        F.output[row * F.output_row + (i64)head * F.output_head + d] = dense;
+        F.out[row * F.out_row + (i64)head * F.out_head + d] = float_to_bf16(dense);
+        F.contribution[row * F.contrib_row + (i64)head * F.contrib_head + d] = contrib;
+    }
+    if (threadIdx.x == 0) {
+        float mass = 0.f;
+        for (int s = 0; s < F.mass_splits; ++s) mass += F.part_mass[pair * F.mass_splits + s];
+        F.mass[row * F.mass_row + head] = mass;
     }
 }
 #endif

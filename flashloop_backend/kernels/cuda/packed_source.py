@@ -16,6 +16,7 @@ import torch
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
+from flashloop_backend.kernels.cuda.split_merge import arrival_counters
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_span,
@@ -44,7 +45,9 @@ class SourceTuning:
     group's half blocks at every level; the values pass's also its logits). The defaults
     were the fastest at 32K x 16 on the H200 (results/README.md). The selection between
     the passes is the one-launch CUDA kernel (``select_top_k.py``), or with
-    ``one_launch_selection`` off the Triton launches; both select the same keys."""
+    ``one_launch_selection`` off the Triton launches; both select the same keys. With
+    ``finish_in_kernel`` the values pass's last CTA of each (row, head) sums its splits
+    (off: the Triton finish launch after it)."""
 
     keys_ctas_per_sm: int = 4
     keys_stages: int = 2
@@ -52,6 +55,7 @@ class SourceTuning:
     values_stages: int = 2
     warps: int = 4
     one_launch_selection: bool = True
+    finish_in_kernel: bool = True
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -80,14 +84,60 @@ class _KeyParams(ctypes.Structure):
     )
 
 
+class _SourceFinish(ctypes.Structure):
+    # the C layout of SourceFinish in packed_source.cu (counters nullptr: no finish)
+    _fields_ = [
+        *(
+            (name, ctypes.c_void_p)
+            for name in ("counters", "part_mass", "output", "out", "mass", "contribution")
+        ),
+        *(
+            (name, ctypes.c_int)
+            for name in (
+                "output_row",
+                "output_head",
+                "out_row",
+                "out_head",
+                "mass_row",
+                "contrib_row",
+                "contrib_head",
+                "mass_splits",
+                "value_splits",
+            )
+        ),
+    ]
+
+
 class _ValueParams(ctypes.Structure):
     # the C layout of ValueParams in packed_source.cu
-    _fields_ = _layout(
-        "blocks tables kinds packed v_cache block_tables lengths logits lse plan "
-        "part_out part_contrib",
-        "t_row t_level kind_row v_block v_slot v_head bt_row g_row g_head e_row "
-        "o_row o_head o_split groups_per_split group_q block_size",
-        scale=False,
+    _fields_ = [
+        *_layout(
+            "blocks tables kinds packed v_cache block_tables lengths logits lse plan "
+            "part_out part_contrib",
+            "t_row t_level kind_row v_block v_slot v_head bt_row g_row g_head e_row "
+            "o_row o_head o_split groups_per_split group_q block_size",
+            scale=False,
+        ),
+        ("finish", _SourceFinish),
+    ]
+
+
+def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
+    """The values pass's finish record writing ``outputs`` = (out, mass, output,
+    contribution) as ``finish_selection`` would."""
+    out, mass, output, contribution = outputs
+    part_mass = selection.part_mass
+    if not part_mass.is_contiguous() or mass.stride(-1) != 1:
+        raise ValueError("the source's finish needs a contiguous part_mass and mass rows")
+    for name, t in (("out", out), ("output", output), ("contribution", contribution)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
+    rows, heads, _ = out.shape
+    return _SourceFinish(
+        arrival_counters(out.device, rows * heads).data_ptr(),
+        *(t.data_ptr() for t in (part_mass, output, out, mass, contribution)),
+        *(output.stride(0), output.stride(1), out.stride(0), out.stride(1), mass.stride(0)),
+        *(contribution.stride(0), contribution.stride(1), selection.splits, value_splits),
     )
 
 
@@ -165,10 +215,13 @@ def source_values(
     lse: torch.Tensor,
     plan: torch.Tensor,
     tuning: SourceTuning = DEFAULT_SOURCE,
+    finish: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The values pass: split partials (dense output, contribution) [R, Hq, S, D] FP32 of
     sum p v over every key and over the keys ``plan`` [R, Hq, 3] takes (``Selection``), p
-    = exp(logit - lse) from the keys pass's ``logits`` and ``lse``."""
+    = exp(logit - lse) from the keys pass's ``logits`` and ``lse``. With ``finish`` =
+    (selection, (out, mass, output, contribution)) the pass's last CTA of each (row, head)
+    also does ``finish_selection``'s work."""
     rows, num_q_heads, _ = logits.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
     splits, per_split = stream_splits(  # logits [R, Hq, T] give the rows' shape and device
@@ -188,6 +241,7 @@ def source_values(
         *(logits.stride(0), logits.stride(1), lse.stride(0)),
         *(part_out.stride(0), part_out.stride(1), part_out.stride(2)),
         *(per_split, num_q_heads // num_kv_heads, block_size),
+        _SourceFinish() if finish is None else _finish(*finish, splits),
     )
     levels = meta.tables.shape[1]
     kernel, shared = _kernel(VALUES, levels, store.group_size, head_dim, tuning)
@@ -247,8 +301,10 @@ def packed_dense_source_cuda(
         selection = select_positions_cuda(logits, lse, context_lengths, indices, key_retention)
     else:
         selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
+    finish = (selection, (out, mass, output, contribution)) if tuning.finish_in_kernel else None
     parts = source_values(
-        store, layer, meta, value_cache, *tables, logits, lse, selection.plan, tuning
+        store, layer, meta, value_cache, *tables, logits, lse, selection.plan, tuning, finish
     )
-    finish_selection(selection, output, out, mass, contribution, parts)
+    if finish is None:
+        finish_selection(selection, output, out, mass, contribution, parts)
     return out, indices, mass, output, contribution

@@ -1,7 +1,8 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
-``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
-the Triton merge combines them. Rows whose metadata may hold compact levels (token-sparse
-depths) take the Triton reader, which reads them."""
+``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits
+come from shapes only; the last CTA of each (row, head) merges them (or, tuned so, the
+Triton merge). Rows whose metadata may hold compact levels (token-sparse depths) take the
+Triton reader, which reads them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.cuda.split_merge import NO_MERGE, SplitMergeFields, split_merge
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_decode_triton,
@@ -29,11 +31,14 @@ class StreamTuning:
     heads and splits; ``warps`` per CTA and ``stages`` ring buffers per warp, each a
     group's blocks at every level read (shared memory: warps x stages x levels x block
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
-    one from two levels, the fastest at 32K x 16 on the H200, results/README.md)."""
+    one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
+    ``merge_in_kernel``: the last CTA of each (row, head) merges the splits (False: the
+    Triton merge launch after the reader)."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
+    merge_in_kernel: bool = True
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -65,6 +70,7 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
+        ("merge", SplitMergeFields),
     ]
 
 
@@ -188,6 +194,7 @@ def packed_decode_cuda(
         per_split,
         num_q_heads // num_kv_heads,
         block_size,
+        split_merge(out, splits) if tuning.merge_in_kernel else NO_MERGE,
     )
     warps, _ = launch_shape(levels, tuning)
     kernel = _kernel(levels, g, head_dim, tuning)
@@ -197,4 +204,4 @@ def packed_decode_cuda(
         [params],
         shared_bytes(levels, g, head_dim, tuning),
     )
-    return merge_splits(part_out, part_max, part_sum, out)
+    return out if tuning.merge_in_kernel else merge_splits(part_out, part_max, part_sum, out)

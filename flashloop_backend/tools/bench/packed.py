@@ -196,12 +196,13 @@ def tuning_label(tuning) -> str:
 
 
 def _cuda_variants(levels: int, sweep: bool) -> list:
-    """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch and
-    (``sweep``) other CTAs per SM, warps and stages (the reader writes no logits: the
-    loop-2 source's keys pass does, ``packed_source.cu``)."""
+    """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch, the
+    same with the Triton merge launch after it, and (``sweep``) other CTAs per SM, warps
+    and stages (the reader writes no logits: the loop-2 source's keys pass does,
+    ``packed_source.cu``)."""
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
 
-    out = [DEFAULT_STREAM]
+    out = [DEFAULT_STREAM, replace(DEFAULT_STREAM, merge_in_kernel=False)]
     if sweep:
         shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
         for ctas in (1, 4, 8):
@@ -215,9 +216,10 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
 def _stream_label(stream) -> str:
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM
 
-    if stream == DEFAULT_STREAM:
-        return ""
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}"
+    merge = "" if stream.merge_in_kernel else "_merge_launch"
+    if replace(stream, merge_in_kernel=True) == DEFAULT_STREAM:
+        return merge
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{merge}"
 
 
 def cuda_unavailable() -> str | None:
@@ -404,8 +406,8 @@ def sparse_ops_case(
             )
             from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
-            corrections.append(("_cuda", packed_sparse_correction_cuda))
-            sources = [("_cuda", packed_dense_source_cuda), _triton_selection_source()]
+            corrections += [("_cuda", packed_sparse_correction_cuda), _merge_launch_correction()]
+            sources = [("_cuda", packed_dense_source_cuda), *_source_launch_variants()]
             if sweep:
                 sources += _source_variants(packed_dense_source_cuda)
             for suffix, source_fn in sources:
@@ -428,9 +430,24 @@ def sparse_ops_case(
     return results
 
 
-def _triton_selection_source() -> tuple:
+def _merge_launch_correction() -> tuple:
+    """(suffix, correction) of the CUDA correction with the Triton merge launch in place of
+    the merge in its last CTA, timed beside it in every run."""
+    import functools
+
+    from flashloop_backend.kernels.cuda.packed_selected import (
+        DEFAULT_SELECTED,
+        packed_sparse_correction_cuda,
+    )
+
+    tuning = replace(DEFAULT_SELECTED, merge_in_kernel=False)
+    return "_cuda_merge_launch", functools.partial(packed_sparse_correction_cuda, tuning=tuning)
+
+
+def _source_launch_variants() -> list[tuple]:
     """(suffix, source) of the two-pass CUDA source with the Triton selection launches in
-    place of the one-launch kernel, timed beside it in every run."""
+    place of the one-launch kernel, and with the Triton finish launch in place of the
+    values pass's own, each timed beside it in every run."""
     import functools
 
     from flashloop_backend.kernels.cuda.packed_source import (
@@ -438,8 +455,16 @@ def _triton_selection_source() -> tuple:
         packed_dense_source_cuda,
     )
 
-    tuning = replace(DEFAULT_SOURCE, one_launch_selection=False)
-    return "_cuda_triton_selection", functools.partial(packed_dense_source_cuda, tuning=tuning)
+    return [
+        (
+            suffix,
+            functools.partial(packed_dense_source_cuda, tuning=replace(DEFAULT_SOURCE, **change)),
+        )
+        for suffix, change in (
+            ("_cuda_triton_selection", {"one_launch_selection": False}),
+            ("_cuda_finish_launch", {"finish_in_kernel": False}),
+        )
+    ]
 
 
 def _source_variants(source) -> list:
