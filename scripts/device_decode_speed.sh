@@ -4,7 +4,8 @@
 #   kernels  the packed-kernel GPU tests (every Triton and CUDA reader against the torch reference), then
 #            bench packed (the streaming reader per depth with a launch sweep, the loop-2
 #            source and the loop 3-4 corrections, each with bytes and TB/s beside
-#            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16
+#            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16 (KERNEL_SHAPES, PARTS and
+#            SWEEP pick shapes, parts and the launch sweep; SKIP_TESTS=1 leaves the tests out)
 #   e2e      all on (configs/all_on.json) vs dense Triton from CUDA graphs, 3 passes, at
 #            8K x 1 and 32K x 1 (24 layers) and 32K x 16 (4 layers, 64 new tokens); KV
 #            quantization alone at 32K x 16 (SHAPES picks a subset: "8k 32k1 32k16 kv")
@@ -30,15 +31,17 @@ e2e() {  # name, config, then bench e2e arguments
 }
 case "${1:?stage: kernels, e2e, tests, selection or convert}" in
   kernels)
-    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
-      2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
+    if [ "${SKIP_TESTS:-0}" != 1 ]; then
+      OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
+        2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
+    fi
     for shape in ${KERNEL_SHAPES:-"8192 1" "32768 1" "32768 16"}; do
       set -- $shape
       run python3 -c "
 import json, sys
 from flashloop_backend.tools.bench.packed import bench_packed_kv
 from flashloop_backend.tools.bench.timing import progress_log
-record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False})
+record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False}, parts=tuple('${PARTS:-decode sparse_ops}'.split()))
 json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
 " 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_v3_$1_$2.log" \
         | grep -E "depth1|depth2|source|correction" | cut -c1-170
