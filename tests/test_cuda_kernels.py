@@ -118,6 +118,30 @@ def test_the_cuda_source_keys_pass_writes_the_logits_and_lse():
 
 
 @pytest.mark.gpu
+def test_the_one_launch_selection_merges_the_keys_pass_lse_as_the_merge_launch():
+    """Given the keys pass's split states, the selection writes each row's lse (a row of
+    length 0: -inf) as ``merge_lse`` does and selects as it does from that lse."""
+    from flashloop_backend.kernels.cuda.packed_source import source_keys
+    from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
+    from flashloop_backend.kernels.triton.packed_decode import packed_span
+
+    args, lengths = _packed_rows(2, sparse=False)
+    q, store, layer, meta, cache_k, _, tables = args
+    span = packed_span(store, meta, tables, 16)
+    logits = torch.empty(3, 16, span, device="cuda")
+    lse = torch.empty(3, 16, device="cuda")
+    states = source_keys(q, store, layer, meta, cache_k, tables, lengths, logits, lse, 128**-0.5)
+    merged = torch.full_like(lse, float("nan"))
+    picks = [torch.empty(3, 16, 128, dtype=torch.int32, device="cuda") for _ in range(2)]
+    launched = select_positions_cuda(logits, lse, lengths, picks[0], 0.1)
+    inside = select_positions_cuda(logits, merged, lengths, picks[1], 0.1, split_states=states)
+    torch.testing.assert_close(merged, lse, atol=1e-5, rtol=1e-6)
+    assert torch.isneginf(merged[2]).all()
+    assert torch.equal(picks[0], picks[1]) and torch.equal(launched.plan, inside.plan)
+    torch.testing.assert_close(inside.part_mass, launched.part_mass, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
 def test_the_cuda_streaming_reader_hands_compact_levels_to_the_triton_reader():
     from flashloop_backend.kernels.cuda.packed_stream import packed_decode_cuda
     from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
@@ -387,6 +411,9 @@ def test_the_one_launch_selection_takes_nothing_from_an_empty_row():
         ({"lse": torch.zeros(2, 3)}, r"lse \(2, 3\) must lead with indices' \(rows, heads\) = \(2, 4\)"),
         ({"logits": torch.zeros(2, 4, 128)[..., ::2]}, "unit stride on their last axis"),
         ({"batch": 3}, r"batch=3 must be one of \(4, 8\)"),
+        ({"states": (torch.zeros(2, 4, 3).half(),) * 2}, "split states must be float32"),
+        ({"states": (torch.zeros(2, 3, 3),) * 2}, r"\[rows, heads, splits\] with \(rows, heads\) = \(2, 4\)"),
+        ({"states": (torch.zeros(2, 4, 3), torch.zeros(2, 3, 4).transpose(1, 2))}, "share strides"),
     ],
 )  # fmt: skip
 def test_the_one_launch_selection_names_each_input_it_refuses(change, message):
@@ -399,8 +426,10 @@ def test_the_one_launch_selection_names_each_input_it_refuses(change, message):
         "lengths": torch.full((2,), 64, dtype=torch.int32),
         "indices": torch.zeros(2, 4, 16, dtype=torch.int32),
         "batch": 4,
+        "states": None,
     } | change
     with pytest.raises(ValueError, match=message):
         select_positions_cuda(
-            args["logits"], args["lse"], args["lengths"], args["indices"], 0.1, args["batch"]
+            *(args["logits"], args["lse"], args["lengths"], args["indices"], 0.1, args["batch"]),
+            split_states=args["states"],
         )

@@ -540,6 +540,37 @@ def test_triton_packed_source_matches_the_reference_statistics(rng, sample, bloc
     assert (got[1] >= 0).sum(-1).tolist() == [[10, 10], [13, 13], [8, 8]]  # ceil(0.25 T)
 
 
+@pytest.mark.parametrize("impl", ["dense_torch", "dense_triton", "packed_torch", "packed_triton"])
+def test_every_source_gives_zeros_for_a_row_of_context_length_0(impl, rng):
+    """The contract that lets a loop-2 source's output be a batch's base (BASE_OUTPUT_OPS):
+    a row of length 0 (one the source does not serve) selects nothing and its out, dense
+    output, mass and contribution are zeros, in every CPU implementation (the CUDA source
+    equals the torch reference on such a row in its GPU test)."""
+    from flashloop_backend.kernels.ops import BASE_OUTPUT_OPS, OpName
+    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
+    from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
+    from flashloop_backend.kernels.triton.dense_source import dense_source_triton
+    from flashloop_backend.kernels.triton.packed_sparse import packed_dense_source_triton
+
+    assert {OpName.DENSE_SOURCE, OpName.PACKED_SOURCE} <= BASE_OUTPUT_OPS
+    args, lengths = _sparse_case(rng)
+    lengths = lengths.clone()
+    lengths[1] = 0
+    q, cache_k, cache_v = args[0], args[4], args[5]
+    paged = (q, cache_k, cache_v, args[6].clamp(min=0), lengths, 0.25, 16)  # BF16 pages only
+    fn = {
+        "dense_torch": lambda: dense_source(*paged),
+        "dense_triton": lambda: dense_source_triton(*paged),
+        "packed_torch": lambda: packed_dense_source(*args, lengths, 0.25, 16),
+        "packed_triton": lambda: packed_dense_source_triton(*args, lengths, 0.25, 16),
+    }[impl]
+    out, indices, mass, output, contribution = fn()
+    assert (indices[1] == -1).all()
+    for t in (out, mass, output, contribution):
+        assert not t[1].any()
+    assert out[0].any() and out[2].any()
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_a_row_without_selected_keys_gives_output_minus_contribution(group, rng):
     """The packed correction over dense and compact levels and BF16 tails, with unused

@@ -35,11 +35,11 @@ from flashloop_backend.dispatch import (
     routable_ops,
 )
 from flashloop_backend.kernels.ops import (
+    BASE_OUTPUT_OPS,
     CORRECTION_OPS,
     OP_INPUTS,
     PACKED_READ_OPS,
     PACKED_VERSION,
-    PLAIN_OUTPUT_OPS,
     SOURCE_OPS,
     CorrectionInputs,
     OpName,
@@ -586,7 +586,7 @@ class FlashLoopBackend(AttentionBackend):
                     layer, rows, result.indices, result.mass, result.output, result.contribution
                 )
                 result = result.out
-            if out is None and n == view.num_rows and op in PLAIN_OUTPUT_OPS:
+            if out is None and n == view.num_rows and op in BASE_OUTPUT_OPS:
                 # rows this op does not serve had length 0, which the op contract answers
                 # with zeros: its output is the base
                 out = result
@@ -622,7 +622,7 @@ class FlashLoopBackend(AttentionBackend):
             for op, choice in self.kernels.items()
         ]
         runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
-        runs.sort(key=lambda run: not (run[0] in PLAIN_OUTPUT_OPS and run[2] == view.num_rows))
+        runs.sort(key=lambda run: not (run[0] in BASE_OUTPUT_OPS and run[2] == view.num_rows))
         return runs
 
     def _op_inputs(self, op, n: int, layer: int, gathered_q, key_cache, value_cache, scale):

@@ -439,11 +439,12 @@ def _ops_taking(*kinds: type) -> frozenset[OpName]:
 
 # Roles read from the table above: the loop-2 sources (write a reference), the loop 3-4
 # corrections (read one), the ops over packed KV, and the ops whose rows of context length
-# 0 come out as zeros (the PagedInputs contract), so their output can be a batch's base.
+# 0 come out as zeros, so that their output can be a batch's base: the PagedInputs
+# contract, and the sources' (such a row selects nothing and attends to nothing).
 SOURCE_OPS = _ops_taking(SourceInputs, PackedSourceInputs)
 CORRECTION_OPS = _ops_taking(CorrectionInputs, PackedCorrectionInputs)
 PACKED_READ_OPS = _ops_taking(PackedDecodeInputs, PackedSourceInputs, PackedCorrectionInputs)
-PLAIN_OUTPUT_OPS = _ops_taking(PagedInputs, PackedDecodeInputs)
+BASE_OUTPUT_OPS = _ops_taking(PagedInputs, PackedDecodeInputs) | SOURCE_OPS
 
 _OVER_PACKED: Mapping[type[PagedOpInputs], type[PackedOpInputs]] = MappingProxyType(
     {

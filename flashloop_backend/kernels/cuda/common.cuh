@@ -255,7 +255,7 @@ __device__ __forceinline__ bool last_split(int* counter, int splits) {
 // The merge of split partials (``merge_splits``' arithmetic): part_out [S, D] at split
 // stride o_split, part_max (natural log) and part_sum [S]; rows with no key give 0, a
 // correction ref - contrib + mass * merged.
-template <int D, int THREADS>
+template <int HD, int CTA_THREADS>
 __device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 row, int head, const float* part_out,
                                      i64 o_split, const float* part_max, const float* part_sum) {
     float top = NEG_INF;
@@ -263,7 +263,7 @@ __device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 ro
     const float safe = top == NEG_INF ? 0.f : top;
     float denom = 0.f;
     for (int s = 0; s < M.splits; ++s) denom += ldcg(part_sum + s) * expf(ldcg(part_max + s) - safe);
-    for (int d = threadIdx.x; d < D; d += THREADS) {
+    for (int d = threadIdx.x; d < HD; d += CTA_THREADS) {
         float numer = 0.f;
         for (int s = 0; s < M.splits; ++s)
             numer += ldcg(part_out + s * o_split + d) * expf(ldcg(part_max + s) - safe);

@@ -175,11 +175,13 @@ def source_keys(
     lse: torch.Tensor,
     scale: float,
     tuning: SourceTuning = DEFAULT_SOURCE,
-) -> None:
+    merge: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys pass: the scaled natural logits into ``logits`` [R, Hq, >= span] FP32 (each
-    row's positions below its length) and their LSE into ``lse`` [R, Hq] FP32, from q [R,
-    Hq, D] BF16 over dense packed levels and the BF16 keys [NB, BS, Hkv, D] above each
-    row's packed length. Inputs are checked by the caller."""
+    row's positions below its length) and, with ``merge``, their LSE into ``lse`` [R, Hq]
+    FP32 (without, the one-launch selection merges it), from q [R, Hq, D] BF16 over dense
+    packed levels and the BF16 keys [NB, BS, Hkv, D] above each row's packed length; its
+    split states (part_max, part_sum) [R, Hq, S]. Inputs are checked by the caller."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     splits, per_split = stream_splits(
@@ -201,7 +203,9 @@ def source_keys(
     levels = meta.tables.shape[1]
     kernel, shared = _kernel(KEYS, levels, store.group_size, head_dim, tuning)
     kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [keys], shared)
-    merge_lse(part_max, part_sum, lse)
+    if merge:
+        merge_lse(part_max, part_sum, lse)
+    return part_max, part_sum
 
 
 def source_values(
@@ -296,9 +300,14 @@ def packed_dense_source_cuda(
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables = (block_tables, context_lengths)
-    source_keys(q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning)
-    if tuning.one_launch_selection:
-        selection = select_positions_cuda(logits, lse, context_lengths, indices, key_retention)
+    one_launch = tuning.one_launch_selection
+    states = source_keys(
+        q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning, merge=not one_launch
+    )
+    if one_launch:  # the selection merges the rows' lse from the split states
+        selection = select_positions_cuda(
+            logits, lse, context_lengths, indices, key_retention, split_states=states
+        )
     else:
         selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)
     finish = (selection, (out, mass, output, contribution)) if tuning.finish_in_kernel else None

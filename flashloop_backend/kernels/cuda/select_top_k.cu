@@ -39,7 +39,37 @@ struct Params {
     long long l_row, l_head;
     int e_row, i_row, i_head, m_row;
     int ratio_num, ratio_den, bucket;
+    // the keys pass's split states [R, H, S] (natural-log maxima, sums): when given, the
+    // row's lse is merged from them here and written to lse (nullptr: lse is read)
+    const float* part_max;
+    const float* part_sum;
+    int s_row, s_head, splits;
 };
+
+// The row's LSE: read, or merged from the keys pass's split states by warp 0 and written
+// for the values pass (merge_lse's arithmetic: -inf for a row with no key)
+__device__ float row_lse(const Params& P, int row, int head) {
+    __shared__ float merged;
+    float* lse = (float*)P.lse + row * (long long)P.e_row + head;
+    if (P.part_max == nullptr) return *lse;
+    if (threadIdx.x < 32) {
+        const long long at = row * (long long)P.s_row + head * (long long)P.s_head;
+        float top = NEG_INF;
+        for (int s = threadIdx.x; s < P.splits; s += 32) top = fmaxf(top, P.part_max[at + s]);
+        top = warp_max(top);
+        const float safe = top == NEG_INF ? 0.f : top;
+        float sum = 0.f;
+        for (int s = threadIdx.x; s < P.splits; s += 32)
+            sum += P.part_sum[at + s] * expf(P.part_max[at + s] - safe);
+        sum = warp_sum(sum);
+        if (threadIdx.x == 0) {
+            merged = sum > 0.f ? safe + logf(sum) : NEG_INF;
+            *lse = merged;
+        }
+    }
+    __syncthreads();
+    return merged;
+}
 
 __device__ __forceinline__ float key_logit(u32 key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
@@ -132,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const long long pair = (long long)row * gridDim.x + head;
+    const float lse = row_lse(P, row, head);
     const int length = P.lengths[row];
     const long long want = ((long long)length * P.ratio_num + P.ratio_den - 1) / P.ratio_den;
     const int count = (int)(want < length ? want : length);
@@ -151,7 +182,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
         return;
     }
     const float* logits = P.logits + row * P.l_row + head * P.l_head;
-    const float lse = P.lse[row * (long long)P.e_row + head];
     const int per_warp = ((length + WARPS * 32 - 1) / (WARPS * 32)) * 32;
     const int begin = warp * per_warp;
     const int end = min(begin + per_warp, length);

@@ -29,6 +29,8 @@ class _Params(ctypes.Structure):
         ("l_head", ctypes.c_int64),
         *((name, ctypes.c_int) for name in "e_row i_row i_head m_row".split()),
         *((name, ctypes.c_int) for name in "ratio_num ratio_den bucket".split()),
+        *((name, ctypes.c_void_p) for name in ("part_max", "part_sum")),
+        *((name, ctypes.c_int) for name in "s_row s_head splits".split()),
     ]
 
 
@@ -39,12 +41,15 @@ def select_positions_cuda(
     indices: torch.Tensor,
     key_retention: float,
     batch: int = 4,
+    split_states: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Selection:
     """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid
     below its ``context_lengths`` [R] int32) with ``lse`` [R, H] FP32: writes ``indices``
     [R, H, Kb] int32 in position order (-1 past K = max(1, ceil(key_retention * T))) and
     returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``batch``
-    tiles in flight per warp, one of ``BATCH``."""
+    tiles in flight per warp, one of ``BATCH``. With ``split_states`` (the keys pass's
+    part_max and part_sum [R, H, S] FP32, natural log) the kernel merges each row's lse
+    from them and writes it into ``lse`` (``merge_lse``'s work) instead of reading it."""
     rows, heads, bucket = indices.shape
     span = logits.shape[-1]
     if logits.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -63,6 +68,7 @@ def select_positions_cuda(
         raise ValueError("logits, lse and indices must have unit stride on their last axis")
     if batch not in BATCH:
         raise ValueError(f"batch={batch} must be one of {BATCH}")
+    states = _split_states(split_states, rows, heads)
     device = logits.device
     int32 = {"dtype": torch.int32, "device": device}
     plan = torch.empty((rows, heads, 3), **int32)
@@ -78,8 +84,36 @@ def select_positions_cuda(
         *(logits.stride(0), logits.stride(1), lse.stride(0)),
         *(indices.stride(0), indices.stride(1), part_mass.stride(0)),
         *(ratio_num, ratio_den, bucket),
+        *states,
     )
     defines = {"THREADS": THREADS, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
     kernel = loader.build_file("select_top_k", defines)
     kernel((heads, rows, 1), (THREADS, 1, 1), [params])
     return selection
+
+
+def _split_states(states: tuple[torch.Tensor, torch.Tensor] | None, rows: int, heads: int):
+    """The kernel's (part_max, part_sum, s_row, s_head, splits) fields of ``states``."""
+    if states is None:
+        return (None, None, 0, 0, 0)
+    part_max, part_sum = states
+    if part_max.dtype != torch.float32 or part_sum.dtype != torch.float32:
+        raise ValueError(f"split states must be float32; got {part_max.dtype}, {part_sum.dtype}")
+    if (
+        part_max.dim() != 3
+        or part_max.shape[:2] != (rows, heads)
+        or part_sum.shape != part_max.shape
+    ):
+        raise ValueError(
+            f"split states {tuple(part_max.shape)}, {tuple(part_sum.shape)} must both be "
+            f"[rows, heads, splits] with (rows, heads) = {(rows, heads)}"
+        )
+    if part_max.stride() != part_sum.stride() or part_max.stride(-1) != 1:
+        raise ValueError("split states must share strides with unit stride on the splits")
+    return (
+        part_max.data_ptr(),
+        part_sum.data_ptr(),
+        part_max.stride(0),
+        part_max.stride(1),
+        part_max.shape[-1],
+    )
