@@ -342,7 +342,7 @@ def _dense_kernels() -> bool:
             4,
         )
     for lse, correct in ((False, False), (True, False), (False, True)):
-        shape = dict(SPLITS_PAD=32, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
+        shape = dict(SPLIT_BLOCK=16, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
         merge = {"out_ptr": "*bf16"}
         ok &= _compile(
             f"merge_splits STORE_LSE={lse} CORRECT={correct}",
@@ -352,7 +352,7 @@ def _dense_kernels() -> bool:
             shape,
             4,
         )
-    lse_only = dict(SPLITS_PAD=32, HEAD_DIM=16, STORE_LSE=True, CORRECT=False, STORE_OUT=False)
+    lse_only = dict(SPLIT_BLOCK=16, HEAD_DIM=16, STORE_LSE=True, CORRECT=False, STORE_OUT=False)
     ok &= _compile("merge_splits STORE_OUT=False", merge_splits_kernel, {}, set(), lse_only, 4)
     shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=64, DOT_PRECISION="tf32")
     ok &= _compile("sparse_correction", sparse_correction_split_kernel, paged, {"scale"}, shape, 4)

@@ -4,7 +4,7 @@
 #   kernels  the packed-kernel GPU tests (every Triton and CUDA reader against the torch reference), then
 #            bench packed (the streaming reader per depth with a launch sweep, the loop-2
 #            source and the loop 3-4 corrections, each with bytes and TB/s beside
-#            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16 (KERNEL_SHAPES, PARTS and
+#            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16 (KERNEL_SHAPES as "8192x1 ...", PARTS and
 #            SWEEP pick shapes, parts and the launch sweep; SKIP_TESTS=1 leaves the tests out)
 #   e2e      all on (configs/all_on.json) vs dense Triton from CUDA graphs, 3 passes, at
 #            8K x 1 and 32K x 1 (24 layers) and 32K x 16 (4 layers, 64 new tokens); KV
@@ -35,8 +35,8 @@ case "${1:?stage: kernels, e2e, tests, selection or convert}" in
       OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
         2>&1 | tee "$OUT/gpu_tests_packed_v3.log" | tail -4
     fi
-    for shape in ${KERNEL_SHAPES:-"8192 1" "32768 1" "32768 16"}; do
-      set -- $shape
+    for shape in ${KERNEL_SHAPES:-8192x1 32768x1 32768x16}; do  # context x concurrency
+      set -- "${shape%x*}" "${shape#*x}"
       run python3 -c "
 import json, sys
 from flashloop_backend.tools.bench.packed import bench_packed_kv

@@ -35,11 +35,13 @@ def _launch(rng, rows: int, splits: int, offset: int) -> None:
 
 
 def test_split_count_and_a_lengths_slice_do_not_compile_new_variants(rng):
-    """3 and 4 splits (one padded width), 1 to 3 rows, lengths aligned or not: one variant
-    each. With the split count a constexpr and the split state's strides and the lengths'
-    alignment specialized, both kernels compiled again for these shapes."""
+    """3 to 40 splits, 1 to 3 rows, lengths aligned or not: one variant each. With the
+    split count (or its padded width) a constexpr and the split state's strides and the
+    lengths' alignment specialized, both kernels compiled again for these shapes: a
+    context longer than the warm-up's then loaded a merge variant while serving."""
     with specialization_census() as census:
-        for rows, splits, offset in [(1, 3, 0), (3, 4, 1), (2, 3, 3), (3, 3, 0), (1, 4, 2)]:
+        shapes = [(1, 3, 0), (3, 4, 1), (2, 3, 3), (3, 3, 0), (1, 4, 2), (1, 20, 0), (1, 40, 1)]
+        for rows, splits, offset in shapes:
             _launch(rng, rows, splits, offset)
     for kernel in ("merge_splits_kernel", "paged_attention_split_kernel"):
         keys = list(census[kernel])
@@ -47,13 +49,18 @@ def test_split_count_and_a_lengths_slice_do_not_compile_new_variants(rng):
 
 
 def test_the_census_sees_a_constexpr_change(rng):
-    """The census is not blind: a different padded split width is a different variant."""
+    """The census is not blind: a merge that also stores the LSE is a different variant."""
+    from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
+
     with specialization_census() as census:
-        _launch(rng, 2, 3, 0)
-        _launch(rng, 2, 8, 0)
+        for lse in (None, torch.zeros(2, 4)):
+            parts = split_buffers(2, 4, 3, 16, torch.device("cpu"))
+            for t in parts:
+                t.copy_(torch.randn(t.shape, generator=rng))
+            merge_splits(*parts, torch.zeros(2, 4, 16), lse)
     keys = list(census["merge_splits_kernel"])
     assert len(keys) == 2
-    assert set(varying_arguments(keys)) == {"SPLITS_PAD"}
+    assert "STORE_LSE" in set(varying_arguments(keys))
 
 
 def test_every_unspecialized_argument_names_a_parameter_of_its_kernel():

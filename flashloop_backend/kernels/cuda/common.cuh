@@ -241,32 +241,70 @@ __device__ __forceinline__ bool last_split(int* counter, int splits) {
     __shared__ int is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
         is_last = atomicAdd(counter, 1) == splits - 1;
         if (is_last) {
             atomicExch(counter, 0);
-            __threadfence();
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
         }
     }
     __syncthreads();
     return is_last;
 }
 
+// Splits one CTA can merge: their weights sit in shared memory
+constexpr int MERGE_SPLITS_MAX = 256;
+
 // The merge of split partials (``merge_splits``' arithmetic): part_out [S, D] at split
 // stride o_split, part_max (natural log) and part_sum [S]; rows with no key give 0, a
-// correction ref - contrib + mass * merged.
+// correction ref - contrib + mass * merged. Every split's statistics load at once (one
+// per thread), then each thread's channel sums its splits' partials, eight loads in flight.
 template <int HD, int CTA_THREADS>
-__device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 row, int head, const float* part_out,
-                                     i64 o_split, const float* part_max, const float* part_sum) {
+__device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 row, int head,
+                                                     const float* part_out, i64 o_split,
+                                                     const float* part_max,
+                                                     const float* part_sum) {
+    constexpr int WARPS_ = CTA_THREADS / 32;
+    __shared__ float weight[MERGE_SPLITS_MAX], sums[MERGE_SPLITS_MAX], reduce[WARPS_];
+    const int splits = M.splits, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float top = NEG_INF;
-    for (int s = 0; s < M.splits; ++s) top = fmaxf(top, ldcg(part_max + s));
+    for (int s = threadIdx.x; s < splits; s += CTA_THREADS) {
+        const float m = ldcg(part_max + s);
+        sums[s] = ldcg(part_sum + s);
+        weight[s] = m;
+        top = fmaxf(top, m);
+    }
+    top = warp_max(top);
+    if (lane == 0) reduce[warp] = top;
+    __syncthreads();
+    top = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS_; ++w) top = fmaxf(top, reduce[w]);
     const float safe = top == NEG_INF ? 0.f : top;
+    float part = 0.f;
+    for (int s = threadIdx.x; s < splits; s += CTA_THREADS) {
+        const float w = expf(weight[s] - safe);
+        weight[s] = w;
+        part += sums[s] * w;
+    }
+    part = warp_sum(part);
+    __syncthreads();  // every thread has read the maxima out of reduce[]
+    if (lane == 0) reduce[warp] = part;
+    __syncthreads();
     float denom = 0.f;
-    for (int s = 0; s < M.splits; ++s) denom += ldcg(part_sum + s) * expf(ldcg(part_max + s) - safe);
+#pragma unroll
+    for (int w = 0; w < WARPS_; ++w) denom += reduce[w];
     for (int d = threadIdx.x; d < HD; d += CTA_THREADS) {
         float numer = 0.f;
-        for (int s = 0; s < M.splits; ++s)
-            numer += ldcg(part_out + s * o_split + d) * expf(ldcg(part_max + s) - safe);
+        int s = 0;
+        for (; s + 8 <= splits; s += 8) {
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = ldcg(part_out + (i64)(s + k) * o_split + d);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) numer += v[k] * weight[s + k];
+        }
+        for (; s < splits; ++s) numer += ldcg(part_out + (i64)s * o_split + d) * weight[s];
         float v = denom > 0.f ? numer / denom : 0.f;
         if (M.ref != nullptr)
             v = M.ref[row * M.ref_row + (i64)head * M.ref_head + d] -

@@ -12,7 +12,12 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
-from flashloop_backend.kernels.cuda.split_merge import NO_MERGE, SplitMergeFields, split_merge
+from flashloop_backend.kernels.cuda.split_merge import (
+    MERGE_SPLITS_MAX,
+    NO_MERGE,
+    SplitMergeFields,
+    split_merge,
+)
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
 from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
@@ -89,13 +94,7 @@ def packed_selected_parts_cuda(
     check_selected_indices(q, indices)
     check_packed_inputs(q, store, meta, key_cache)
     bucket = indices.shape[-1]
-    splits, keys_per_split = packed_key_splits(
-        rows,
-        num_q_heads,
-        max(1, bucket),
-        tuning.ctas_per_sm * sm_count(q.device),
-        tuning.keys_per_split,
-    )
+    splits, keys_per_split = _key_splits(q, bucket, tuning)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -160,6 +159,13 @@ def packed_selected_parts_cuda(
     return part_out, part_max, part_sum
 
 
+def _key_splits(q: torch.Tensor, bucket: int, tuning: SelectedTuning) -> tuple[int, int]:
+    """(splits, keys a split) of the selected-key launch over ``bucket`` positions."""
+    rows, num_q_heads, _ = q.shape
+    per_grid = tuning.ctas_per_sm * sm_count(q.device)
+    return packed_key_splits(rows, num_q_heads, max(1, bucket), per_grid, tuning.keys_per_split)
+
+
 def packed_sparse_correction_cuda(
     q,
     store,
@@ -184,7 +190,13 @@ def packed_sparse_correction_cuda(
         mass.float().contiguous(),
     )
     out = torch.empty_like(q)
-    fused = tuning.merge_in_kernel and q.shape[0] > 0 and indices.shape[-1] > 0
+    bucket = indices.shape[-1]
+    fused = (
+        tuning.merge_in_kernel
+        and q.shape[0] > 0
+        and bucket > 0
+        and _key_splits(q, bucket, tuning)[0] <= MERGE_SPLITS_MAX
+    )
     parts = packed_selected_parts_cuda(
         q,
         store,

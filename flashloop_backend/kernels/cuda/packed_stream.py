@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.cuda.split_merge import NO_MERGE, SplitMergeFields, split_merge
+from flashloop_backend.kernels.cuda.split_merge import (
+    MERGE_SPLITS_MAX,
+    NO_MERGE,
+    SplitMergeFields,
+    split_merge,
+)
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_decode_triton,
@@ -155,6 +160,7 @@ def packed_decode_cuda(
     per_sm = 0 if few_rows else tuning.ctas_per_sm
     splits, per_split = stream_splits(q, store, meta, block_tables, block_size, None, per_sm)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
+    fused = tuning.merge_in_kernel and splits <= MERGE_SPLITS_MAX
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -194,7 +200,7 @@ def packed_decode_cuda(
         per_split,
         num_q_heads // num_kv_heads,
         block_size,
-        split_merge(out, splits) if tuning.merge_in_kernel else NO_MERGE,
+        split_merge(out, splits) if fused else NO_MERGE,
     )
     warps, _ = launch_shape(levels, tuning)
     kernel = _kernel(levels, g, head_dim, tuning)
@@ -204,4 +210,4 @@ def packed_decode_cuda(
         [params],
         shared_bytes(levels, g, head_dim, tuning),
     )
-    return out if tuning.merge_in_kernel else merge_splits(part_out, part_max, part_sum, out)
+    return out if fused else merge_splits(part_out, part_max, part_sum, out)

@@ -31,6 +31,7 @@ class SplitMergeFields(ctypes.Structure):
 
 
 NO_MERGE = SplitMergeFields()  # counters nullptr: the kernel writes its partials only
+MERGE_SPLITS_MAX = 256  # MERGE_SPLITS_MAX in common.cuh: the most splits a CTA merges
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -59,6 +60,8 @@ def split_merge(
     partials per (row, head); ``correction`` = (O_ref [R, Hq, D], C_ref [R, Hq, D], m [R, Hq]),
     FP32 with contiguous last dims, turns it into O_ref - C_ref + m * merged."""
     rows, heads, _ = out.shape
+    if not 1 <= splits <= MERGE_SPLITS_MAX:
+        raise ValueError(f"split merge: splits={splits} must lie in [1, {MERGE_SPLITS_MAX}]")
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1:
         raise ValueError(
             f"split merge: out must be bf16 with a contiguous last dim, got {out.dtype} "

@@ -202,7 +202,7 @@ def merge_splits_kernel(
     stride_ch,
     stride_sr,
     num_splits,
-    SPLITS_PAD: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STORE_LSE: tl.constexpr,
     CORRECT: tl.constexpr,
@@ -210,27 +210,37 @@ def merge_splits_kernel(
 ):
     """One (row, query head): combine split partial states; rows with no key give 0.
     With CORRECT the result is the sparse correction ref - contrib + mass * merged.
-    Without STORE_OUT only the LSE: the states of a pass that sums no values."""
+    Without STORE_OUT only the LSE: the states of a pass that sums no values. The splits
+    go SPLIT_BLOCK at a time, so one variant serves every split count."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
+    s = tl.arange(0, SPLIT_BLOCK)
     d = tl.arange(0, HEAD_DIM)
-    s_mask = s < num_splits
-    m = tl.load(
-        part_max_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=float("-inf")
-    )
-    total_max = tl.max(m, axis=0)
-    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
-    weight = tl.where(s_mask, tl.exp(m - safe), 0.0)
-    sums = tl.load(part_sum_ptr + row * stride_mr + head * stride_mh + s, mask=s_mask, other=0.0)
-    denom = tl.sum(sums * weight, axis=0)
-    if STORE_OUT:
-        acc = tl.load(
-            part_out_ptr + row * stride_pr + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-            mask=s_mask[:, None],
-            other=0.0,
+    stats = row * stride_mr + head * stride_mh
+    total_max = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, num_splits, SPLIT_BLOCK):
+        m = tl.load(
+            part_max_ptr + stats + start + s, mask=start + s < num_splits, other=float("-inf")
         )
-        numer = tl.sum(acc * weight[:, None], axis=0)
+        total_max = tl.maximum(total_max, tl.max(m, axis=0))
+    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
+    denom = tl.zeros((), tl.float32)
+    numer = tl.zeros((HEAD_DIM,), tl.float32)
+    parts = part_out_ptr + row * stride_pr + head * stride_ph
+    for start in range(0, num_splits, SPLIT_BLOCK):
+        s_mask = start + s < num_splits
+        m = tl.load(part_max_ptr + stats + start + s, mask=s_mask, other=float("-inf"))
+        weight = tl.where(s_mask, tl.exp(m - safe), 0.0)
+        sums = tl.load(part_sum_ptr + stats + start + s, mask=s_mask, other=0.0)
+        denom += tl.sum(sums * weight, axis=0)
+        if STORE_OUT:
+            acc = tl.load(
+                parts + (start + s)[:, None] * stride_ps + d[None, :],
+                mask=s_mask[:, None],
+                other=0.0,
+            )
+            numer += tl.sum(acc * weight[:, None], axis=0)
+    if STORE_OUT:
         out = tl.where(denom > 0, numer / tl.where(denom > 0, denom, 1.0), 0.0)
         if CORRECT:
             ref = tl.load(ref_ptr + row * stride_rr + head * stride_rh + d)
