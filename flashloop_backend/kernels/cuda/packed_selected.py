@@ -32,13 +32,13 @@ class SelectedTuning:
     """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
     over the (row, head) pairs, at least ``keys_per_split`` keys a split, registers capped
     so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap); ``merge_in_kernel``:
-    the correction's last CTA of each (row, head) merges the splits (False: the Triton merge
-    launch after it)."""
+    the correction's last CTA of each (row, head) merges the splits; off (the default,
+    results/README.md says why) the Triton merge launch after it does."""
 
     ctas_per_sm: int = 4
     keys_per_split: int = 64
     resident_ctas: int = 4
-    merge_in_kernel: bool = True
+    merge_in_kernel: bool = False
 
 
 DEFAULT_SELECTED = SelectedTuning()

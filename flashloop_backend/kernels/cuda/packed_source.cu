@@ -550,21 +550,7 @@ packed_source_values(const ValueParams P) {
     const i64 first_part = row * P.o_row + (i64)head * P.o_head;
     for (int d = threadIdx.x; d < D; d += WARPS * 32) {
         float dense = 0.f, contrib = 0.f;
-        int s = 0;
-        for (; s + 4 <= F.value_splits; s += 4) {  // eight loads in flight
-            float a[4], b[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                a[k] = ldcg(P.part_out + first_part + (i64)(s + k) * P.o_split + d);
-                b[k] = ldcg(P.part_contrib + first_part + (i64)(s + k) * P.o_split + d);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                dense += a[k];
-                contrib += b[k];
-            }
-        }
-        for (; s < F.value_splits; ++s) {
+        for (int s = 0; s < F.value_splits; ++s) {
             dense += ldcg(P.part_out + first_part + (i64)s * P.o_split + d);
             contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
         }

@@ -1,7 +1,7 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
 ``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits
-come from shapes only; the last CTA of each (row, head) merges them (or, tuned so, the
-Triton merge). Rows whose metadata may hold compact levels (token-sparse depths) take the
+come from shapes only; the Triton merge combines them (or, tuned so, the reader's last CTA
+of each (row, head)). Rows whose metadata may hold compact levels (token-sparse depths) take the
 Triton reader, which reads them."""
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ class StreamTuning:
     group's blocks at every level read (shared memory: warps x stages x levels x block
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
     one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
-    ``merge_in_kernel``: the last CTA of each (row, head) merges the splits (False: the
-    Triton merge launch after the reader)."""
+    ``merge_in_kernel``: the last CTA of each (row, head) merges the splits; off (the
+    default, results/README.md says why) the Triton merge launch after the reader does."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
-    merge_in_kernel: bool = True
+    merge_in_kernel: bool = False
 
 
 DEFAULT_STREAM = StreamTuning()
