@@ -313,3 +313,17 @@ __device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 ro
         M.out[row * M.out_row + (i64)head * M.out_head + d] = float_to_bf16(v);
     }
 }
+
+// The split merge of a kernel whose Params hold ``merge`` and split partials (part_out
+// [R, Hq, S, D] at o_row / o_head / o_split, part_max and part_sum [R, Hq, S] at s_row /
+// s_head), in the (row, head)'s last CTA to write its partial
+template <int HD, int CTA_THREADS, class Params>
+__device__ __forceinline__ void merge_if_last(const Params& P, i64 row, int head) {
+    if (P.merge.counters == nullptr ||
+        !last_split(P.merge.counters + row * gridDim.y + head, P.merge.splits))
+        return;
+    const i64 at = row * P.s_row + (i64)head * P.s_head;
+    merge_split_partials<HD, CTA_THREADS>(P.merge, row, head,
+                                          P.part_out + row * P.o_row + (i64)head * P.o_head,
+                                          P.o_split, P.part_max + at, P.part_sum + at);
+}

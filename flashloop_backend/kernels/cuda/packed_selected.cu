@@ -75,17 +75,6 @@ __device__ __forceinline__ void codes8(u32 w, float c[8]) {
     }
 }
 
-// the split merge, in the (row, head)'s last CTA to write its partial
-__device__ __forceinline__ void merge_if_last(const Params& P, i64 row, int head) {
-    if (P.merge.counters == nullptr ||
-        !last_split(P.merge.counters + row * gridDim.y + head, P.merge.splits))
-        return;
-    const i64 at = row * P.s_row + (i64)head * P.s_head;
-    merge_split_partials<D, WARPS * 32>(P.merge, row, head,
-                                     P.part_out + row * P.o_row + (i64)head * P.o_head,
-                                     P.o_split, P.part_max + at, P.part_sum + at);
-}
-
 #if MIN_CTAS > 0  // registers capped so that MIN_CTAS CTAs fit on an SM
 #define SELECTED_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
 #else
@@ -374,5 +363,5 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    merge_if_last(P, row, head);
+    merge_if_last<D, WARPS * 32>(P, row, head);
 }

@@ -78,17 +78,6 @@ struct Params {
     SplitMerge merge;             // the last CTA's merge (counters nullptr: none)
 };
 
-// the split merge, in the (row, head)'s last CTA to write its partial
-__device__ __forceinline__ void merge_if_last(const Params& P, i64 row, int head) {
-    if (P.merge.counters == nullptr ||
-        !last_split(P.merge.counters + row * gridDim.y + head, P.merge.splits))
-        return;
-    const i64 at = row * P.s_row + (i64)head * P.s_head;
-    merge_split_partials<D, WARPS * 32>(P.merge, row, head,
-                                     P.part_out + row * P.o_row + (i64)head * P.o_head,
-                                     P.o_split, P.part_max + at, P.part_sum + at);
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 packed_stream(const Params P) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -110,7 +99,7 @@ packed_stream(const Params P) {
             P.part_max[at] = NEG_INF;
             P.part_sum[at] = 0.f;
         }
-        merge_if_last(P, row, head);
+        merge_if_last<D, WARPS * 32>(P, row, head);
         return;
     }
     unsigned char* ring = smem + warp * (STAGES * LEVELS * BLOCK);
@@ -399,5 +388,5 @@ packed_stream(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    merge_if_last(P, row, head);
+    merge_if_last<D, WARPS * 32>(P, row, head);
 }
