@@ -213,57 +213,24 @@ def test_the_cuda_correction_reads_blocks_of_keys_on_many_pages(sparse):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
-def _merge_cases(op):
-    """``run(fused)``: the outputs of an op with its split merge in its last CTA (fused) or
-    in the Triton launch after it, over one input of ``_packed_rows``: ``stream`` the
-    loop-1 read at two levels, ``source`` the loop-2 source (its finish), ``correction``
-    the loop 3-4 correction at four."""
-    from flashloop_backend.kernels.cuda.packed_selected import (
-        SelectedTuning,
-        packed_sparse_correction_cuda,
-    )
+@pytest.mark.gpu
+def test_the_values_pass_finish_equals_the_finish_launch_at_every_launch():
+    """The loop-2 source with the values pass's last CTA finishing against the Triton
+    finish launch over the same partials, launched again and replayed from a CUDA graph:
+    each launch puts the arrival counters back to 0, so every launch finishes once and
+    alike."""
+    from flashloop_backend.kernels.cuda import arrivals
     from flashloop_backend.kernels.cuda.packed_source import (
         SourceTuning,
         packed_dense_source_cuda,
     )
-    from flashloop_backend.kernels.cuda.packed_stream import StreamTuning, packed_decode_cuda
-    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
-    from flashloop_backend.kv.levels import level_metadata
 
-    if op in ("stream", "source"):
-        args, lengths = _packed_rows(2, sparse=False)
-
-        def run(fused):
-            if op == "source":
-                tuning = SourceTuning(finish_in_kernel=fused)
-                return packed_dense_source_cuda(*args, lengths, 0.1, 128, tuning=tuning)
-            return (packed_decode_cuda(*args, lengths, tuning=StreamTuning(merge_in_kernel=fused)),)
-
-        return run
-    args, lengths = _packed_rows(4, sparse=False)
-    q, store, layer, _, cache_k, cache_v, tables = args
-    two = level_metadata(store, [0, 1, 2], [1, 1, 1], "cuda")
-    _, indices, mass, output, contribution = packed_dense_source(
-        q, store, layer, two, cache_k, cache_v, tables, lengths, 0.1, 128
-    )
-    state = (indices, mass, output, contribution)
+    args, lengths = _packed_rows(2, sparse=False)
 
     def run(fused):
-        tuning = SelectedTuning(merge_in_kernel=fused)
-        return (packed_sparse_correction_cuda(*args, *state, tuning=tuning),)
+        tuning = SourceTuning(finish_in_kernel=fused)
+        return packed_dense_source_cuda(*args, lengths, 0.1, 128, tuning=tuning)
 
-    return run
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ["stream", "source", "correction"])
-def test_the_merge_in_the_last_cta_equals_the_merge_launch_at_every_launch(op):
-    """The kernels' own split merge against the Triton launch over the same partials,
-    launched again and replayed from a CUDA graph: each launch puts the arrival counters
-    back to 0, so every launch merges once and alike."""
-    from flashloop_backend.kernels.cuda import split_merge
-
-    run = _merge_cases(op)
     expected = run(False)
     first = run(True)
     for got, want in zip(first, expected, strict=True):
@@ -282,7 +249,7 @@ def test_the_merge_in_the_last_cta_equals_the_merge_launch_at_every_launch(op):
         graph.replay()
         assert all(torch.equal(a, b) for a, b in zip(replayed, first, strict=True))
     torch.cuda.synchronize()
-    assert not split_merge._COUNTERS[first[0].device].any()
+    assert not arrivals._COUNTERS[first[0].device].any()
 
 
 @pytest.mark.gpu

@@ -211,17 +211,9 @@ __device__ __forceinline__ u32 order_key(float logit) {
     return (raw & 0x80000000u) ? ~raw : (raw | 0x80000000u);
 }
 
-// ---- split partials merged by the last CTA of their (row, head): no merge launch
-// (the grid-sync pattern: every thread's writes fenced, one arrival counted per CTA)
-struct SplitMerge {
-    int* counters;         // [R, Hq] arrivals, 0 between launches; nullptr: no merge here
-    u16* out;              // [R, Hq, D] bf16
-    const float* ref;      // the correction's O_ref [R, Hq, D] FP32; nullptr: plain merge
-    const float* contrib;  // C_ref [R, Hq, D] FP32
-    const float* mass;     // m [R, Hq] FP32
-    int out_row, out_head, ref_row, ref_head, contrib_row, contrib_head, mass_row;
-    int splits;            // CTAs of one (row, head)
-};
+// ---- work finished by the last CTA of each (row, head) to write its split (the values
+// pass's sums): every thread's writes fenced, one arrival counted per CTA, the pattern of
+// a grid-wide barrier
 
 __device__ __forceinline__ float ldcg(const float* p) {  // from L2: written by other SMs
     float v;
@@ -241,89 +233,13 @@ __device__ __forceinline__ bool last_split(int* counter, int splits) {
     __shared__ int is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        __threadfence();
         is_last = atomicAdd(counter, 1) == splits - 1;
         if (is_last) {
             atomicExch(counter, 0);
-            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+            __threadfence();
         }
     }
     __syncthreads();
     return is_last;
-}
-
-// Splits one CTA can merge: their weights sit in shared memory
-constexpr int MERGE_SPLITS_MAX = 256;
-
-// The merge of split partials (``merge_splits``' arithmetic): part_out [S, D] at split
-// stride o_split, part_max (natural log) and part_sum [S]; rows with no key give 0, a
-// correction ref - contrib + mass * merged. Every split's statistics load at once (one
-// per thread), then each thread's channel sums its splits' partials, eight loads in flight.
-template <int HD, int CTA_THREADS>
-__device__ __forceinline__ void merge_split_partials(const SplitMerge& M, i64 row, int head,
-                                                     const float* part_out, i64 o_split,
-                                                     const float* part_max,
-                                                     const float* part_sum) {
-    constexpr int WARPS_ = CTA_THREADS / 32;
-    __shared__ float weight[MERGE_SPLITS_MAX], sums[MERGE_SPLITS_MAX], reduce[WARPS_];
-    const int splits = M.splits, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float top = NEG_INF;
-    for (int s = threadIdx.x; s < splits; s += CTA_THREADS) {
-        const float m = ldcg(part_max + s);
-        sums[s] = ldcg(part_sum + s);
-        weight[s] = m;
-        top = fmaxf(top, m);
-    }
-    top = warp_max(top);
-    if (lane == 0) reduce[warp] = top;
-    __syncthreads();
-    top = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS_; ++w) top = fmaxf(top, reduce[w]);
-    const float safe = top == NEG_INF ? 0.f : top;
-    float part = 0.f;
-    for (int s = threadIdx.x; s < splits; s += CTA_THREADS) {
-        const float w = expf(weight[s] - safe);
-        weight[s] = w;
-        part += sums[s] * w;
-    }
-    part = warp_sum(part);
-    __syncthreads();  // every thread has read the maxima out of reduce[]
-    if (lane == 0) reduce[warp] = part;
-    __syncthreads();
-    float denom = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS_; ++w) denom += reduce[w];
-    for (int d = threadIdx.x; d < HD; d += CTA_THREADS) {
-        float numer = 0.f;
-        int s = 0;
-        for (; s + 8 <= splits; s += 8) {
-            float v[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = ldcg(part_out + (i64)(s + k) * o_split + d);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) numer += v[k] * weight[s + k];
-        }
-        for (; s < splits; ++s) numer += ldcg(part_out + (i64)s * o_split + d) * weight[s];
-        float v = denom > 0.f ? numer / denom : 0.f;
-        if (M.ref != nullptr)
-            v = M.ref[row * M.ref_row + (i64)head * M.ref_head + d] -
-                M.contrib[row * M.contrib_row + (i64)head * M.contrib_head + d] +
-                M.mass[row * M.mass_row + head] * v;
-        M.out[row * M.out_row + (i64)head * M.out_head + d] = float_to_bf16(v);
-    }
-}
-
-// The split merge of a kernel whose Params hold ``merge`` and split partials (part_out
-// [R, Hq, S, D] at o_row / o_head / o_split, part_max and part_sum [R, Hq, S] at s_row /
-// s_head), in the (row, head)'s last CTA to write its partial
-template <int HD, int CTA_THREADS, class Params>
-__device__ __forceinline__ void merge_if_last(const Params& P, i64 row, int head) {
-    if (P.merge.counters == nullptr ||
-        !last_split(P.merge.counters + row * gridDim.y + head, P.merge.splits))
-        return;
-    const i64 at = row * P.s_row + (i64)head * P.s_head;
-    merge_split_partials<HD, CTA_THREADS>(P.merge, row, head,
-                                          P.part_out + row * P.o_row + (i64)head * P.o_head,
-                                          P.o_split, P.part_max + at, P.part_sum + at);
 }

@@ -57,7 +57,6 @@ struct Params {
     int k_block, k_slot, k_head, v_block, v_slot, v_head, bt_row;
     int o_row, o_head, o_split, s_row, s_head;
     int keys_per_split, bucket, group_q, block_size;
-    SplitMerge merge;             // the last CTA's merge (counters nullptr: none)
 };
 
 __device__ __forceinline__ uint4 ldg128(const unsigned char* p) {
@@ -363,5 +362,4 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    merge_if_last<D, WARPS * 32>(P, row, head);
 }

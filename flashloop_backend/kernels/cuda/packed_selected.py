@@ -12,12 +12,6 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
-from flashloop_backend.kernels.cuda.split_merge import (
-    MERGE_SPLITS_MAX,
-    NO_MERGE,
-    SplitMergeFields,
-    split_merge,
-)
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
 from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
 from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
@@ -31,14 +25,11 @@ WARPS = 4
 class SelectedTuning:
     """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
     over the (row, head) pairs, at least ``keys_per_split`` keys a split, registers capped
-    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap); ``merge_in_kernel``:
-    the correction's last CTA of each (row, head) merges the splits; off (the default,
-    results/README.md says why) the Triton merge launch after it does."""
+    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap)."""
 
     ctas_per_sm: int = 4
     keys_per_split: int = 64
     resident_ctas: int = 4
-    merge_in_kernel: bool = False
 
 
 DEFAULT_SELECTED = SelectedTuning()
@@ -65,7 +56,6 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
-        ("merge", SplitMergeFields),
     ]
 
 
@@ -80,12 +70,9 @@ def packed_selected_parts_cuda(
     indices: torch.Tensor,
     scale: float,
     tuning: SelectedTuning = DEFAULT_SELECTED,
-    merge: tuple[torch.Tensor, tuple[torch.Tensor, ...] | None] | None = None,
 ):
     """``packed_selected_parts``' contract (split partials over the selected positions
-    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel; with ``merge``
-    = (out [R, Hq, D] bf16, correction as ``split_merge`` takes it) the kernel's last CTA
-    of each (row, head) also writes the merged result into out (rows > 0, Kb > 0 only)."""
+    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     reason = unsupported(q, store, key_cache)
@@ -94,7 +81,13 @@ def packed_selected_parts_cuda(
     check_selected_indices(q, indices)
     check_packed_inputs(q, store, meta, key_cache)
     bucket = indices.shape[-1]
-    splits, keys_per_split = _key_splits(q, bucket, tuning)
+    splits, keys_per_split = packed_key_splits(
+        rows,
+        num_q_heads,
+        max(1, bucket),
+        tuning.ctas_per_sm * sm_count(q.device),
+        tuning.keys_per_split,
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -144,7 +137,6 @@ def packed_selected_parts_cuda(
         bucket,
         num_q_heads // num_kv_heads,
         block_size,
-        NO_MERGE if merge is None else split_merge(merge[0], splits, merge[1]),
     )
     defines = {
         "HEAD_DIM": head_dim,
@@ -157,13 +149,6 @@ def packed_selected_parts_cuda(
     kernel = loader.build_file("packed_selected", defines)
     kernel((splits, num_q_heads, rows), (WARPS * 32, 1, 1), [params])
     return part_out, part_max, part_sum
-
-
-def _key_splits(q: torch.Tensor, bucket: int, tuning: SelectedTuning) -> tuple[int, int]:
-    """(splits, keys a split) of the selected-key launch over ``bucket`` positions."""
-    rows, num_q_heads, _ = q.shape
-    per_grid = tuning.ctas_per_sm * sm_count(q.device)
-    return packed_key_splits(rows, num_q_heads, max(1, bucket), per_grid, tuning.keys_per_split)
 
 
 def packed_sparse_correction_cuda(
@@ -184,19 +169,6 @@ def packed_sparse_correction_cuda(
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S over the selected keys
     ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    correction = (
-        output.float().contiguous(),
-        contribution.float().contiguous(),
-        mass.float().contiguous(),
-    )
-    out = torch.empty_like(q)
-    bucket = indices.shape[-1]
-    fused = (
-        tuning.merge_in_kernel
-        and q.shape[0] > 0
-        and bucket > 0
-        and _key_splits(q, bucket, tuning)[0] <= MERGE_SPLITS_MAX
-    )
     parts = packed_selected_parts_cuda(
         q,
         store,
@@ -208,6 +180,6 @@ def packed_sparse_correction_cuda(
         indices.to(torch.int32),
         scale,
         tuning=tuning,
-        merge=(out, correction) if fused else None,
     )
-    return out if fused else merge_splits(*parts, out, correction=correction)
+    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
+    return merge_splits(*parts, torch.empty_like(q), correction=correction)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
+from flashloop_backend.kernels.cuda.arrivals import arrival_counters
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
-from flashloop_backend.kernels.cuda.split_merge import arrival_counters
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_span,

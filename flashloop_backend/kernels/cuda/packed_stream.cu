@@ -75,7 +75,6 @@ struct Params {
     int groups_per_split;
     int group_q;
     int block_size;
-    SplitMerge merge;             // the last CTA's merge (counters nullptr: none)
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -99,7 +98,6 @@ packed_stream(const Params P) {
             P.part_max[at] = NEG_INF;
             P.part_sum[at] = 0.f;
         }
-        merge_if_last<D, WARPS * 32>(P, row, head);
         return;
     }
     unsigned char* ring = smem + warp * (STAGES * LEVELS * BLOCK);
@@ -388,5 +386,4 @@ packed_stream(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    merge_if_last<D, WARPS * 32>(P, row, head);
 }

@@ -1,8 +1,7 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
-``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits
-come from shapes only; the Triton merge combines them (or, tuned so, the reader's last CTA
-of each (row, head)). Rows whose metadata may hold compact levels (token-sparse depths) take the
-Triton reader, which reads them."""
+``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
+the Triton merge combines them. Rows whose metadata may hold compact levels (token-sparse
+depths) take the Triton reader, which reads them."""
 
 from __future__ import annotations
 
@@ -13,12 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.cuda.split_merge import (
-    MERGE_SPLITS_MAX,
-    NO_MERGE,
-    SplitMergeFields,
-    split_merge,
-)
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_decode_triton,
@@ -36,14 +29,11 @@ class StreamTuning:
     heads and splits; ``warps`` per CTA and ``stages`` ring buffers per warp, each a
     group's blocks at every level read (shared memory: warps x stages x levels x block
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
-    one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
-    ``merge_in_kernel``: the last CTA of each (row, head) merges the splits; off (the
-    default, results/README.md says why) the Triton merge launch after the reader does."""
+    one from two levels, the fastest at 32K x 16 on the H200, results/README.md)."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
-    merge_in_kernel: bool = False
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -75,7 +65,6 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
-        ("merge", SplitMergeFields),
     ]
 
 
@@ -160,7 +149,6 @@ def packed_decode_cuda(
     per_sm = 0 if few_rows else tuning.ctas_per_sm
     splits, per_split = stream_splits(q, store, meta, block_tables, block_size, None, per_sm)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
-    fused = tuning.merge_in_kernel and splits <= MERGE_SPLITS_MAX
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -200,7 +188,6 @@ def packed_decode_cuda(
         per_split,
         num_q_heads // num_kv_heads,
         block_size,
-        split_merge(out, splits) if fused else NO_MERGE,
     )
     warps, _ = launch_shape(levels, tuning)
     kernel = _kernel(levels, g, head_dim, tuning)
@@ -210,4 +197,4 @@ def packed_decode_cuda(
         [params],
         shared_bytes(levels, g, head_dim, tuning),
     )
-    return out if fused else merge_splits(part_out, part_max, part_sum, out)
+    return merge_splits(part_out, part_max, part_sum, out)

@@ -196,14 +196,12 @@ def tuning_label(tuning) -> str:
 
 
 def _cuda_variants(levels: int, sweep: bool) -> list:
-    """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch, the
-    same with the other split merge (in the kernel's last CTA or the Triton launch after
-    it), and (``sweep``) other CTAs per SM, warps and stages (the reader writes no logits:
-    the loop-2 source's keys pass does, ``packed_source.cu``)."""
+    """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch and
+    (``sweep``) other CTAs per SM, warps and stages (the reader writes no logits: the
+    loop-2 source's keys pass does, ``packed_source.cu``)."""
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
 
-    flipped = not DEFAULT_STREAM.merge_in_kernel
-    out = [DEFAULT_STREAM, replace(DEFAULT_STREAM, merge_in_kernel=flipped)]
+    out = [DEFAULT_STREAM]
     if sweep:
         shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
         for ctas in (1, 4, 8):
@@ -217,12 +215,9 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
 def _stream_label(stream) -> str:
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM
 
-    merge = ""
-    if stream.merge_in_kernel != DEFAULT_STREAM.merge_in_kernel:
-        merge = "_merge_in_kernel" if stream.merge_in_kernel else "_merge_launch"
-    if replace(stream, merge_in_kernel=DEFAULT_STREAM.merge_in_kernel) == DEFAULT_STREAM:
-        return merge
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{merge}"
+    if stream == DEFAULT_STREAM:
+        return ""
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}"
 
 
 def cuda_unavailable() -> str | None:
@@ -409,7 +404,7 @@ def sparse_ops_case(
             )
             from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
-            corrections += [("_cuda", packed_sparse_correction_cuda), _other_merge_correction()]
+            corrections.append(("_cuda", packed_sparse_correction_cuda))
             sources = [("_cuda", packed_dense_source_cuda), *_source_launch_variants()]
             if sweep:
                 sources += _source_variants(packed_dense_source_cuda)
@@ -431,23 +426,6 @@ def sparse_ops_case(
                     selected_bytes(store, meta[depth], indices, depth + 1),
                 )
     return results
-
-
-def _other_merge_correction() -> tuple:
-    """(suffix, correction) of the CUDA correction with the other split merge than the
-    registered one (in its last CTA, or the Triton launch after it), timed beside it in
-    every run."""
-    import functools
-
-    from flashloop_backend.kernels.cuda.packed_selected import (
-        DEFAULT_SELECTED,
-        packed_sparse_correction_cuda,
-    )
-
-    fused = not DEFAULT_SELECTED.merge_in_kernel
-    tuning = replace(DEFAULT_SELECTED, merge_in_kernel=fused)
-    suffix = "_cuda_merge_in_kernel" if fused else "_cuda_merge_launch"
-    return suffix, functools.partial(packed_sparse_correction_cuda, tuning=tuning)
 
 
 def _source_launch_variants() -> list[tuple]:
