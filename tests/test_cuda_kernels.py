@@ -400,3 +400,30 @@ def test_the_one_launch_selection_names_each_input_it_refuses(change, message):
             *(args["logits"], args["lse"], args["lengths"], args["indices"], 0.1, args["batch"]),
             split_states=args["states"],
         )
+
+
+@pytest.mark.parametrize("bad", ["part_mass", "mass", "out", "output", "contribution"])
+def test_the_values_pass_finish_names_the_buffer_it_cannot_write(bad):
+    """Checked before the counters or a launch, so a CPU machine sees them too."""
+    from flashloop_backend.kernels.cuda.packed_source import _finish
+    from flashloop_backend.kernels.triton.threshold_select import Selection
+
+    rows, heads, dim = 2, 4, 8
+    strided = {
+        "part_mass": torch.zeros(rows, heads, 2)[..., :1],
+        "mass": torch.zeros(heads, rows).t(),
+    }
+    strided |= {
+        name: torch.zeros(rows, heads, 2 * dim)[..., ::2]
+        for name in ("out", "output", "contribution")
+    }
+    tensors = {
+        "part_mass": torch.zeros(rows, heads, 1),
+        "mass": torch.zeros(rows, heads),
+        **{name: torch.zeros(rows, heads, dim) for name in ("out", "output", "contribution")},
+    } | {bad: strided[bad]}
+    plan, offsets = torch.zeros(rows, heads, 3).int(), torch.zeros(rows, heads, 1, 2).int()
+    selection = Selection(plan, offsets, tensors["part_mass"], 1, 16)
+    outputs = tuple(tensors[name] for name in ("out", "mass", "output", "contribution"))
+    with pytest.raises(ValueError, match="part_mass and mass" if "mass" in bad else bad):
+        _finish(selection, outputs, 3)
