@@ -14,6 +14,9 @@
 #            build or graph capture after the engine's warm-up (tests/test_gpu_compiles.py)
 #   selection  the loop-2 selection alone per radix digit width and candidate-list size
 #            (scripts/bench_selection.py) at 8K x 1, 32K x 1 and 32K x 16
+#   host     where a decode step's host time goes (scripts/profile_host.py --decode, graphs)
+#            for dense Triton and all on at HOST_SHAPE (context x concurrency, default
+#            32768x16) over HOST_LAYERS layers (default 4)
 #   convert  a prompt's conversion to packed INT4 (the Triton level writer) at 8K and
 #            32K, 24 layers, with its top CUDA ops
 set -uo pipefail
@@ -29,7 +32,7 @@ e2e() {  # name, config, then bench e2e arguments
   grep -E "Error|error" "$OUT/bench_e2e_$name.log" | tail -3
   python3 scripts/e2e_summary.py "$OUT/bench_e2e_$name.json" | cut -c1-200
 }
-case "${1:?stage: kernels, e2e, tests, selection or convert}" in
+case "${1:?stage: kernels, e2e, tests, selection, host or convert}" in
   kernels)
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
       OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \
@@ -66,6 +69,17 @@ json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
     run python3 scripts/bench_selection.py --widths "${WIDTHS:-4,8}" \
       --candidates "${CANDIDATES:-1024,2048}" --json "$OUT/bench_selection.json" \
       2>&1 | tee "$OUT/bench_selection.log" | tail -12 ;;
+  host)
+    shape=${HOST_SHAPE:-32768x16}
+    for backend in triton flashloop; do
+      config=""
+      [ "$backend" = flashloop ] && config="--config configs/all_on.json"
+      run python3 scripts/profile_host.py --backend "$backend" $config --context "${shape%x*}" \
+        --concurrency "${shape#*x}" --layers "${HOST_LAYERS:-4}" --decode 16 --graphs \
+        --json "$OUT/profile_host_decode_${backend}_$shape.json" \
+        > "$OUT/profile_host_decode_${backend}_$shape.log" 2>&1
+      grep -E "Error|decode step wall" "$OUT/profile_host_decode_${backend}_$shape.log" | tail -2
+    done ;;
   convert)
     for context in 8192 32768; do
       run python3 scripts/profile_conversion.py --context "$context" --layers 24 --chunks 4096 \

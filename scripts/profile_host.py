@@ -9,8 +9,8 @@ On a GPU the model has Ouro-1.4B shapes with random weights; ``--tiny`` (any dev
 small model of the same depth, so the host's own work shows beside small kernels. A
 step whose wait is near zero is host-bound: the device idled while the host planned.
 
-``--decode N`` profiles decode instead: N-token decodes of one request from CUDA graphs
-(``--graphs``) or eager, each step's wall time beside the GPU time of its graph replays,
+``--decode N`` profiles decode instead: N-token decodes of ``--concurrency`` requests
+(one by default) from CUDA graphs (``--graphs``) or eager, each step's wall time beside the GPU time of its graph replays,
 and cProfile over one more decode (the host's share of a token)."""
 
 import argparse
@@ -70,11 +70,12 @@ def _pass(engine, prompts, new_tokens):
     return steps
 
 
-def _decode(engine, prompt, new_tokens, profiler=None):
-    """Wall ms of every decode step after the first token of one request."""
+def _decode(engine, prompts, new_tokens, profiler=None):
+    """Wall ms of every decode step once every request of ``prompts`` has its first token."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
-    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    while not engine.has_first_token(rid):
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while not all(engine.has_first_token(i) for i in ids):
         engine.step()
     sync()
     walls = []
@@ -90,15 +91,15 @@ def _decode(engine, prompt, new_tokens, profiler=None):
     return walls
 
 
-def _profile_decode(engine, prompt, args) -> dict:
+def _profile_decode(engine, prompts, args) -> dict:
     """The decode record: step walls, replay GPU ms by graph key and the top functions."""
-    _decode(engine, prompt, args.decode)  # compiles and captures every decode graph
+    _decode(engine, prompts, args.decode)  # compiles and captures every decode graph
     if engine.graphs is not None:
         engine.graphs.time_replays()
-    walls = _decode(engine, prompt, args.decode)
+    walls = _decode(engine, prompts, args.decode)
     replays = engine.graphs.replay_ms() if engine.graphs is not None else {}
     profiler = cProfile.Profile()
-    profiled = _decode(engine, prompt, args.decode, profiler)
+    profiled = _decode(engine, prompts, args.decode, profiler)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(args.rows)
@@ -127,8 +128,12 @@ def main() -> int:
     parser.add_argument("--json", help="write the record here")
     parser.add_argument("--decode", type=int, help="profile decode steps of this many tokens")
     parser.add_argument("--graphs", action="store_true", help="decode from CUDA graphs")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="requests decoding together (decode only)"
+    )
     args = parser.parse_args()
     model, request = _model(args)
+    rows = args.concurrency if args.decode else 1
     config = FlashLoopConfig()
     if args.config:
         config = FlashLoopConfig.from_dict(json.load(open(args.config)))
@@ -138,24 +143,27 @@ def main() -> int:
         from flashloop_backend.host.graphs import GraphSettings
 
         request = request.with_required({Capability.CUDA_GRAPHS})
-        graphs = GraphSettings(buckets=(1,), max_context=args.context + 64 + (args.decode or 2))
+        buckets = tuple(sorted({1, args.concurrency}))
+        graphs = GraphSettings(buckets=buckets, max_context=args.context + 64 + (args.decode or 2))
     backend = Registry.discover().create(args.backend, request, config)
     engine = Engine(
         model,
         backend,
-        num_blocks=(-(-(args.context + 64) // 16)) * model.config.total_ut_steps + 8,
+        num_blocks=rows * (-(-(args.context + 64) // 16)) * model.config.total_ut_steps + 8,
         block_size=16,
         prefill_chunk=args.prefill_chunk,
         max_batch_tokens=args.prefill_chunk,
         max_context=args.context + 64 + (args.decode or 2),
-        max_slots=1,
+        max_slots=rows,
         cuda_graphs=graphs,
     )
     prompt = torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
     if args.decode:
         _pass(engine, [prompt[: args.prefill_chunk]], 2)  # compiles every prefill kernel
-        record = _profile_decode(engine, prompt, args)
+        prompts = [prompt[i:] + prompt[:i] for i in range(rows)]  # distinct prompts
+        record = _profile_decode(engine, prompts, args)
         record.update(backend=args.backend, config=args.config, context=args.context)
+        record.update(concurrency=rows)
         record.update(layers=args.layers, graphs=args.graphs, device=str(engine.device))
         if args.json:
             with open(args.json, "w") as f:
