@@ -5,7 +5,8 @@
 #            bench packed (the streaming reader per depth with a launch sweep, the loop-2
 #            source and the loop 3-4 corrections, each with bytes and TB/s beside
 #            FlashInfer BF16 decode) at 8K x 1, 32K x 1 and 32K x 16 (KERNEL_SHAPES as "8192x1 ...", PARTS and
-#            SWEEP pick shapes, parts and the launch sweep; SKIP_TESTS=1 leaves the tests out)
+#            SWEEP pick shapes, parts and the launch sweep; CUDA_ONLY=True times the CUDA
+#            readers alone; SKIP_TESTS=1 leaves the tests out)
 #   e2e      all on (configs/all_on.json) vs dense Triton from CUDA graphs, 3 passes, at
 #            8K x 1 and 32K x 1 (24 layers) and 32K x 16 (4 layers, 64 new tokens); KV
 #            quantization alone at 32K x 16 (SHAPES picks a subset: "8k 32k1 32k16 kv")
@@ -44,7 +45,7 @@ case "${1:?stage: kernels, e2e, tests, selection, host or convert}" in
 import json, sys
 from flashloop_backend.tools.bench.packed import bench_packed_kv
 from flashloop_backend.tools.bench.timing import progress_log
-record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False}, parts=tuple('${PARTS:-decode sparse_ops}'.split()))
+record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False}, parts=tuple("${PARTS:-decode sparse_ops}".split()), cuda_only=${CUDA_ONLY:-False})
 json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
 " 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_v3_$1_$2.log" \
         | grep -E "depth1|depth2|source|correction" | cut -c1-170

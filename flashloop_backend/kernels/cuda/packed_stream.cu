@@ -6,7 +6,9 @@
 // run independently (own online softmax, own output partial) until the CTA merges them.
 // Per group a warp copies every level's whole block (D (G + 8) bytes: K codes, V codes,
 // K parameters, V records) into its own ring of STAGES shared buffers with cp.async, so
-// several groups' bytes are in flight while one is computed.
+// several groups' bytes are in flight while one is computed. With one stage (deep reads,
+// whose blocks fill the shared memory) a group's copy goes in two halves instead, K's
+// bytes and V's, each issued as soon as the previous group's half is read.
 //  K: each of the 8 rounds of 8 tokens runs D/16 m16n8k16 products: A is the query with
 //     each level's K scales folded in (row 0, FP16 pairs), B the tokens' codes as the v3
 //     byte order lays them out for lane (token, quad lane), unsubtracted; the bias q . min
@@ -38,6 +40,10 @@ constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D
 #ifndef FLUSH
 #define FLUSH 8                           // a lane's tokens per FP32 flush of its V sums
 #endif
+#ifndef SPLIT_COPY
+#define SPLIT_COPY 1                      // one stage: copy each group in a K and a V half
+#endif
+constexpr bool HALVES = STAGES == 1 && SPLIT_COPY;
 constexpr float LOG2E = 1.4426950408889634f;
 // V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
 // weights of tokens far below the page's largest stay normal FP16 numbers, while eight
@@ -48,6 +54,7 @@ constexpr float LN2 = 0.6931471805599453f;
 static_assert(D == 128, "a lane's row segment is one 16-byte load (D = 128)");
 static_assert(G % 32 == 0, "V groups of whole words");
 static_assert(BLOCK % 512 == 0, "a warp copies a block in rounds of 32 x 16 bytes");
+static_assert(V_CODES % 512 == 0 && 4 * D == 512, "a half: code rounds plus one 512-B parameter round");
 
 struct Params {
     const u16* q;                 // [R, Hq, D] bf16
@@ -163,12 +170,52 @@ packed_stream(const Params P) {
         }
         cp_async_commit();
     };
+    // HALVES (one stage, from two levels): each group's copy in two halves, K (codes and parameters)
+    // then V (codes and records), so the next group's K half lands while this group's V is
+    // summed and its V half while its K is scored; the pages' numbers are loaded a group ahead
+    int pages[LEVELS];
+    auto load_pages = [&](int k) {
+        if (k < mine) {
+            const int group = first + warp + k * WARPS;
 #pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) issue(k);
+            for (int l = 0; l < LEVELS; ++l)
+                pages[l] = kinds[l] == 0 ? P.tables[row * P.t_row + (i64)l * P.t_level + group] : 0;
+        }
+    };
+    auto issue_half = [&](int k, int half) {
+        if (k < mine) {
+            const int codes = half ? V_CODES : 0, params = half ? V_PARAMS : K_PARAMS;
+#pragma unroll
+            for (int l = 0; l < LEVELS; ++l) {
+                if (kinds[l] != 0) continue;
+                const unsigned char* src = P.blocks + pages[l] * P.page_bytes + (i64)kv_head * BLOCK;
+                unsigned char* dst = ring + l * BLOCK;
+#pragma unroll
+                for (int c = 0; c < V_CODES / 512; ++c)
+                    cp_async16(dst + codes + 16 * (lane + 32 * c), src + codes + 16 * (lane + 32 * c));
+                cp_async16(dst + params + 16 * lane, src + params + 16 * lane);
+            }
+        }
+        cp_async_commit();
+    };
+    if constexpr (HALVES) {
+        load_pages(0);
+        issue_half(0, 0);
+        issue_half(0, 1);
+    } else {
+#pragma unroll
+        for (int k = 0; k < STAGES - 1; ++k) issue(k);
+    }
     for (int k = 0; k < mine; ++k) {
-        issue(k + STAGES - 1);
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
+        if constexpr (HALVES) {
+            cp_async_wait<1>();  // this group's K half (its V half may still be in flight)
+            __syncwarp();
+            load_pages(k + 1);
+        } else {
+            issue(k + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+        }
         const unsigned char* stage = ring + (k % STAGES) * (LEVELS * BLOCK);
         const int group = first + warp + k * WARPS;
         float c[ROUNDS][4];
@@ -261,6 +308,12 @@ packed_stream(const Params P) {
             mine_p[r] = (tok & 1) ? b : a;
         }
         l_run += warp_sum(psum);
+        if constexpr (HALVES) {  // the K half is read: the next group's may land there
+            __syncwarp();
+            issue_half(k + 1, 0);
+            cp_async_wait<1>();  // this group's V half
+            __syncwarp();
+        }
         // ---- V: p * scale per (token, group) against the codes, FP16 pairs, FP32 flushes
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
@@ -305,6 +358,7 @@ packed_stream(const Params P) {
             }
         }
         __syncwarp();
+        if constexpr (HALVES) issue_half(k + 1, 1);
     }
     cp_async_wait<0>();
 

@@ -29,11 +29,14 @@ class StreamTuning:
     heads and splits; ``warps`` per CTA and ``stages`` ring buffers per warp, each a
     group's blocks at every level read (shared memory: warps x stages x levels x block
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
-    one from two levels, the fastest at 32K x 16 on the H200, results/README.md)."""
+    one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
+    ``split_copy``: with one stage, each group's blocks are copied in a K half and a V
+    half, the next group's K half issued once this group's is read."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
+    split_copy: bool = True
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -88,6 +91,7 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
         "LEVELS": levels,
         "WARPS": warps,
         "STAGES": stages,
+        "SPLIT_COPY": int(tuning.split_copy),
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)

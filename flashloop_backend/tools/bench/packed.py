@@ -203,12 +203,15 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
 
     out = [DEFAULT_STREAM]
     if sweep:
-        shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, [(4, 1)])
+        deep = [(4, 1), (3, 1), (2, 1)]
+        shapes = {1: [(4, 2), (8, 1), (4, 1)], 2: [(4, 1), (8, 1), (2, 2)]}.get(levels, deep)
         for ctas in (1, 4, 8):
             out.append(StreamTuning(ctas_per_sm=ctas))
         for warps, stages in shapes:
             for ctas in (2, 4):
                 out.append(StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages))
+    if levels > 1:  # whole blocks in one copy: the launch before the K / V halves
+        out.append(StreamTuning(split_copy=False))
     return out
 
 
@@ -217,7 +220,8 @@ def _stream_label(stream) -> str:
 
     if stream == DEFAULT_STREAM:
         return ""
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}"
+    whole = "" if stream.split_copy else "_whole_copy"
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{whole}"
 
 
 def cuda_unavailable() -> str | None:
@@ -259,7 +263,9 @@ def _log_entry(log, where: str, key: str, entry: dict, dense: dict) -> None:
     )
 
 
-def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: bool) -> dict:
+def _decode_case(
+    context: int, batch: int, gen: torch.Generator, log, sweep: bool, cuda_only: bool = False
+) -> dict:
     from flashloop_backend.kernels.triton.packed_decode import DEFAULT_TUNING, packed_decode_triton
     from flashloop_backend.kv.levels import level_metadata
 
@@ -269,7 +275,7 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
     kc, vc = caches[0]
     per_layer = batch * context * HEADS * GROUP * 2  # one level's codes, about
     layers = rotation_layers(per_layer)
-    for sparse in (False, True):
+    for sparse in (False,) if cuda_only else (False, True):
         store, _ = _store(batch, context, layers, sparse, gen)
         for depth in range(4):
             meta = level_metadata(store, list(range(batch)), [depth] * batch, "cuda")
@@ -285,6 +291,8 @@ def _decode_case(context: int, batch: int, gen: torch.Generator, log, sweep: boo
                 variants.append((name + "_logits", DEFAULT_TUNING, True))
             if cuda_unavailable() is None:  # the registered Triton launch alone
                 variants = variants[:1] + variants[-1:] if depth == 1 else variants[:1]
+            if cuda_only:
+                variants = []
             for key, tuning, with_logits in variants:
                 reader = _reader(tuning, with_logits, q.shape, tables, "triton")
                 gap = reader(q, store, 0, meta, kc, vc, tables, lengths).float() - exact.float()
@@ -494,9 +502,11 @@ def bench_packed_kv(
     log=print,
     parts: tuple[str, ...] = PACKED_PARTS,
     sweep: bool = True,
+    cuda_only: bool = False,
 ) -> dict:
     """``parts``: the reader per depth with its launch sweep (``decode``) and the packed
-    sparse-decode ops (``sparse_ops``); each names FlashInfer's BF16 decode of its rows."""
+    sparse-decode ops (``sparse_ops``); each names FlashInfer's BF16 decode of its rows.
+    ``cuda_only``: the reader per depth times the CUDA launches alone, over dense levels."""
     unknown = sorted(set(parts) - set(PACKED_PARTS))
     if unknown or not parts:
         named = unknown or list(parts)
@@ -504,7 +514,9 @@ def bench_packed_kv(
     require_cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(c, b) for c in contexts for b in concurrency]
-    cases = [_decode_case(c, b, gen, log, sweep) for c, b in shapes] if "decode" in parts else []
+    cases = []
+    if "decode" in parts:
+        cases = [_decode_case(c, b, gen, log, sweep, cuda_only) for c, b in shapes]
     dense = {(c["context"], c["concurrency"]): c["flashinfer_bf16"] for c in cases}
     sparse_ops = []
     if "sparse_ops" in parts:
