@@ -41,7 +41,7 @@ constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D
 #define FLUSH 8                           // a lane's tokens per FP32 flush of its V sums
 #endif
 #ifndef SPLIT_COPY
-#define SPLIT_COPY 1                      // one stage: copy each group in a K and a V half
+#define SPLIT_COPY 0                      // one stage: copy each group in a K and a V half
 #endif
 constexpr bool HALVES = STAGES == 1 && SPLIT_COPY;
 constexpr float LOG2E = 1.4426950408889634f;

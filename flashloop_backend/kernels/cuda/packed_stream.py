@@ -31,12 +31,13 @@ class StreamTuning:
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
     one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
     ``split_copy``: with one stage, each group's blocks are copied in a K half and a V
-    half, the next group's K half issued once this group's is read."""
+    half, the next group's K half issued once this group's is read (off until a GPU run
+    has tested and timed it: results/README.md, eighth session)."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
-    split_copy: bool = True
+    split_copy: bool = False
 
 
 DEFAULT_STREAM = StreamTuning()

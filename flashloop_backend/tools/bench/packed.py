@@ -210,8 +210,10 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
         for warps, stages in shapes:
             for ctas in (2, 4):
                 out.append(StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages))
-    if levels > 1:  # whole blocks in one copy: the launch before the K / V halves
-        out.append(StreamTuning(split_copy=False))
+    if levels > 1:  # each group in a K half and a V half (one stage)
+        out.append(StreamTuning(split_copy=True))
+        if sweep and levels > 2:
+            out += [StreamTuning(warps=w, stages=1, split_copy=True) for w in (3, 2)]
     return out
 
 
@@ -220,8 +222,8 @@ def _stream_label(stream) -> str:
 
     if stream == DEFAULT_STREAM:
         return ""
-    whole = "" if stream.split_copy else "_whole_copy"
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{whole}"
+    halves = "_split_copy" if stream.split_copy else ""
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{halves}"
 
 
 def cuda_unavailable() -> str | None:
