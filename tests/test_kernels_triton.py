@@ -412,3 +412,25 @@ def test_merge_lse_refuses_split_states_of_different_strides():
     part_sum = torch.ones(2, 4, 3, device=DEVICE).transpose(1, 2)
     with pytest.raises(ValueError, match="part_max and part_sum must share strides"):
         merge_lse(part_max, part_sum, torch.empty(2, 3, device=DEVICE))
+
+
+@pytest.mark.parametrize("strided", ["out", "output", "contribution", "mass"])
+def test_the_split_merge_refuses_a_buffer_without_unit_inner_stride(strided):
+    """The merge kernel steps along the last dimension of out and the correction's tensors
+    one element at a time: a view with another inner stride is refused by name, before
+    any launch, not read at the wrong addresses."""
+    from flashloop_backend.kernels.triton.paged_decode import merge_splits, split_buffers
+
+    rows, heads, dim = 2, 4, 16
+    parts = split_buffers(rows, heads, 3, dim, torch.device("cpu"))
+    tensors = {
+        "out": torch.zeros(rows, heads, dim),
+        "output": torch.zeros(rows, heads, dim),
+        "contribution": torch.zeros(rows, heads, dim),
+        "mass": torch.ones(rows, heads),
+    }
+    wide = (*tensors[strided].shape[:-1], 2 * tensors[strided].shape[-1])
+    tensors[strided] = torch.zeros(wide)[..., ::2]  # every other element: inner stride 2
+    correction = (tensors["output"], tensors["contribution"], tensors["mass"])
+    with pytest.raises(ValueError, match=rf"unit stride in the last dimension.*'{strided}': 2"):
+        merge_splits(*parts, tensors["out"], correction=correction)

@@ -82,6 +82,17 @@ def merge_splits(
 
     rows, heads, splits, head_dim = part_out.shape
     ref, contrib, mass = correction if correction is not None else (out, out, part_max)
+    # the kernel steps along D in out, ref and contrib and along heads in mass one element
+    # at a time (it takes no stride for them)
+    inner = {"out": out.stride(-1)}
+    if correction is not None:
+        inner |= {"output": ref.stride(-1), "contribution": contrib.stride(-1)}
+        inner["mass"] = mass.stride(-1)
+    strided = {name: stride for name, stride in inner.items() if stride != 1}
+    if strided:
+        raise ValueError(
+            f"merge_splits needs unit stride in the last dimension; got strides {strided}"
+        )
     merge_splits_kernel[(rows, heads)](
         part_out,
         part_max,
