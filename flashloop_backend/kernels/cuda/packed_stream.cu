@@ -170,8 +170,8 @@ packed_stream(const Params P) {
         }
         cp_async_commit();
     };
-    // HALVES (one stage, from two levels): each group's copy in two halves, K (codes and parameters)
-    // then V (codes and records), so the next group's K half lands while this group's V is
+    // HALVES (one stage, from two levels): each group's copy in two halves, K (codes and
+    // parameters) then V (codes and records), so the next group's K half lands while this group's V is
     // summed and its V half while its K is scored; the pages' numbers are loaded a group ahead
     int pages[LEVELS];
     auto load_pages = [&](int k) {

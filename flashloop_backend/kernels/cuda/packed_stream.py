@@ -1,7 +1,7 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
-``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits come from shapes only;
-the Triton merge combines them. Rows whose metadata may hold compact levels (token-sparse
-depths) take the Triton reader, which reads them."""
+``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits
+come from shapes only; the Triton merge combines them. Rows whose metadata may hold
+compact levels (token-sparse depths) take the Triton reader, which reads them."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ class StreamTuning:
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
     one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
     ``split_copy``: with one stage, each group's blocks are copied in a K half and a V
-    half, the next group's K half issued once this group's is read (off until a GPU run
-    has tested and timed it: results/README.md, eighth session)."""
+    half, the next group's K half issued once this group's is read (off by default)."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
