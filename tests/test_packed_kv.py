@@ -305,6 +305,71 @@ def test_the_triton_level_writer_writes_the_chains_pages_bit_for_bit(rng, dtype,
     assert all(store.sequences[0].pages == stores[0].sequences[0].pages for store in stores)
 
 
+@pytest.mark.parametrize("writer", ["chain", "triton"])
+def test_a_prompt_packed_level_by_level_stores_the_pages_of_every_level_at_once(rng, writer):
+    """Appends of one level at a time (each over the rows the levels below stored in the
+    same appends) give the bytes (in level order), maps and marks of appends of every
+    level at once: dense
+    and compact levels, two appends; ``rows`` counts what every level holds."""
+    import functools
+
+    from flashloop_backend.kernels.triton import encode
+
+    write = None
+    if writer == "triton":
+        tuning = encode.EncodeTuning(num_warps=4)
+        write = functools.partial(encode.encode_levels_triton, tuning=tuning)
+    rows = 32
+    dense = torch.ones(rows, dtype=torch.bool)
+    actives = [[dense] * 4, [dense, dense, torch.arange(rows) % 3 == 0, torch.arange(rows) < 5]]
+    appends = []
+    for active in actives:
+        keys, values = ([x.to(DEVICE) for x in _versions(rng, rows)] for _ in range(2))
+        appends.append((keys, values, [a.to(DEVICE) for a in active]))
+    whole, by_level = (PackedKVStore(48, L, H, D, G, device=DEVICE) for _ in range(2))
+    for keys, values, active in appends:
+        whole.append(0, keys, values, active, write=write)
+    for depth in range(4):
+        for keys, values, active in appends:
+            rows_by_depth = [None] * 4
+            rows_by_depth[depth] = _paged([keys[depth]], [values[depth]], rng)[0]
+            by_level.append_rows(0, rows_by_depth, active, write=write)
+        expected = 2 * rows if depth == 3 else 0
+        assert by_level.sequences[0].rows == expected
+    a, b = whole.sequences[0], by_level.sequences[0]
+    for pages_a, pages_b in zip(a.pages, b.pages, strict=True):  # page ids differ, bytes not
+        assert torch.equal(whole.blocks[pages_a], by_level.blocks[pages_b])
+    assert (a.marks, b.spans, b.ahead) == (b.marks, {}, {})
+    assert all(
+        (x is None and y is None) or torch.equal(x, y)
+        for x, y in zip(a.host_maps, b.host_maps, strict=True)
+    )
+
+
+def test_a_level_appended_alone_needs_the_levels_below_over_the_same_rows(rng):
+    """A level's append before the levels below hold its rows, or over rows the levels
+    below appended differently, or levels that are not consecutive: refused by name,
+    nothing taken."""
+    keys = _versions(rng, 32)
+    store = PackedKVStore(48, L, H, D, G)
+    rows = [_paged([k], [k], rng)[0] for k in keys]
+    with pytest.raises(ValueError, match="level 0 of sequence 0 has no append of rows"):
+        store.append_rows(0, [None, rows[1], None, None])
+    with pytest.raises(ValueError, match="consecutive levels"):
+        store.append_rows(0, [rows[0], None, rows[2], None])
+    store.append_rows(0, [rows[0], None, None, None])
+    store.append_rows(0, [rows[0], None, None, None])
+    half = [_paged([k[:16]], [k[:16]], rng)[0] for k in keys]
+    with pytest.raises(ValueError, match=r"level 0 of sequence 0 has no append of rows \[0, 16\)"):
+        store.append_rows(0, [None, half[1], None, None])
+    free = len(store._free)
+    store.append_rows(0, [None, rows[1], None, None])
+    assert len(store._free) == free - 32 // G and store.sequences[0].rows == 0
+    with pytest.raises(ValueError, match=r"levels \[1, 2\] of sequence 0 hold \[32, 0\] rows"):
+        store.append_rows(0, [None, rows[1], rows[2], None])
+    assert len(store._free) == free - 32 // G
+
+
 def _paged(keys, values, rng, block_size=4):
     """The rows of each depth in a paged pool [NB, L, BS, H, D] at shuffled blocks among
     blocks of other values (a partial last block when BS does not divide T)."""

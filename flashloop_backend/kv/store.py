@@ -117,6 +117,20 @@ class SequenceLevels:
     version: int = 0  # the store's append count at this entry's last append (unique)
     # rows after each append -> every level's page count then (where a prefix may be shared)
     marks: dict[int, list[int]] = field(default_factory=dict)
+    # a level appended on its own: its rows past ``rows`` (level -> rows ahead)
+    ahead: dict[int, int] = field(default_factory=dict)
+    # (level, first row) -> (rows, pages, compact rows) of a level's append that a later
+    # level's append of the same rows reads its residuals against; gone once every level
+    # holds those rows
+    spans: dict[tuple[int, int], tuple[int, list[int], torch.Tensor | None]] = field(
+        default_factory=dict
+    )
+    # level -> {its rows after an append of it -> its page count then}
+    level_marks: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def level_rows(self, level: int) -> int:
+        """Logical rows stored at ``level`` (``rows`` plus those appended to it alone)."""
+        return self.rows + self.ahead.get(level, 0)
 
 
 class PackedKVStore:
@@ -377,27 +391,34 @@ class PackedKVStore:
     def append_rows(
         self,
         sequence: int,
-        rows_by_depth: list[KVRows],
+        rows_by_depth: list[KVRows | None],
         active: list[torch.Tensor] | None = None,
         write: LevelWriter | None = None,
     ) -> None:
-        """Encode the sequence's next rows (a new sequence starts at row 0) at every depth,
-        through ``write`` (None: :func:`encode_levels_chain`, the torch oracle).
+        """Encode the sequence's next rows (a new sequence starts at row 0) at every depth
+        given, through ``write`` (None: :func:`encode_levels_chain`, the torch oracle).
 
         rows_by_depth: per depth its T rows of K and V (T a multiple of the group size;
         depth d's logical history, so inactive rows repeat their exit depth's value), in
-        place in paged pools or as tensors. ``active``: per depth [T] bool rows that
-        recomputed it (None: all). Residuals are taken against the running reconstruction
-        of these rows, only over active rows. A level stays dense (no map) while every
-        appended row has it; otherwise it becomes compact, and the rows appended now start
-        a fresh page of it."""
+        place in paged pools or as tensors, or None for a level this append leaves alone.
+        The levels given are consecutive and continue at the same row; every level below
+        them was appended alone over exactly these rows before (its residuals are read from
+        those pages), so a prompt may be packed level by level with the bytes of an append
+        of every level at once. ``active``: per depth [T] bool rows that recomputed it
+        (None: all). Residuals are taken against the running reconstruction of these rows,
+        only over active rows. A level stays dense (no map) while every appended row has
+        it; otherwise it becomes compact, and the rows appended now start a fresh page of
+        it."""
         g = self.group_size
-        shapes = [r.shape for r in rows_by_depth]
+        written = [d for d, r in enumerate(rows_by_depth) if r is not None]
+        shapes = [rows_by_depth[d].shape for d in written]
         rows = shapes[0][0] if shapes else 0
         if not shapes or rows % g or any(shape != shapes[0] for shape in shapes):
             raise ValueError(
                 f"every depth needs the same [T, L, Hkv, D] with T a multiple of {g}; got {shapes}"
             )
+        if written != list(range(written[0], written[-1] + 1)):
+            raise ValueError(f"an append writes consecutive levels; got levels {written}")
         if tuple(shapes[0][1:]) != self.shape:
             raise ValueError(
                 f"K/V rows must be [L, Hkv, D] = {list(self.shape)} like the store's pools; "
@@ -407,12 +428,30 @@ class PackedKVStore:
         depths = len(rows_by_depth)
         if levels is not None and len(levels.pages) != depths:
             raise ValueError(f"sequence {sequence} has {len(levels.pages)} depths; got {depths}")
+        start = 0 if levels is None else levels.level_rows(written[0])
+        held = [0 if levels is None else levels.level_rows(d) for d in written]
+        if any(h != start for h in held):
+            raise ValueError(
+                f"levels {written} of sequence {sequence} hold {held} rows: an append "
+                "continues levels that hold the same rows"
+            )
+        below = {}  # level -> (rows, pages, compact rows) of its append of these rows
+        for depth in range(written[0]):
+            span = None if levels is None else levels.spans.get((depth, start))
+            if span is None or span[0] != rows:
+                raise ValueError(
+                    f"level {depth} of sequence {sequence} has no append of rows "
+                    f"[{start}, {start + rows}) to take level {written[0]}'s residuals against"
+                )
+            below[depth] = span
         presents = []  # per depth: the rows that recomputed it, None when all did
         for depth in range(depths):
             present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
+            if depth in below:
+                present = below[depth][2]
             presents.append(None if present is not None and present.numel() == rows else present)
         counts = [rows if p is None else p.numel() for p in presents]
-        needed = sum(-(-c // g) for c in counts)
+        needed = sum(-(-counts[d] // g) for d in written)
         own = self._reserved.get(sequence, 0)
         if needed > own + self.unreserved_pages():  # up front: a failed append takes nothing
             raise OutOfPackedPagesError(
@@ -425,24 +464,53 @@ class PackedKVStore:
             levels = SequenceLevels(
                 0, [[] for _ in range(depths)], [None] * depths, [None] * depths
             )
-        pages = [[self._free.pop() for _ in range(-(-c // g))] for c in counts]
+        pages = [
+            list(below[d][1])
+            if d in below
+            else [self._free.pop() for _ in range(-(-counts[d] // g))]
+            if d in written
+            else []
+            for d in range(depths)
+        ]
         try:
             (write or encode_levels_chain)(self, rows_by_depth, presents, pages)
         except BaseException:  # a refused write takes nothing: pages and reservation back
-            for taken in reversed(pages):
-                self._free.extend(reversed(taken))
+            for d in reversed(written):
+                self._free.extend(reversed(pages[d]))
             if own:
                 self._reserved[sequence] = own
             raise
-        for depth, depth_rows in enumerate(rows_by_depth):
-            self._extend_level(
-                levels, depth, pages[depth], presents[depth], rows, depth_rows.device
-            )
-        levels.rows += rows
-        levels.marks[levels.rows] = [len(level) for level in levels.pages]
+        for depth in written:
+            device = rows_by_depth[depth].device
+            self._extend_level(levels, depth, pages[depth], presents[depth], rows, device)
+            levels.ahead[depth] = levels.ahead.get(depth, 0) + rows
+            levels.level_marks.setdefault(depth, {})[start + rows] = len(levels.pages[depth])
+            if written[-1] < depths - 1:  # a later level's append reads these pages
+                levels.spans[(depth, start)] = (rows, pages[depth], presents[depth])
+        self._catch_up(levels)
         self._appends += 1
         levels.version = self._appends
         self.sequences[sequence] = levels
+
+    @staticmethod
+    def _catch_up(levels: SequenceLevels) -> None:
+        """Move ``rows`` to the rows every level holds, with its mark where every level's
+        append ended there, and forget the spans no level reads any more."""
+        depths = len(levels.pages)
+        done = min(levels.ahead.get(d, 0) for d in range(depths))
+        if done:
+            levels.rows += done
+            levels.ahead = {d: a - done for d, a in levels.ahead.items() if a > done}
+            counts = [levels.level_marks.get(d, {}).get(levels.rows) for d in range(depths)]
+            if all(c is not None for c in counts):
+                levels.marks[levels.rows] = counts
+            levels.spans = {
+                at: span for at, span in levels.spans.items() if at[1] + span[0] > levels.rows
+            }
+            levels.level_marks = {
+                d: {r: c for r, c in marks.items() if r > levels.rows}
+                for d, marks in levels.level_marks.items()
+            }
 
     def encode_level(
         self, k, v, recon_k, recon_v, present, pages: list[int], layers: slice, quantize
@@ -471,6 +539,26 @@ class PackedKVStore:
         recon_v[present] += dv
         return recon_k, recon_v
 
+    def add_level(self, recon_k, recon_v, pages: list[int], present, layers: slice):
+        """The running reconstruction (FP32 [T, Lb, Hkv, D] or None before level 0) plus
+        one stored level of ``layers`` read from its ``pages`` (its compact rows
+        ``present``; None: dense), as :meth:`encode_level` adds the level it writes."""
+        g = self.group_size
+        index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
+        blocks = self.blocks[index, layers]  # [P, Lb, H, block bytes]
+        count = len(pages) * g if present is None else present.numel()
+        device = blocks.device if recon_k is None else recon_k.device
+        dk, dv = (
+            part(blocks).permute(0, 3, 1, 2, 4).flatten(0, 1)[:count].to(device)
+            for part in (self.layout.keys, self.layout.values)
+        )
+        if present is None:
+            return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
+        recon_k, recon_v = recon_k.clone(), recon_v.clone()
+        recon_k[present] += dk
+        recon_v[present] += dv
+        return recon_k, recon_v
+
     def _extend_level(
         self,
         levels: SequenceLevels,
@@ -488,7 +576,7 @@ class PackedKVStore:
             levels.pages[depth].extend(pages)
             return
         if mapping is None:  # dense so far: its rows sit in page order
-            mapping = torch.arange(levels.rows, dtype=torch.int32)
+            mapping = torch.arange(levels.level_rows(depth), dtype=torch.int32)
         first = len(levels.pages[depth]) * g  # compact rows of this append start a fresh page
         block = torch.full((rows,), -1, dtype=torch.int32)
         if present is None:
@@ -597,14 +685,16 @@ class PackedKVStore:
 class LevelWriter(Protocol):
     """Writes every level of one append into its pages (the ``packed_kv_write`` op):
     ``rows`` per depth its K and V (:class:`~flashloop_backend.kv.rows.KVRows`, in place in
-    paged pools or as tensors); ``presents`` per depth the rows of a compact level (None:
-    dense); ``pages`` per depth its new page ids. Residuals are taken against the
-    reconstruction of the levels before, as :func:`encode_levels_chain` does."""
+    paged pools or as tensors), None for a level not written (one stored before, read from
+    its ``pages``, or one above the written ones, with no pages); ``presents`` per depth
+    the rows of a compact level (None: dense); ``pages`` per depth its page ids. Residuals
+    are taken against the reconstruction of the levels before, as
+    :func:`encode_levels_chain` does."""
 
     def __call__(
         self,
         store: PackedKVStore,
-        rows: list[KVRows],
+        rows: list[KVRows | None],
         presents: list[torch.Tensor | None],
         pages: list[list[int]],
     ) -> None: ...
@@ -612,7 +702,7 @@ class LevelWriter(Protocol):
 
 def encode_levels_chain(
     store: PackedKVStore,
-    rows: list[KVRows],
+    rows: list[KVRows | None],
     presents: list[torch.Tensor | None],
     pages: list[list[int]],
     quantize=quantize_int4,
@@ -625,7 +715,11 @@ def encode_levels_chain(
         layers = slice(first, min(first + store.layers_per_pass, num_layers))
         recon_k = recon_v = None
         for depth, depth_rows in enumerate(rows):
-            if pages[depth]:
+            if pages[depth] and depth_rows is None:  # appended before: read its pages
+                recon_k, recon_v = store.add_level(
+                    recon_k, recon_v, pages[depth], presents[depth], layers
+                )
+            elif pages[depth]:
                 k, v = depth_rows.gather(layers)
                 recon_k, recon_v = store.encode_level(
                     k,

@@ -48,9 +48,10 @@ def encode_levels_triton(
     pages: list[list[int]],
     tuning: EncodeTuning = DEFAULT_ENCODE,
 ) -> None:
-    """rows_by_depth per depth its T rows of K and V (read in place); presents per depth
-    the compact level's rows [Nd] (None: dense); pages per depth its new page ids. Levels
-    are written in order: each reads the ones before."""
+    """rows_by_depth per depth its T rows of K and V (read in place), None for a level
+    already stored (read from its pages) or not written; presents per depth the compact
+    level's rows [Nd] (None: dense); pages per depth its page ids. Levels are written in
+    order: each reads the ones before."""
     from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
 
     g = store.group_size
@@ -60,9 +61,11 @@ def encode_levels_triton(
             f"group_size={g} and head_dim={head_dim} must be powers of two, the group >= 16 "
             "(Triton tiles)"
         )
-    rows = rows_by_depth[0].count
+    rows = next(r for r in rows_by_depth if r is not None).count
     device = store.blocks.device
     for depth, depth_rows in enumerate(rows_by_depth):
+        if depth_rows is None:
+            continue
         if depth_rows.device != device:
             raise ValueError(f"depth {depth}: K/V on {depth_rows.device}, the store on {device}")
         if depth_rows.shape != (rows, num_layers, kv_heads, head_dim):
@@ -82,7 +85,7 @@ def encode_levels_triton(
     exact = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     codes, halves = store.blocks, store.blocks.view(torch.float16)
     for depth, present in enumerate(presents):
-        if not pages[depth]:
+        if not pages[depth] or rows_by_depth[depth] is None:  # none, or read only
             continue
         source = rows_by_depth[depth]
         k, v = source.keys, source.values
