@@ -56,8 +56,11 @@ def test_a_dense_request_holds_its_bf16_blocks_from_admission_to_the_end():
 
 def test_a_packed_request_keeps_its_pages_and_the_rows_past_its_last_group():
     cost = footprint(_backend("kv_quant"), SHAPE, 70, 10, dtype_bytes=4)
-    # 64 prompt rows pack (4 groups of 16): 16 of each plane's 20 blocks leave
-    assert (cost.prefill_blocks, cost.decode_blocks) == (80, 4 * (20 - 16))
+    # 64 prompt rows pack (4 groups of 16): 16 of each plane's 20 blocks leave; carried
+    # from plane to plane, they are held once while the prompt runs its loops
+    assert (cost.prefill_blocks, cost.decode_blocks) == (20 + 3 * (20 - 16), 4 * (20 - 16))
+    kept = footprint(_backend("kv_quant"), SHAPE, 70, 10, dtype_bytes=4, carry_planes=False)
+    assert (kept.prefill_blocks, kept.decode_blocks) == (80, 4 * (20 - 16))
     assert cost.packed_pages == 4 * 4  # 4 levels x 4 groups
     assert cost.page_bytes == 2 * 2 * 16 * (16 + 8)  # layers x KV heads x v3 block bytes
     assert cost.decode_bytes < cost.prefill_bytes

@@ -76,8 +76,11 @@ def _check(engine) -> None:
     }
     if engine.prefix_cache is not None:
         held |= {b for e in engine.prefix_cache._entries for plane in e.blocks for b in plane}
-    assert pools["free_blocks"] + len(held) == pools["num_blocks"]
+    free = pools["free_blocks"] + pools["promised_blocks"]
+    assert free + len(held) == pools["num_blocks"]
     assert not held & set(engine.kv._free)
+    # blocks are promised only to prompts still to carry a plane forward
+    assert set(engine.kv._promised) <= {r.id for r in live if r.phase == "prefill"}
     assert all(not engine.kv.has(r.id) for r in live if r.phase == "waiting")
     if "packed_sequences" in pools:
         store = engine.backend.packed.store

@@ -59,21 +59,22 @@ def test_prompt_blocks_are_freed_and_pages_come_back():
     model = tiny_model(seed=2)
     engine = _engine(model, FlashLoopConfig(kv_residual_quantization=QUANT))
     rid = engine.add_request(PROMPT + PROMPT[:5], SamplingParams(max_new_tokens=3))  # 53 tokens
-    free_before = None
+    engine.step()
+    # 56 rows in 14 blocks of 4: the first plane now, 2 blocks past the 48 packed rows
+    # promised to each later plane, which takes the 12 blocks of those rows from the one before
+    assert (engine.kv.free_blocks, engine.kv.promised_blocks) == (200 - 14 - 3 * 2, 3 * 2)
     while engine._requests[rid].phase != "decode":
-        if engine._requests[rid].phase == "prefill" and free_before is None:
-            free_before = engine.kv.free_blocks
         engine.step()
     store = engine.backend.packed.store
     # the prompt's last prefill step packs it; its BF16 blocks go when the next step starts
     assert engine.has_first_token(rid)
     assert store.accounting()["pages_used"] == 4 * 3  # 48 of 53 rows: 3 groups x 4 levels
-    assert engine.kv.free_blocks == free_before
+    assert (engine.kv.free_blocks, engine.kv.promised_blocks) == (200 - 14 - 3 * 2, 0)
     engine.step()
     for depth in range(4):
         table = engine.kv.block_table(rid, depth)
         assert table[:12] == [-1] * 12 and min(table[12:]) >= 0  # rows 48.. stay BF16
-    assert engine.kv.free_blocks == free_before + 4 * 12
+    assert engine.kv.free_blocks == 200 - 4 * 2
     while engine.has_unfinished():
         engine.step()
     assert store.accounting()["pages_used"] == 0 and engine.kv.free_blocks == 200
@@ -199,14 +200,17 @@ def test_prompt_packs_in_bounded_chunks_like_one_shot(monkeypatch):
     gathered = []
     gather = engine_module.PagedKVCache.plane_rows
 
-    def spy(self, request_id, start, end):
-        gathered.append(end - start)
-        return gather(self, request_id, start, end)
+    def spy(self, request_id, start, end, depths=None):
+        gathered.append((end - start, depths))
+        return gather(self, request_id, start, end, depths)
 
     monkeypatch.setattr(engine_module.PagedKVCache, "plane_rows", spy)
     monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
     chunked = _logprobs(_engine(model, config), PROMPT, forced)
-    assert gathered == [16, 16, 16]  # 48 prompt rows, groups of 16
+    # 48 prompt rows, groups of 16, one level at a time
+    assert sorted(gathered, key=lambda g: g[1].start) == [
+        (16, range(d, d + 1)) for d in range(4) for _ in range(3)
+    ]
     torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="chunk=24 must be a multiple of group_size=16"):
@@ -246,6 +250,71 @@ def test_the_last_loop_packs_chunk_by_chunk_as_at_hand_over(monkeypatch, extra):
     assert sorted(early) == sorted(late)
     for name, tensor in early.items():
         assert torch.equal(tensor, late[name]), name
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"token_sparse_prefill": SPARSE}, {"sparse_decode_attention": SPARSE_DECODE},
+     {"token_sparse_prefill": SPARSE, "sparse_decode_attention": SPARSE_DECODE},
+     {"policy": "rolling"}],
+    ids=["dense_levels", "token_sparse", "sparse_decode", "all_three", "rolling"],
+)  # fmt: skip
+def test_planes_carried_from_loop_to_loop_give_the_pages_and_logprobs_of_kept_planes(extra):
+    """A prompt packed one depth at a time as its loops end, each plane's packed rows
+    passed on to the next loop's plane (inactive rows read there as inherited), stores the
+    bytes, maps and marks of a prompt that keeps a plane per loop and packs once every loop
+    ran, and gives the same log-probs; a prompt ending mid-group and a chunked prefill."""
+    model = tiny_model(seed=2)
+    quant = QUANT | ({"policy": "rolling", "tail_size": 16} if "policy" in extra else {})
+    extra = {k: v for k, v in extra.items() if k != "policy"}
+    config = FlashLoopConfig(kv_residual_quantization=quant, **extra)
+    prompt, forced = PROMPT + PROMPT[:21], [3, 9, 27, 1, 4, 8]  # 69 rows
+
+    def run(carry):
+        engine = _engine(model, config, prefill_chunk=32)
+        engine.carry_planes = carry
+        rid = engine.add_request(prompt, forced=forced, keep_logprobs=True)
+        carried, results = [], []
+        while not engine.has_first_token(rid):
+            results += engine.step()
+            carried.append(engine.kv.promised_blocks)
+        results += engine.step()
+        stored = engine.backend.export_request(rid)
+        while engine.has_unfinished():
+            results += engine.step()
+        return results[0].logprobs, stored, carried
+
+    (kept, kept_pages, none), (carried, carried_pages, promised) = run(False), run(True)
+    assert set(none) == {0} and promised[0] > 0 and promised[-1] == 0
+    assert sorted(kept_pages) == sorted(carried_pages)
+    for name, tensor in kept_pages.items():
+        assert torch.equal(tensor, carried_pages[name]), name
+    torch.testing.assert_close(carried, kept, atol=0, rtol=0)
+
+
+def test_a_depth_is_stored_chunk_by_chunk_as_the_next_loop_reads_it(monkeypatch):
+    """Each chunk of loop d > 0 stores loop d - 1 of the rows it reads first (whole
+    appends), so a depth's conversion spreads over the next loop's steps; the rows past
+    the packed ones reach the next plane with the depth's last chunk."""
+    from flashloop_backend.backends import packed_state
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    engine = _engine(tiny_model(seed=2), FlashLoopConfig(kv_residual_quantization=QUANT),
+                     prefill_chunk=16)  # fmt: skip
+    rid = engine.add_request(PROMPT + PROMPT[:21], SamplingParams(max_new_tokens=2))  # 69 rows
+    seen = []
+    while not engine.has_first_token(rid):
+        engine.step()
+        r = engine._requests[rid]
+        table = engine.kv.block_table(rid, 1)
+        seen.append((r.depth, engine.backend.packed.level_rows(rid, 0), sum(b >= 0 for b in table)))
+    # (loop, rows of depth 0 stored, blocks plane 1 holds) after each step: the step that
+    # ends loop 0 stores none of it; then chunks [0, 16), [16, 32), ... of loop 1 (blocks
+    # of 4 rows; 64 of the 69 rows pack, 71 positions reserved in 18 blocks)
+    after_loop_0 = [entry for entry in seen if entry[0] > 0]
+    assert after_loop_0[:5] == [(1, 0, 0), (1, 16, 4), (1, 32, 8), (1, 48, 12), (1, 64, 16)]
+    # loop 1's last chunk takes the rest; loop 2 then takes plane 1's carried blocks
+    assert [entry[2] for entry in after_loop_0[5:10]] == [18, 14, 10, 6, 2]
 
 
 def test_reference_reads_per_batch_and_per_layer_agree(monkeypatch):

@@ -80,13 +80,15 @@ class RequestKV(Protocol):
     (the prompt once it ran every loop, plus the generated tokens that exited)."""
 
     prompt_length: int
+    num_depths: int
 
     @property
     def final_rows(self) -> int: ...
 
-    def planes(self, start: int, end: int) -> list[KVRows]:
+    def planes(self, start: int, end: int, depths: range | None = None) -> list[KVRows | None]:
         """Per depth K and V of rows [start, end), in place where the host keeps them
-        (``KVRows``: end - start rows of [L, Hkv, D]); valid until :meth:`drop`."""
+        (``KVRows``: end - start rows of [L, Hkv, D]), None for a depth outside ``depths``
+        (None: every depth); valid until :meth:`drop`."""
         ...
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:
@@ -198,6 +200,22 @@ class AttentionBackend(ABC):
         later decode step. The BF16 rows stay readable (the prompt's later chunks read
         them) until :meth:`prompt_done`."""
         return None
+
+    def carried_prompt_rows(self, prompt_length: int) -> int:
+        """Leading rows of a prompt of this length that the backend stores itself one
+        depth at a time (:meth:`store_prompt_depth`) once a loop but the last ran over the
+        whole prompt: the host then passes their blocks on to the next loop's plane instead
+        of keeping a plane per loop. 0: the backend stores no prompt rows that way."""
+        return 0
+
+    def store_prompt_depth(self, request_id: int, kv: RequestKV, depth: int, rows: int) -> int:
+        """Loop ``depth`` (not the last) ran over the whole prompt: store that depth of at
+        least its first ``rows`` carried rows (before the next loop's chunk that reads them;
+        the host then hands their blocks of plane ``depth`` on to that loop). Returns the
+        rows of that depth stored so far. The last depth follows :meth:`prompt_rows_done`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} carries no prompt rows (carried_prompt_rows is 0)"
+        )
 
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         """The request's prompt ran every loop and its first token is out: its rows are

@@ -438,6 +438,14 @@ class FlashLoopBackend(AttentionBackend):
         if self.packed is not None:
             self.packed.pack_final_prompt_rows(request_id, kv, rows)
 
+    def carried_prompt_rows(self, prompt_length: int) -> int:
+        return 0 if self.packed is None else self.packed.prompt_rows(prompt_length)
+
+    def store_prompt_depth(self, request_id: int, kv: RequestKV, depth: int, rows: int) -> int:
+        if self.packed is None:
+            return super().store_prompt_depth(request_id, kv, depth, rows)
+        return self.packed.pack_prompt_level(request_id, kv, depth, rows)
+
     def prompt_done(self, request_id: int, kv: RequestKV) -> None:
         if self.packed is not None:
             self.packed.pack_prompt(request_id, kv)

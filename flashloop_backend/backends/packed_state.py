@@ -123,8 +123,14 @@ class PackedState:
 
     # ------------------------------------------------------------ packing
     def packed_rows(self, sequence: int) -> int:
+        """Rows the sequence holds at every level."""
         entry = self.store.sequences.get(sequence)
         return 0 if entry is None else entry.rows
+
+    def level_rows(self, sequence: int, level: int) -> int:
+        """Rows the sequence holds at ``level``."""
+        entry = self.store.sequences.get(sequence)
+        return 0 if entry is None else entry.level_rows(level)
 
     def prompt_rows(self, prompt_length: int) -> int:
         """Rows of a completed prompt to pack: every whole group (``fixed_prompt``), or
@@ -137,10 +143,30 @@ class PackedState:
         start = self.packed_rows(sequence)
         if end <= start:
             return
-        rows = kv.planes(start, end)  # read in place by the writer, freed after it
+        depths = kv.num_depths
+        behind = [d for d in range(depths) if self.level_rows(sequence, d) == start]
+        # read in place by the writer, freed after it; levels stored ahead are read back
+        rows = kv.planes(start, end, range(behind[0], depths))
         self.store.append_rows(sequence, rows, kv.active(start, end), write=self.write)
         if drop:
             kv.drop(end)
+
+    def pack_prompt_level(
+        self, sequence: int, kv: RequestKV, depth: int, rows: int, chunk: int | None = None
+    ) -> int:
+        """Encode ``depth`` alone over at least the first ``rows`` of the prompt's rows to
+        pack (:meth:`prompt_rows`), in the appends :meth:`pack_final_prompt_rows` makes
+        (multiples of ``chunk`` from row 0, then the end), each over the rows the levels
+        below stored in the same appends; returns the rows of ``depth`` stored."""
+        chunk = self._chunk(chunk)
+        end = self.prompt_rows(kv.prompt_length)
+        done = self.level_rows(sequence, depth)
+        while done < min(rows, end):
+            stop = min(done // chunk * chunk + chunk, end)
+            planes = kv.planes(done, stop, range(depth, depth + 1))
+            self.store.append_rows(sequence, planes, kv.active(done, stop), write=self.write)
+            done = stop
+        return done
 
     def shareable_rows(self, sequence: int, rows: int) -> int:
         """Of the sequence's first ``rows`` rows, those other prompts may start from: whole

@@ -3,7 +3,10 @@
 A request holds, from admission until its prompt has run every loop and been packed, its
 BF16 reservation on every depth plane (prompt + new tokens) and, under KV quantization,
 the packed pages reserved for it; after the packing only the BF16 blocks the packing
-leaves (the rows past its last whole group and the new tokens) and its pages. A budget
+leaves (the rows past its last whole group and the new tokens) and its pages. When the
+engine carries planes (no prefix cache), the rows the backend packs are stored one depth
+at a time as each loop ends and their blocks pass on to the next loop's plane: a prompt
+then holds one plane of them at a time, plus the rows past them on every plane. A budget
 therefore holds ``prefill_requests`` prompts in flight at their prefill cost and every
 other request at its decode cost: the BF16 pool is sized for that mix and the packed pool
 for every request's pages, so the same bytes admit more requests when the backend packs.
@@ -68,9 +71,11 @@ def footprint(
     prompt: int,
     new_tokens: int,
     dtype_bytes: int = 2,
+    carry_planes: bool = True,
 ) -> Footprint:
     """:class:`Footprint` of a request under an engine shaped like ``capacity`` (its pool
-    sizes are not read) with a BF16 cache of ``dtype_bytes`` per element."""
+    sizes are not read) with a BF16 cache of ``dtype_bytes`` per element, carrying its
+    prompt's packed rows from plane to plane or not (an engine with a prefix cache)."""
     c = capacity
     cost = backend.request_cost(c, prompt, new_tokens)
     per_plane = math.ceil((prompt + new_tokens) / c.block_size)
@@ -79,11 +84,15 @@ def footprint(
             f"packed rows {cost.packed_rows} are not whole KV blocks of {c.block_size}"
         )
     block_bytes = c.block_size * c.num_layers * c.num_kv_heads * c.head_dim * 2 * dtype_bytes
+    past = per_plane - cost.packed_rows // c.block_size  # blocks every plane keeps
+    prefill = c.loops * per_plane
+    if carry_planes and cost.packed_rows:
+        prefill = per_plane + (c.loops - 1) * past
     return Footprint(
         prompt,
         new_tokens,
-        c.loops * per_plane,
-        c.loops * (per_plane - cost.packed_rows // c.block_size),
+        prefill,
+        c.loops * past,
         block_bytes,
         cost.packed_pages,
         cost.page_bytes,

@@ -118,7 +118,12 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 )
             slots = speculation.block_size if speculation is not None else 1
             self.capacity_plan = self._plan_pools(
-                kv_memory_bytes, block_size, planned_request, prefill_requests, slots
+                kv_memory_bytes,
+                block_size,
+                planned_request,
+                prefill_requests,
+                slots,
+                carry_planes=not prefix_cache,
             )
             plan = self.capacity_plan
             num_blocks, packed_pages, max_slots = plan.num_blocks, plan.packed_pages, plan.max_slots
@@ -151,6 +156,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
         self.sparsity = token_sparsity(backend, prefill_chunk)
+        # a prompt's rows the backend stores depth by depth pass their blocks from plane to
+        # plane, so a prompt holds one plane of them, not one per loop; a prefix cache
+        # publishes every plane of a prompt, so it keeps them all
+        self.carry_planes = not prefix_cache
         self.prefix_cache = None
         if prefix_cache:
             window = self.sparsity.window_size if self.sparsity is not None else None
@@ -188,10 +197,12 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         planned: tuple[int, int] | None,
         prefill_requests: int,
         slots_per_request: int,
+        carry_planes: bool,
     ):
         """The :class:`~flashloop_backend.host.capacity.PoolPlan` of ``budget`` bytes for
         requests of ``planned`` (prompt, new tokens), each holding ``slots_per_request``
-        token-state slots (a speculating request one per block row)."""
+        token-state slots (a speculating request one per block row), their prompts'
+        planes carried or not."""
         if planned is None:
             new = min(256, self.max_context // 2)
             planned = (self.max_context - new, new)
@@ -202,7 +213,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 f"max_context={self.max_context}"
             )
         shape = planning_capacity(self.cfg, self.max_context, block_size, self.device)
-        request = footprint(self.backend, shape, prompt, new, self.dtype.itemsize)
+        request = footprint(self.backend, shape, prompt, new, self.dtype.itemsize, carry_planes)
         return plan_pools(budget, request, prefill_requests, slots_per_request)
 
     # ------------------------------------------------------------ requests
@@ -219,7 +230,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         self._check_speculative_request(forced, keep_logprobs)
         total = len(prompt) + params.max_new_tokens
-        blocks = self.kv.blocks_needed(total)
+        carry = self.backend.carried_prompt_rows(len(prompt)) if self.carry_planes else 0
+        blocks = self.kv.blocks_needed(total, carry)
         if blocks > self.kv.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {total} tokens needs {blocks} KV blocks but the whole pool has "
@@ -258,10 +270,12 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
 
     def pools(self) -> dict[str, int]:
         """What the engine's pools hold now (accounting; reads the device): free and total
-        BF16 blocks and token-state slots, live requests, prompts awaiting hand-over, and
+        BF16 blocks (free ones promised to prompts whose planes carry forward apart) and
+        token-state slots, live requests, prompts awaiting hand-over, and
         what live requests hold of the backend's own pools (``AttentionBackend.held``)."""
         return {
             "free_blocks": self.kv.free_blocks,
+            "promised_blocks": self.kv.promised_blocks,
             "num_blocks": self.kv.num_blocks,
             "free_slots": len(self._free_slots),
             "max_slots": self.max_slots,
@@ -302,7 +316,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         plane (blocks only the prefix cache holds left out) plus the packed store's steady
         bytes (KV quantization frees packed blocks)."""
         per_block = self.kv.bytes_per_token() // self.cfg.total_ut_steps * self.kv.block_size
-        blocks = self.kv.num_blocks - self.kv.free_blocks
+        blocks = self.kv.num_blocks - self.kv.free_blocks - self.kv.promised_blocks
         if self.prefix_cache is not None:  # blocks only the cache holds are no request's
             blocks -= self.prefix_cache.held()["prefix_blocks_cache_only"]
         held = blocks * per_block
@@ -325,6 +339,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                     f"to free them"
                 )
             return self._collect()
+        self._carry_planes(groups)
         if self.graphs is not None and all(g.mode in GRAPH_MODES for g in groups):
             out = self.graphs.run(groups, torch.cat([self._input_hidden(g) for g in groups]))
             if out is not None:
@@ -421,8 +436,11 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         while True:
             shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
             packed = entry.packed if entry else None
+            carry = 0 if shared is not None or not self.carry_planes else None
+            if carry is None:
+                carry = self.backend.carried_prompt_rows(len(request.prompt))
             try:
-                self.kv.reserve(request.id, len(request.prompt) + new, shared)
+                self.kv.reserve(request.id, len(request.prompt) + new, shared, carry)
                 self.backend.admit(request.id, len(request.prompt), new, packed, reused)
                 break
             except (OutOfBlocksError, OutOfPackedPagesError) as exc:
@@ -468,6 +486,36 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
     def _request_kv(self, r: Request) -> HostRequestKV:
         """The request's BF16 KV as the backend may read and free it."""
         return HostRequestKV(self.kv, r, self.sparsity is not None, self.cfg.total_ut_steps)
+
+    def _carry_planes(self, groups: list[RowGroup]) -> None:
+        """Before a prompt's chunk of loop d > 0 runs: the backend stores loop d - 1 of the
+        carried rows the chunk reads (the rows before its last position) and plane d takes
+        their blocks; with its last chunk, or rows past the carried ones, plane d takes
+        the rest (fresh blocks holding a copy of plane d - 1's rows past them). Stored a
+        chunk at a time, a depth's conversion spreads over the next loop's steps."""
+        for group in groups:
+            carry = self.kv.carried_rows(group.request_id) if group.mode == RowMode.PREFILL else 0
+            if not carry or not group.depth:
+                continue
+            r = self._requests[group.request_id]
+            needed = (group.span[-1] if group.span else group.start + group.count - 1) + 1
+            whole = needed > carry or r.chunk_start + group.count == len(r.schedule.positions)
+            self._carry_plane(r, group.depth - 1, carry if whole else needed, whole)
+
+    def _carry_plane(self, r: Request, depth: int, rows: int, whole: bool) -> None:
+        """Plane ``depth + 1`` takes plane ``depth``'s blocks of the first ``rows`` carried
+        rows once stored (and the rest with ``whole``)."""
+        carry = self.kv.carried_rows(r.id)
+        if not carry or self.kv.carried_through(r.id) > depth:
+            return
+        kv = self._request_kv(r)
+        stored = self.backend.store_prompt_depth(r.id, kv, depth, min(rows, carry))
+        if stored < min(rows, carry) or stored > carry:
+            raise RuntimeError(
+                f"request {r.id}: the backend stored {stored} rows of depth {depth}; the host "
+                f"carries {min(rows, carry)} of {carry} to the next plane"
+            )
+        self.kv.carry_plane(r.id, depth, stored // self.kv.block_size * self.kv.block_size, whole)
 
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
         r = self._requests[group.request_id]

@@ -35,14 +35,14 @@ class HostRequestKV:
 
     def __init__(self, kv: PagedKVCache, request: Request, sparse: bool, loops: int) -> None:
         self.kv, self.request, self.sparse, self.loops = kv, request, sparse, loops
-        self.prompt_length = len(request.prompt)
+        self.prompt_length, self.num_depths = len(request.prompt), loops
 
     @property
     def final_rows(self) -> int:
         return self.prompt_length + len(self.request.exit_depths)
 
-    def planes(self, start: int, end: int) -> list[KVRows]:
-        return self.kv.plane_rows(self.request.id, start, end)
+    def planes(self, start: int, end: int, depths: range | None = None) -> list[KVRows | None]:
+        return self.kv.plane_rows(self.request.id, start, end, depths)
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:
         device = self.kv.key_pool.device
@@ -56,11 +56,12 @@ def active_rows(
     r: Request, start: int, end: int, sparse: bool, loops: int, device
 ) -> list[torch.Tensor] | None:
     """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
-    token-sparse schedule, generated rows by their exit depth); None if all did."""
+    token-sparse schedule, generated rows by their exit depth); None if all did. A depth
+    the prompt has not reached yet counts every row (nothing of it is stored yet)."""
     prompt = len(r.prompt)
     depths = []  # built on the host, moved once decided
     for depth in range(loops):
-        if sparse:
+        if sparse and depth < len(r.schedule.active_history):
             prompt_part = r.schedule.active_history[depth][start : min(end, prompt)].cpu()
         else:
             prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)

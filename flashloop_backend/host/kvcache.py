@@ -24,6 +24,8 @@ class OutOfBlocksError(RuntimeError):
 class _Tables:
     planes: list[list[int]] = field(default_factory=list)  # [depth][block index] -> block id
     capacity_tokens: int = 0
+    carry_rows: int = 0  # leading rows whose blocks pass from plane to plane (reserve)
+    carried_through: int = 0  # the deepest plane that has all its blocks
     # [depths, blocks] int32 host copy of ``planes``, rebuilt after a change: a step's batch
     # reads it instead of converting every plane's list again (one entry per block: long
     # contexts make long lists)
@@ -53,6 +55,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.num_depths = num_blocks, block_size, num_depths
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, _Tables] = {}
+        # request -> free blocks it will still take as its prompt's planes carry forward
+        # (:meth:`carry_plane`); no other reservation may take them
+        self._promised: dict[int, int] = {}
         # blocks with more than one holder (requests sharing a published prefix, the prefix
         # cache itself) -> holders; a block absent here has one
         self._holders: dict[int, int] = {}
@@ -60,40 +65,124 @@ class PagedKVCache:
     # ------------------------------------------------------------ allocation
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Free blocks no request has been promised (what a new reservation may take)."""
+        return len(self._free) - self.promised_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks for ``num_tokens`` positions on every depth plane."""
-        return -(-num_tokens // self.block_size) * self.num_depths
+    @property
+    def promised_blocks(self) -> int:
+        """Free blocks promised to prompts whose planes carry forward."""
+        return sum(self._promised.values())
+
+    def blocks_needed(self, num_tokens: int, carry_rows: int = 0) -> int:
+        """The most blocks ``num_tokens`` positions on every depth plane hold at once, the
+        first ``carry_rows`` carried from plane to plane (:meth:`reserve`)."""
+        per_plane = -(-num_tokens // self.block_size)
+        if not carry_rows:
+            return per_plane * self.num_depths
+        return per_plane + (self.num_depths - 1) * (per_plane - carry_rows // self.block_size)
 
     def reserve(
-        self, request_id: int, num_tokens: int, shared: list[list[int]] | None = None
+        self,
+        request_id: int,
+        num_tokens: int,
+        shared: list[list[int]] | None = None,
+        carry_rows: int = 0,
     ) -> None:
         """Make room for positions [0, num_tokens) on every plane, atomically. ``shared``
         (a new request only): per plane the blocks it starts with, held by others too (a
-        published prefix); they count once more as held and are never written here."""
+        published prefix); they count once more as held and are never written here.
+        ``carry_rows`` (a new request only, a multiple of the block size): the leading
+        prompt rows whose blocks pass from each plane to the next once the backend has
+        stored that depth (:meth:`carry_plane`); only the first plane gets blocks now, and
+        each later plane is promised the blocks past ``carry_rows``."""
         tables = self._tables.get(request_id)
         if shared is not None and tables is not None:
             raise ValueError(f"request {request_id} already has blocks; shared ones start a table")
         per_plane = -(-num_tokens // self.block_size)
+        if carry_rows and (tables is not None or shared is not None):
+            raise ValueError(f"request {request_id}: carry_rows starts a table of its own")
+        if carry_rows % self.block_size or not 0 <= carry_rows <= per_plane * self.block_size:
+            raise ValueError(
+                f"carry_rows={carry_rows} must be a multiple of block_size={self.block_size} "
+                f"within the request's {num_tokens} tokens"
+            )
         have = len(tables.planes[0]) if tables is not None else len((shared or [[]])[0])
         missing = max(0, per_plane - have) * self.num_depths
-        if missing > len(self._free):
+        promise = 0
+        if carry_rows:
+            promise = (self.num_depths - 1) * (per_plane - carry_rows // self.block_size)
+            missing = per_plane
+        if missing + promise > self.free_blocks:
             raise OutOfBlocksError(
-                f"request {request_id} needs {missing} more KV blocks for {num_tokens} tokens "
-                f"({self.num_depths} depth planes x block_size {self.block_size}); "
-                f"{len(self._free)} of {self.num_blocks} are free"
+                f"request {request_id} needs {missing + promise} more KV blocks for "
+                f"{num_tokens} tokens ({self.num_depths} depth planes x block_size "
+                f"{self.block_size}); {self.free_blocks} of {self.num_blocks} are free"
+                + (f" ({self.promised_blocks} promised)" if self._promised else "")
             )
         if tables is None:
             planes = [list(plane) for plane in shared] if shared else None
             tables = _Tables(planes or [[] for _ in range(self.num_depths)])
             self.retain([b for plane in tables.planes for b in plane])
             self._tables[request_id] = tables
-        for plane in tables.planes:
+        for depth, plane in enumerate(tables.planes):
             while len(plane) < per_plane:
-                plane.append(self._free.pop())
+                plane.append(-1 if carry_rows and depth else self._free.pop())
                 tables.cached = None
+        if promise:
+            self._promised[request_id] = promise
+        tables.carry_rows = carry_rows
         tables.capacity_tokens = max(tables.capacity_tokens, per_plane * self.block_size)
+
+    def carried_rows(self, request_id: int) -> int:
+        """The ``carry_rows`` the request was reserved with (0: every plane its own)."""
+        return self._tables[request_id].carry_rows
+
+    def carried_through(self, request_id: int) -> int:
+        """The deepest plane of the request that has all its blocks."""
+        tables = self._tables[request_id]
+        return tables.carried_through if tables.carry_rows else self.num_depths - 1
+
+    def carry_plane(self, request_id: int, depth: int, rows: int, whole: bool = False) -> None:
+        """Plane ``depth + 1`` of a prompt reserved with ``carry_rows`` takes over plane
+        ``depth``'s blocks of its first ``rows`` rows (at most ``carry_rows``; the backend
+        has stored them; the next loop overwrites the rows it recomputes and reads the
+        others as inherited) that it does not hold yet. With ``whole`` (``rows`` then
+        ``carry_rows``) it also takes fresh blocks past them, drawn from the promise,
+        holding a copy of plane ``depth``'s."""
+        tables = self._tables[request_id]
+        source, target = tables.planes[depth], tables.planes[depth + 1]
+        carried = rows // self.block_size
+        if (
+            tables.carried_through != depth
+            or rows % self.block_size
+            or not 0 <= rows <= tables.carry_rows
+            or (whole and rows != tables.carry_rows)
+        ):
+            raise ValueError(
+                f"request {request_id}: plane {depth + 1} cannot take rows [0, {rows}) of "
+                f"plane {depth} (whole={whole}; carry_rows={tables.carry_rows}, block_size="
+                f"{self.block_size}; planes through {tables.carried_through} have every block)"
+            )
+        for index in range(carried):
+            if target[index] < 0:
+                target[index], source[index] = source[index], -1
+        tables.cached = None
+        if not whole:
+            return
+        tables.carried_through = depth + 1
+        fresh = [self._free.pop() for _ in source[carried:]]
+        if fresh:
+            self._promised[request_id] -= len(fresh)
+            if not self._promised[request_id]:
+                del self._promised[request_id]
+        target[carried:] = fresh
+        if fresh:
+            device = self.key_pool.device
+            src = torch.tensor(source[carried:], dtype=torch.long, device=device)
+            dst = torch.tensor(fresh, dtype=torch.long, device=device)
+            self.key_pool[dst] = self.key_pool[src]
+            self.value_pool[dst] = self.value_pool[src]
+        tables.cached = None
 
     def retain(self, blocks: list[int]) -> None:
         """One more holder for each block (a published prefix, a request sharing it)."""
@@ -116,6 +205,7 @@ class PagedKVCache:
                 self._free.append(block)
 
     def release(self, request_id: int) -> None:
+        self._promised.pop(request_id, None)
         tables = self._tables.pop(request_id, None)
         if tables is not None:
             for plane in tables.planes:
@@ -140,15 +230,21 @@ class PagedKVCache:
         self._tables[request_id].cached = None
         return freed
 
-    def plane_rows(self, request_id: int, start: int, end: int) -> list[KVRows]:
+    def plane_rows(
+        self, request_id: int, start: int, end: int, depths: range | None = None
+    ) -> list[KVRows | None]:
         """Every plane's K and V for positions [start, end), ``start`` on a block boundary,
-        in place in the pools: per depth its rows (no copy)."""
+        in place in the pools: per depth its rows (no copy), None for a depth outside
+        ``depths`` (None: every depth)."""
         if start % self.block_size:
             raise ValueError(f"start={start} is not a multiple of block_size={self.block_size}")
         first, last = start // self.block_size, -(-end // self.block_size)
         device = self.key_pool.device
         out = []
-        for plane in self._tables[request_id].planes:
+        for depth, plane in enumerate(self._tables[request_id].planes):
+            if depths is not None and depth not in depths:
+                out.append(None)
+                continue
             if any(block < 0 for block in plane[first:last]):  # checked on the host list
                 raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
             blocks = torch.tensor(plane[first:last], dtype=torch.long, device=device)
@@ -223,7 +319,10 @@ class PagedKVCache:
         blocks, offsets = where // self.block_size, (where % self.block_size).to(device)
         src = torch.tensor(planes[exit_depth], dtype=torch.long)[blocks].to(device)
         for depth in range(exit_depth + 1, self.num_depths):
-            dst = torch.tensor(planes[depth], dtype=torch.long)[blocks].to(device)
+            dst = torch.tensor(planes[depth], dtype=torch.long)[blocks]
+            if bool((dst < 0).all()):  # a plane that carries these rows later copies them
+                continue
+            dst = dst.to(device)
             self.key_pool[dst, :, offsets] = self.key_pool[src, :, offsets]
             self.value_pool[dst, :, offsets] = self.value_pool[src, :, offsets]
 
