@@ -14,6 +14,7 @@ import torch
 
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.host.capacity import footprint, planning_capacity
 from flashloop_backend.host.speculation import SpeculationSettings
 from flashloop_backend.registry import Registry, resolve
 from flashloop_backend.tools.bench.replay_bytes import ModelShapes, record_bandwidth
@@ -283,7 +284,6 @@ def bench_end_to_end(
     cfg = model.config
     registry = Registry.discover()
     tokens_per_request = context + new_tokens
-    num_blocks = concurrency * math.ceil(tokens_per_request / block_size) * cfg.total_ut_steps + 8
     warm_prompts = [p[: warmup_context or context] for p in prompts]
     results = {}
     runs = planned_runs(layer_ops, backends, points, speculation is not None)
@@ -298,10 +298,16 @@ def bench_end_to_end(
         effective = chosen if base == "flashloop" else FlashLoopConfig()
         wanted = request.with_required({Capability.CUDA_GRAPHS}) if graphs else request
         backend = registry.create(base, wanted, effective)
+        # pools for every request at its most: a prompt running its loops (one BF16 plane
+        # of its packed rows when the backend packs them) and every page it can hold
+        shape = planning_capacity(cfg, tokens_per_request, block_size, torch.device("cuda"))
+        itemsize = next(model.parameters()).dtype.itemsize
+        cost = footprint(backend, shape, context, new_tokens, itemsize)
         engine = Engine(
             model,
             backend,
-            num_blocks=num_blocks,
+            num_blocks=concurrency * cost.prefill_blocks + 8,
+            packed_pages=concurrency * cost.packed_pages or None,
             block_size=block_size,
             max_batch_tokens=max_batch_tokens,
             prefill_chunk=prefill_chunk,
