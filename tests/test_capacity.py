@@ -222,6 +222,22 @@ def test_bench_capacity_says_when_requests_end_before_the_pools_fill():
     assert "requests ended before the pools filled" in lines[-1]
 
 
+def test_bench_capacity_records_the_start_up_it_warms():
+    """With the warm-up (the engine's, then the workload's batch sizes), the record states
+    the seconds it took; without it, None."""
+    from flashloop_backend.tools.bench.capacity import capacity_variants, serve_at_budget
+
+    config = capacity_variants(CONFIGS["all_on"], "flashloop")[-1]
+    model = tiny_model(max_position_embeddings=256)
+    runs = [
+        serve_at_budget(model, REQUEST, [config], 2_400_000, 80, 4, 3, block_size=4,
+                        log=lambda _: None, warm=warm)[0]
+        for warm in (True, False)
+    ]  # fmt: skip
+    assert runs[0]["start_up_s"] > 0 and runs[1]["start_up_s"] is None
+    assert all(r["completed"] == 3 for r in runs)
+
+
 def test_bench_capacity_needs_kv_quantization():
     from flashloop_backend.config import ConfigError
     from flashloop_backend.tools.bench.capacity import capacity_variants

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from collections.abc import Callable
 
 from flashloop_backend.config import ConfigError, FlashLoopConfig
@@ -49,10 +50,12 @@ def serve_at_budget(
     warm: bool = True,
 ) -> list[dict]:
     """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
-    ``new_tokens`` (one prefilling at a time), an untimed warm-up, then ``clients``
-    requests of that shape submitted at once (the engine admits what its pools hold; the
-    rest wait): the workload's summary with the plan and the memory breakdown. ``warm``
-    False skips the warm-up (its prompts need a context of 132 tokens)."""
+    ``new_tokens`` (one prefilling at a time), an untimed warm-up (``Engine.warm_up``,
+    then closed loops of the workload's batch sizes; their seconds are the record's
+    ``start_up_s``), then ``clients`` requests of that shape submitted at once (the engine
+    admits what its pools hold; the rest wait): the workload's summary with the plan and
+    the memory breakdown. ``warm`` False skips the warm-up (its prompts need a context of
+    132 tokens)."""
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -81,10 +84,16 @@ def serve_at_budget(
             continue
         effective = resolve(variant.config, variant.backend, wanted, registry)
         planned = engine.capacity_plan.requests
-        if warm:
+        start_up_s = None
+        if warm:  # the engine's start (every kernel and graph key), then the workload's sizes
+            started = time.perf_counter()
+            engine.warm_up()
             warm_up(engine, [{"concurrency": min(clients, planned)}], vocab, sync)
+            sync()
+            start_up_s = time.perf_counter() - started
         summary = run_workload(engine, arrivals, vocab, clients, sync)
         summary.update(
+            start_up_s=start_up_s,
             # fewer held than planned: requests finished before the pools filled (one
             # prompt prefills at a time), so the run measured the prefill pipeline
             pools_filled=summary["most_requests_held"] >= min(planned, clients),
@@ -100,6 +109,7 @@ def serve_at_budget(
             f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
             f"(plan {planned}), {summary['throughput_tokens_s']:8.1f} tok/s, "
             f"failed {summary['failed_requests']}"
+            + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )
         del engine, backend
