@@ -45,7 +45,7 @@ case "${1:?stage: kernels, e2e, tests, selection, host or convert}" in
 import json, sys
 from flashloop_backend.tools.bench.packed import bench_packed_kv
 from flashloop_backend.tools.bench.timing import progress_log
-record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False}, parts=tuple("${PARTS:-decode sparse_ops}".split()), cuda_only=${CUDA_ONLY:-False})
+record = bench_packed_kv([$1], [$2], log=progress_log, sweep=${SWEEP:-False}, parts=tuple('${PARTS:-decode sparse_ops}'.split()), cuda_only=${CUDA_ONLY:-False})
 json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
 " 2>&1 | grep -v "^\s*$" | tee "$OUT/bench_packed_v3_$1_$2.log" \
         | grep -E "depth1|depth2|source|correction" | cut -c1-170

@@ -51,7 +51,8 @@ def run_watching_admission(engine: Engine) -> tuple[dict[int, GenerationResult],
     while engine.has_unfinished():
         head = next((r for r in engine._requests.values() if r.phase == "waiting"), None)
         tokens = len(head.prompt) + head.params.max_new_tokens if head is not None else 0
-        fits = head is not None and engine.kv.blocks_needed(tokens) <= engine.kv.free_blocks
+        carry = engine.backend.carried_prompt_rows(len(head.prompt)) if head is not None else 0
+        fits = head is not None and engine.kv.blocks_needed(tokens, carry) <= engine.kv.free_blocks
         results.update((r.request_id, r) for r in engine.step())
         held_back |= fits and head.phase == "waiting"
         flushed |= any(packed.packed_rows(i) > packed.prompt_rows(len(r.prompt))

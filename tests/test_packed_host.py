@@ -292,6 +292,62 @@ def test_planes_carried_from_loop_to_loop_give_the_pages_and_logprobs_of_kept_pl
     torch.testing.assert_close(carried, kept, atol=0, rtol=0)
 
 
+def _kept_and_carried(model, config, prompt, prefill_chunk, **generate):
+    """The results of one prompt with every plane kept and with planes carried."""
+    out = []
+    for carry in (False, True):
+        engine = _engine(model, config, prefill_chunk=prefill_chunk)
+        engine.carry_planes = carry
+        out.append(engine.generate([prompt], **generate)[0])
+    return out
+
+
+def test_a_chunk_ending_on_an_append_boundary_carries_the_rows_it_reads(monkeypatch):
+    """Chunks of 17 rows against appends of 16: a chunk's last row starts a new append,
+    which the chunk reads, so it is stored and carried before the chunk runs."""
+    from flashloop_backend.backends import packed_state
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    prompt = [(7 * i + 3) % 59 + 1 for i in range(69)]
+    kept, carried = _kept_and_carried(
+        tiny_model(seed=2), FlashLoopConfig(kv_residual_quantization=QUANT), prompt, 17,
+        forced=[[3, 9, 27]], keep_logprobs=True,
+    )  # fmt: skip
+    torch.testing.assert_close(carried.logprobs, kept.logprobs, atol=0, rtol=0)
+
+
+def test_a_last_loop_chunk_carries_the_rows_its_packing_makes_final(monkeypatch):
+    """Token-sparse last loop: after a chunk, the rows up to the next active one are final
+    and the last level packs them at once; the level below must hold them by then, even
+    where they reach past the chunk's own rows (here rows 48-63, final once row 47 ran,
+    the next active row being 64)."""
+    from flashloop_backend.algorithms.token_selection import window_budgets
+    from flashloop_backend.backends import packed_state
+    from flashloop_backend.host import prompt_schedule
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    select = prompt_schedule.select_in_windows
+
+    def rows_16_to_47_and_64_to_66(scores, eligible, ratio, window):
+        if ratio != 0.5:
+            return select(scores, eligible, ratio, window)
+        at = torch.arange(len(eligible))
+        chosen = eligible & (((at >= 16) & (at < 48)) | ((at >= 64) & (at < 67)))
+        per_window = torch.zeros_like(at[: -(-len(at) // window)])
+        per_window.scatter_add_(0, at // window, chosen.long())
+        assert torch.equal(per_window, window_budgets(eligible, ratio, window))  # a real budget
+        return chosen
+
+    monkeypatch.setattr(prompt_schedule, "select_in_windows", rows_16_to_47_and_64_to_66)
+    sparse = {"enabled": True, "window_size": 32, "retention": [1, 1, 1, 0.5]}
+    config = FlashLoopConfig(kv_residual_quantization=QUANT, token_sparse_prefill=sparse)
+    prompt = [(7 * i + 3) % 59 + 1 for i in range(69)]
+    kept, carried = _kept_and_carried(
+        tiny_model(seed=2), config, prompt, 32, forced=[[3, 9]], keep_logprobs=True
+    )
+    torch.testing.assert_close(carried.logprobs, kept.logprobs, atol=0, rtol=0)
+
+
 def test_a_depth_is_stored_chunk_by_chunk_as_the_next_loop_reads_it(monkeypatch):
     """Each chunk of loop d > 0 stores loop d - 1 of the rows it reads first (whole
     appends), so a depth's conversion spreads over the next loop's steps; the rows past

@@ -82,7 +82,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         and upper bound: the model's ``max_position_embeddings``. ``graph_capture``: how
         graphs are made (default CUDA graphs; tests pass a CPU recorder). ``packed_pages``
         (KV quantization): the packed pool; default enough pages to pack the most tokens the
-        BF16 pool holds at every depth, so any request the BF16 pool takes fits it alone.
+        BF16 pool holds at every depth (a prompt that carries its planes may be longer: it
+        is refused by name at ``add_request`` when its pages exceed the pool; size both
+        pools with ``kv_memory_bytes`` or give ``packed_pages``).
         ``prefix_cache``: completed prompts publish their whole units and later prompts
         with the same leading tokens share them (:mod:`~flashloop_backend.host.prefix_cache`).
         ``speculation``: block speculation with a loop-1 or loop-2 draft
@@ -169,7 +171,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         # Called once per request when its whole prompt has run every loop (evaluation hooks).
         self.on_prompt_done: Callable[[Engine, Request], None] | None = None
         # Prompts whose first token is out, handed to the backend (KV quantization packs
-        # them) when the next step starts: the packing is not on the first token's path.
+        # what its prefill steps have not) when the next step starts, off the first
+        # token's path.
         self._prompts_to_hand_over: list[Request] = []
         self._fingerprint: str | None = None  # the model's, computed on first use
         shape = planning_capacity(cfg, self.max_context, block_size, self.device)
@@ -489,16 +492,23 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
 
     def _carry_planes(self, groups: list[RowGroup]) -> None:
         """Before a prompt's chunk of loop d > 0 runs: the backend stores loop d - 1 of the
-        carried rows the chunk reads (the rows before its last position) and plane d takes
-        their blocks; with its last chunk, or rows past the carried ones, plane d takes
-        the rest (fresh blocks holding a copy of plane d - 1's rows past them). Stored a
-        chunk at a time, a depth's conversion spreads over the next loop's steps."""
+        carried rows the chunk reads (the rows before its last position; in the last loop
+        also those its chunk makes final, which the last level's packing reads right
+        after) and plane d takes their blocks; with its last chunk, or rows past the
+        carried ones, plane d takes the rest (fresh blocks holding a copy of plane d - 1's
+        prompt rows past them). Stored in whole appends as the chunks reach them, a
+        depth's conversion spreads over the next loop's steps for prompts longer than an
+        append (``PACK_CHUNK_ROWS``)."""
         for group in groups:
             carry = self.kv.carried_rows(group.request_id) if group.mode == RowMode.PREFILL else 0
             if not carry or not group.depth:
                 continue
             r = self._requests[group.request_id]
             needed = (group.span[-1] if group.span else group.start + group.count - 1) + 1
+            if (
+                group.depth == self.cfg.total_ut_steps - 1
+            ):  # the rows it makes final, packed after it
+                needed = max(needed, r.schedule.final_rows(r.chunk_start + group.count))
             whole = needed > carry or r.chunk_start + group.count == len(r.schedule.positions)
             self._carry_plane(r, group.depth - 1, carry if whole else needed, whole)
 
@@ -515,7 +525,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 f"request {r.id}: the backend stored {stored} rows of depth {depth}; the host "
                 f"carries {min(rows, carry)} of {carry} to the next plane"
             )
-        self.kv.carry_plane(r.id, depth, stored // self.kv.block_size * self.kv.block_size, whole)
+        rows = stored // self.kv.block_size * self.kv.block_size
+        self.kv.carry_plane(r.id, depth, rows, whole, copy_rows=len(r.prompt))
 
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
         r = self._requests[group.request_id]

@@ -142,13 +142,16 @@ class PagedKVCache:
         tables = self._tables[request_id]
         return tables.carried_through if tables.carry_rows else self.num_depths - 1
 
-    def carry_plane(self, request_id: int, depth: int, rows: int, whole: bool = False) -> None:
+    def carry_plane(
+        self, request_id: int, depth: int, rows: int, whole: bool = False, copy_rows: int = 0
+    ) -> None:
         """Plane ``depth + 1`` of a prompt reserved with ``carry_rows`` takes over plane
         ``depth``'s blocks of its first ``rows`` rows (at most ``carry_rows``; the backend
         has stored them; the next loop overwrites the rows it recomputes and reads the
         others as inherited) that it does not hold yet. With ``whole`` (``rows`` then
-        ``carry_rows``) it also takes fresh blocks past them, drawn from the promise,
-        holding a copy of plane ``depth``'s."""
+        ``carry_rows``) it also takes fresh blocks past them, drawn from the promise, the
+        ones holding positions below ``copy_rows`` (the prompt's) a copy of plane
+        ``depth``'s; later positions are written before they are read."""
         tables = self._tables[request_id]
         source, target = tables.planes[depth], tables.planes[depth + 1]
         carried = rows // self.block_size
@@ -166,9 +169,10 @@ class PagedKVCache:
         for index in range(carried):
             if target[index] < 0:
                 target[index], source[index] = source[index], -1
-        tables.cached = None
+                tables.cached = None
         if not whole:
             return
+        tables.cached = None
         tables.carried_through = depth + 1
         fresh = [self._free.pop() for _ in source[carried:]]
         if fresh:
@@ -176,10 +180,11 @@ class PagedKVCache:
             if not self._promised[request_id]:
                 del self._promised[request_id]
         target[carried:] = fresh
-        if fresh:
+        copied = max(0, -(-copy_rows // self.block_size) - carried)
+        if copied:
             device = self.key_pool.device
-            src = torch.tensor(source[carried:], dtype=torch.long, device=device)
-            dst = torch.tensor(fresh, dtype=torch.long, device=device)
+            src = torch.tensor(source[carried : carried + copied], dtype=torch.long, device=device)
+            dst = torch.tensor(fresh[:copied], dtype=torch.long, device=device)
             self.key_pool[dst] = self.key_pool[src]
             self.value_pool[dst] = self.value_pool[src]
         tables.cached = None
@@ -265,8 +270,15 @@ class PagedKVCache:
                     f"{tables.capacity_tokens} tokens"
                 )
         plane = tables.planes[depth]
+        blocks = [plane[p // self.block_size] for p in positions]
+        if blocks and min(blocks) < 0:  # a freed or not yet carried block: never written
+            raise ValueError(
+                f"request {request_id} has no block for positions {positions[:4]}... on plane "
+                f"{depth} (freed, or not yet carried to it)"
+            )
         return [
-            plane[p // self.block_size] * self.block_size + p % self.block_size for p in positions
+            b * self.block_size + p % self.block_size
+            for b, p in zip(blocks, positions, strict=True)
         ]
 
     def block_table(self, request_id: int, depth: int) -> list[int]:
