@@ -94,6 +94,21 @@ def test_the_cuda_streaming_reader_matches_the_reference(levels, few_rows):
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
+def test_the_reader_copies_in_halves_from_three_levels_with_one_stage():
+    """The default copy by level count: K and V halves from three levels (the launch
+    measured faster there), whole blocks below; a ring of two stages never splits."""
+    from flashloop_backend.kernels.cuda.packed_stream import (
+        DEFAULT_STREAM,
+        StreamTuning,
+        copies_in_halves,
+    )
+
+    assert [copies_in_halves(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert copies_in_halves(2, StreamTuning(split_copy=True))
+    assert not copies_in_halves(4, StreamTuning(split_copy=False))
+    assert not copies_in_halves(4, StreamTuning(stages=2, split_copy=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps", [4, 3])
 @pytest.mark.parametrize("levels", [2, 3, 4])

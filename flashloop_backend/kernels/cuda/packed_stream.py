@@ -31,12 +31,13 @@ class StreamTuning:
     bytes); None: by level count (``launch_shape``: 4 warps, two stages for one level,
     one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
     ``split_copy``: with one stage, each group's blocks are copied in a K half and a V
-    half, the next group's K half issued once this group's is read (off by default)."""
+    half, the next group's K half issued once this group's is read; None: from three
+    levels (``copies_in_halves``; results/README.md, "ninth session")."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
-    split_copy: bool = False
+    split_copy: bool | None = None
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -78,6 +79,14 @@ def launch_shape(levels: int, tuning: StreamTuning) -> tuple[int, int]:
     return warps, stages
 
 
+def copies_in_halves(levels: int, tuning: StreamTuning) -> bool:
+    """Whether a read of ``levels`` levels copies each group in a K and a V half (one
+    stage only)."""
+    _, stages = launch_shape(levels, tuning)
+    split = levels >= 3 if tuning.split_copy is None else tuning.split_copy
+    return split and stages == 1
+
+
 def shared_bytes(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> int:
     warps, stages = launch_shape(levels, tuning)
     return warps * stages * levels * head_dim * (group + 8) + warps * (head_dim + 2) * 4
@@ -91,7 +100,7 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
         "LEVELS": levels,
         "WARPS": warps,
         "STAGES": stages,
-        "SPLIT_COPY": int(tuning.split_copy),
+        "SPLIT_COPY": int(copies_in_halves(levels, tuning)),
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)

@@ -199,7 +199,11 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
     """StreamTunings of the CUDA reader at ``levels`` levels: the registered launch and
     (``sweep``) other CTAs per SM, warps and stages (the reader writes no logits: the
     loop-2 source's keys pass does, ``packed_source.cu``)."""
-    from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, StreamTuning
+    from flashloop_backend.kernels.cuda.packed_stream import (
+        DEFAULT_STREAM,
+        StreamTuning,
+        copies_in_halves,
+    )
 
     out = [DEFAULT_STREAM]
     if sweep:
@@ -210,10 +214,11 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
         for warps, stages in shapes:
             for ctas in (2, 4):
                 out.append(StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages))
-    if levels > 1:  # each group in a K half and a V half (one stage)
-        out.append(StreamTuning(split_copy=True))
+    if levels > 1:  # the other copy than the default's: whole blocks, or K and V halves
+        split = not copies_in_halves(levels, DEFAULT_STREAM)
+        out.append(StreamTuning(split_copy=split))
         if sweep and levels > 2:
-            out += [StreamTuning(warps=w, stages=1, split_copy=True) for w in (3, 2)]
+            out += [StreamTuning(warps=w, stages=1, split_copy=split) for w in (3, 2)]
     return out
 
 
@@ -222,7 +227,7 @@ def _stream_label(stream) -> str:
 
     if stream == DEFAULT_STREAM:
         return ""
-    halves = "_split_copy" if stream.split_copy else ""
+    halves = {None: "", True: "_split_copy", False: "_whole_copy"}[stream.split_copy]
     return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{halves}"
 
 
