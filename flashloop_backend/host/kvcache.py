@@ -26,6 +26,7 @@ class _Tables:
     capacity_tokens: int = 0
     carry_rows: int = 0  # leading rows whose blocks pass from plane to plane (reserve)
     carried_through: int = 0  # the deepest plane that has all its blocks
+    carried_blocks: int = 0  # blocks the plane after it has taken so far
     # [depths, blocks] int32 host copy of ``planes``, rebuilt after a change: a step's batch
     # reads it instead of converting every plane's list again (one entry per block: long
     # contexts make long lists)
@@ -166,13 +167,14 @@ class PagedKVCache:
                 f"plane {depth} (whole={whole}; carry_rows={tables.carry_rows}, block_size="
                 f"{self.block_size}; planes through {tables.carried_through} have every block)"
             )
-        for index in range(carried):
-            if target[index] < 0:
-                target[index], source[index] = source[index], -1
-                tables.cached = None
+        start = tables.carried_blocks  # a carry extends the blocks taken so far
+        if carried > start:
+            target[start:carried] = source[start:carried]
+            source[start:carried] = [-1] * (carried - start)
+            tables.carried_blocks, tables.cached = carried, None
         if not whole:
             return
-        tables.cached = None
+        tables.carried_blocks, tables.cached = 0, None
         tables.carried_through = depth + 1
         fresh = [self._free.pop() for _ in source[carried:]]
         if fresh:
