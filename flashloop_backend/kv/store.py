@@ -532,12 +532,7 @@ class PackedKVStore:
         qv = quantize(target_v, g, -1)  # per row across channels
         self._write(pages, layers, qk, qv)
         dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
-        if present is None:
-            return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
-        recon_k, recon_v = recon_k.clone(), recon_v.clone()
-        recon_k[present] += dk
-        recon_v[present] += dv
-        return recon_k, recon_v
+        return _accumulate(recon_k, recon_v, dk, dv, present)
 
     def add_level(self, recon_k, recon_v, pages: list[int], present, layers: slice):
         """The running reconstruction (FP32 [T, Lb, Hkv, D] or None before level 0) plus
@@ -552,12 +547,7 @@ class PackedKVStore:
             part(blocks).permute(0, 3, 1, 2, 4).flatten(0, 1)[:count].to(device)
             for part in (self.layout.keys, self.layout.values)
         )
-        if present is None:
-            return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
-        recon_k, recon_v = recon_k.clone(), recon_v.clone()
-        recon_k[present] += dk
-        recon_v[present] += dv
-        return recon_k, recon_v
+        return _accumulate(recon_k, recon_v, dk, dv, present)
 
     def _extend_level(
         self,
@@ -680,6 +670,17 @@ class PackedKVStore:
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
         }
+
+
+def _accumulate(recon_k, recon_v, dk, dv, present):
+    """The running reconstruction plus one level's values (of its ``present`` rows when
+    compact; the first level, dense, starts it)."""
+    if present is None:
+        return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
+    recon_k, recon_v = recon_k.clone(), recon_v.clone()
+    recon_k[present] += dk
+    recon_v[present] += dv
+    return recon_k, recon_v
 
 
 class LevelWriter(Protocol):
