@@ -75,6 +75,7 @@ def _bench(args: argparse.Namespace) -> int:
             layers=args.layers,
             clients=args.clients,
             log=progress_log,
+            max_batch_tokens=args.max_batch_tokens,
         )
     elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
@@ -254,7 +255,8 @@ def add_bench_command(sub) -> None:
         "--max-batch-tokens",
         type=int,
         default=None,
-        help="e2e: tokens per host step (default: one 2048-token prefill chunk per request)",
+        help="e2e: tokens per host step (default: one 2048-token prefill chunk per request); "
+        "capacity: (default: one 2048-token prefill chunk and every client's decode row)",
     )
     bench.add_argument(
         "--layer-ops",

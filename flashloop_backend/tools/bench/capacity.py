@@ -18,6 +18,9 @@ from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.tools.bench.serving import Variant, memory_breakdown, warm_up
 from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
 
+# Prompt rows a step runs, as bench e2e's: a 32K prompt in 16 steps a loop.
+PREFILL_CHUNK = 2048
+
 
 def capacity_variants(config: FlashLoopConfig, baseline: str) -> list[Variant]:
     """Dense on ``baseline``, KV quantization alone (when ``config`` quantizes and has
@@ -48,6 +51,8 @@ def serve_at_budget(
     log=print,
     graphs=None,
     warm: bool = True,
+    prefill_chunk: int = PREFILL_CHUNK,
+    max_batch_tokens: int | None = None,
 ) -> list[dict]:
     """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
     ``new_tokens`` (one prefilling at a time), an untimed warm-up (``Engine.warm_up``,
@@ -55,7 +60,9 @@ def serve_at_budget(
     ``start_up_s``), then ``clients`` requests of that shape submitted at once (the engine
     admits what its pools hold; the rest wait): the workload's summary with the plan and
     the memory breakdown. ``warm`` False skips the warm-up (its prompts need a context of
-    132 tokens)."""
+    132 tokens). A step holds one prompt chunk of ``prefill_chunk`` rows beside every
+    client's decode row unless ``max_batch_tokens`` says otherwise (``bench e2e``'s chunk:
+    a 32K prompt in 16 steps a loop, not 128)."""
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -73,6 +80,8 @@ def serve_at_budget(
                 model,
                 backend,
                 block_size=block_size,
+                prefill_chunk=prefill_chunk,
+                max_batch_tokens=max_batch_tokens or prefill_chunk + clients,
                 max_context=prompt + new_tokens,
                 cuda_graphs=graphs,
                 kv_memory_bytes=budget_bytes,
@@ -126,10 +135,12 @@ def bench_capacity(
     layers: int | None,
     clients: int | None = None,
     log=print,
+    max_batch_tokens: int | None = None,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
     of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
-    new_tokens) + new_tokens (default: three times what the config's plan holds there)."""
+    new_tokens) + new_tokens (default: three times what the config's plan holds there);
+    ``max_batch_tokens`` as :func:`serve_at_budget`'s."""
     import torch
 
     from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
@@ -166,8 +177,11 @@ def bench_capacity(
                 sync=torch.cuda.synchronize,
                 log=log,
                 graphs=graphs,
+                max_batch_tokens=max_batch_tokens,
             )
-            run = {"kv_memory_bytes": budget, "context": context, "clients": n}
+            tokens = max_batch_tokens or PREFILL_CHUNK + n
+            steps = {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
+            run = {"kv_memory_bytes": budget, "context": context, "clients": n} | steps
             runs.append(run | {"records": records})
     return {
         "kind": "capacity",
