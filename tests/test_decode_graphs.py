@@ -138,6 +138,25 @@ def _recorded(flags, monkeypatch):
 @pytest.mark.parametrize(
     "flags", COMBINATIONS, ids=COMBINATION_IDS
 )  # fmt: skip
+def test_mixed_steps_split_replay_their_decode_rows_and_give_the_eager_tokens(flags, monkeypatch):
+    """``split_mixed_steps``: a step with prompt chunks replays its decode rows from a
+    recorded graph and runs the chunks eagerly; the tokens equal one eager traversal's,
+    and more steps replay than without the split."""
+    from .graph_recorder import RecordingCapture
+
+    plain, engine, params = _recorded(flags, monkeypatch)
+    engine.generate(PROMPTS, params)
+    whole = engine.graphs.stats()["replays"]
+    settings = GraphSettings(buckets=(1, 2, 4), max_context=128, split_mixed_steps=True)
+    split = _engine(tiny_model(seed=7), _config(flags), max_batch_tokens=24,
+                    cuda_graphs=settings, graph_capture=RecordingCapture())  # fmt: skip
+    assert [r.output_token_ids for r in split.generate(PROMPTS, params)] == plain
+    assert split.graphs.stats()["replays"] > whole
+
+
+@pytest.mark.parametrize(
+    "flags", COMBINATIONS, ids=COMBINATION_IDS
+)  # fmt: skip
 def test_recorded_replays_give_the_eager_tokens(flags, monkeypatch):
     """Capture and replay with the CPU recorder: replays run no Python, so everything the
     traversal needs must be read from the fixed buffers; the tokens equal eager's."""

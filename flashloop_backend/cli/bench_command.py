@@ -76,6 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
             clients=args.clients,
             log=progress_log,
             max_batch_tokens=args.max_batch_tokens,
+            split_mixed_steps=args.split_mixed_steps,
         )
     elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
@@ -332,6 +333,12 @@ def add_bench_command(sub) -> None:
         type=positive_int,
         help="capacity: requests submitted at once (default three times what the config's "
         "plan holds)",
+    )
+    bench.add_argument(
+        "--split-mixed-steps",
+        action="store_true",
+        help="capacity: a step with prompt chunks replays its decode rows from a CUDA graph "
+        "and runs the chunks eagerly (GraphSettings.split_mixed_steps; needs NAME+graphs)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true", help="print the record as JSON")

@@ -330,7 +330,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
     # ------------------------------------------------------------ one step
     def step(self) -> list[GenerationResult]:
         """Hand the last step's completed prompts to the backend, admit what fits, run one
-        traversal over the scheduled rows, return finished ones."""
+        traversal over the scheduled rows (two with ``GraphSettings.split_mixed_steps``:
+        the decode rows from a graph, the prompt chunks eagerly), return finished ones."""
         self.hand_over_prompts()
         self._admit()
         groups = self._schedule()
@@ -343,13 +344,27 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 )
             return self._collect()
         self._carry_planes(groups)
-        if self.graphs is not None and all(g.mode in GRAPH_MODES for g in groups):
-            out = self.graphs.run(groups, torch.cat([self._input_hidden(g) for g in groups]))
-            if out is not None:
-                with torch.no_grad():
-                    self._advance(groups, out)
-                self.steps += 1
-                return self._collect()
+        if self.graphs is not None:
+            graphed = [g for g in groups if g.mode in GRAPH_MODES]
+            chunks = [g for g in groups if g.mode not in GRAPH_MODES]
+            if graphed and (not chunks or self.graphs.settings.split_mixed_steps):
+                hidden = torch.cat([self._input_hidden(g) for g in graphed])
+                out = self.graphs.run(graphed, hidden)
+                if out is not None:
+                    with torch.no_grad():
+                        if chunks:  # the prompt chunks in their own eager traversal
+                            out = torch.cat([out, self._run_eagerly(chunks)])
+                        self._advance(graphed + chunks, out)
+                    self.steps += 1
+                    return self._collect()
+        with torch.no_grad():
+            out = self._run_eagerly(groups)
+            self._advance(groups, out)
+        self.steps += 1
+        return self._collect()
+
+    def _run_eagerly(self, groups: list[RowGroup]) -> torch.Tensor:
+        """One eager traversal of ``groups``' rows: their outputs [rows, hidden]."""
         pad_to = None
         if self.pad_to_multiple:
             rows = sum(g.count for g in groups)
@@ -362,11 +377,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         self.backend.plan(batch.view, [g.request_id for g in decode], [g.depth for g in decode])
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-        with torch.no_grad():
-            out = self._traverse(hidden, batch)
-            self._advance(groups, out[: batch.num_real_rows])
-        self.steps += 1
-        return self._collect()
+        return self._traverse(hidden, batch)[: batch.num_real_rows]
 
     def _traverse(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One loop over every layer for the batch's rows: [R, hidden] -> [R, hidden]."""

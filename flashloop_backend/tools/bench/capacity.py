@@ -136,11 +136,13 @@ def bench_capacity(
     clients: int | None = None,
     log=print,
     max_batch_tokens: int | None = None,
+    split_mixed_steps: bool = False,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
     of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
     new_tokens) + new_tokens (default: three times what the config's plan holds there);
-    ``max_batch_tokens`` as :func:`serve_at_budget`'s."""
+    ``max_batch_tokens`` as :func:`serve_at_budget`'s; ``split_mixed_steps`` as
+    ``GraphSettings``' (refused without a graphed baseline)."""
     import torch
 
     from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
@@ -150,6 +152,10 @@ def bench_capacity(
     for context in contexts:  # refused before any GPU work
         if not 0 < new_tokens < context:
             raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
+    if split_mixed_steps and graph_variant(baseline, 1, 1)[1] is None:
+        raise ConfigError(
+            f"--split-mixed-steps needs CUDA graphs: name the baseline {baseline}+graphs"
+        )
     block_size = 16
     model, request = random_ouro(layers, block_size)
     runs = []
@@ -160,6 +166,8 @@ def bench_capacity(
                 model, request, config, budget, context, new_tokens
             )
             base, graphs = graph_variant(baseline, n, context)
+            if split_mixed_steps:
+                graphs = graphs.model_copy(update={"split_mixed_steps": True})
             variants = [
                 dataclasses.replace(v, backend=base) if v.name == "dense" else v
                 for v in variants_named
@@ -181,6 +189,7 @@ def bench_capacity(
             )
             tokens = max_batch_tokens or PREFILL_CHUNK + n
             steps = {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
+            steps["split_mixed_steps"] = split_mixed_steps
             run = {"kv_memory_bytes": budget, "context": context, "clients": n} | steps
             runs.append(run | {"records": records})
     return {
