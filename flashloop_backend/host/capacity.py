@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from flashloop_backend.backends.base import AttentionBackend, EngineCapacity
+from flashloop_backend.host.kvcache import plane_blocks
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,12 @@ def footprint(
             f"packed rows {cost.packed_rows} are not whole KV blocks of {c.block_size}"
         )
     block_bytes = c.block_size * c.num_layers * c.num_kv_heads * c.head_dim * 2 * dtype_bytes
+    carried = cost.packed_rows if carry_planes else 0
     past = per_plane - cost.packed_rows // c.block_size  # blocks every plane keeps
-    prefill = c.loops * per_plane
-    if carry_planes and cost.packed_rows:
-        prefill = per_plane + (c.loops - 1) * past
     return Footprint(
         prompt,
         new_tokens,
-        prefill,
+        plane_blocks(prompt + new_tokens, c.block_size, c.loops, carried),
         c.loops * past,
         block_bytes,
         cost.packed_pages,

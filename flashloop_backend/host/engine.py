@@ -110,6 +110,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         param = next(model.parameters())
         self.model, self.backend, self.cfg = model, backend, cfg
         self.device, self.dtype = param.device, param.dtype
+        # a prompt's rows the backend stores depth by depth pass their blocks from plane to
+        # plane, so a prompt holds one plane of them, not one per loop; a prefix cache
+        # publishes every plane of a prompt, so it keeps them all
+        self.carry_planes = not prefix_cache
         self.capacity_plan = None
         if kv_memory_bytes is not None:
             given = {"num_blocks": num_blocks, "packed_pages": packed_pages, "max_slots": max_slots}
@@ -120,12 +124,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 )
             slots = speculation.block_size if speculation is not None else 1
             self.capacity_plan = self._plan_pools(
-                kv_memory_bytes,
-                block_size,
-                planned_request,
-                prefill_requests,
-                slots,
-                carry_planes=not prefix_cache,
+                kv_memory_bytes, block_size, planned_request, prefill_requests, slots
             )
             plan = self.capacity_plan
             num_blocks, packed_pages, max_slots = plan.num_blocks, plan.packed_pages, plan.max_slots
@@ -158,10 +157,6 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
         self.sparsity = token_sparsity(backend, prefill_chunk)
-        # a prompt's rows the backend stores depth by depth pass their blocks from plane to
-        # plane, so a prompt holds one plane of them, not one per loop; a prefix cache
-        # publishes every plane of a prompt, so it keeps them all
-        self.carry_planes = not prefix_cache
         self.prefix_cache = None
         if prefix_cache:
             window = self.sparsity.window_size if self.sparsity is not None else None
@@ -200,12 +195,11 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         planned: tuple[int, int] | None,
         prefill_requests: int,
         slots_per_request: int,
-        carry_planes: bool,
     ):
         """The :class:`~flashloop_backend.host.capacity.PoolPlan` of ``budget`` bytes for
         requests of ``planned`` (prompt, new tokens), each holding ``slots_per_request``
         token-state slots (a speculating request one per block row), their prompts'
-        planes carried or not."""
+        planes carried as the engine carries them."""
         if planned is None:
             new = min(256, self.max_context // 2)
             planned = (self.max_context - new, new)
@@ -216,7 +210,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 f"max_context={self.max_context}"
             )
         shape = planning_capacity(self.cfg, self.max_context, block_size, self.device)
-        request = footprint(self.backend, shape, prompt, new, self.dtype.itemsize, carry_planes)
+        itemsize = self.dtype.itemsize
+        request = footprint(self.backend, shape, prompt, new, itemsize, self.carry_planes)
         return plan_pools(budget, request, prefill_requests, slots_per_request)
 
     # ------------------------------------------------------------ requests
@@ -233,8 +228,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         self._check_speculative_request(forced, keep_logprobs)
         total = len(prompt) + params.max_new_tokens
-        carry = self.backend.carried_prompt_rows(len(prompt)) if self.carry_planes else 0
-        blocks = self.kv.blocks_needed(total, carry)
+        blocks = self.kv.blocks_needed(total, self._carried_rows(len(prompt)))
         if blocks > self.kv.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {total} tokens needs {blocks} KV blocks but the whole pool has "
@@ -450,9 +444,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         while True:
             shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
             packed = entry.packed if entry else None
-            carry = 0 if shared is not None or not self.carry_planes else None
-            if carry is None:
-                carry = self.backend.carried_prompt_rows(len(request.prompt))
+            carry = 0 if shared is not None else self._carried_rows(len(request.prompt))
             try:
                 self.kv.reserve(request.id, len(request.prompt) + new, shared, carry)
                 self.backend.admit(request.id, len(request.prompt), new, packed, reused)
@@ -501,6 +493,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         """The request's BF16 KV as the backend may read and free it."""
         return HostRequestKV(self.kv, r, self.sparsity is not None, self.cfg.total_ut_steps)
 
+    def _carried_rows(self, prompt_length: int) -> int:
+        """Rows of a prompt of this length whose blocks pass from plane to plane."""
+        return self.backend.carried_prompt_rows(prompt_length) if self.carry_planes else 0
+
     def _carry_planes(self, groups: list[RowGroup]) -> None:
         """Before a prompt's chunk of loop d > 0 runs: the backend stores loop d - 1 of the
         carried rows the chunk reads (the rows before its last position; in the last loop
@@ -516,18 +512,16 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 continue
             r = self._requests[group.request_id]
             needed = (group.span[-1] if group.span else group.start + group.count - 1) + 1
-            if (
-                group.depth == self.cfg.total_ut_steps - 1
-            ):  # the rows it makes final, packed after it
-                needed = max(needed, r.schedule.final_rows(r.chunk_start + group.count))
-            whole = needed > carry or r.chunk_start + group.count == len(r.schedule.positions)
-            self._carry_plane(r, group.depth - 1, carry if whole else needed, whole)
+            done = r.chunk_start + group.count
+            if group.depth == self.cfg.total_ut_steps - 1:  # the rows packed right after it
+                needed = max(needed, r.schedule.final_rows(done))
+            whole = needed > carry or done == len(r.schedule.positions)
+            self._carry_plane(r, group.depth - 1, carry, carry if whole else needed, whole)
 
-    def _carry_plane(self, r: Request, depth: int, rows: int, whole: bool) -> None:
-        """Plane ``depth + 1`` takes plane ``depth``'s blocks of the first ``rows`` carried
-        rows once stored (and the rest with ``whole``)."""
-        carry = self.kv.carried_rows(r.id)
-        if not carry or self.kv.carried_through(r.id) > depth:
+    def _carry_plane(self, r: Request, depth: int, carry: int, rows: int, whole: bool) -> None:
+        """Plane ``depth + 1`` takes plane ``depth``'s blocks of the first ``rows`` of the
+        request's ``carry`` carried rows once stored (and the rest with ``whole``)."""
+        if self.kv.carried_through(r.id) > depth:
             return
         kv = self._request_kv(r)
         stored = self.backend.store_prompt_depth(r.id, kv, depth, min(rows, carry))

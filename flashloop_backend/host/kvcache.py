@@ -16,6 +16,15 @@ from flashloop_backend.backends.base import KVRows
 from flashloop_backend.host.layer_ops import write_kv
 
 
+def plane_blocks(num_tokens: int, block_size: int, depths: int, carry_rows: int = 0) -> int:
+    """The most blocks ``num_tokens`` positions on ``depths`` planes hold at once, the first
+    ``carry_rows`` carried from plane to plane (one plane of them at a time)."""
+    per_plane = -(-num_tokens // block_size)
+    if not carry_rows:
+        return per_plane * depths
+    return per_plane + (depths - 1) * (per_plane - carry_rows // block_size)
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool cannot hold a request; nothing was allocated and no KV was touched."""
 
@@ -77,10 +86,7 @@ class PagedKVCache:
     def blocks_needed(self, num_tokens: int, carry_rows: int = 0) -> int:
         """The most blocks ``num_tokens`` positions on every depth plane hold at once, the
         first ``carry_rows`` carried from plane to plane (:meth:`reserve`)."""
-        per_plane = -(-num_tokens // self.block_size)
-        if not carry_rows:
-            return per_plane * self.num_depths
-        return per_plane + (self.num_depths - 1) * (per_plane - carry_rows // self.block_size)
+        return plane_blocks(num_tokens, self.block_size, self.num_depths, carry_rows)
 
     def reserve(
         self,
@@ -111,7 +117,7 @@ class PagedKVCache:
         missing = max(0, per_plane - have) * self.num_depths
         promise = 0
         if carry_rows:
-            promise = (self.num_depths - 1) * (per_plane - carry_rows // self.block_size)
+            promise = self.blocks_needed(num_tokens, carry_rows) - per_plane
             missing = per_plane
         if missing + promise > self.free_blocks:
             raise OutOfBlocksError(
@@ -189,7 +195,6 @@ class PagedKVCache:
             dst = torch.tensor(fresh[:copied], dtype=torch.long, device=device)
             self.key_pool[dst] = self.key_pool[src]
             self.value_pool[dst] = self.value_pool[src]
-        tables.cached = None
 
     def retain(self, blocks: list[int]) -> None:
         """One more holder for each block (a published prefix, a request sharing it)."""

@@ -538,15 +538,10 @@ class PackedKVStore:
         """The running reconstruction (FP32 [T, Lb, Hkv, D] or None before level 0) plus
         one stored level of ``layers`` read from its ``pages`` (its compact rows
         ``present``; None: dense), as :meth:`encode_level` adds the level it writes."""
-        g = self.group_size
-        index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
-        blocks = self.blocks[index, layers]  # [P, Lb, H, block bytes]
-        count = len(pages) * g if present is None else present.numel()
-        device = blocks.device if recon_k is None else recon_k.device
-        dk, dv = (
-            part(blocks).permute(0, 3, 1, 2, 4).flatten(0, 1)[:count].to(device)
-            for part in (self.layout.keys, self.layout.values)
-        )
+        count = len(pages) * self.group_size if present is None else present.numel()
+        dk, dv = (part[:count] for part in self._decode_pages(pages, layers))
+        if recon_k is not None:
+            dk, dv = dk.to(recon_k.device), dv.to(recon_k.device)
         return _accumulate(recon_k, recon_v, dk, dv, present)
 
     def _extend_level(
@@ -629,11 +624,14 @@ class PackedKVStore:
                 total_v[present] += v[mapping[present].long()]
         return total_k[:rows], total_v[:rows]
 
-    def _decode_pages(self, pages: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_pages(
+        self, pages: list[int], layers: int | slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 K and V [P * g, (Lb,) H, D] of ``pages`` at one layer or a slice of them."""
         index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
-        blocks = self.blocks[index, layer]  # [P, H, block bytes]
-        k = self.layout.keys(blocks).transpose(1, 2)  # [P, g, H, D]
-        v = self.layout.values(blocks).transpose(1, 2)
+        blocks = self.blocks[index, layers]  # [P, (Lb,) H, block bytes]
+        k = self.layout.keys(blocks).movedim(-2, 1)  # [P, g, (Lb,) H, D]
+        v = self.layout.values(blocks).movedim(-2, 1)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def accounting(self) -> dict:

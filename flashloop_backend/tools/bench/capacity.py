@@ -173,6 +173,7 @@ def bench_capacity(
                 for v in variants_named
             ]
             log(f"  capacity ctx={context}: {n} clients, {gib:g} GiB of KV memory")
+            tokens = max_batch_tokens or PREFILL_CHUNK + n
             records = serve_at_budget(
                 model,
                 request,
@@ -185,12 +186,11 @@ def bench_capacity(
                 sync=torch.cuda.synchronize,
                 log=log,
                 graphs=graphs,
-                max_batch_tokens=max_batch_tokens,
+                max_batch_tokens=tokens,
             )
-            tokens = max_batch_tokens or PREFILL_CHUNK + n
-            steps = {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
-            steps["split_mixed_steps"] = split_mixed_steps
-            run = {"kv_memory_bytes": budget, "context": context, "clients": n} | steps
+            run = {"kv_memory_bytes": budget, "context": context, "clients": n}
+            run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
+            run["split_mixed_steps"] = split_mixed_steps
             runs.append(run | {"records": records})
     return {
         "kind": "capacity",
