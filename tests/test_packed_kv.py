@@ -539,6 +539,36 @@ def test_cache_and_store_refuse_bad_packing_requests(rng):
         store.append(0, _versions(rng, 16, 2), _versions(rng, 16, 2))
 
 
+def test_a_cache_refuses_bad_plane_carries_by_name():
+    """Bad carry_rows at reserve, carries out of order or past the carried rows, and a
+    write slot on a block not yet carried: refused naming the values, nothing taken."""
+    from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
+
+    kv = PagedKVCache(20, 1, 4, 1, 16, 3, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="carry_rows=6 must be a multiple of block_size=4"):
+        kv.reserve(0, 16, carry_rows=6)
+    with pytest.raises(ValueError, match="carry_rows=20 must be a multiple of block_size=4"):
+        kv.reserve(0, 16, carry_rows=20)
+    with pytest.raises(OutOfBlocksError, match=r"needs 44 more KV blocks .* 20 of 20 are free"):
+        kv.reserve(0, 80, carry_rows=32)  # 20 blocks now, 2 x 12 promised
+    assert (kv.free_blocks, kv.promised_blocks) == (20, 0) and not kv.has(0)
+    kv.reserve(0, 18, carry_rows=12)  # 5 blocks a plane: 5 now, 2 x 2 promised
+    assert (kv.free_blocks, kv.promised_blocks) == (11, 4)
+    with pytest.raises(ValueError, match=r"no block for positions \[0\]\.\.\. on plane 1"):
+        kv.slots(0, 1, [0])
+    with pytest.raises(ValueError, match=r"plane 2 cannot take rows \[0, 12\) of plane 1"):
+        kv.carry_plane(0, 1, 12)
+    with pytest.raises(ValueError, match=r"plane 1 cannot take rows \[0, 16\) of plane 0"):
+        kv.carry_plane(0, 0, 16)
+    with pytest.raises(ValueError, match=r"plane 1 cannot take rows \[0, 8\) of plane 0 \(whole"):
+        kv.carry_plane(0, 0, 8, whole=True)
+    kv.carry_plane(0, 0, 12, whole=True, copy_rows=16)
+    assert kv.slots(0, 1, [0, 17]) == [kv.block_table(0, 1)[0] * 4, kv.block_table(0, 1)[4] * 4 + 1]
+    assert (kv.free_blocks, kv.promised_blocks) == (11, 2)
+    kv.release(0)
+    assert (kv.free_blocks, kv.promised_blocks) == (20, 0)
+
+
 def test_backend_refuses_an_unplanned_packed_batch(rng):
     from flashloop_backend.backends.packed_state import PackedState
     from flashloop_backend.dispatch import BatchView
