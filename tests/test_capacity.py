@@ -202,6 +202,9 @@ def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
     assert held["config"] >= 2 * held["dense"]
     assert held["kv_residual_quantization alone"] >= 2 * held["dense"]
     assert records[0]["pools_filled"]  # dense holds its plan
+    aligned = {r["variant"]: r["align_decode_depths"] for r in records}
+    assert aligned == {"dense": False, "kv_residual_quantization alone": False, "config": True}
+    assert all(r["graphs"] is None and r["steps"] > 0 for r in records)
 
 
 def test_bench_capacity_says_when_requests_end_before_the_pools_fill():

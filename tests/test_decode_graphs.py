@@ -181,7 +181,8 @@ def test_graphs_captured_on_padding_rows_at_warm_up_serve_every_later_step(flags
     loops = engine.cfg.total_ut_steps
     deepest = engine.backend.graph_variants(frozenset({loops - 1}))
     assert deepest == ((1, loops) if flags["kv_residual_quantization"] else (1,))
-    assert engine.graphs.prepare_every_key(engine.max_slots, loops) == 0  # all there
+    one_depth = engine.align_decode_depths
+    assert engine.graphs.prepare_every_key(engine.max_slots, loops, one_depth) == 0  # all there
     replays = engine.graphs.replays
     graphed = engine.generate(PROMPTS, params)
     assert set(engine.graphs.graphs) == captured

@@ -22,6 +22,7 @@ from flashloop_backend.backends.base import AttentionBackend, OutOfPackedPagesEr
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
 from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
+from flashloop_backend.host.decode_depths import depth_dependent_decode, lockstep_depth
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
@@ -76,6 +77,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         kv_memory_bytes: int | None = None,
         planned_request: tuple[int, int] | None = None,
         prefill_requests: int = 1,
+        align_decode_depths: bool | None = None,
     ) -> None:
         """``max_context``: the longest prompt + output a request may have (vLLM's
         max_model_len); sizes the loop-2 selection buckets and the graph capacity. Default
@@ -95,7 +97,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         none of those then): as many requests of ``planned_request`` (prompt, new tokens;
         default ``max_context`` tokens of which ``min(256, max_context // 2)`` new) as fit
         with ``prefill_requests`` of them prefilling at once (:mod:`~flashloop_backend.host.capacity`;
-        the plan is ``capacity_plan``). Without a budget: 256 blocks and slots."""
+        the plan is ``capacity_plan``). Without a budget: 256 blocks and slots.
+        ``align_decode_depths``: run each step's decode rows at one loop depth, the others
+        waiting (:mod:`~flashloop_backend.host.decode_depths`); default when the backend's
+        decode ops differ by depth."""
         cfg = model.config
         limit = cfg.max_position_embeddings
         self.max_context = max_context or limit
@@ -174,6 +179,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         pools = {"max_slots": max_slots, "num_blocks": num_blocks, "packed_pages": packed_pages}
         backend.reserve(dataclasses.replace(shape, **pools))
         self._set_up_speculation(speculation, max_slots)
+        if align_decode_depths is None:
+            align_decode_depths = depth_dependent_decode(backend, cfg.total_ut_steps)
+        self.align_decode_depths = align_decode_depths
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
         if cuda_graphs is not None:
@@ -466,10 +474,16 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
 
     def _schedule(self) -> list[RowGroup]:
         budget, groups = self.max_batch_tokens, []
+        lockstep = None
+        if self.align_decode_depths:
+            decoding = self._requests.values()
+            lockstep = lockstep_depth(r.depth for r in decoding if r.phase == "decode")
         for r in self._requests.values():
             if budget == 0:
                 break
             if r.phase == "decode":
+                if lockstep is not None and r.depth != lockstep:
+                    continue  # waits for the step that runs its depth
                 group = (
                     self._block_group(r)
                     if r.block is not None
@@ -716,7 +730,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
             self.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
         if self.graphs is not None:
             rows = self.max_slots * self.graphs.verify_rows
-            self.graphs.prepare_every_key(rows, self.cfg.total_ut_steps)
+            loops = self.cfg.total_ut_steps
+            self.graphs.prepare_every_key(rows, loops, self.align_decode_depths)
         return time.perf_counter() - started
 
     def generate(

@@ -301,15 +301,15 @@ class DecodeGraphs:
             self._capture(key, traverse)
         return True
 
-    def prepare_every_key(self, max_rows: int, loops: int) -> int:
+    def prepare_every_key(self, max_rows: int, loops: int, one_depth: bool = False) -> int:
         """:meth:`prepare` every key a decode step of up to ``max_rows`` rows at depths
         below ``loops`` can meet: each bucket that holds such a step (the smallest at or
         above ``max_rows`` included), each set of depths with no more depths than the
-        bucket has rows, each variant the backend can plan for them. Returns how many
-        graphs it captured."""
+        bucket has rows (``one_depth``: single depths, as steps in lockstep meet), each
+        variant the backend can plan for them. Returns how many graphs it captured."""
         captured = 0
         for bucket in self.settings.buckets:
-            for size in range(1, min(bucket, loops) + 1):
+            for size in range(1, 1 + (1 if one_depth else min(bucket, loops))):
                 for depths in map(frozenset, itertools.combinations(range(loops), size)):
                     for variant in self.backend.graph_variants(depths):
                         captured += self.prepare(bucket, depths, variant)

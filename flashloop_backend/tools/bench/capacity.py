@@ -112,6 +112,9 @@ def serve_at_budget(
             config_digest=effective.digest(),
             plan=dataclasses.asdict(engine.capacity_plan),
             memory=memory_breakdown(engine),
+            align_decode_depths=engine.align_decode_depths,
+            steps=engine.steps,
+            graphs=_graph_counts(engine),
         )
         records.append(summary)
         log(
@@ -202,6 +205,15 @@ def bench_capacity(
         "then every client's request submitted at once",
         "runs": runs,
     }
+
+
+def _graph_counts(engine) -> dict | None:
+    """Replays, eager decode steps and fallbacks of the workload (warm-up included), and
+    how many graph keys were captured; None without graphs."""
+    if engine.graphs is None:
+        return None
+    stats = engine.graphs.stats()
+    return {k: v for k, v in stats.items() if k != "graphs"} | {"keys": len(stats["graphs"])}
 
 
 def _planned_requests(model, request, config, budget: int, context: int, new: int) -> int:
