@@ -61,10 +61,12 @@ def test_a_smaller_group_meets_the_larger_one_within_a_cycle(start):
     assert big == small, f"groups at {big} and {small} after {loops} steps"
 
 
-def test_a_backend_whose_ops_differ_by_depth_aligns_by_default_and_dense_does_not():
+def test_a_backend_whose_ops_or_variants_differ_by_depth_aligns_by_default_and_dense_does_not():
     assert _engine("flashloop", ALL_ON).align_decode_depths
+    # one op at every depth, its variant the deepest row's levels
     kv_quant = FlashLoopConfig(kv_residual_quantization=FEATURES["kv_residual_quantization"])
-    assert not _engine("flashloop", kv_quant).align_decode_depths  # one op at every depth
+    assert _engine("flashloop", kv_quant).align_decode_depths
+    assert not _engine("flashloop", FlashLoopConfig()).align_decode_depths
     assert not _engine("torch", FlashLoopConfig()).align_decode_depths
 
 
