@@ -28,8 +28,8 @@ def cli(*args):
         (("bench", "capacity", "--kv-memory-gib", "64,0"), "'0' must be a finite number > 0"),
         (("bench", "capacity", "--kv-memory-gib", ","), "',' must list numbers > 0"),
         (
-            ("bench", "capacity", "--config", "configs/all_on.json", "--split-mixed-steps"),
-            "--split-mixed-steps needs CUDA graphs: name the baseline",
+            ("bench", "capacity", "--config", "configs/all_on.json", "--one-traversal-mixed-steps"),
+            "--one-traversal-mixed-steps needs CUDA graphs: name the baseline",
         ),
         (
             ("bench", "serving", "--config", "configs/all_on.json", "--variants", "dense,all"),

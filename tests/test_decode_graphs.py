@@ -144,14 +144,14 @@ def test_mixed_steps_split_replay_their_decode_rows_and_give_the_eager_tokens(fl
     and more steps replay than without the split."""
     from .graph_recorder import RecordingCapture
 
-    plain, engine, params = _recorded(flags, monkeypatch)
-    engine.generate(PROMPTS, params)
-    whole = engine.graphs.stats()["replays"]
-    settings = GraphSettings(buckets=(1, 2, 4), max_context=128, split_mixed_steps=True)
-    split = _engine(tiny_model(seed=7), _config(flags), max_batch_tokens=24,
-                    cuda_graphs=settings, graph_capture=RecordingCapture())  # fmt: skip
+    plain, split, params = _recorded(flags, monkeypatch)
+    assert split.graphs.settings.split_mixed_steps  # the default
     assert [r.output_token_ids for r in split.generate(PROMPTS, params)] == plain
-    assert split.graphs.stats()["replays"] > whole
+    settings = GraphSettings(buckets=(1, 2, 4), max_context=128, split_mixed_steps=False)
+    whole = _engine(tiny_model(seed=7), _config(flags), max_batch_tokens=24,
+                    cuda_graphs=settings, graph_capture=RecordingCapture())  # fmt: skip
+    assert [r.output_token_ids for r in whole.generate(PROMPTS, params)] == plain
+    assert split.graphs.stats()["replays"] > whole.graphs.stats()["replays"]
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
             clients=args.clients,
             log=progress_log,
             max_batch_tokens=args.max_batch_tokens,
-            split_mixed_steps=args.split_mixed_steps,
+            split_mixed_steps=not args.one_traversal_mixed_steps,
         )
     elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
@@ -335,10 +335,11 @@ def add_bench_command(sub) -> None:
         "plan holds)",
     )
     bench.add_argument(
-        "--split-mixed-steps",
+        "--one-traversal-mixed-steps",
         action="store_true",
-        help="capacity: a step with prompt chunks replays its decode rows from a CUDA graph "
-        "and runs the chunks eagerly (GraphSettings.split_mixed_steps; needs NAME+graphs)",
+        help="capacity: a step with prompt chunks runs every row in one eager traversal "
+        "(GraphSettings.split_mixed_steps=False; default: the decode rows replay from their "
+        "CUDA graph beside eager chunks; needs NAME+graphs)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true", help="print the record as JSON")

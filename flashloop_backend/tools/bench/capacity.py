@@ -139,7 +139,7 @@ def bench_capacity(
     clients: int | None = None,
     log=print,
     max_batch_tokens: int | None = None,
-    split_mixed_steps: bool = False,
+    split_mixed_steps: bool = True,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
     of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
@@ -155,9 +155,9 @@ def bench_capacity(
     for context in contexts:  # refused before any GPU work
         if not 0 < new_tokens < context:
             raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
-    if split_mixed_steps and graph_variant(baseline, 1, 1)[1] is None:
+    if not split_mixed_steps and graph_variant(baseline, 1, 1)[1] is None:
         raise ConfigError(
-            f"--split-mixed-steps needs CUDA graphs: name the baseline {baseline}+graphs"
+            f"--one-traversal-mixed-steps needs CUDA graphs: name the baseline {baseline}+graphs"
         )
     block_size = 16
     model, request = random_ouro(layers, block_size)
@@ -169,8 +169,8 @@ def bench_capacity(
                 model, request, config, budget, context, new_tokens
             )
             base, graphs = graph_variant(baseline, n, context)
-            if split_mixed_steps:
-                graphs = graphs.model_copy(update={"split_mixed_steps": True})
+            if graphs is not None:
+                graphs = graphs.model_copy(update={"split_mixed_steps": split_mixed_steps})
             variants = [
                 dataclasses.replace(v, backend=base) if v.name == "dense" else v
                 for v in variants_named
