@@ -1,7 +1,8 @@
 """The capacity plot of ``report``: per variant and context, the most requests held at once
 and the output tokens/s against the KV memory budget, from ``bench capacity`` records
-(``bench_capacity*.json`` anywhere under the results). Where two records measured the same
-point, the later by file name is drawn."""
+(``bench_capacity*.json`` anywhere under the results but in a ``history`` folder, where
+the records of superseded designs stay). Where two records measured the same point, the
+later by file name is drawn."""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ def _context_label(context: int) -> str:
 def draw_capacity(results: Path, plt):
     """Two panels against the budget: requests held at once and output tokens/s; an x
     marks a run whose requests ended before the pools filled (``pools_filled`` false)."""
-    paths = sorted(results.glob("**/bench_capacity*.json"))
+    paths = sorted(
+        p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts
+    )
     if not paths:
         return None
     records = [json.loads(p.read_text()) for p in paths]
     series = capacity_series(records)
     if not series:
         return None
-    fig, (held_ax, rate_ax) = plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, (held_ax, rate_ax) = plt.subplots(1, 2, figsize=(11, 4.9))
     for (context, variant), points in sorted(series.items()):
         label = f"{variant}, {_context_label(context)} tokens"
         budgets = [p[0] for p in points]
@@ -64,7 +67,7 @@ def draw_capacity(results: Path, plt):
         ax.set_ylim(bottom=0)
     held_ax.legend(loc="upper left", frameon=False)
     fig.suptitle(
-        f"Capacity at a fixed KV budget ({' / '.join(gpus)}, {' / '.join(models)}); "
+        f"Capacity at a fixed KV budget ({' / '.join(gpus)}, {' / '.join(models)})\n"
         "x: requests ended before the pools filled"
     )
     return fig

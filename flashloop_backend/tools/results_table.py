@@ -108,8 +108,7 @@ def summary(results: Path) -> str:
     return (
         f"- **Memory**: all three features hold **{memory:.1f}x less KV per token** than "
         f"dense. Pools planned from one KV budget (`--kv-memory-gib`) hold {planned} "
-        "by the allocator's accounting (`info --context N`), not yet measured end to end "
-        "on the GPU.\n"
+        f"by the allocator's accounting (`info --context N`). {_served_capacity(results)}\n"
         f"- **Decode speed**: with many long requests (32K x 16) all on decodes "
         f"**{fast:.2f}x** dense's speed ({second:.2f}x in another run, one kernel revision "
         "earlier); "
@@ -151,6 +150,32 @@ def _planned_capacity(results: Path) -> str:
         ratios.append(f"{counts[1] / counts[0]:.1f}x")
     contexts = " / ".join(f"{c // 1024}K" for c in CAPACITY_CONTEXTS)
     return f"{' / '.join(ratios)} dense's requests of {contexts} tokens at {CAPACITY_GIB} GiB"
+
+
+# bench capacity on one budget, every variant in one run (the README's served capacity).
+CAPACITY_RECORD = (
+    "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_split_lockstep_h100_a80d615.json"
+)
+
+
+def _served_capacity(results: Path) -> str:
+    """One sentence on what :data:`CAPACITY_RECORD` measured: requests held at once,
+    output tokens/s and ITL p99 of all on against dense."""
+    record = json.loads((results / CAPACITY_RECORD).read_text())
+    run = record["runs"][0]
+    by_name = {r["variant"]: r for r in run["records"]}
+    dense, mine = by_name["dense"], by_name["config"]
+    device = record["environment"]["gpu"].removeprefix("NVIDIA ").split(" 80GB")[0]
+    layers = record["model"].rsplit(", ", 1)[-1]
+    return (
+        f"Served by `bench capacity` on an {device} ({run['context'] // 1024}K requests, "
+        f"{run['kv_memory_bytes'] / 2**30:g} GiB of KV memory, {layers}, {run['clients']} "
+        f"clients): all on held {mine['most_requests_held']} requests at once against "
+        f"dense's {dense['most_requests_held']} and gave "
+        f"**{mine['throughput_tokens_s'] / dense['throughput_tokens_s']:.2f}x** dense's "
+        f"output tokens/s, with an inter-token latency p99 "
+        f"{mine['itl_ms']['p99'] / dense['itl_ms']['p99']:.2f}x dense's."
+    )
 
 
 def table(results: Path) -> str:
