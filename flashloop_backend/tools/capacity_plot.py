@@ -40,9 +40,7 @@ def _context_label(context: int) -> str:
 def draw_capacity(results: Path, plt):
     """Two panels against the budget: requests held at once and output tokens/s; an x
     marks a run whose requests ended before the pools filled (``pools_filled`` false)."""
-    paths = sorted(
-        p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts
-    )
+    paths = sorted(p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts)
     if not paths:
         return None
     records = [json.loads(p.read_text()) for p in paths]
