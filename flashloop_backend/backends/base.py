@@ -92,7 +92,8 @@ class RequestKV(Protocol):
         ...
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:
-        """Per depth [end - start] bool: the rows that computed that depth (None: all)."""
+        """Per depth [end - start] bool on the host: the rows that computed that depth
+        (None: all)."""
         ...
 
     def drop(self, end: int) -> None:

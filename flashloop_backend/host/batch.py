@@ -14,6 +14,7 @@ import torch
 
 from flashloop_backend.dispatch import BatchView, RowMode
 from flashloop_backend.host.kvcache import PagedKVCache
+from flashloop_backend.kv.device_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,6 @@ class Batch:
     slots: torch.Tensor  # [R] int64 flat KV slot on the row's depth plane, -1 for padding
     groups: tuple[RowGroup, ...]
     num_real_rows: int
-
-
-def upload(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``. To a GPU through pinned memory and an
-    asynchronous copy: a copy from pageable memory waits for the device's queued work."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def build_batch(
@@ -126,9 +118,9 @@ def build_batch(
     row_owner = [owner_of[g.request_id] for g in groups for _ in range(g.count)]
     row_owner += [len(owners)] * pad  # padding rows read the all -1 table
     per_row = [positions, depths, modes, token_slots, incarnations, requests, slots, row_owner]
-    fields = upload(torch.tensor(per_row, dtype=torch.int64), device)
+    fields = to_device(torch.tensor(per_row, dtype=torch.int64), device)
     position_t, depth_t, mode_t, token_slot_t, incarnation_t, request_t, slot_t, owner_t = fields
-    planes = upload(per_request, device)[:, owner_t]
+    planes = to_device(per_request, device)[:, owner_t]
     lengths = torch.where(mode_t == RowMode.PAD, 0, position_t + 1).to(torch.int32)
     view = BatchView(
         positions=position_t,

@@ -20,7 +20,7 @@ import torch
 
 from flashloop_backend.backends.base import AttentionBackend, OutOfPackedPagesError
 from flashloop_backend.dispatch import RowMode
-from flashloop_backend.host.batch import Batch, RowGroup, build_batch, upload
+from flashloop_backend.host.batch import Batch, RowGroup, build_batch
 from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
 from flashloop_backend.host.decode_depths import depth_dependent_decode, lockstep_depth
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
@@ -39,6 +39,7 @@ from flashloop_backend.host.requests import (
 )
 from flashloop_backend.host.sampling import choose_tokens, finish_reason
 from flashloop_backend.host.speculation import SpeculationSettings
+from flashloop_backend.kv.device_copy import to_device
 
 
 class _LayerAttention:
@@ -632,7 +633,7 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 going.append(r)
         if not going:
             return
-        ids = upload(torch.tensor([r.output[-1] for r in going]), self.device)
+        ids = to_device(torch.tensor([r.output[-1] for r in going]), self.device)
         for r, hidden in zip(going, self.model.prelude(ids), strict=True):
             r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
             self._start_token(r)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from flashloop_backend.host.batch import RowGroup, upload
+from flashloop_backend.host.batch import RowGroup
 from flashloop_backend.host.requests import Request
 from flashloop_backend.host.sampling import finish_reason
 from flashloop_backend.host.speculation import Speculation, SpeculationSettings
+from flashloop_backend.kv.device_copy import to_device
 
 
 class SpeculativeDecoding:
@@ -73,7 +74,7 @@ class SpeculativeDecoding:
             if r.finish_reason:
                 r.phase, r.block = "done", None
                 return
-        ids = upload(torch.tensor([tokens[-1]]), self.device)
+        ids = to_device(torch.tensor([tokens[-1]]), self.device)
         r.depth, r.hidden = 0, self.model.prelude(ids)[0]
         self.speculation.start(r, self._new_incarnations)
 

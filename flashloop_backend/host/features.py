@@ -45,28 +45,28 @@ class HostRequestKV:
         return self.kv.plane_rows(self.request.id, start, end, depths)
 
     def active(self, start: int, end: int) -> list[torch.Tensor] | None:
-        device = self.kv.key_pool.device
-        return active_rows(self.request, start, end, self.sparse, self.loops, device)
+        return active_rows(self.request, start, end, self.sparse, self.loops)
 
     def drop(self, end: int) -> None:
         self.kv.drop_prefix(self.request.id, end)
 
 
 def active_rows(
-    r: Request, start: int, end: int, sparse: bool, loops: int, device
+    r: Request, start: int, end: int, sparse: bool, loops: int
 ) -> list[torch.Tensor] | None:
-    """Per depth [end - start] bool: rows that computed that depth (prompt rows by the
-    token-sparse schedule, generated rows by their exit depth); None if all did. A depth
-    the prompt has not reached yet counts every row (nothing of it is stored yet)."""
+    """Per depth [end - start] bool on the host: rows that computed that depth (prompt
+    rows by the token-sparse schedule, generated rows by their exit depth); None if all
+    did. A depth the prompt has not reached yet counts every row (nothing of it is stored
+    yet)."""
     prompt = len(r.prompt)
-    depths = []  # built on the host, moved once decided
+    depths = []
     for depth in range(loops):
         if sparse and depth < len(r.schedule.active_history):
-            prompt_part = r.schedule.active_history[depth][start : min(end, prompt)].cpu()
+            prompt_part = r.schedule.active_on_host(depth)[start : min(end, prompt)]
         else:
             prompt_part = torch.ones(max(0, min(end, prompt) - start), dtype=torch.bool)
         exits = torch.tensor(r.exit_depths[max(start, prompt) - prompt : max(0, end - prompt)])
         depths.append(torch.cat([prompt_part, exits >= depth]))
     if all(bool(a.all()) for a in depths):
         return None
-    return [a.to(device) for a in depths]
+    return depths

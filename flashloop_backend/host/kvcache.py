@@ -14,6 +14,7 @@ import torch
 
 from flashloop_backend.backends.base import KVRows
 from flashloop_backend.host.layer_ops import write_kv
+from flashloop_backend.kv.device_copy import to_device
 
 
 def plane_blocks(num_tokens: int, block_size: int, depths: int, carry_rows: int = 0) -> int:
@@ -191,8 +192,8 @@ class PagedKVCache:
         copied = max(0, -(-copy_rows // self.block_size) - carried)
         if copied:
             device = self.key_pool.device
-            src = torch.tensor(source[carried : carried + copied], dtype=torch.long, device=device)
-            dst = torch.tensor(fresh[:copied], dtype=torch.long, device=device)
+            src = to_device(torch.tensor(source[carried : carried + copied]), device)
+            dst = to_device(torch.tensor(fresh[:copied]), device)
             self.key_pool[dst] = self.key_pool[src]
             self.value_pool[dst] = self.value_pool[src]
 
@@ -259,7 +260,7 @@ class PagedKVCache:
                 continue
             if any(block < 0 for block in plane[first:last]):  # checked on the host list
                 raise ValueError(f"positions [{start}, {end}) of request {request_id} were freed")
-            blocks = torch.tensor(plane[first:last], dtype=torch.long, device=device)
+            blocks = to_device(torch.tensor(plane[first:last], dtype=torch.long), device)
             out.append(KVRows.paged(self.key_pool, self.value_pool, blocks, end - start))
         return out
 
@@ -335,13 +336,13 @@ class PagedKVCache:
         planes = self._tables[request_id].planes
         device = self.key_pool.device
         where = torch.tensor(positions, dtype=torch.long)
-        blocks, offsets = where // self.block_size, (where % self.block_size).to(device)
-        src = torch.tensor(planes[exit_depth], dtype=torch.long)[blocks].to(device)
+        blocks, offsets = where // self.block_size, to_device(where % self.block_size, device)
+        src = to_device(torch.tensor(planes[exit_depth], dtype=torch.long)[blocks], device)
         for depth in range(exit_depth + 1, self.num_depths):
             dst = torch.tensor(planes[depth], dtype=torch.long)[blocks]
             if bool((dst < 0).all()):  # a plane that carries these rows later copies them
                 continue
-            dst = dst.to(device)
+            dst = to_device(dst, device)
             self.key_pool[dst, :, offsets] = self.key_pool[src, :, offsets]
             self.value_pool[dst, :, offsets] = self.value_pool[src, :, offsets]
 

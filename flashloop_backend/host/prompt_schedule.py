@@ -48,6 +48,9 @@ class PromptSchedule:
         self.prev_hidden: torch.Tensor | None = None  # hidden after the previous loop
         self.active_counts = [length]
         self.active_history = [self.active]  # rows that ran each depth so far
+        # (device mask, its host copy): packing reads the masks on the host at every
+        # append, and a device read there would wait for the queued steps
+        self._host_copies = [(self.active, torch.ones(length, dtype=torch.bool))]
 
     def _selects_before(self, depth: int) -> bool:
         return (
@@ -80,8 +83,19 @@ class PromptSchedule:
         self.active_counts.append(len(self.positions))
         if nxt < self.num_loops:
             self.active_history.append(self.active)
+            self.active_on_host(nxt)  # the selection above already waited for the device
         if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+
+    def active_on_host(self, depth: int) -> torch.Tensor:
+        """[T] bool on the host: the rows that ran ``depth`` (copied once per mask)."""
+        mask = self.active_history[depth]
+        for device_mask, host_mask in self._host_copies:
+            if device_mask is mask:
+                return host_mask
+        host_mask = mask.cpu()
+        self._host_copies.append((mask, host_mask))
+        return host_mask
 
     def history(self) -> torch.Tensor | None:
         """[depths, T] bool: the rows that ran each depth (the prefix's as published);

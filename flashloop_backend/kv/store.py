@@ -24,6 +24,7 @@ from flashloop_backend.algorithms import (
     quantize_int4,
     unpack_codes,
 )
+from flashloop_backend.kv.device_copy import to_device
 from flashloop_backend.kv.layout import PackedLayout, pack_row, param_channels
 from flashloop_backend.kv.rows import KVRows
 
@@ -444,9 +445,13 @@ class PackedKVStore:
                     f"[{start}, {start + rows}) to take level {written[0]}'s residuals against"
                 )
             below[depth] = span
-        presents = []  # per depth: the rows that recomputed it, None when all did
+        # per depth: the rows that recomputed it, None when all did; on the host, where the
+        # page counts and row maps are made (a device mask is read once here)
+        presents = []
         for depth in range(depths):
-            present = None if depth == 0 or active is None else active[depth].nonzero().flatten()
+            present = None
+            if depth and active is not None:
+                present = active[depth].cpu().nonzero().flatten()
             if depth in below:
                 present = below[depth][2]
             presents.append(None if present is not None and present.numel() == rows else present)
@@ -472,8 +477,10 @@ class PackedKVStore:
             else []
             for d in range(depths)
         ]
+        device = self.blocks.device
+        on_device = [None if p is None else to_device(p, device) for p in presents]
         try:
-            (write or encode_levels_chain)(self, rows_by_depth, presents, pages)
+            (write or encode_levels_chain)(self, rows_by_depth, on_device, pages)
         except BaseException:  # a refused write takes nothing: pages and reservation back
             for d in reversed(written):
                 self._free.extend(reversed(pages[d]))
@@ -566,11 +573,11 @@ class PackedKVStore:
         block = torch.full((rows,), -1, dtype=torch.int32)
         if present is None:
             block = first + torch.arange(rows, dtype=torch.int32)
-        else:  # built on the host (one read per append); the device copy follows
-            block[present.cpu()] = first + torch.arange(present.numel(), dtype=torch.int32)
+        else:  # built on the host; the device copy follows
+            block[present] = first + torch.arange(present.numel(), dtype=torch.int32)
         levels.pages[depth].extend(pages)
         levels.host_maps[depth] = torch.cat([mapping, block])
-        levels.maps[depth] = levels.host_maps[depth].to(device)
+        levels.maps[depth] = to_device(levels.host_maps[depth], device)
 
     def _write(self, pages: list[int], layers: slice, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
         """``layers`` (Lb of them): qk codes [Lb, H, D, Pg, g/2] (groups along rows) and qv
@@ -598,7 +605,7 @@ class PackedKVStore:
             dim=-1,
         )
         assert block.shape[-1] == layout.block_bytes
-        index = torch.tensor(pages, dtype=torch.long, device=device)[:, None]
+        index = to_device(torch.tensor(pages, dtype=torch.long), device)[:, None]
         at = (index, torch.arange(layers.start, layers.start + lb, device=device)[None, :])
         self.blocks[at] = block.to(device)
 
@@ -628,7 +635,7 @@ class PackedKVStore:
         self, pages: list[int], layers: int | slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 K and V [P * g, (Lb,) H, D] of ``pages`` at one layer or a slice of them."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
+        index = to_device(torch.tensor(pages, dtype=torch.long), self.blocks.device)
         blocks = self.blocks[index, layers]  # [P, (Lb,) H, block bytes]
         k = self.layout.keys(blocks).movedim(-2, 1)  # [P, g, (Lb,) H, D]
         v = self.layout.values(blocks).movedim(-2, 1)

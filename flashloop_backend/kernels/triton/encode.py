@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashloop_backend.kv.device_copy import to_device
 from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -75,13 +76,14 @@ def encode_levels_triton(
             )
     depths = len(rows_by_depth)
     slots = torch.full((depths, rows), -1, dtype=torch.int32, device=device)
-    table = torch.full((depths, max(1, *map(len, pages))), -1, dtype=torch.int32, device=device)
+    table = torch.full((depths, max(1, *map(len, pages))), -1, dtype=torch.int32)
     for depth, present in enumerate(presents):
         count = rows if present is None else present.numel()
         where = slice(None) if present is None else present
         slots[depth, where] = torch.arange(count, dtype=torch.int32, device=device)
         if pages[depth]:
             table[depth, : len(pages[depth])] = torch.tensor(pages[depth], dtype=torch.int32)
+    table = to_device(table, device)  # built on the host: no wait for the queued steps
     exact = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     codes, halves = store.blocks, store.blocks.view(torch.float16)
     for depth, present in enumerate(presents):

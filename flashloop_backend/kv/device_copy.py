@@ -1,0 +1,22 @@
+"""Host tensors onto the device without waiting for it.
+
+A copy from pageable host memory to a GPU returns only once the copy is done, and the
+copy is ordered after everything already queued on the stream, so the host waits for
+the device to drain its queue. Planning code (block tables, page lists, row maps) that
+copies that way cannot run ahead of the kernels it plans for. Through pinned memory the
+copy is asynchronous and the host goes on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: to a GPU through pinned memory and an
+    asynchronous copy (the pinned buffer is kept until the copy has run); elsewhere a
+    plain ``to``."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

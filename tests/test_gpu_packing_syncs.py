@@ -1,0 +1,51 @@
+"""Packing a prompt never waits for the device (on the GPU): every call that stores a
+prompt's rows in the packed store (a level carried from loop to loop, the last loop's
+final rows) runs under torch's sync debug mode set to error, so a device read or a copy
+from pageable host memory there fails the test. Such a wait would hold the host until
+the steps already queued ran, so it could not plan the next step meanwhile."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashloop_backend import FlashLoopConfig, embedded_model_path
+from flashloop_backend.capabilities import SupportRequest
+from flashloop_backend.host import Engine, SamplingParams, load_model
+
+pytestmark = pytest.mark.gpu
+ALL_ON = Path(__file__).resolve().parents[1] / "configs" / "all_on.json"
+
+
+def _without_syncs(method, calls: list[str]):
+    def checked(*args, **kwargs):
+        calls.append(method.__name__)
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return checked
+
+
+def test_a_prompts_packing_runs_without_waiting_for_the_device():
+    from flashloop_backend.registry import Registry
+
+    config = FlashLoopConfig.from_dict(json.loads(ALL_ON.read_text()))
+    model = load_model(embedded_model_path(), "cuda", torch.bfloat16)
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 2, 2)
+    backend = Registry.discover().create("flashloop", request, config)
+    engine = Engine(model, backend, num_blocks=2048, prefill_chunk=128, max_context=1024)
+    engine.generate([[1, 2, 3] * 40], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    calls: list[str] = []
+    packed = backend.packed
+    for name in ("pack_prompt_level", "pack_final_prompt_rows"):
+        setattr(packed, name, _without_syncs(getattr(packed, name), calls))
+    prompts = [[(7 * i + 3) % 200 for i in range(n)] for n in (700, 450)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    torch.cuda.synchronize()
+    assert all(len(r.output_token_ids) == 4 for r in out)
+    assert {"pack_prompt_level", "pack_final_prompt_rows"} <= set(calls)
