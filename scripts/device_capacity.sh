@@ -13,6 +13,6 @@ mkdir -p "$OUT"
 PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" flashloop-backend bench capacity \
   --backends triton+graphs --config configs/all_on.json --contexts "${CONTEXTS:-32768}" \
   --kv-memory-gib "${GIB:-96}" --new-tokens "${NEW:-512}" --layers "${LAYERS:-24}" \
-  ${CLIENTS:+--clients "$CLIENTS"} ${ONE_TRAVERSAL:+--one-traversal-mixed-steps} --out "$OUT/bench_capacity.json" \
+  ${CLIENTS:+--clients "$CLIENTS"} $([ "${ONE_TRAVERSAL:-0}" = 1 ] && echo --one-traversal-mixed-steps) --out "$OUT/bench_capacity.json" \
   > "$OUT/bench_capacity.log" 2>&1
 grep -E "capacity|Error|error" "$OUT/bench_capacity.log" | cut -c1-200 | tail -12

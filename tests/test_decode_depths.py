@@ -3,6 +3,7 @@ rows when the backend's decode ops differ by depth, the tokens do not change, an
 depth chosen lets a smaller group meet a larger one within a cycle of the loops."""
 
 import pytest
+import torch
 
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.dispatch import RowMode
@@ -43,22 +44,54 @@ def _decode_depths_per_step(engine, prompts, params):
 
 
 def test_the_depth_with_most_rows_runs_and_a_tie_goes_to_the_deepest():
-    assert lockstep_depth([]) is None
-    assert lockstep_depth([0, 0, 2]) == 0
-    assert lockstep_depth([0, 2, 2, 1]) == 2
-    assert lockstep_depth([0, 3, 1, 0, 3]) == 3
+    assert lockstep_depth([], patience=4) is None
+    assert lockstep_depth([(0, 1, 0), (0, 1, 0), (2, 1, 0)], patience=4) == 0
+    assert lockstep_depth([(0, 1, 0), (2, 1, 0), (2, 1, 0), (1, 1, 0)], patience=4) == 2
+    assert lockstep_depth([(0, 1, 0), (3, 1, 0), (1, 1, 0), (0, 1, 0), (3, 1, 0)], 4) == 3
+    # rows, not requests: a verifying block of 4 rows outweighs three single rows
+    assert lockstep_depth([(1, 4, 0), (0, 1, 0), (0, 1, 0), (0, 1, 0)], patience=4) == 1
 
 
-@pytest.mark.parametrize("start", range(4))
-def test_a_smaller_group_meets_the_larger_one_within_a_cycle(start):
-    big, small, loops = 0, start, 4
-    for _ in range(loops):
-        if big == small:
-            return
-        run = lockstep_depth([big] * 3 + [small] * 2)
-        big = (big + 1) % loops if run == big else big
-        small = (small + 1) % loops if run == small else small
-    assert big == small, f"groups at {big} and {small} after {loops} steps"
+def test_a_request_held_back_patience_steps_runs_next_the_longest_held_first():
+    many = [(0, 1, 0)] * 5
+    assert lockstep_depth([*many, (2, 1, 3)], patience=4) == 0
+    assert lockstep_depth([*many, (2, 1, 4)], patience=4) == 2
+    assert lockstep_depth([*many, (2, 1, 4), (1, 1, 6)], patience=4) == 1
+
+
+class _EasyTokens(Engine):
+    """Every request but request 0 has tokens whose gate fires at loop 1."""
+
+    def _may_exit_early(self, group):
+        return super()._may_exit_early(group) and group.request_id != 0
+
+
+def test_tokens_exiting_early_do_not_starve_a_request_at_a_deeper_depth():
+    """Requests 1-3 exit at loop 1 on every token, so their group cycles through depths
+    0-1 and never reaches request 0's deeper depths: request 0 runs by the patience rule,
+    held back at most ``loops`` steps in a row, and finishes its 4 tokens before the
+    others finish their 60 (without the rule it waits for them all). Such a model does
+    not align by default."""
+    model = tiny_model(seed=3, early_exit_threshold=0.5)
+    model.exit_lambda = lambda h: torch.ones(h.shape[0])
+    backend = Registry.discover().create("flashloop", REQUEST, ALL_ON)
+    engine = _EasyTokens(model, backend, num_blocks=240, block_size=4, prefill_chunk=16,
+                         max_batch_tokens=64, align_decode_depths=True)  # fmt: skip
+    lengths = (4, 60, 60, 60)
+    ids = [engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=n, ignore_eos=True))
+           for n in lengths]  # fmt: skip
+    finished, most_held = {}, 0
+    while engine.has_unfinished():
+        for r in engine.step():
+            finished[r.request_id] = engine.steps
+        if ids[0] not in finished:
+            most_held = max(most_held, engine._requests[ids[0]].held_back)
+    loops = engine.cfg.total_ut_steps
+    assert most_held <= loops
+    assert finished[ids[0]] < min(finished[i] for i in ids[1:])
+    default = Engine(model, Registry.discover().create("flashloop", REQUEST, ALL_ON),
+                     num_blocks=240, block_size=4, prefill_chunk=16)  # fmt: skip
+    assert not default.align_decode_depths
 
 
 def test_a_backend_whose_ops_or_variants_differ_by_depth_aligns_by_default_and_dense_does_not():

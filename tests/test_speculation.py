@@ -164,6 +164,10 @@ def test_a_model_that_exits_early_and_unsupported_requests_are_refused():
     early = tiny_model(early_exit_threshold=0.5)
     with pytest.raises(ValueError, match=r"exits early \(early_exit_threshold=0.5\)"):
         _engine(early, _config({}), speculation=SPEC)
+    with pytest.raises(
+        ValueError, match="max_batch_tokens=3 is below the speculation block_size=4"
+    ):
+        _engine(tiny_model(), _config({}), speculation=SPEC, max_batch_tokens=3)
     engine = _engine(tiny_model(), _config({}), speculation=SPEC)
     cases = [
         ({"forced": [1, 2]}, "['forced']"),

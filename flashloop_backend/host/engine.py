@@ -101,7 +101,8 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         the plan is ``capacity_plan``). Without a budget: 256 blocks and slots.
         ``align_decode_depths``: run each step's decode rows at one loop depth, the others
         waiting (:mod:`~flashloop_backend.host.decode_depths`); default when the backend's
-        decode ops differ by depth."""
+        decode ops or kernel variants differ by depth and the model's tokens do not exit
+        early."""
         cfg = model.config
         limit = cfg.max_position_embeddings
         self.max_context = max_context or limit
@@ -180,8 +181,10 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         pools = {"max_slots": max_slots, "num_blocks": num_blocks, "packed_pages": packed_pages}
         backend.reserve(dataclasses.replace(shape, **pools))
         self._set_up_speculation(speculation, max_slots)
-        if align_decode_depths is None:
-            align_decode_depths = depth_dependent_decode(backend, cfg.total_ut_steps)
+        if align_decode_depths is None:  # after reserve: the backend's variants need its pools
+            # tokens that exit early fall out of phase at every token
+            depth_dependent = depth_dependent_decode(backend, cfg.total_ut_steps)
+            align_decode_depths = depth_dependent and not cfg.exits_early
         self.align_decode_depths = align_decode_depths
         # Decode-only steps replay captured traversals (None: every step runs eagerly).
         self.graphs = None
@@ -477,8 +480,11 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         budget, groups = self.max_batch_tokens, []
         lockstep = None
         if self.align_decode_depths:
-            decoding = self._requests.values()
-            lockstep = lockstep_depth(r.depth for r in decoding if r.phase == "decode")
+            decoding = [r for r in self._requests.values() if r.phase == "decode"]
+            rows = [(r.depth, self._decode_rows(r), r.held_back) for r in decoding]
+            lockstep = lockstep_depth(rows, patience=self.cfg.total_ut_steps)
+            for r in decoding:
+                r.held_back = 0 if r.depth == lockstep else r.held_back + 1
         for r in self._requests.values():
             if budget == 0:
                 break
@@ -503,6 +509,13 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
                 budget -= count
                 self.prefill_rows_run += count
         return groups
+
+    def _decode_rows(self, r: Request) -> int:
+        """Rows a decode request runs in its next step: its token, or its speculation
+        block's verification rows (a block not yet fitted counts its drafting row)."""
+        if r.block is None or not r.block.sized:
+            return 1
+        return self.speculation.group(r).count
 
     def _request_kv(self, r: Request) -> HostRequestKV:
         """The request's BF16 KV as the backend may read and free it."""

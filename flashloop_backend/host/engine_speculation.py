@@ -34,6 +34,11 @@ class SpeculativeDecoding:
                 raise ValueError("speculative decoding is not supported: " + "; ".join(blockers))
             self.speculation = Speculation(settings, self.model, cfg.total_ut_steps)
         self.slots_per_request = settings.block_size if settings else 1
+        if self.slots_per_request > self.max_batch_tokens:  # its block could never run
+            raise ValueError(
+                f"max_batch_tokens={self.max_batch_tokens} is below the speculation "
+                f"block_size={self.slots_per_request}: a block's rows run in one step"
+            )
         if self.slots_per_request > max_slots:
             raise ValueError(
                 f"max_slots={max_slots} is below the {self.slots_per_request} token-state "

@@ -352,4 +352,5 @@ class DecodeGraphs:
             "host_fill_ms_per_step": 1e3 * self.fill_seconds / steps,
             "max_context": self.max_context,
             "buckets": list(self.settings.buckets),
+            "split_mixed_steps": self.settings.split_mixed_steps,
         }

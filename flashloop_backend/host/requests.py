@@ -59,6 +59,7 @@ class Request:
     replay: list[int] | None = None  # tokens produced before a preemption, fed back first
     replay_exits: list[int] | None = None  # and the depths at which they left
     block: Block | None = None  # the speculation block decoding now (speculating engines)
+    held_back: int = 0  # decode steps in a row lockstep left it out of
     extra_slots: list[int] = field(default_factory=list)  # a block's rows after the first
     published: object | None = None  # its prefix-cache entry, until its prompt is handed over
 

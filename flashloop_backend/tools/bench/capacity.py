@@ -100,6 +100,7 @@ def serve_at_budget(
             warm_up(engine, [{"concurrency": min(clients, planned)}], vocab, sync)
             sync()
             start_up_s = time.perf_counter() - started
+        steps = engine.steps
         summary = run_workload(engine, arrivals, vocab, clients, sync)
         summary.update(
             start_up_s=start_up_s,
@@ -113,7 +114,7 @@ def serve_at_budget(
             plan=dataclasses.asdict(engine.capacity_plan),
             memory=memory_breakdown(engine),
             align_decode_depths=engine.align_decode_depths,
-            steps=engine.steps,
+            steps=engine.steps - steps,  # the workload's, not the warm-up's
             graphs=_graph_counts(engine),
         )
         records.append(summary)
@@ -193,7 +194,7 @@ def bench_capacity(
             )
             run = {"kv_memory_bytes": budget, "context": context, "clients": n}
             run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
-            run["split_mixed_steps"] = split_mixed_steps
+            run["split_mixed_steps"] = None if graphs is None else split_mixed_steps
             runs.append(run | {"records": records})
     return {
         "kind": "capacity",

@@ -377,6 +377,7 @@ def bench_end_to_end(
             # the kernel provider of every op, the dense prefill's included (TTFT baselines)
             "kernels": dict(effective_config.kernels),
             "graphs": engine.graphs.stats() if engine.graphs else None,
+            "align_decode_depths": engine.align_decode_depths,
             "replay_ms_by_key": engine.graphs.replay_ms() if engine.graphs else None,
             "prefill_speedup_vs_first": speedup,
             "layer_ops": variant,

@@ -203,6 +203,7 @@ def serve_variants(
                 kernels=kernels,
                 memory=memory_breakdown(engine),
                 graphs=engine.graphs.stats() if engine.graphs else None,
+                align_decode_depths=engine.align_decode_depths,
             )
             records.append(summary)
             on_record(records)
