@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashloop_backend"
 
 # Lowest first: a room may import its own modules and any room of a lower layer.
 LAYERS = [
-    {"_version", "config", "capabilities", "algorithms"},
+    {"_version", "config", "capabilities", "algorithms", "device_copy"},
     {"kv"},
     {"kernels"},
     {"dispatch"},

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.dispatch import BatchView, RowMode
 from flashloop_backend.host.kvcache import PagedKVCache
-from flashloop_backend.kv.device_copy import to_device
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from flashloop_backend.backends.base import AttentionBackend, OutOfPackedPagesError
+from flashloop_backend.backends.base import AttentionBackend
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import Batch, RowGroup, build_batch
 from flashloop_backend.host.capacity import footprint, plan_pools, planning_capacity
-from flashloop_backend.host.decode_depths import depth_dependent_decode, lockstep_depth
+from flashloop_backend.host.decode_depths import depth_dependent_decode
+from flashloop_backend.host.engine_lifecycle import RequestLifecycle
+from flashloop_backend.host.engine_planes import PromptPlanes
+from flashloop_backend.host.engine_scheduling import StepScheduling
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.features import HostRequestKV, token_sparsity
@@ -30,7 +34,6 @@ from flashloop_backend.host.graphs import GRAPH_MODES, DecodeGraphs, GraphSettin
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
 from flashloop_backend.host.model import OuroModel
 from flashloop_backend.host.prefix_cache import PrefixCache
-from flashloop_backend.host.prompt_schedule import PromptSchedule
 from flashloop_backend.host.requests import (
     GenerationResult,
     Request,
@@ -39,7 +42,6 @@ from flashloop_backend.host.requests import (
 )
 from flashloop_backend.host.sampling import choose_tokens, finish_reason
 from flashloop_backend.host.speculation import SpeculationSettings
-from flashloop_backend.kv.device_copy import to_device
 
 
 class _LayerAttention:
@@ -56,7 +58,7 @@ class _LayerAttention:
         return self.backend.forward(q, key_view, value_view, self.batch.view, layer=layer)
 
 
-class Engine(RequestSnapshots, SpeculativeDecoding):
+class Engine(StepScheduling, PromptPlanes, RequestLifecycle, RequestSnapshots, SpeculativeDecoding):
     def __init__(
         self,
         model: OuroModel,
@@ -390,176 +392,9 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
         ctx = _LayerAttention(self.kv, self.backend, batch, self.model.layer_kernels)
         return self.model.recurrent(hidden, batch.view.positions, ctx)
 
-    def hand_over_prompts(self) -> None:
-        """``backend.prompt_done`` for every prompt completed in the last step whose request
-        still runs (one that finished on its first token left with its KV). Each step
-        starts with it; a profile of the prompt phase calls it to include the packing."""
-        for r in self._prompts_to_hand_over:
-            if r.id in self._requests:
-                self.backend.prompt_done(r.id, self._request_kv(r))
-                entry, r.published = r.published, None
-                if entry is not None:  # later prompts may start from its stored rows too
-                    shared = self.backend.share_prompt(r.id, len(entry.tokens))
-                    if shared is not None:
-                        self.prefix_cache.attach_packed(entry, shared)
-        self._prompts_to_hand_over.clear()
-
-    def _admit(self) -> None:
-        for request in self._requests.values():
-            if request.phase != "waiting":
-                continue
-            if len(self._free_slots) < self.slots_per_request:
-                break  # every token-state slot is taken: wait
-            found = self.prefix_cache.lookup(request.prompt) if self.prefix_cache else (0, None)
-            if self.prefix_cache is not None and self._prefix_in_flight(request, found[0]):
-                continue  # its prefix is being computed: share it once published
-            schedule = self._reserve(request, found)
-            if schedule is None:
-                break  # first-come first-served: later requests wait behind it
-            self._take_slots(request)
-            ids = torch.tensor(request.prompt, device=self.device)
-            with torch.no_grad():
-                request.prompt_hidden = self.model.prelude(ids)
-            request.schedule = schedule
-            request.phase = "prefill"
-
-    def _take_slots(self, r: Request) -> None:
-        """The request's token-state slot and, speculating, one more per block row."""
-        r.slot = self._free_slots.pop()
-        r.extra_slots = [self._free_slots.pop() for _ in range(self.slots_per_request - 1)]
-
-    def _evict_for(self, short: OutOfBlocksError | OutOfPackedPagesError) -> bool:
-        """Drop a cached prefix that frees what ``short`` says is missing (cached prefixes
-        hold BF16 blocks, and packed rows once their prompt packed); False when none would."""
-        pages = isinstance(short, OutOfPackedPagesError)
-        return self.prefix_cache is not None and self.prefix_cache.evict_one(packed=pages)
-
-    def _prefix_in_flight(self, request: Request, cached: int) -> bool:
-        """Whether a prompt still prefilling shares more whole units with ``request``'s
-        than the ``cached`` positions the cache holds for it: computing them twice side by
-        side would waste a prefill."""
-        cache = self.prefix_cache
-        for other in self._requests.values():
-            if other.phase == "prefill":
-                shared = cache.common_units(other.prompt, request.prompt)
-                if shared > cached:
-                    return True
-        return False
-
-    def _reserve(self, request: Request, found: tuple) -> PromptSchedule | None:
-        """Reserve a waiting request's blocks and pages, sharing ``found`` (the cache's
-        lookup of its prompt: positions, entry), evicting cached prefixes while the pool is
-        short (and looking up again after each); its prompt schedule, or None when it must
-        wait (nothing held)."""
-        new, loops = request.params.max_new_tokens, self.cfg.total_ut_steps
-        reused, entry = found
-        while True:
-            shared = self.prefix_cache.shared_blocks(entry, reused) if entry else None
-            packed = entry.packed if entry else None
-            carry = 0 if shared is not None else self._carried_rows(len(request.prompt))
-            try:
-                self.kv.reserve(request.id, len(request.prompt) + new, shared, carry)
-                self.backend.admit(request.id, len(request.prompt), new, packed, reused)
-                break
-            except (OutOfBlocksError, OutOfPackedPagesError) as exc:
-                self.kv.release(request.id)
-                if not self._evict_for(exc):
-                    return None
-                reused, entry = self.prefix_cache.lookup(request.prompt)  # it may have gone
-        active = None
-        if entry is not None:
-            self.prefix_cache.record(reused, entry)
-            active = None if entry.active is None else entry.active[:, :reused]
-        elif self.prefix_cache:
-            self.prefix_cache.record(0, None)
-        return PromptSchedule(
-            len(request.prompt), self.sparsity, loops, self.device, reused, active
-        )
-
-    def _schedule(self) -> list[RowGroup]:
-        budget, groups = self.max_batch_tokens, []
-        lockstep = None
-        if self.align_decode_depths:
-            decoding = [r for r in self._requests.values() if r.phase == "decode"]
-            rows = [(r.depth, self._decode_rows(r), r.held_back) for r in decoding]
-            lockstep = lockstep_depth(rows, patience=self.cfg.total_ut_steps)
-            for r in decoding:
-                r.held_back = 0 if r.depth == lockstep else r.held_back + 1
-        for r in self._requests.values():
-            if budget == 0:
-                break
-            if r.phase == "decode":
-                if lockstep is not None and r.depth != lockstep:
-                    continue  # waits for the step that runs its depth
-                group = (
-                    self._block_group(r)
-                    if r.block is not None
-                    else RowGroup(
-                        r.id, RowMode.DECODE, r.depth, r.position, 1, r.slot, r.incarnation
-                    )
-                )
-                if group.count > budget:
-                    break
-                groups.append(group)
-                budget -= group.count
-            elif r.phase == "prefill":
-                count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
-                first, span = r.schedule.chunk(r.chunk_start, count)
-                groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, first, count, span=span))
-                budget -= count
-                self.prefill_rows_run += count
-        return groups
-
-    def _decode_rows(self, r: Request) -> int:
-        """Rows a decode request runs in its next step: its token, or its speculation
-        block's verification rows (a block not yet fitted counts its drafting row)."""
-        if r.block is None or not r.block.sized:
-            return 1
-        return self.speculation.group(r).count
-
     def _request_kv(self, r: Request) -> HostRequestKV:
         """The request's BF16 KV as the backend may read and free it."""
         return HostRequestKV(self.kv, r, self.sparsity is not None, self.cfg.total_ut_steps)
-
-    def _carried_rows(self, prompt_length: int) -> int:
-        """Rows of a prompt of this length whose blocks pass from plane to plane."""
-        return self.backend.carried_prompt_rows(prompt_length) if self.carry_planes else 0
-
-    def _carry_planes(self, groups: list[RowGroup]) -> None:
-        """Before a prompt's chunk of loop d > 0 runs: the backend stores loop d - 1 of the
-        carried rows the chunk reads (the rows before its last position; in the last loop
-        also those its chunk makes final, which the last level's packing reads right
-        after) and plane d takes their blocks; with its last chunk, or rows past the
-        carried ones, plane d takes the rest (fresh blocks holding a copy of plane d - 1's
-        prompt rows past them). Stored in whole appends as the chunks reach them, a
-        depth's conversion spreads over the next loop's steps for prompts longer than an
-        append (``PACK_CHUNK_ROWS``)."""
-        for group in groups:
-            carry = self.kv.carried_rows(group.request_id) if group.mode == RowMode.PREFILL else 0
-            if not carry or not group.depth:
-                continue
-            r = self._requests[group.request_id]
-            needed = (group.span[-1] if group.span else group.start + group.count - 1) + 1
-            done = r.chunk_start + group.count
-            if group.depth == self.cfg.total_ut_steps - 1:  # the rows packed right after it
-                needed = max(needed, r.schedule.final_rows(done))
-            whole = needed > carry or done == len(r.schedule.positions)
-            self._carry_plane(r, group.depth - 1, carry, carry if whole else needed, whole)
-
-    def _carry_plane(self, r: Request, depth: int, carry: int, rows: int, whole: bool) -> None:
-        """Plane ``depth + 1`` takes plane ``depth``'s blocks of the first ``rows`` of the
-        request's ``carry`` carried rows once stored (and the rest with ``whole``)."""
-        if self.kv.carried_through(r.id) > depth:
-            return
-        kv = self._request_kv(r)
-        stored = self.backend.store_prompt_depth(r.id, kv, depth, min(rows, carry))
-        if stored < min(rows, carry) or stored > carry:
-            raise RuntimeError(
-                f"request {r.id}: the backend stored {stored} rows of depth {depth}; the host "
-                f"carries {min(rows, carry)} of {carry} to the next plane"
-            )
-        rows = stored // self.kv.block_size * self.kv.block_size
-        self.kv.carry_plane(r.id, depth, rows, whole, copy_rows=len(r.prompt))
 
     def _input_hidden(self, group: RowGroup) -> torch.Tensor:
         r = self._requests[group.request_id]
@@ -667,57 +502,6 @@ class Engine(RequestSnapshots, SpeculativeDecoding):
             r.exit_depths,
             torch.stack(r.logprobs) if r.logprobs else None,
         )
-
-    def preempt(self, request_id: int) -> None:
-        """Free a running request's KV, pages and slot now, between steps, and queue it
-        again ahead of every later arrival. Readmitted, it recomputes its prompt and feeds
-        the tokens it had produced back through the decode path, each leaving at the depth
-        it left before (its output count drops until they are back), then goes on. The
-        replay draws no random numbers, so greedy, teacher-forced and seeded requests
-        continue as without the preemption, bit for bit where the kernels give a row the
-        same result in any batch (the CPU reference); on a GPU, kernels planned for
-        another batch shape may change last bits."""
-        r = self._live(request_id)
-        if r.phase == "waiting":
-            raise ValueError(f"request {request_id} is waiting: it holds nothing to preempt")
-        self._release(r)
-        if r.replay is None or len(r.output) >= len(r.replay):
-            r.replay, r.replay_exits = list(r.output), list(r.exit_depths)
-        r.output, r.exit_depths = [], []
-        r.logprobs = [] if r.logprobs is not None else None
-        r.phase, r.depth, r.chunk_start, r.slot, r.block = "waiting", 0, 0, -1, None
-        r.prompt_hidden = r.schedule = r.hidden = None
-        r.remaining, r.finish_reason = 1.0, ""
-
-    def _release(self, r: Request) -> None:
-        """Give back everything ``r`` holds: KV blocks, the backend's pages, reservation and
-        reference slot, its token-state slot, a pending hand-over."""
-        # a request that ended on its first token is not handed over: it leaves now
-        self._prompts_to_hand_over = [p for p in self._prompts_to_hand_over if p is not r]
-        self.kv.release(r.id)
-        self.backend.release(r.id, r.slot)
-        if r.slot >= 0:
-            self._free_slots.append(r.slot)
-        for slot in r.extra_slots:
-            self.backend.retire_slot(slot)
-            self._free_slots.append(slot)
-        r.extra_slots = []
-
-    def cancel(self, request_id: int) -> GenerationResult:
-        """Stop a waiting or running request between steps: everything it holds goes back
-        at once (as when it finishes); returns what it produced, finish reason
-        ``cancelled``."""
-        request = self._live(request_id)
-        request.phase, request.finish_reason = "done", "cancelled"
-        return self._retire(request)
-
-    def _live(self, request_id: int) -> Request:
-        request = self._requests.get(request_id)
-        if request is None:
-            raise KeyError(
-                f"request {request_id} is not waiting or running (live: {sorted(self._requests)})"
-            )
-        return request
 
     # ------------------------------------------------------------ convenience
     def warm_up(self, sizes: list[int] | None = None) -> float:

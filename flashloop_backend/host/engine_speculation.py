@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.host.batch import RowGroup
 from flashloop_backend.host.requests import Request
 from flashloop_backend.host.sampling import finish_reason
 from flashloop_backend.host.speculation import Speculation, SpeculationSettings
-from flashloop_backend.kv.device_copy import to_device
 
 
 class SpeculativeDecoding:

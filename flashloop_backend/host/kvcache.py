@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashloop_backend.backends.base import KVRows
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.host.layer_ops import write_kv
-from flashloop_backend.kv.device_copy import to_device
 
 
 def plane_blocks(num_tokens: int, block_size: int, depths: int, carry_rows: int = 0) -> int:

@@ -24,7 +24,7 @@ from flashloop_backend.algorithms import (
     quantize_int4,
     unpack_codes,
 )
-from flashloop_backend.kv.device_copy import to_device
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.kv.layout import PackedLayout, pack_row, param_channels
 from flashloop_backend.kv.rows import KVRows
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashloop_backend.kv.device_copy import to_device
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import PackedKVStore
 
