@@ -13,10 +13,11 @@ import torch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``: to a GPU through pinned memory and an
-    asynchronous copy (the pinned buffer is kept until the copy has run); elsewhere a
-    plain ``to``."""
+    """``tensor`` (on the host) on ``device``: to a GPU through a pinned copy of it and an
+    asynchronous copy (the pinned buffer is kept until the copy has run, and the caller
+    may change ``tensor`` at once); elsewhere a plain ``to``."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()
+    return staged.to(device, non_blocking=True)

@@ -1,7 +1,8 @@
 """Packing a prompt never waits for the device (on the GPU): every call that stores a
 prompt's rows in the packed store (a level carried from loop to loop, the last loop's
-final rows) runs under torch's sync debug mode set to error, so a device read or a copy
-from pageable host memory there fails the test. Such a wait would hold the host until
+final rows; two compact levels, several appends each) runs under torch's sync debug mode
+set to error, so a device read or a blocking copy from host memory there fails the
+test. Such a wait would hold the host until
 the steps already queued ran, so it could not plan the next step meanwhile."""
 
 import json
@@ -34,7 +35,9 @@ def _without_syncs(method, calls: list[str]):
 def test_a_prompts_packing_runs_without_waiting_for_the_device():
     from flashloop_backend.registry import Registry
 
-    config = FlashLoopConfig.from_dict(json.loads(ALL_ON.read_text()))
+    settings = json.loads(ALL_ON.read_text())
+    settings["token_sparse_prefill"]["retention"] = [1, 1, 0.75, 0.5]  # two compact levels
+    config = FlashLoopConfig.from_dict(settings)
     model = load_model(embedded_model_path(), "cuda", torch.bfloat16)
     request = SupportRequest("cuda", torch.bfloat16, 128, 16, 2, 2)
     backend = Registry.discover().create("flashloop", request, config)
@@ -42,6 +45,7 @@ def test_a_prompts_packing_runs_without_waiting_for_the_device():
     engine.generate([[1, 2, 3] * 40], SamplingParams(max_new_tokens=2, ignore_eos=True))
     calls: list[str] = []
     packed = backend.packed
+    packed.chunk_rows = 128  # several appends a level: compact spans read back, maps grown
     for name in ("pack_prompt_level", "pack_final_prompt_rows"):
         setattr(packed, name, _without_syncs(getattr(packed, name), calls))
     prompts = [[(7 * i + 3) % 200 for i in range(n)] for n in (700, 450)]

@@ -218,3 +218,21 @@ def test_a_sparse_chunk_is_one_row_group_with_its_positions():
     for start, count in ((2, 3), (1, 2)):
         with pytest.raises(ValueError, match=f"span of 3 positions from 1 .*start={start}"):
             RowGroup(0, RowMode.PREFILL, 2, start, count, span=(1, 6, 7))
+
+
+def test_a_schedule_keeps_host_copies_of_its_masks_restored_or_selected():
+    """Packing reads the masks on the host: a restored history keeps the snapshot's host
+    masks, and a mask is copied from the device once, whatever asks for it again."""
+    from flashloop_backend.config import TokenSparsePrefillConfig
+    from flashloop_backend.host.prompt_schedule import PromptSchedule
+
+    sparsity = TokenSparsePrefillConfig(enabled=True, window_size=16, retention=[1, 1, 0.5, 0.25])
+    schedule = PromptSchedule(32, sparsity, 4, "cpu")
+    masks = [torch.rand(32) > 0.5 for _ in range(3)]
+    schedule.restore_history(masks)
+    assert all(schedule.active_on_host(d) is masks[d] for d in range(3))
+    assert all(torch.equal(schedule.active_history[d], masks[d]) for d in range(3))
+    fresh = PromptSchedule(32, sparsity, 4, "cpu")
+    fresh.active_history.append(masks[0].clone())
+    first = fresh.active_on_host(1)
+    assert fresh.active_on_host(1) is first and torch.equal(first, masks[0])

@@ -164,7 +164,7 @@ class RequestSnapshots:
             r.logprobs = list(tensors["logprobs"]) if "logprobs" in tensors else []
         if self.sparsity is not None:
             r.schedule = PromptSchedule(len(r.prompt), self.sparsity, loops, self.device)
-            r.schedule.active_history = list(tensors["prompt_active"].to(self.device))
+            r.schedule.restore_history(list(tensors["prompt_active"]))
         self._take_slots(r)
         self._start_token(r)  # saved at a token boundary (a block's start)
         self._requests[r.id] = r

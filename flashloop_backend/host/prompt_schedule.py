@@ -12,6 +12,7 @@ import torch
 from flashloop_backend.algorithms import token_change_scores
 from flashloop_backend.algorithms.token_selection import select_in_windows
 from flashloop_backend.config import DENSE_LOOPS, TokenSparsePrefillConfig
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.host.kvcache import PagedKVCache
 
 
@@ -86,6 +87,13 @@ class PromptSchedule:
             self.active_on_host(nxt)  # the selection above already waited for the device
         if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+
+    def restore_history(self, host_masks: list[torch.Tensor]) -> None:
+        """The rows that ran each depth, from a snapshot's host masks [T] bool (their host
+        copies kept, so packing reads none back from the device)."""
+        device = self.active.device
+        self.active_history = [to_device(mask, device) for mask in host_masks]
+        self._host_copies = list(zip(self.active_history, host_masks, strict=True))
 
     def active_on_host(self, depth: int) -> torch.Tensor:
         """[T] bool on the host: the rows that ran ``depth`` (copied once per mask)."""

@@ -477,9 +477,9 @@ class PackedKVStore:
             else []
             for d in range(depths)
         ]
-        device = self.blocks.device
-        on_device = [None if p is None else to_device(p, device) for p in presents]
         try:
+            device = self.blocks.device
+            on_device = [None if p is None else to_device(p, device) for p in presents]
             (write or encode_levels_chain)(self, rows_by_depth, on_device, pages)
         except BaseException:  # a refused write takes nothing: pages and reservation back
             for d in reversed(written):
