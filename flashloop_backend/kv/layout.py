@@ -29,6 +29,8 @@ from functools import cache
 
 import torch
 
+from flashloop_backend.device_copy import to_device
+
 # channel of byte b's low nibble in a word, relative to 32 m + 2 j (the high nibble: + 16)
 BYTE_CHANNEL = (0, 8, 1, 9)
 # the bytes of a word in the order of a reader's columns (the lop3 halves' order)
@@ -67,7 +69,7 @@ def channel_of_nibble(dim: int, device: torch.device | str = "cpu") -> torch.Ten
     """int64 [dim]: the channel each nibble of a row holds, nibbles in byte order (low
     nibble of byte 0, high nibble of byte 0, low nibble of byte 1, ...)."""
     _check_dim(dim)
-    return torch.tensor(_channel_of_nibble(dim), dtype=torch.long, device=device)
+    return to_device(torch.tensor(_channel_of_nibble(dim), dtype=torch.long), device)
 
 
 def column_byte(column: int) -> int:
@@ -84,7 +86,7 @@ def _param_channels(dim: int) -> tuple[int, ...]:
 def param_channels(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [dim]: the channel of each K parameter in a block (A's columns, then B's)."""
     _check_dim(dim)
-    return torch.tensor(_param_channels(dim), dtype=torch.long, device=device)
+    return to_device(torch.tensor(_param_channels(dim), dtype=torch.long), device)
 
 
 def param_slot(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
