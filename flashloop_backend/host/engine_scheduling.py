@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from flashloop_backend.backends.base import OutOfPackedPagesError
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host.batch import RowGroup
 from flashloop_backend.host.decode_depths import lockstep_depth
@@ -32,7 +33,7 @@ class StepScheduling:
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
             self._take_slots(request)
-            ids = torch.tensor(request.prompt, device=self.device)
+            ids = to_device(torch.tensor(request.prompt), self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
             request.schedule = schedule
