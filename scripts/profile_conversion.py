@@ -27,7 +27,8 @@ from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.host.features import HostRequestKV
 from flashloop_backend.host.kvcache import PagedKVCache
 from flashloop_backend.host.requests import Request, SamplingParams
-from flashloop_backend.kv.store import PackedKVStore, encode_levels_chain
+from flashloop_backend.kv.codec import encode_levels_chain
+from flashloop_backend.kv.store import PackedKVStore
 
 DEPTHS, BLOCK = 4, 16
 

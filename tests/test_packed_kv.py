@@ -11,7 +11,9 @@ from flashloop_backend.algorithms import (
     reconstruct,
     reconstruct_compact,
 )
-from flashloop_backend.kv.store import OutOfPackedPagesError, PackedKVStore, encoding_descriptor
+from flashloop_backend.kv.encoding import encoding_descriptor
+from flashloop_backend.kv.sequence_levels import OutOfPackedPagesError
+from flashloop_backend.kv.store import PackedKVStore
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 G, L, H, D = 16, 2, 2, 32

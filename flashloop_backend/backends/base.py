@@ -24,7 +24,7 @@ from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kernels.ops import PagedAttention
 from flashloop_backend.kv.rows import KVRows
-from flashloop_backend.kv.store import OutOfPackedPagesError
+from flashloop_backend.kv.sequence_levels import OutOfPackedPagesError
 from flashloop_backend.registry.spec import SelectionInfo
 
 __all__ = [

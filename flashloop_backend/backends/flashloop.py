@@ -48,8 +48,10 @@ from flashloop_backend.kernels.ops import (
     SourceInputs,
     over_packed,
 )
+from flashloop_backend.kv.encoding import encoding_descriptor
 from flashloop_backend.kv.layout import PackedLayout
-from flashloop_backend.kv.store import PackedKVStore, SharedRows, encoding_descriptor
+from flashloop_backend.kv.store import PackedKVStore
+from flashloop_backend.kv.transfer import SharedRows
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:

@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a request larger than the pools: a bad value, like a config's (loaded only here,
         # where an error already happened: these modules need torch)
         from flashloop_backend.host.kvcache import OutOfBlocksError
-        from flashloop_backend.kv.store import OutOfPackedPagesError
+        from flashloop_backend.kv.sequence_levels import OutOfPackedPagesError
 
         if not isinstance(exc, OutOfBlocksError | OutOfPackedPagesError):
             raise

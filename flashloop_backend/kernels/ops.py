@@ -127,11 +127,11 @@ class SparseCorrection(Protocol):
 
 
 class PackedKVWrite(Protocol):
-    """``packed_kv_write``: ``kv.store.LevelWriter``'s contract (store, rows, presents,
+    """``packed_kv_write``: ``kv.codec.LevelWriter``'s contract (store, rows, presents,
     pages; ``rows`` per depth a ``kv.rows.KVRows``, in place in paged pools or as tensors,
     or None for a level not written, read from its pages when it has some): every written
     level of one append quantized against the reconstruction of the levels before
-    and written into its pages, bit for bit what ``kv.store.encode_levels_chain`` writes.
+    and written into its pages, bit for bit what ``kv.codec.encode_levels_chain`` writes.
     Called directly by the store's append (it has no inputs class)."""
 
     def __call__(self, store, rows, presents, pages) -> None: ...

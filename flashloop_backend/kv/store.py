@@ -13,128 +13,17 @@ code 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
-from flashloop_backend.algorithms import (
-    QuantizedInt4,
-    dequantize_int4,
-    quantize_int4,
-    unpack_codes,
-)
 from flashloop_backend.device_copy import to_device
-from flashloop_backend.kv.layout import PackedLayout, pack_row, param_channels
+from flashloop_backend.kv.codec import LevelWriter, ReferenceCodec, encode_levels_chain
+from flashloop_backend.kv.layout import PackedLayout
 from flashloop_backend.kv.rows import KVRows
-
-# 3: one block per (page, layer, KV head), K and V codes token-major in the nibble order of
-# ``kv.layout``; 2 (refused): separate pools, V codes channel-major
-ENCODING_VERSION = 3
+from flashloop_backend.kv.sequence_levels import OutOfPackedPagesError, SequenceLevels
+from flashloop_backend.kv.transfer import SequenceTransfer
 
 
-def encoding_descriptor(group_size: int, policy: str, tail_size: int, compact: bool) -> dict:
-    """The versioned description of the packed format (goes into the effective config)."""
-    return {
-        "version": ENCODING_VERSION,
-        "bits": 4,
-        "byte_order": "one block per (page, layer, KV head): K codes [G][D/2], V codes "
-        "[G][D/2] token-major (nibble order of kv.layout), K params [scale x D][min x D], "
-        "V records [G][D/G][min, scale]",
-        "k_groups": f"per channel across {group_size} token rows (post-RoPE)",
-        "v_groups": f"per token row across {group_size} channels",
-        "params": "float16 minimum and scale",
-        "depths": "INT4 base at depth 0; INT4 residual against the reconstruction per depth",
-        "token_sparse_depths": "compact residual rows + logical->compact map"
-        if compact
-        else "dense",
-        "window_policy": policy,
-        "tail_policy": f"bfloat16 tail of >= {tail_size} rows" if policy == "rolling" else "none",
-    }
-
-
-POOL_NAMES = ("blocks",)  # ``pools`` order
-# the per-level tensor names of encoding 2's exports: named when a v2 export is offered
-V2_POOL_NAMES = ("k_codes", "k_min", "k_scale", "v_codes", "v_min", "v_scale")
-
-
-def _int_pair(tensors: dict[str, torch.Tensor], key: str) -> tuple[int, int]:
-    value = tensors.get(key)
-    if value is None or value.shape != (2,) or value.dtype not in (torch.int32, torch.int64):
-        found = None if value is None else f"{value.dtype} {list(value.shape)}"
-        raise ValueError(f"packed tensor {key!r} must be int32 or int64 [2]; found {found}")
-    first, second = (int(v) for v in value.tolist())
-    if first < 0 or second < 1:
-        raise ValueError(f"packed tensor {key!r} = {[first, second]}: rows >= 0, depths >= 1")
-    return first, second
-
-
-def _checked_map(mapping: torch.Tensor | None, depth: int, rows: int, capacity: int):
-    """A level's logical -> compact map, or None for a dense level (whose pages must then
-    cover every row)."""
-    if mapping is None:
-        if capacity < rows:
-            raise ValueError(f"dense packed level {depth} holds {capacity} rows; needs {rows}")
-        return None
-    if mapping.dtype != torch.int32 or mapping.shape != (rows,):
-        raise ValueError(
-            f"packed tensor 'level{depth}.map' must be int32 [{rows}]; found "
-            f"{mapping.dtype} {list(mapping.shape)}"
-        )
-    if rows and not bool(((mapping >= -1) & (mapping < capacity)).all()):
-        raise ValueError(f"packed tensor 'level{depth}.map' points outside [-1, {capacity})")
-    return mapping.clone()
-
-
-class OutOfPackedPagesError(MemoryError):
-    """The packed pool cannot give a sequence the pages it asks for; nothing was taken."""
-
-
-@dataclass(frozen=True)
-class SharedRows:
-    """The first ``rows`` rows of a stored sequence, held for other sequences to start
-    from: ``pages`` [level] -> its pages of those rows, ``maps`` [level] -> the compact
-    level's [rows] int32 map on the host (None: dense). A compact level's rows are shared
-    only whole: the pages of its appends up to ``rows``."""
-
-    rows: int
-    pages: tuple[tuple[int, ...], ...]
-    maps: tuple[torch.Tensor | None, ...]
-
-    @property
-    def compact(self) -> bool:
-        return any(m is not None for m in self.maps)
-
-
-@dataclass
-class SequenceLevels:
-    """Where one sequence's levels live: pages per level and compact maps."""
-
-    rows: int  # packed logical rows (a multiple of the group size)
-    pages: list[list[int]] = field(default_factory=list)  # [level] -> page ids
-    maps: list[torch.Tensor | None] = field(default_factory=list)  # [level] -> [rows] int32
-    # the same maps on the host: per-batch reader metadata is planned there every step
-    host_maps: list[torch.Tensor | None] = field(default_factory=list)
-    version: int = 0  # the store's append count at this entry's last append (unique)
-    # rows after each append -> every level's page count then (where a prefix may be shared)
-    marks: dict[int, list[int]] = field(default_factory=dict)
-    # a level appended on its own: its rows past ``rows`` (level -> rows ahead)
-    ahead: dict[int, int] = field(default_factory=dict)
-    # (level, first row) -> (rows, pages, compact rows) of a level's append that a later
-    # level's append of the same rows reads its residuals against; gone once every level
-    # holds those rows
-    spans: dict[tuple[int, int], tuple[int, list[int], torch.Tensor | None]] = field(
-        default_factory=dict
-    )
-    # level -> {its rows after an append of it -> its page count then}
-    level_marks: dict[int, dict[int, int]] = field(default_factory=dict)
-
-    def level_rows(self, level: int) -> int:
-        """Logical rows stored at ``level`` (``rows`` plus those appended to it alone)."""
-        return self.rows + self.ahead.get(level, 0)
-
-
-class PackedKVStore:
+class PackedKVStore(SequenceTransfer, ReferenceCodec):
     """Page pools for every layer plus per-sequence level tables. Allocation is a free
     list; ``encode`` writes a whole prompt (all layers, all depths) at once. A sequence may
     :meth:`reserve` pages ahead: its appends draw on them first, and no other sequence's
@@ -224,142 +113,6 @@ class PackedKVStore:
     def _hold(self, pages) -> None:
         for page in pages:
             self._holders[page] = self._holders.get(page, 1) + 1
-
-    def share(self, sequence: int, rows: int) -> SharedRows | None:
-        """Hold the sequence's first ``rows`` rows for other sequences to start from: whole
-        groups of dense levels; with a compact level, exactly the rows of its appends up to
-        ``rows`` (a compact level's pages follow its appends, so only rows that ended an
-        append are shared; None otherwise, or when none are stored). :meth:`drop` gives
-        the hold back."""
-        levels = self.sequences.get(sequence)
-        if levels is None:
-            return None
-        compact = any(m is not None for m in levels.host_maps)
-        rows = min(rows, levels.rows) // self.group_size * self.group_size
-        if not rows or (compact and rows not in levels.marks):
-            return None
-        counts = levels.marks.get(rows) or [rows // self.group_size] * len(levels.pages)
-        pages = tuple(tuple(level[:n]) for level, n in zip(levels.pages, counts, strict=True))
-        maps = tuple(None if m is None else m[:rows].clone() for m in levels.host_maps)
-        self._hold(page for level in pages for page in level)
-        return SharedRows(rows, pages, maps)
-
-    def drop(self, shared: SharedRows) -> None:
-        """Give back a hold of :meth:`share` (a page nothing else holds returns to the pool)."""
-        self._give_back(page for level in shared.pages for page in level)
-
-    def frees_on_drop(self, shared: SharedRows) -> bool:
-        """Whether :meth:`drop` would return a page to the pool (one only this hold has)."""
-        return any(self._holders.get(p, 1) == 1 for level in shared.pages for p in level)
-
-    def adoptable(self, shared: SharedRows, rows: int) -> int:
-        """The rows of ``shared`` a sequence that may adopt ``rows`` of them takes: whole
-        groups, all of them or (with a compact level) none unless it takes all."""
-        rows = min(rows, shared.rows) // self.group_size * self.group_size
-        return 0 if shared.compact and rows != shared.rows else rows
-
-    def adopt(self, sequence: int, shared: SharedRows, rows: int) -> int:
-        """Start a new sequence with :meth:`adoptable` rows of ``shared``, held, not
-        copied. Returns the rows adopted (0: none, nothing stored)."""
-        if sequence in self.sequences:
-            raise ValueError(f"sequence {sequence} is already stored; release it first")
-        rows = self.adoptable(shared, rows)
-        if not rows:
-            return 0
-        groups = rows // self.group_size
-        pages = [
-            list(level if m is not None else level[:groups])
-            for level, m in zip(shared.pages, shared.maps, strict=True)
-        ]
-        self._hold(page for level in pages for page in level)
-        device = self.blocks.device
-        maps = [None if m is None else m.to(device) for m in shared.maps]
-        levels = SequenceLevels(
-            rows, pages, maps, [None if m is None else m.clone() for m in shared.maps]
-        )
-        levels.marks[rows] = [len(level) for level in pages]
-        self._appends += 1
-        levels.version = self._appends
-        self.sequences[sequence] = levels
-        return rows
-
-    def export_sequence(self, sequence: int) -> dict[str, torch.Tensor]:
-        """The sequence's stored levels as CPU tensors, the input of :meth:`import_sequence`
-        in any store of the same geometry: ``levels`` [2] (logical rows, depths), per level d
-        its pages gathered in level order (``level{d}.blocks`` [pages, L, Hkv, block bytes]
-        uint8, encoding v3) and, for a compact level, ``level{d}.map`` [rows]
-        int32. Empty when nothing is stored for it."""
-        levels = self.sequences.get(sequence)
-        if levels is None:
-            return {}
-        out = {"levels": torch.tensor([levels.rows, len(levels.pages)])}
-        for depth, pages in enumerate(levels.pages):
-            index = torch.tensor(pages, dtype=torch.long, device=self.blocks.device)
-            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
-                out[f"level{depth}.{name}"] = pool[index].cpu()
-            if levels.host_maps[depth] is not None:
-                out[f"level{depth}.map"] = levels.host_maps[depth].clone()
-        return out
-
-    def import_sequence(self, sequence: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Store what :meth:`export_sequence` gave, on new pages drawn from the sequence's
-        reservation first (as an append's). Every tensor is checked against this store's
-        geometry before a page is taken; a refusal (``ValueError`` naming the tensor,
-        ``OutOfPackedPagesError``) takes nothing."""
-        if sequence in self.sequences:
-            raise ValueError(f"sequence {sequence} is already stored; release it first")
-        rows, depths = _int_pair(tensors, "levels")
-        g = self.group_size
-        if rows % g:
-            raise ValueError(f"packed tensor 'levels' has {rows} rows, not whole groups of {g}")
-        older = sorted(n for n in tensors if n.rpartition(".")[2] in V2_POOL_NAMES)
-        if older:
-            raise ValueError(
-                f"packed tensors {older[:3]} are encoding version 2's (separate pools, V "
-                f"codes channel-major); this store holds encoding version {ENCODING_VERSION} "
-                "blocks (level<d>.blocks): re-export the request from a version-3 store"
-            )
-        counts, maps = [], []
-        for depth in range(depths):
-            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
-                key = f"level{depth}.{name}"
-                got = tensors.get(key)
-                if got is None or got.dtype != pool.dtype or got.shape[1:] != pool.shape[1:]:
-                    found = None if got is None else f"{got.dtype} {list(got.shape)}"
-                    raise ValueError(
-                        f"packed tensor {key!r} must be {pool.dtype} [pages, "
-                        f"{', '.join(map(str, pool.shape[1:]))}]; found {found}"
-                    )
-                if name == POOL_NAMES[0]:
-                    counts.append(got.shape[0])
-                elif got.shape[0] != counts[-1]:
-                    raise ValueError(
-                        f"packed tensor {key!r} has {got.shape[0]} pages, "
-                        f"level{depth}.{POOL_NAMES[0]} {counts[-1]}"
-                    )
-            maps.append(_checked_map(tensors.get(f"level{depth}.map"), depth, rows, counts[-1] * g))
-        needed = sum(counts)
-        own = self._reserved.get(sequence, 0)
-        if needed > own + self.unreserved_pages():
-            raise OutOfPackedPagesError(
-                f"packed KV for sequence {sequence} needs {needed} pages, "
-                f"{own + self.unreserved_pages()} free of {self.num_pages} ({own} reserved for it)"
-            )
-        if own:
-            self._reserved[sequence] = own - min(own, needed)
-        device = self.blocks.device
-        levels = SequenceLevels(rows, [], [], [])
-        for depth, count in enumerate(counts):
-            pages = [self._free.pop() for _ in range(count)]
-            index = torch.tensor(pages, dtype=torch.long, device=device)
-            for name, pool in zip(POOL_NAMES, self.pools, strict=True):
-                pool[index] = tensors[f"level{depth}.{name}"].to(device)
-            levels.pages.append(pages)
-            levels.host_maps.append(maps[depth])
-            levels.maps.append(None if maps[depth] is None else maps[depth].to(device))
-        self._appends += 1
-        levels.version = self._appends
-        self.sequences[sequence] = levels
 
     def encode(
         self,
@@ -519,38 +272,6 @@ class PackedKVStore:
                 for d, marks in levels.level_marks.items()
             }
 
-    def encode_level(
-        self, k, v, recon_k, recon_v, present, pages: list[int], layers: slice, quantize
-    ):
-        """Quantize one level of ``layers`` (k, v [T, Lb, Hkv, D], residuals against the
-        running reconstruction, only the ``present`` rows when compact) into ``pages``;
-        return the updated reconstruction."""
-        g = self.group_size
-        target_k = k.float() if recon_k is None else k.float() - recon_k
-        target_v = v.float() if recon_v is None else v.float() - recon_v
-        if present is not None:
-            target_k, target_v = target_k[present], target_v[present]
-        count = target_k.shape[0]
-        padded = len(pages) * g
-        if padded != count:  # a compact level's last group: repeat its last row
-            fill = torch.arange(padded, device=k.device).clamp(max=count - 1)
-            target_k, target_v = target_k[fill], target_v[fill]
-        qk = quantize(target_k, g, 0)  # per channel across rows
-        qv = quantize(target_v, g, -1)  # per row across channels
-        self._write(pages, layers, qk, qv)
-        dk, dv = dequantize_int4(qk)[:count], dequantize_int4(qv)[:count]
-        return _accumulate(recon_k, recon_v, dk, dv, present)
-
-    def add_level(self, recon_k, recon_v, pages: list[int], present, layers: slice):
-        """The running reconstruction (FP32 [T, Lb, Hkv, D] or None before level 0) plus
-        one stored level of ``layers`` read from its ``pages`` (its compact rows
-        ``present``; None: dense), as :meth:`encode_level` adds the level it writes."""
-        count = len(pages) * self.group_size if present is None else present.numel()
-        dk, dv = (part[:count] for part in self._decode_pages(pages, layers))
-        if recon_k is not None:
-            dk, dv = dk.to(recon_k.device), dv.to(recon_k.device)
-        return _accumulate(recon_k, recon_v, dk, dv, present)
-
     def _extend_level(
         self,
         levels: SequenceLevels,
@@ -578,68 +299,6 @@ class PackedKVStore:
         levels.pages[depth].extend(pages)
         levels.host_maps[depth] = torch.cat([mapping, block])
         levels.maps[depth] = to_device(levels.host_maps[depth], device)
-
-    def _write(self, pages: list[int], layers: slice, qk: QuantizedInt4, qv: QuantizedInt4) -> None:
-        """``layers`` (Lb of them): qk codes [Lb, H, D, Pg, g/2] (groups along rows) and qv
-        codes [T, Lb, H, D/g, g/2] (groups along channels), laid out as v3 blocks."""
-        device = self.blocks.device
-        lb = qk.codes.shape[0]
-        _, heads, dim = self.shape
-        g, count = self.group_size, len(pages)
-        layout = self.layout
-        k_codes = unpack_codes(qk).permute(3, 0, 1, 4, 2)  # [Pg, Lb, H, g tokens, D]
-        columns = param_channels(dim, qk.scale.device)
-        k_scale = qk.scale.permute(3, 0, 1, 2)[..., columns]  # [Pg, Lb, H, D]
-        k_min = qk.minimum.permute(3, 0, 1, 2)[..., columns]
-        v_codes = unpack_codes(qv).reshape(count, g, lb, heads, dim).permute(0, 2, 3, 1, 4)
-        records = torch.stack((qv.minimum, qv.scale), -1)  # [T, Lb, H, D/g, 2]
-        records = records.reshape(count, g, lb, heads, dim // g, 2).permute(0, 2, 3, 1, 4, 5)
-        block = torch.cat(
-            (
-                pack_row(k_codes).flatten(-2),
-                pack_row(v_codes).flatten(-2),
-                k_scale.contiguous().view(torch.uint8),
-                k_min.contiguous().view(torch.uint8),
-                records.contiguous().view(torch.uint8).flatten(-3),
-            ),
-            dim=-1,
-        )
-        assert block.shape[-1] == layout.block_bytes
-        index = to_device(torch.tensor(pages, dtype=torch.long), device)[:, None]
-        at = (index, torch.arange(layers.start, layers.start + lb, device=device)[None, :])
-        self.blocks[at] = block.to(device)
-
-    def reconstruct(
-        self, sequence: int, depth: int, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP32 K and V [T, Hkv, D] of ``sequence`` at ``depth`` and ``layer`` (the oracle
-        the readers are tested against)."""
-        levels = self.sequences[sequence]
-        rows = levels.rows
-        total_k = total_v = None
-        for level in range(depth + 1):
-            pages, mapping = levels.pages[level], levels.maps[level]
-            if not pages:
-                continue
-            k, v = self._decode_pages(pages, layer)
-            if mapping is None:
-                total_k = k if total_k is None else total_k + k
-                total_v = v if total_v is None else total_v + v
-            else:
-                present = mapping >= 0
-                total_k[present] += k[mapping[present].long()]
-                total_v[present] += v[mapping[present].long()]
-        return total_k[:rows], total_v[:rows]
-
-    def _decode_pages(
-        self, pages: list[int], layers: int | slice
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP32 K and V [P * g, (Lb,) H, D] of ``pages`` at one layer or a slice of them."""
-        index = to_device(torch.tensor(pages, dtype=torch.long), self.blocks.device)
-        blocks = self.blocks[index, layers]  # [P, (Lb,) H, block bytes]
-        k = self.layout.keys(blocks).movedim(-2, 1)  # [P, g, (Lb,) H, D]
-        v = self.layout.values(blocks).movedim(-2, 1)
-        return k.flatten(0, 1), v.flatten(0, 1)
 
     def accounting(self) -> dict:
         """Steady bytes of what is stored, from the tensors: payload (codes), parameters,
@@ -675,68 +334,6 @@ class PackedKVStore:
             "steady_bytes_per_token": steady / tokens if tokens else 0.0,
             "bytes_per_token_by_depth": [b / tokens if tokens else 0.0 for b in per_depth],
         }
-
-
-def _accumulate(recon_k, recon_v, dk, dv, present):
-    """The running reconstruction plus one level's values (of its ``present`` rows when
-    compact; the first level, dense, starts it)."""
-    if present is None:
-        return (dk, dv) if recon_k is None else (recon_k + dk, recon_v + dv)
-    recon_k, recon_v = recon_k.clone(), recon_v.clone()
-    recon_k[present] += dk
-    recon_v[present] += dv
-    return recon_k, recon_v
-
-
-class LevelWriter(Protocol):
-    """Writes every level of one append into its pages (the ``packed_kv_write`` op):
-    ``rows`` per depth its K and V (:class:`~flashloop_backend.kv.rows.KVRows`, in place in
-    paged pools or as tensors), None for a level not written (one stored before, read from
-    its ``pages``, or one above the written ones, with no pages); ``presents`` per depth
-    the rows of a compact level (None: dense); ``pages`` per depth its page ids. Residuals
-    are taken against the reconstruction of the levels before, as
-    :func:`encode_levels_chain` does."""
-
-    def __call__(
-        self,
-        store: PackedKVStore,
-        rows: list[KVRows | None],
-        presents: list[torch.Tensor | None],
-        pages: list[list[int]],
-    ) -> None: ...
-
-
-def encode_levels_chain(
-    store: PackedKVStore,
-    rows: list[KVRows | None],
-    presents: list[torch.Tensor | None],
-    pages: list[list[int]],
-    quantize=quantize_int4,
-) -> None:
-    """The oracle :class:`LevelWriter`: ``store.layers_per_pass`` layers at a time (the FP32
-    reconstruction and the gathered copies are theirs, not all layers'), each level
-    quantized by ``quantize`` against the running reconstruction of its rows."""
-    num_layers = store.shape[0]
-    for first in range(0, num_layers, store.layers_per_pass):
-        layers = slice(first, min(first + store.layers_per_pass, num_layers))
-        recon_k = recon_v = None
-        for depth, depth_rows in enumerate(rows):
-            if pages[depth] and depth_rows is None:  # appended before: read its pages
-                recon_k, recon_v = store.add_level(
-                    recon_k, recon_v, pages[depth], presents[depth], layers
-                )
-            elif pages[depth]:
-                k, v = depth_rows.gather(layers)
-                recon_k, recon_v = store.encode_level(
-                    k,
-                    v,
-                    recon_k,
-                    recon_v,
-                    present=presents[depth],
-                    pages=pages[depth],
-                    layers=layers,
-                    quantize=quantize,
-                )
 
 
 def bytes_per_token_report(kv_heads: int, head_dim: int, group_size: int, num_depths: int) -> dict:

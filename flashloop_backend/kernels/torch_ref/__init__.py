@@ -57,7 +57,7 @@ def provider() -> KernelProvider:
         packed_sparse_correction,
     )
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
-    from flashloop_backend.kv.store import encode_levels_chain
+    from flashloop_backend.kv.codec import encode_levels_chain
 
     return KernelProvider(
         name="torch_reference",
