@@ -6,14 +6,15 @@ every depth costs what a step at one depth costs: one kernel reads every row. A 
 whose decode ops differ by depth (FlashLoop's loop-1 read, loop-2 source and loop 3-4
 corrections) launches every depth's ops for a few rows each in such a step, so a token
 then pays each op's fixed cost four times; one whose kernel variant follows the deepest
-row (the packed reader's levels) reads shallow rows with the deepest row's launch. In lockstep, a step runs the decode rows of
-one depth and the others wait: a request that joins (its first decode token, or a token
-after an early exit) usually waits fewer than ``loops`` steps for the others to reach
-its depth. Tokens that exit early can keep a group cycling through shallow depths, so a
-request held back ``loops`` steps in a row has its depth run next (the longest held
-first); such a request still runs only one step in about ``loops``, so an engine whose
-model exits early does not align by default. Tokens are the same either way; only the
-steps they take differ.
+row (the packed reader's levels) reads shallow rows with the deepest row's launch.
+
+In lockstep, a step runs the decode rows of one depth and the others wait: a request
+that joins (its first decode token, or a token after an early exit) usually waits fewer
+than ``loops`` steps for the others to reach its depth. Tokens that exit early can keep
+a group cycling through shallow depths, so a request held back ``loops`` steps in a row
+has its depth run next (the longest held first); such a request still runs only one
+step in about ``loops``, so an engine whose model exits early does not align by
+default. Tokens are the same either way; only the steps they take differ.
 """
 
 from __future__ import annotations
