@@ -20,6 +20,7 @@ import time
 import torch
 
 from flashloop_backend import FlashLoopConfig
+from flashloop_backend.host.capacity import footprint, planning_capacity
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.registry import Registry
 from flashloop_backend.tools.bench.e2e import random_ouro
@@ -30,11 +31,16 @@ def _engine(args, model, request):
     if args.config:
         config = FlashLoopConfig.from_dict(json.load(open(args.config)))
     backend = Registry.discover().create(args.backend, request, config)
-    blocks = args.concurrency * (-(-(args.context + 64) // 16)) * model.config.total_ut_steps + 8
+    # pools sized as bench e2e sizes them: a dense-sized BF16 pool beside the packed one
+    # does not fit 32K x 16 on an 80 GB GPU
+    shape = planning_capacity(model.config, args.context + 64, 16, torch.device("cuda"))
+    itemsize = next(model.parameters()).dtype.itemsize
+    cost = footprint(backend, shape, args.context, 64, itemsize)
     return Engine(
         model,
         backend,
-        num_blocks=blocks,
+        num_blocks=args.concurrency * cost.prefill_blocks + 8,
+        packed_pages=args.concurrency * cost.packed_pages or None,
         block_size=16,
         prefill_chunk=args.prefill_chunk,
         max_batch_tokens=args.prefill_chunk * args.concurrency,
