@@ -103,10 +103,39 @@ def test_the_reader_copies_in_halves_from_three_levels_with_one_stage():
         copies_in_halves,
     )
 
-    assert [copies_in_halves(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert [copies_in_halves(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 1, 0]
+    assert copies_in_halves(4, StreamTuning(level_chunk=0))
     assert copies_in_halves(2, StreamTuning(split_copy=True))
-    assert not copies_in_halves(4, StreamTuning(split_copy=False))
+    assert not copies_in_halves(4, StreamTuning(split_copy=False, level_chunk=0))
     assert not copies_in_halves(4, StreamTuning(stages=2, split_copy=True))
+
+
+def test_four_levels_copy_in_two_level_units_so_two_ctas_fit_an_sm():
+    """At four levels the default copies two levels' K or V half at a time through a
+    ring of three units: a 4-warp CTA then needs under half of an SM's 228 KB, where the
+    whole group of every level needed 147 KB (one CTA an SM). Launches the kernel cannot
+    build are refused by name."""
+    from flashloop_backend.kernels.cuda.packed_stream import (
+        DEFAULT_STREAM,
+        StreamTuning,
+        chunk_levels,
+        shared_bytes,
+    )
+
+    assert [chunk_levels(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 0, 2]
+    assert shared_bytes(4, 64, 128, DEFAULT_STREAM) == 4 * 3 * 2 * 4608 + 4 * 130 * 4
+    assert 2 * (shared_bytes(4, 64, 128, DEFAULT_STREAM) + 1024) <= 228 * 1024
+    whole = StreamTuning(level_chunk=0)
+    assert shared_bytes(4, 64, 128, whole) == 4 * 4 * 9216 + 4 * 130 * 4
+    assert shared_bytes(3, 64, 128, StreamTuning(level_chunk=1, ring_units=4)) == (
+        4 * 4 * 4608 + 4 * 130 * 4
+    )
+    with pytest.raises(
+        ValueError, match=r"level_chunk=2 needs one ring stage .* levels read \(3\)"
+    ):
+        chunk_levels(3, StreamTuning(level_chunk=2))
+    with pytest.raises(ValueError, match="ring_units=6: 2 to 5 at 4 levels in units of 2"):
+        chunk_levels(4, StreamTuning(ring_units=6))
 
 
 @pytest.mark.gpu
@@ -120,13 +149,32 @@ def test_the_split_copy_reads_what_the_whole_block_copy_reads(levels, warps):
     from flashloop_backend.kernels.torch_ref.packed import packed_decode_reference
 
     args, lengths = _packed_rows(levels, sparse=False, context=2048)
-    whole = StreamTuning(warps=warps, stages=1, split_copy=False)
-    halves = StreamTuning(warps=warps, stages=1, split_copy=True)
+    whole = StreamTuning(warps=warps, stages=1, split_copy=False, level_chunk=0)
+    halves = StreamTuning(warps=warps, stages=1, split_copy=True, level_chunk=0)
     expected = packed_decode_cuda(*args, lengths, tuning=whole)
     got = packed_decode_cuda(*args, lengths, tuning=halves)
     assert torch.equal(got, expected)
     reference = packed_decode_reference(*args, lengths).float()
     torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("levels", "chunk", "units"), [(4, 2, 3), (4, 2, 2), (4, 1, 4), (4, 1, 2), (3, 1, 3), (2, 2, 2)]
+)
+def test_the_level_unit_copy_reads_what_the_whole_block_copy_reads(levels, chunk, units):
+    """Copying each group in units of a few levels' K or V half through a small ring
+    computes the same products in the same order as the whole-block copy: equal outputs,
+    bit for bit, over rows of several splits, a short row and an empty one."""
+    from flashloop_backend.kernels.cuda.packed_stream import StreamTuning, packed_decode_cuda
+
+    args, lengths = _packed_rows(levels, sparse=False, context=2048)
+    whole = StreamTuning(stages=1, split_copy=False, level_chunk=0)
+    chunked = StreamTuning(stages=1, level_chunk=chunk, ring_units=units)
+    expected = packed_decode_cuda(*args, lengths, tuning=whole)
+    assert torch.equal(packed_decode_cuda(*args, lengths, tuning=chunked), expected)
+    few = packed_decode_cuda(*args, lengths, None, True, tuning=chunked)  # one CTA a head
+    assert torch.equal(few, packed_decode_cuda(*args, lengths, None, True, tuning=whole))
 
 
 @pytest.mark.gpu

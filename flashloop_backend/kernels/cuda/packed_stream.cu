@@ -8,7 +8,10 @@
 // K parameters, V records) into its own ring of STAGES shared buffers with cp.async, so
 // several groups' bytes are in flight while one is computed. With one stage (deep reads,
 // whose blocks fill the shared memory) a group's copy goes in two halves instead, K's
-// bytes and V's, each issued as soon as the previous group's half is read.
+// bytes and V's, each issued as soon as the previous group's half is read. With
+// LEVEL_CHUNK set, a group's copy goes in units of LEVEL_CHUNK levels' K or V half
+// through a ring of RING_UNITS units: a warp then holds a few units, not a whole group
+// of every level, so more warps fit in shared memory beside each other (four levels).
 //  K: each of the 8 rounds of 8 tokens runs D/16 m16n8k16 products: A is the query with
 //     each level's K scales folded in (row 0, FP16 pairs), B the tokens' codes as the v3
 //     byte order lays them out for lane (token, quad lane), unsubtracted; the bias q . min
@@ -43,7 +46,14 @@ constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D
 #ifndef SPLIT_COPY
 #define SPLIT_COPY 0                      // one stage: copy each group in a K and a V half
 #endif
-constexpr bool HALVES = STAGES == 1 && SPLIT_COPY;
+#ifndef LEVEL_CHUNK
+#define LEVEL_CHUNK 0                     // levels per copy unit (0: whole blocks or halves)
+#endif
+#ifndef RING_UNITS
+#define RING_UNITS 3                      // copy units a warp's ring holds (with LEVEL_CHUNK)
+#endif
+constexpr bool CHUNKED = LEVEL_CHUNK > 0;
+constexpr bool HALVES = STAGES == 1 && SPLIT_COPY && !CHUNKED;
 constexpr float LOG2E = 1.4426950408889634f;
 // V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
 // weights of tokens far below the page's largest stay normal FP16 numbers, while eight
@@ -55,6 +65,15 @@ static_assert(D == 128, "a lane's row segment is one 16-byte load (D = 128)");
 static_assert(G % 32 == 0, "V groups of whole words");
 static_assert(BLOCK % 512 == 0, "a warp copies a block in rounds of 32 x 16 bytes");
 static_assert(V_CODES % 512 == 0 && 4 * D == 512, "a half: code rounds plus one 512-B parameter round");
+constexpr int HALF_BYTES = V_CODES + 4 * D;  // one level's K or V half: codes, then parameters
+constexpr int CHUNK_LEVELS = CHUNKED ? LEVEL_CHUNK : 1;
+constexpr int CHUNKS = LEVELS / CHUNK_LEVELS;  // units per half
+constexpr int UNITS = 2 * CHUNKS;              // units per group
+constexpr int UNIT = CHUNK_LEVELS * HALF_BYTES;
+static_assert(!CHUNKED || (STAGES == 1 && LEVELS % LEVEL_CHUNK == 0), "units of whole levels, one stage");
+static_assert(!CHUNKED || (RING_UNITS >= 2 && RING_UNITS - 1 <= UNITS),
+              "the ring runs at most one group ahead");
+constexpr int WARP_BYTES = CHUNKED ? RING_UNITS * UNIT : STAGES * LEVELS * BLOCK;
 
 struct Params {
     const u16* q;                 // [R, Hq, D] bf16
@@ -107,8 +126,8 @@ packed_stream(const Params P) {
         }
         return;
     }
-    unsigned char* ring = smem + warp * (STAGES * LEVELS * BLOCK);
-    float* merge = (float*)(smem + WARPS * STAGES * LEVELS * BLOCK);  // [WARPS][D + 2]
+    unsigned char* ring = smem + warp * WARP_BYTES;
+    float* merge = (float*)(smem + WARPS * WARP_BYTES);  // [WARPS][D + 2]
 
     // the query, scaled to base-2 logits, at the channels this lane's fragments hold
     const u16* qrow = P.q + row * P.q_row + (i64)head * P.q_head;
@@ -198,7 +217,60 @@ packed_stream(const Params P) {
         }
         cp_async_commit();
     };
-    if constexpr (HALVES) {
+    // CHUNKED: unit u is group u / UNITS, K then V (u % UNITS < CHUNKS: K), levels
+    // LEVEL_CHUNK (u % CHUNKS) on; it lands in ring slot u % RING_UNITS, each level's half
+    // as its codes then its parameters. The ring runs at most one group ahead, so the
+    // pages of this group and the next are in registers.
+    int pages_now[LEVELS], pages_next[LEVELS];
+    int group_now = 0;
+    auto table_pages = [&](int k, int* out) {
+        if (k < mine) {
+            const int group = first + warp + k * WARPS;
+#pragma unroll
+            for (int l = 0; l < LEVELS; ++l)
+                out[l] = kinds[l] == 0 ? P.tables[row * P.t_row + (i64)l * P.t_level + group] : 0;
+        }
+    };
+    auto unit_at = [&](int u) { return ring + (u % RING_UNITS) * UNIT; };
+    auto issue_unit = [&](int u) {
+        const int k = u / UNITS, part = u % UNITS;
+        if (k < mine) {
+            const bool v_half = part >= CHUNKS;
+            const int chunk = part % CHUNKS;
+            const int codes = v_half ? V_CODES : 0, params = v_half ? V_PARAMS : K_PARAMS;
+            unsigned char* dst = unit_at(u);
+#pragma unroll
+            for (int ch = 0; ch < CHUNKS; ++ch) {  // levels stay compile-time register indices
+                if (ch != chunk) continue;
+#pragma unroll
+                for (int c = 0; c < CHUNK_LEVELS; ++c) {
+                    const int l = ch * CHUNK_LEVELS + c;
+                    if (kinds[l] != 0) continue;
+                    const int page = k == group_now ? pages_now[l] : pages_next[l];
+                    const unsigned char* src = P.blocks + page * P.page_bytes + (i64)kv_head * BLOCK;
+                    unsigned char* to = dst + c * HALF_BYTES;
+#pragma unroll
+                    for (int r = 0; r < V_CODES / 512; ++r)
+                        cp_async16(to + 16 * (lane + 32 * r), src + codes + 16 * (lane + 32 * r));
+                    cp_async16(to + V_CODES + 16 * lane, src + params + 16 * lane);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    // unit u's bytes landed; the slot read before it takes unit u + RING_UNITS - 1
+    auto unit_ready = [&](int u) {
+        __syncwarp();
+        issue_unit(u + RING_UNITS - 1);
+        cp_async_wait<RING_UNITS - 1>();
+        __syncwarp();
+    };
+    if constexpr (CHUNKED) {
+        table_pages(0, pages_now);
+        table_pages(1, pages_next);
+#pragma unroll
+        for (int u = 0; u < RING_UNITS - 1; ++u) issue_unit(u);
+    } else if constexpr (HALVES) {
         load_pages(0);
         issue_half(0, 0);
         issue_half(0, 1);
@@ -207,7 +279,14 @@ packed_stream(const Params P) {
         for (int k = 0; k < STAGES - 1; ++k) issue(k);
     }
     for (int k = 0; k < mine; ++k) {
-        if constexpr (HALVES) {
+        if constexpr (CHUNKED) {
+            if (k > 0) {
+#pragma unroll
+                for (int l = 0; l < LEVELS; ++l) pages_now[l] = pages_next[l];
+                group_now = k;
+                table_pages(k + 1, pages_next);
+            }
+        } else if constexpr (HALVES) {
             cp_async_wait<1>();  // this group's K half (its V half may still be in flight)
             __syncwarp();
             load_pages(k + 1);
@@ -224,10 +303,17 @@ packed_stream(const Params P) {
         float bias = 0.f;
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
+            if constexpr (CHUNKED) {
+                if (l % CHUNK_LEVELS == 0) unit_ready(k * UNITS + l / CHUNK_LEVELS);
+            }
             if (kinds[l] != 0) continue;
-            const unsigned char* block = stage + l * BLOCK;
+            // K codes [G][ROW] and K parameters of level l
+            const unsigned char* block =
+                CHUNKED ? unit_at(k * UNITS + l / CHUNK_LEVELS) + (l % CHUNK_LEVELS) * HALF_BYTES
+                        : stage + l * BLOCK;
+            const unsigned char* k_params = block + (CHUNKED ? V_CODES : K_PARAMS);
             // folded query (row 0, lanes 0-3): the lane's K scale pairs times its query pairs
-            const unsigned char* params = block + K_PARAMS + 8 * WORDS * quad;
+            const unsigned char* params = k_params + 8 * WORDS * quad;
             u32 fold[KSTEPS][2];
             float extra[4] = {0.f, 0.f, 0.f, 0.f};  // bias (q . min) and offset, column 0
 #pragma unroll
@@ -317,8 +403,15 @@ packed_stream(const Params P) {
         // ---- V: p * scale per (token, group) against the codes, FP16 pairs, FP32 flushes
 #pragma unroll
         for (int l = 0; l < LEVELS; ++l) {
+            if constexpr (CHUNKED) {
+                if (l % CHUNK_LEVELS == 0) unit_ready(k * UNITS + CHUNKS + l / CHUNK_LEVELS);
+            }
             if (kinds[l] != 0) continue;
-            const unsigned char* block = stage + l * BLOCK;
+            // V codes [G][ROW] and V records of level l
+            const unsigned char* v_codes =
+                CHUNKED ? unit_at(k * UNITS + CHUNKS + l / CHUNK_LEVELS) + (l % CHUNK_LEVELS) * HALF_BYTES
+                        : stage + l * BLOCK + V_CODES;
+            const unsigned char* v_records = v_codes + (CHUNKED ? V_CODES : V_PARAMS - V_CODES);
 #pragma unroll
             for (int r0 = 0; r0 < ROUNDS; r0 += FLUSH) {
                 u32 sums[WORDS][4];
@@ -329,8 +422,8 @@ packed_stream(const Params P) {
 #pragma unroll
                 for (int r = r0; r < r0 + FLUSH; ++r) {
                     const int t = 8 * r + tok;
-                    const u16* record = (const u16*)(block + V_PARAMS) + t * 2 * NG;
-                    const uint4 seg = lds128(block + V_CODES + t * ROW + SEG * quad);
+                    const u16* record = (const u16*)v_records + t * 2 * NG;
+                    const uint4 seg = lds128(v_codes + t * ROW + SEG * quad);
                     const u32 words[4] = {seg.x, seg.y, seg.z, seg.w};
                     u32 w[NG];  // p * scale of each V group
 #pragma unroll

@@ -32,12 +32,18 @@ class StreamTuning:
     one from two levels, the fastest at 32K x 16 on the H200, results/README.md);
     ``split_copy``: with one stage, each group's blocks are copied in a K half and a V
     half, the next group's K half issued once this group's is read; None: from three
-    levels (``copies_in_halves``; results/README.md, "ninth session")."""
+    levels (``copies_in_halves``; results/README.md, "ninth session"); ``level_chunk``:
+    with one stage, each group's copy goes in units of that many levels' K or V half
+    through a ring of ``ring_units`` units per warp (a warp holds a few units, not every
+    level of a group, so two CTAs fit an SM at four levels); None: at four levels, units
+    of two levels in a ring of three (``chunk_levels``); 0: never."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
     stages: int | None = None
     split_copy: bool | None = None
+    level_chunk: int | None = None
+    ring_units: int = 3
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -81,15 +87,36 @@ def launch_shape(levels: int, tuning: StreamTuning) -> tuple[int, int]:
 
 def copies_in_halves(levels: int, tuning: StreamTuning) -> bool:
     """Whether a read of ``levels`` levels copies each group in a K and a V half (one
-    stage only)."""
+    stage only, not in level units)."""
     _, stages = launch_shape(levels, tuning)
     split = levels >= 3 if tuning.split_copy is None else tuning.split_copy
-    return split and stages == 1
+    return split and stages == 1 and not chunk_levels(levels, tuning)
+
+
+def chunk_levels(levels: int, tuning: StreamTuning) -> int:
+    """Levels per copy unit of a read of ``levels`` levels (0: whole blocks or halves)."""
+    _, stages = launch_shape(levels, tuning)
+    default = 2 if levels == 4 and stages == 1 else 0
+    chunk = default if tuning.level_chunk is None else tuning.level_chunk
+    if chunk and (stages != 1 or levels % chunk):
+        raise ValueError(
+            f"level_chunk={chunk} needs one ring stage (got {stages}) and divides the "
+            f"levels read ({levels})"
+        )
+    if chunk and not 2 <= tuning.ring_units <= 2 * levels // chunk + 1:
+        raise ValueError(
+            f"ring_units={tuning.ring_units}: 2 to {2 * levels // chunk + 1} at "
+            f"{levels} levels in units of {chunk}"
+        )
+    return chunk
 
 
 def shared_bytes(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> int:
     warps, stages = launch_shape(levels, tuning)
-    return warps * stages * levels * head_dim * (group + 8) + warps * (head_dim + 2) * 4
+    chunk = chunk_levels(levels, tuning)
+    half = (head_dim * (group + 8)) // 2  # one level's K or V half: codes and parameters
+    ring = tuning.ring_units * chunk * half if chunk else stages * levels * 2 * half
+    return warps * ring + warps * (head_dim + 2) * 4
 
 
 def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loader.CudaKernel:
@@ -101,6 +128,8 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
         "WARPS": warps,
         "STAGES": stages,
         "SPLIT_COPY": int(copies_in_halves(levels, tuning)),
+        "LEVEL_CHUNK": chunk_levels(levels, tuning),
+        "RING_UNITS": tuning.ring_units,
     }
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)

@@ -214,12 +214,27 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
         for warps, stages in shapes:
             for ctas in (2, 4):
                 out.append(StreamTuning(ctas_per_sm=ctas, warps=warps, stages=stages))
-    if levels > 1:  # the other copy than the default's: whole blocks, or K and V halves
-        split = not copies_in_halves(levels, DEFAULT_STREAM)
-        out.append(StreamTuning(split_copy=split))
+    if levels > 1:  # the copies other than the default's: whole blocks, K and V halves,
+        # or units of a few levels' K or V half
+        copies = [StreamTuning(split_copy=split, level_chunk=0) for split in (False, True)]
+        for chunk, units in ((2, 3), (2, 2), (1, 4), (1, 3)):
+            if levels >= 3 and levels % chunk == 0:
+                copies.append(StreamTuning(level_chunk=chunk, ring_units=units))
+        out += [c for c in copies if _copy(levels, c) != _copy(levels, DEFAULT_STREAM)]
         if sweep and levels > 2:
-            out += [StreamTuning(warps=w, stages=1, split_copy=split) for w in (3, 2)]
+            split = copies_in_halves(levels, StreamTuning(level_chunk=0))
+            out += [
+                StreamTuning(warps=w, stages=1, split_copy=not split, level_chunk=0) for w in (3, 2)
+            ]
     return out
+
+
+def _copy(levels: int, stream) -> tuple:
+    """What a tuning's copy is at ``levels`` levels: (halves, levels per unit, ring)."""
+    from flashloop_backend.kernels.cuda.packed_stream import chunk_levels, copies_in_halves
+
+    chunk = chunk_levels(levels, stream)
+    return copies_in_halves(levels, stream), chunk, stream.ring_units if chunk else 0
 
 
 def _stream_label(stream) -> str:
@@ -228,7 +243,8 @@ def _stream_label(stream) -> str:
     if stream == DEFAULT_STREAM:
         return ""
     halves = {None: "", True: "_split_copy", False: "_whole_copy"}[stream.split_copy]
-    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{halves}"
+    units = "" if not stream.level_chunk else f"_units{stream.level_chunk}x{stream.ring_units}"
+    return f"_c{stream.ctas_per_sm}_w{stream.warps or 0}_s{stream.stages or 0}{halves}{units}"
 
 
 def cuda_unavailable() -> str | None:
