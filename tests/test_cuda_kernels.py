@@ -110,8 +110,8 @@ def test_the_reader_copies_in_halves_from_three_levels_with_one_stage():
     assert not copies_in_halves(4, StreamTuning(stages=2, split_copy=True))
 
 
-def test_four_levels_copy_in_two_level_units_so_two_ctas_fit_an_sm():
-    """At four levels the default copies two levels' K or V half at a time through a
+def test_four_levels_copy_in_one_level_units_so_two_ctas_fit_an_sm():
+    """At four levels the default copies one level's K or V half at a time through a
     ring of three units: a 4-warp CTA then needs under half of an SM's 228 KB, where the
     whole group of every level needed 147 KB (one CTA an SM). Launches the kernel cannot
     build are refused by name."""
@@ -122,8 +122,8 @@ def test_four_levels_copy_in_two_level_units_so_two_ctas_fit_an_sm():
         shared_bytes,
     )
 
-    assert [chunk_levels(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 0, 2]
-    assert shared_bytes(4, 64, 128, DEFAULT_STREAM) == 4 * 3 * 2 * 4608 + 4 * 130 * 4
+    assert [chunk_levels(n, DEFAULT_STREAM) for n in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    assert shared_bytes(4, 64, 128, DEFAULT_STREAM) == 4 * 3 * 4608 + 4 * 130 * 4
     assert 2 * (shared_bytes(4, 64, 128, DEFAULT_STREAM) + 1024) <= 228 * 1024
     whole = StreamTuning(level_chunk=0)
     assert shared_bytes(4, 64, 128, whole) == 4 * 4 * 9216 + 4 * 130 * 4
@@ -135,7 +135,7 @@ def test_four_levels_copy_in_two_level_units_so_two_ctas_fit_an_sm():
     ):
         chunk_levels(3, StreamTuning(level_chunk=2))
     with pytest.raises(ValueError, match="ring_units=6: 2 to 5 at 4 levels in units of 2"):
-        chunk_levels(4, StreamTuning(ring_units=6))
+        chunk_levels(4, StreamTuning(level_chunk=2, ring_units=6))
 
 
 @pytest.mark.gpu

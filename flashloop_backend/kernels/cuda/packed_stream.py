@@ -36,7 +36,8 @@ class StreamTuning:
     with one stage, each group's copy goes in units of that many levels' K or V half
     through a ring of ``ring_units`` units per warp (a warp holds a few units, not every
     level of a group, so two CTAs fit an SM at four levels); None: at four levels, units
-    of two levels in a ring of three (``chunk_levels``); 0: never."""
+    of one level in a ring of three (``chunk_levels``; the fastest at 32K x 16 on the H100,
+    results/README.md, "Eleventh session"); 0: never."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
@@ -96,7 +97,7 @@ def copies_in_halves(levels: int, tuning: StreamTuning) -> bool:
 def chunk_levels(levels: int, tuning: StreamTuning) -> int:
     """Levels per copy unit of a read of ``levels`` levels (0: whole blocks or halves)."""
     _, stages = launch_shape(levels, tuning)
-    default = 2 if levels == 4 and stages == 1 else 0
+    default = 1 if levels == 4 and stages == 1 else 0
     chunk = default if tuning.level_chunk is None else tuning.level_chunk
     if chunk and (stages != 1 or levels % chunk):
         raise ValueError(

@@ -217,7 +217,7 @@ def _cuda_variants(levels: int, sweep: bool) -> list:
     if levels > 1:  # the copies other than the default's: whole blocks, K and V halves,
         # or units of a few levels' K or V half
         copies = [StreamTuning(split_copy=split, level_chunk=0) for split in (False, True)]
-        for chunk, units in ((2, 3), (2, 2), (1, 4), (1, 3)):
+        for chunk, units in ((1, 3), (1, 4), (2, 3), (2, 2)):
             if levels >= 3 and levels % chunk == 0:
                 copies.append(StreamTuning(level_chunk=chunk, ring_units=units))
         out += [c for c in copies if _copy(levels, c) != _copy(levels, DEFAULT_STREAM)]
