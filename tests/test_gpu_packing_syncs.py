@@ -53,3 +53,24 @@ def test_a_prompts_packing_runs_without_waiting_for_the_device():
     torch.cuda.synchronize()
     assert all(len(r.output_token_ids) == 4 for r in out)
     assert {"pack_prompt_level", "pack_final_prompt_rows"} <= set(calls)
+
+
+def test_an_eager_decode_steps_packed_metadata_reaches_the_device_without_a_wait():
+    """An eager (ungraphed) decode step plans its rows' packed-reader metadata (page
+    tables, row maps: megabytes at long contexts) on the host; the upload must not wait
+    for the steps already queued."""
+    config = FlashLoopConfig.from_dict(json.loads(ALL_ON.read_text()))
+    model = load_model(embedded_model_path(), "cuda", torch.bfloat16)
+    from flashloop_backend.registry import Registry
+
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 2, 2)
+    backend = Registry.discover().create("flashloop", request, config)
+    engine = Engine(model, backend, num_blocks=2048, prefill_chunk=256, max_context=1024)
+    calls: list[str] = []
+    packed = backend.packed
+    packed.plan = _without_syncs(packed.plan, calls)
+    prompts = [[(5 * i + 1) % 200 for i in range(n)] for n in (600, 300)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    torch.cuda.synchronize()
+    assert all(len(r.output_token_ids) == 6 for r in out)
+    assert "plan" in calls

@@ -10,6 +10,7 @@ from enum import IntEnum
 
 import torch
 
+from flashloop_backend.device_copy import to_device
 from flashloop_backend.kv.store import PackedKVStore, SequenceLevels
 
 
@@ -67,11 +68,13 @@ class LevelMetadata:
         )
 
     def to(self, device: torch.device | str) -> LevelMetadata:
+        """On ``device``; from the host through pinned asynchronous copies (a pageable
+        copy of a batch's maps, megabytes at 32K, would wait for the queued steps)."""
         return LevelMetadata(
-            self.tables.to(device),
-            self.maps.to(device),
-            self.kinds.to(device),
-            self.packed_lengths.to(device),
+            to_device(self.tables, device),
+            to_device(self.maps, device),
+            to_device(self.kinds, device),
+            to_device(self.packed_lengths, device),
             self.compact_from,
         )
 
