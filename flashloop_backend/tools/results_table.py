@@ -28,16 +28,17 @@ class QualityRow:
     what: str
     record: str
     index: int
+    gpu: str  # eval records name the device only as "cuda:0"
 
 
 ROWS: tuple[E2ERow | QualityRow, ...] = (
-    E2ERow("decode TPOT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_f483680.json", "tpot"),
-    E2ERow("decode TPOT, 32K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_32k1_778753a.json", "tpot"),
-    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_778753a.json", "tpot"),
-    E2ERow("decode TPOT, 32K x 16, KV quantization alone", "decode_v3/bench_e2e_kv_quant_32k16_f483680.json", "tpot"),
-    E2ERow("TTFT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_f483680.json", "ttft"),
-    E2ERow("KV bytes held per token, 32K x 16, all on", "decode_v3/bench_e2e_all_on_32k16_f483680.json", "kv"),
-    QualityRow("quality, evaluation model, all on: Δ bits/byte, top-1", "quality/eval_grid_h200.json", 13),
+    E2ERow("decode TPOT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "tpot"),
+    E2ERow("decode TPOT, 32K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_32k1_h100_4acd49f.json", "tpot"),
+    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_h100_4acd49f.json", "tpot"),
+    E2ERow("decode TPOT, 32K x 16, KV quantization alone", "decode_v3/bench_e2e_kv_quant_32k16_h100_5cc97c7.json", "tpot"),
+    E2ERow("TTFT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "ttft"),
+    E2ERow("KV bytes held per token, 32K x 16, all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "kv"),
+    QualityRow("quality, evaluation model, all on: Δ bits/byte, top-1", "quality/eval_grid_h200.json", 13, "H200"),
 )  # fmt: skip
 
 
@@ -77,8 +78,8 @@ def _quality_cells(row: QualityRow, record: dict) -> tuple[str, str, str]:
     )
 
 
-# Another run at 32K x 16, one kernel revision earlier (the two-pass loop 2's first version).
-SECOND_RUN_32K16 = "decode_v3/bench_e2e_all_on_32k16_cf1936b.json"
+# The last run at 32K x 16 on the H200, the issue's machine (an earlier kernel revision).
+SECOND_RUN_32K16 = "decode_v3/bench_e2e_all_on_32k16_f483680.json"
 
 
 def _ratio_of(results: Path, record: str, metric: str) -> float:
@@ -86,6 +87,20 @@ def _ratio_of(results: Path, record: str, metric: str) -> float:
     if metric == "kv":
         return dense["kv_held_bytes_per_token"] / mine["kv_held_bytes_per_token"]
     return dense["tpot_ms"]["median"] / mine["tpot_ms"]["median"]
+
+
+def _gpu(results: Path, record: str) -> str:
+    """The record's GPU in short ("H100", "H200")."""
+    gpu = json.loads((results / record).read_text())["environment"]["gpu"]
+    return gpu.removeprefix("NVIDIA ").split(" ")[0]
+
+
+def _loop_2_over_dense(results: Path, record: str) -> float:
+    """All on's loop-2 replay over dense's loop replay in a ``bench e2e`` record."""
+    dense, mine = dense_and_flashloop(json.loads((results / record).read_text()))
+    (dense_loop,) = (v["median_ms"] for v in dense["replay_ms_by_key"].values())
+    (loop_2,) = (v["median_ms"] for k, v in mine["replay_ms_by_key"].items() if ", 2, (" in k)
+    return loop_2 / dense_loop
 
 
 def summary(results: Path) -> str:
@@ -97,7 +112,11 @@ def summary(results: Path) -> str:
         return _ratio_of(results, e2e[what].record, metric)
 
     fast = ratio("decode TPOT, 32K x 16 (4 layers), all on")
+    fast_gpu = _gpu(results, e2e["decode TPOT, 32K x 16 (4 layers), all on"].record)
     second = _ratio_of(results, SECOND_RUN_32K16, "tpot")
+    second_gpu = _gpu(results, SECOND_RUN_32K16)
+    one_32k_record = e2e["decode TPOT, 32K x 1 (24 layers), all on"].record
+    loop_2 = _loop_2_over_dense(results, one_32k_record)
     memory = ratio("KV bytes held per token, 32K x 16, all on", "kv")
     one_8k = ratio("decode TPOT, 8K x 1 (24 layers), all on")
     one_32k = ratio("decode TPOT, 32K x 1 (24 layers), all on")
@@ -109,13 +128,12 @@ def summary(results: Path) -> str:
         f"- **Memory**: all three features hold **{memory:.1f}x less KV per token** than "
         f"dense. Pools planned from one KV budget (`--kv-memory-gib`) hold {planned} "
         f"by the allocator's accounting (`info --context N`). {_served_capacity(results)}\n"
-        f"- **Decode speed**: with many long requests (32K x 16) all on decodes "
-        f"**{fast:.2f}x** dense's speed ({second:.2f}x in another run, one kernel revision "
-        "earlier); "
-        f"at batch 1 it is slower ({one_8k:.2f}x at 8K, {one_32k:.2f}x at 32K, on a later "
-        "kernel revision), where loop 2 (the top-K selection and its two passes over the "
-        "keys) costs about twice a dense loop. KV quantization alone decodes at "
-        f"{quant:.2f}x dense at 32K x 16.\n"
+        f"- **Decode speed** (on an {fast_gpu}, the table's GPU per row): with many long "
+        f"requests (32K x 16) all on decodes **{fast:.2f}x** dense's speed ({second:.2f}x on "
+        f"the {second_gpu}, an earlier kernel revision); at batch 1 it is near dense "
+        f"({one_8k:.2f}x at 8K, {one_32k:.2f}x at 32K), where loop 2 (the top-K selection "
+        f"and its two passes over the keys) costs {loop_2:.1f}x a dense loop at 32K. KV "
+        f"quantization alone decodes at {quant:.2f}x dense at 32K x 16.\n"
         f"- **Quality** (`configs/all_on.json`, evaluation model): Δ bits/byte "
         f"{point['delta_bits_per_byte_percent']:+.2f}% against dense, top-1 agreement "
         f"{100 * point['top1_agreement']:.1f}% (measured before encoding v3, which changed "
@@ -153,9 +171,7 @@ def _planned_capacity(results: Path) -> str:
 
 
 # bench capacity on one budget, every variant in one run (the README's served capacity).
-CAPACITY_RECORD = (
-    "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_split_lockstep_h100_a80d615.json"
-)
+CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_5cc97c7.json"
 
 
 def _served_capacity(results: Path) -> str:
@@ -181,13 +197,14 @@ def _served_capacity(results: Path) -> str:
 def table(results: Path) -> str:
     """The markdown table (header included) from the records under ``results``."""
     lines = [
-        "| measured on the H200 | dense | FlashLoop | dense / FlashLoop | record |",
-        "| --- | --- | --- | --- | --- |",
+        "| measured | GPU | dense | FlashLoop | dense / FlashLoop | record |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in ROWS:
         record = json.loads((results / row.record).read_text())
         cells = _e2e_cells(row, record) if isinstance(row, E2ERow) else _quality_cells(row, record)
-        lines.append(f"| {row.what} | {' | '.join(cells)} | `results/{row.record}` |")
+        gpu = row.gpu if isinstance(row, QualityRow) else _gpu(results, row.record)
+        lines.append(f"| {row.what} | {gpu} | {' | '.join(cells)} | `results/{row.record}` |")
     return "\n".join(lines) + "\n"
 
 
