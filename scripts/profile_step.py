@@ -26,6 +26,12 @@ from flashloop_backend.registry import Registry
 from flashloop_backend.tools.bench.e2e import random_ouro
 
 
+def new_tokens(args) -> int:
+    """Tokens each request decodes: enough for the per-step, timed and profiled decode
+    steps (--steps each; one loop depth a step, four a token) after the first token."""
+    return 4 + -(-3 * args.steps // 4)
+
+
 def _engine(args, model, request):
     config = FlashLoopConfig()
     if args.config:
@@ -33,9 +39,11 @@ def _engine(args, model, request):
     backend = Registry.discover().create(args.backend, request, config)
     # pools sized as bench e2e sizes them: a dense-sized BF16 pool beside the packed one
     # does not fit 32K x 16 on an 80 GB GPU
-    shape = planning_capacity(model.config, args.context + 64, 16, torch.device("cuda"))
+    shape = planning_capacity(
+        model.config, args.context + new_tokens(args), 16, torch.device("cuda")
+    )
     itemsize = next(model.parameters()).dtype.itemsize
-    cost = footprint(backend, shape, args.context, 64, itemsize)
+    cost = footprint(backend, shape, args.context, new_tokens(args), itemsize)
     return Engine(
         model,
         backend,
@@ -44,7 +52,7 @@ def _engine(args, model, request):
         block_size=16,
         prefill_chunk=args.prefill_chunk,
         max_batch_tokens=args.prefill_chunk * args.concurrency,
-        max_context=args.context + 64,
+        max_context=args.context + new_tokens(args),
         max_slots=args.concurrency,
     )
 
@@ -100,7 +108,7 @@ def main() -> int:
     model, request = random_ouro(args.layers, 16, fused=args.layer_ops == "fused")
     engine = _engine(args, model, request)
     # decode: --steps timed without the profiler, then --steps profiled
-    params = SamplingParams(max_new_tokens=4 + args.steps // 2, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens(args), ignore_eos=True)
     prompts = [
         torch.randint(0, model.config.vocab_size, (args.context,)).tolist()
         for _ in range(args.concurrency)

@@ -68,9 +68,16 @@ def test_an_eager_decode_steps_packed_metadata_reaches_the_device_without_a_wait
     engine = Engine(model, backend, num_blocks=2048, prefill_chunk=256, max_context=1024)
     calls: list[str] = []
     packed = backend.packed
-    packed.plan = _without_syncs(packed.plan, calls)
+    checked = _without_syncs(packed.plan, calls)
+    decode_rows: list[int] = []
+
+    def plan(view, sequences, depths):
+        decode_rows.append(sum(s in packed.store.sequences for s in sequences))
+        return checked(view, sequences, depths)
+
+    packed.plan = plan
     prompts = [[(5 * i + 1) % 200 for i in range(n)] for n in (600, 300)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
     torch.cuda.synchronize()
     assert all(len(r.output_token_ids) == 6 for r in out)
-    assert "plan" in calls
+    assert max(decode_rows) == 2  # steps planned both prompts' packed rows

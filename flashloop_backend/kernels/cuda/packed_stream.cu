@@ -43,6 +43,9 @@ constexpr int OWN = 8 * WORDS;            // channels a lane owns for V (32 at D
 #ifndef FLUSH
 #define FLUSH 8                           // a lane's tokens per FP32 flush of its V sums
 #endif
+// a group of 32 tokens gives a lane 4 of them: it flushes once per group
+constexpr int FLUSH_ROUNDS = FLUSH < ROUNDS ? FLUSH : ROUNDS;
+static_assert(ROUNDS % FLUSH_ROUNDS == 0, "whole flushes per group");
 #ifndef SPLIT_COPY
 #define SPLIT_COPY 0                      // one stage: copy each group in a K and a V half
 #endif
@@ -223,7 +226,7 @@ packed_stream(const Params P) {
     // pages of this group and the next are in registers.
     int pages_now[LEVELS], pages_next[LEVELS];
     int group_now = 0;
-    auto table_pages = [&](int k, int* out) {
+    auto table_pages = [&](int k, int (&out)[LEVELS]) {
         if (k < mine) {
             const int group = first + warp + k * WARPS;
 #pragma unroll
@@ -413,14 +416,14 @@ packed_stream(const Params P) {
                         : stage + l * BLOCK + V_CODES;
             const unsigned char* v_records = v_codes + (CHUNKED ? V_CODES : V_PARAMS - V_CODES);
 #pragma unroll
-            for (int r0 = 0; r0 < ROUNDS; r0 += FLUSH) {
+            for (int r0 = 0; r0 < ROUNDS; r0 += FLUSH_ROUNDS) {
                 u32 sums[WORDS][4];
 #pragma unroll
                 for (int m = 0; m < WORDS; ++m)
 #pragma unroll
                     for (int p = 0; p < 4; ++p) sums[m][p] = 0u;
 #pragma unroll
-                for (int r = r0; r < r0 + FLUSH; ++r) {
+                for (int r = r0; r < r0 + FLUSH_ROUNDS; ++r) {
                     const int t = 8 * r + tok;
                     const u16* record = (const u16*)v_records + t * 2 * NG;
                     const uint4 seg = lds128(v_codes + t * ROW + SEG * quad);

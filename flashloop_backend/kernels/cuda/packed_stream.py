@@ -35,9 +35,9 @@ class StreamTuning:
     levels (``copies_in_halves``; results/README.md, "ninth session"); ``level_chunk``:
     with one stage, each group's copy goes in units of that many levels' K or V half
     through a ring of ``ring_units`` units per warp (a warp holds a few units, not every
-    level of a group, so two CTAs fit an SM at four levels); None: at four levels, units
-    of one level in a ring of three (``chunk_levels``; the fastest at 32K x 16 on the H100,
-    results/README.md, "Eleventh session"); 0: never."""
+    level of a group, so two CTAs fit an SM at four levels); None: at four levels with
+    ``split_copy`` unset, units of one level in a ring of three (``chunk_levels``; the
+    fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
@@ -97,8 +97,11 @@ def copies_in_halves(levels: int, tuning: StreamTuning) -> bool:
 def chunk_levels(levels: int, tuning: StreamTuning) -> int:
     """Levels per copy unit of a read of ``levels`` levels (0: whole blocks or halves)."""
     _, stages = launch_shape(levels, tuning)
-    default = 1 if levels == 4 and stages == 1 else 0
+    # an explicit split_copy asks for halves or whole blocks: units only when it is unset
+    default = 1 if levels == 4 and stages == 1 and tuning.split_copy is None else 0
     chunk = default if tuning.level_chunk is None else tuning.level_chunk
+    if chunk < 0:
+        raise ValueError(f"level_chunk={chunk}: levels per copy unit are 0 (no units) or more")
     if chunk and (stages != 1 or levels % chunk):
         raise ValueError(
             f"level_chunk={chunk} needs one ring stage (got {stages}) and divides the "
@@ -129,9 +132,10 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
         "WARPS": warps,
         "STAGES": stages,
         "SPLIT_COPY": int(copies_in_halves(levels, tuning)),
-        "LEVEL_CHUNK": chunk_levels(levels, tuning),
-        "RING_UNITS": tuning.ring_units,
     }
+    chunk = chunk_levels(levels, tuning)
+    if chunk:  # a ring size without units would only build the same kernel again
+        defines |= {"LEVEL_CHUNK": chunk, "RING_UNITS": tuning.ring_units}
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)
 
