@@ -246,7 +246,7 @@ def test_prefill_rows_route_to_dense_prefill_and_decode_rows_to_dense_attention(
 def test_cuda_graphs_requirement_binds_decode_ops_only():
     """Only the decode traversal is captured: a required ``cuda_graphs`` constrains the
     kernels of ops decode rows route to, never the prefill ops (which may plan on the host)."""
-    from flashloop_backend.backends.flashloop import FlashLoopSpec
+    from flashloop_backend.backends.flashloop_spec import FlashLoopSpec
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.dispatch import decode_route_ops, prefill_route_ops
     from flashloop_backend.tools.grid import feature_combinations

@@ -1,8 +1,8 @@
 """The ``flashloop`` backend: routes each batch's rows to the kernels its config needs.
 
-What it can do on a machine is derived from the kernel implementations usable there: a
-capability is reported only when every op it concerns has a usable implementation that
-declares it. With every feature off it is the dense path (DESIGN §4).
+With every feature off it is the dense path (DESIGN §4). Its registry entry (what it can
+claim on a machine, the kernels it needs) is ``flashloop_spec``; its request lifecycle
+(stores, admission, packing, release, saved state) is the ``flashloop_requests`` mixin.
 """
 
 from __future__ import annotations
@@ -12,34 +12,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashloop_backend._version import __version__
-from flashloop_backend.backends.base import (
-    AttentionBackend,
-    EngineCapacity,
-    GraphStep,
-    RequestCost,
-    RequestKV,
-)
+from flashloop_backend.backends.base import AttentionBackend, GraphStep
 from flashloop_backend.backends.batch_plan import BatchPlan, PlanRouting
+from flashloop_backend.backends.flashloop_requests import FlashLoopRequests
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
-from flashloop_backend.capabilities import Capability, Environment, SupportRequest
-from flashloop_backend.config import ConfigError, FlashLoopConfig, UnservableError
+from flashloop_backend.capabilities import Capability
+from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import (
     SPARSE_START_DEPTH,
     BatchView,
-    config_capabilities,
-    decode_route_ops,
     prefill_route_ops,
-    required_ops,
     routable_ops,
 )
 from flashloop_backend.kernels.ops import (
     BASE_OUTPUT_OPS,
     CORRECTION_OPS,
-    OP_INPUTS,
     PACKED_READ_OPS,
-    PACKED_VERSION,
     SOURCE_OPS,
     CorrectionInputs,
     OpName,
@@ -48,38 +37,11 @@ from flashloop_backend.kernels.ops import (
     SourceInputs,
     over_packed,
 )
-from flashloop_backend.kv.encoding import encoding_descriptor
-from flashloop_backend.kv.layout import PackedLayout
-from flashloop_backend.kv.store import PackedKVStore
-from flashloop_backend.kv.transfer import SharedRows
-from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
+from flashloop_backend.registry.spec import SelectionInfo
 
 if TYPE_CHECKING:
-    from flashloop_backend.registry import KernelChoice, Registry
+    from flashloop_backend.registry import KernelChoice
 
-# Which ops must carry a capability for the backend to claim it. ``None``: every op the
-# configuration routes to; ``"decode"``: every op it can route a decode row to.
-CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
-    Capability.SOURCE_STATISTICS: (OpName.DENSE_SOURCE,),
-    Capability.NONCONSECUTIVE_QUERIES: (OpName.SPARSE_PREFILL,),
-    Capability.PACKED_KV_READ: (OpName.PACKED_DECODE,),
-    # only decode steps are captured (DESIGN §4): sparse prefill runs eagerly, so graph
-    # safety is asked of the sparse decode ops alone
-    Capability.GRAPH_SAFE_SPARSE: (OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION),
-    Capability.DEVICE_POSITIONS: None,
-    Capability.PACKED_PREFILL: None,
-    # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
-    # so their kernels may plan on the host
-    Capability.CUDA_GRAPHS: "decode",
-    Capability.ASYNC_SCHEDULING: None,
-}
-# Capabilities this backend does not deliver whatever its kernels declare: its packed and
-# sparse reads take verification rows one at a time, so it passes no groups on.
-NOT_DELIVERED = {
-    Capability.GROUPED_VERIFY_ROWS: "required capability grouped_verify_rows: the flashloop "
-    "backend reads verification rows one at a time (its packed and sparse kernels have no "
-    "grouped form)"
-}
 # Whether each feature's state serves speculative verification rows (and under which KV
 # quantization policies). Token-sparse prefill shapes the prompt's KV only, and
 # `fixed_prompt` packs only the prompt: VERIFY rows read both as decode rows do. Sparse
@@ -111,102 +73,7 @@ def feature_support() -> dict[str, dict[str, bool]]:
     }
 
 
-# Every op with typed inputs (the table in ``kernels/ops.py``) and the packed write.
-WIRED_OPS = frozenset(OP_INPUTS) | {OpName.PACKED_KV_WRITE}
-
-
-class FlashLoopSpec(BackendSpec):
-    name = "flashloop"
-    version = __version__
-    priority = 50
-    description = "FlashLoop: token-sparse prefill, sparse decode attention, INT4 residual KV"
-
-    def _op_needs(
-        self, request: SupportRequest, config: FlashLoopConfig
-    ) -> dict[OpName, tuple[str, frozenset[Capability]]]:
-        """op -> (why it is needed, capabilities its kernel must declare)."""
-        needs = {r.op: (r.feature, r.capabilities) for r in required_ops(config)}
-        for cap in request.required - NOT_DELIVERED.keys():
-            ops = CAPABILITY_OPS[cap]
-            if ops == "decode":
-                ops = tuple(sorted(decode_route_ops(config), key=lambda o: o.value))
-            targets = tuple(needs) if ops is None else ops
-            # the configuration may route the packed-KV version of a listed op instead
-            targets += tuple(PACKED_VERSION[o] for o in targets if PACKED_VERSION.get(o) in needs)
-            for op in targets:
-                why, caps = needs.get(op, (f"required capability {cap.value}", frozenset()))
-                needs[op] = (why, caps | {cap})
-        return needs
-
-    def _choose(
-        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
-    ) -> tuple[dict[OpName, KernelChoice], list[str]]:
-        choices: dict[OpName, KernelChoice] = {}
-        reasons: list[str] = []
-        for op, (why, caps) in self._op_needs(request, config).items():
-            if op not in WIRED_OPS:
-                reasons.append(
-                    f"op {op.value!r} (needed by {why}) is not wired into the flashloop "
-                    f"backend {__version__} (wired: {sorted(o.value for o in WIRED_OPS)})"
-                )
-                continue
-            op_request = replace(request, required=caps)
-            try:
-                override = config.kernel_overrides.get(op.value)
-                choices[op] = registry.select_kernel(op, op_request, override)
-            except ValueError as exc:
-                reasons.append(f"op {op.value!r} (needed by {why}): {exc}")
-        return choices, reasons
-
-    def capabilities(
-        self, registry: Registry, config: FlashLoopConfig, env: Environment, device: str
-    ) -> frozenset[Capability]:
-        base = SupportRequest.default(env)
-        base = SupportRequest(device, base.dtype if device == "cuda" else torch.float32)
-        delivered = set()
-        for cap in set(Capability) - NOT_DELIVERED.keys():
-            _, reasons = self._choose(base.with_required({cap}), config, registry)
-            if not reasons:
-                delivered.add(cap)
-        return frozenset(delivered)
-
-    def not_supported_reasons(
-        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry, env: Environment
-    ) -> list[str]:
-        _, reasons = self._choose(
-            request.with_required(config_capabilities(config)), config, registry
-        )
-        return [NOT_DELIVERED[c] for c in sorted(request.required & NOT_DELIVERED.keys())] + reasons
-
-    def kernel_choices(
-        self, request: SupportRequest, config: FlashLoopConfig, registry: Registry
-    ) -> dict[str, str]:
-        choices, _ = self._choose(request, config, registry)
-        return {op.value: choice.provider.name for op, choice in choices.items()}
-
-    def kv_encoding(self, config: FlashLoopConfig) -> dict[str, str | int] | None:
-        quant = config.kv_residual_quantization
-        if not quant.enabled:
-            return None
-        return encoding_descriptor(
-            quant.group_size, quant.policy, quant.tail_size, config.token_sparse_prefill.enabled
-        )
-
-    def create(
-        self,
-        request: SupportRequest,
-        config: FlashLoopConfig,
-        registry: Registry,
-        info: SelectionInfo,
-    ) -> FlashLoopBackend:
-        choices, reasons = self._choose(request, config, registry)
-        if reasons:
-            raise UnservableError("flashloop cannot serve this request: " + "; ".join(reasons))
-        caps = self.capabilities(registry, config, registry.env, request.device)
-        return FlashLoopBackend(config, choices, caps, info)
-
-
-class FlashLoopBackend(AttentionBackend):
+class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
     """The callable backend. ``__call__`` is vllm-rlt's dense surface; ``forward`` takes a
     :class:`~flashloop_backend.dispatch.BatchView` and dispatches segments."""
 
@@ -281,228 +148,6 @@ class FlashLoopBackend(AttentionBackend):
             hinted = OpName.PACKED_DECODE.value
             ops = [f"{op}:few_rows" if op == hinted else op for op in ops]
         return tuple(ops)
-
-    # ------------------------------------------------------------ start-up
-    def reserve(self, capacity: EngineCapacity) -> None:
-        """The loop-2 reference store (sparse decode) and the packed store (KV
-        quantization), checked against the engine's geometry."""
-        c = capacity
-        if self.config.enabled_features() and self.config.num_loops != c.loops:
-            raise ConfigError(
-                f"num_loops={self.config.num_loops} differs from the model's "
-                f"total_ut_steps={c.loops}"
-            )
-        # the selection bucket holds what a source selects from the span its readers cover
-        # (graph rows read block tables of the full width), not from max_context itself
-        span = self.reader_span(c.max_context, c.block_size)
-        self.reserve_state(c.max_slots, c.num_layers, c.num_heads, c.head_dim, span, c.device)
-        quant = self.config.kv_residual_quantization
-        if not quant.enabled:
-            return
-        if quant.group_size % c.block_size:
-            raise ConfigError(
-                f"kv_residual_quantization.group_size={quant.group_size} must be a multiple of "
-                f"the KV block_size={c.block_size}: packed groups free whole BF16 blocks"
-            )
-        pages = c.packed_pages or PackedState.default_pages(
-            c.num_blocks, c.block_size, c.loops, quant.group_size, quant.policy, quant.tail_size
-        )
-        self.reserve_packed(pages, c.num_layers, c.num_kv_heads, c.head_dim, c.device)
-
-    def reader_span(self, context: int, block_size: int = 1) -> int:
-        """Positions the loop-2 source reads for a row whose block table spans ``context``
-        positions: whole KV blocks of ``block_size``, and under KV quantization whole
-        packed groups (``packed_span``). The source checks its ``k_bucket`` against K of
-        this span (``check_bucket``: it reads no row lengths on the host), which exceeds K
-        of ``context`` when the added positions add a selected key."""
-        span = -(-context // block_size) * block_size
-        quant = self.config.kv_residual_quantization
-        if quant.enabled:
-            span = -(-span // quant.group_size) * quant.group_size
-        return span
-
-    def reserve_packed(
-        self,
-        num_pages: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device | str,
-    ) -> None:
-        """Allocate the packed INT4 KV store (KV quantization only)."""
-        quant = self.config.kv_residual_quantization
-        if not quant.enabled:
-            return
-        store = PackedKVStore(
-            num_pages, num_layers, num_kv_heads, head_dim, quant.group_size, device
-        )
-        write = self.kernels[OpName.PACKED_KV_WRITE].impl.fn
-        self.packed = PackedState(
-            store, write, quant.policy, quant.tail_size, self.first_compact_level()
-        )
-
-    def first_compact_level(self) -> int:
-        """The first packed level this configuration can store compact: a token-sparse
-        depth that keeps fewer than all rows, or (``rolling``, which packs generated rows)
-        any deeper level, where a token that exited early has no residual."""
-        depths = self.config.num_loops
-        first = depths
-        sparse = self.config.token_sparse_prefill
-        if sparse.enabled:
-            ratios = sparse.retention
-            first = next((d for d in range(1, len(ratios)) if ratios[d] < 1), depths)
-        if self.config.kv_residual_quantization.policy == "rolling":
-            first = 1
-        return first
-
-    def reserve_state(
-        self,
-        num_slots: int,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        max_context: int,
-        device: torch.device | str,
-    ) -> None:
-        """Allocate the loop-2 reference store (sparse decode only): one slot per live token,
-        its selection bucket sized for sources over ``max_context`` positions (the readers'
-        span: :meth:`reader_span`)."""
-        if not self.config.sparse_decode_attention.enabled:
-            return
-        bucket = key_bucket(self.config.sparse_decode_attention.key_retention, max_context)
-        self.states = ReferenceStates(num_slots, num_layers, num_heads, head_dim, bucket, device)
-
-    # ------------------------------------------------------------ requests
-    def request_cost(
-        self, capacity: EngineCapacity, prompt_length: int, max_new_tokens: int
-    ) -> RequestCost:
-        """Packed pages (KV quantization: the bound a reservation takes, every level a
-        whole page per group) and the reference store's bytes per slot (sparse decode)."""
-        c = capacity
-        slot = 0
-        if self.config.sparse_decode_attention.enabled:
-            span = self.reader_span(c.max_context, c.block_size)
-            bucket = key_bucket(self.config.sparse_decode_attention.key_retention, span)
-            per_head = bucket * 4 + 4 + 2 * c.head_dim * 4  # indices, mass, output, contribution
-            slot = c.num_layers * (c.num_heads * per_head + 8)  # and the incarnation
-        quant = self.config.kv_residual_quantization
-        if not quant.enabled:
-            return RequestCost(slot_bytes=slot)
-        policy, tail, group = quant.policy, quant.tail_size, quant.group_size
-        pages = PackedState.page_bound(
-            prompt_length, max_new_tokens, self.config.num_loops, group, policy, tail
-        )
-        block = PackedLayout(group, c.head_dim).block_bytes
-        rows = PackedState.packable_rows(prompt_length, group, policy, tail)
-        return RequestCost(pages, c.num_layers * c.num_kv_heads * block, rows, slot)
-
-    def pages_needed(self, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
-        if self.packed is None:
-            return 0, 0
-        loops = self.config.num_loops
-        needed = self.packed.pages_needed(prompt_length, max_new_tokens, loops)
-        return needed, self.packed.store.num_pages
-
-    def admit(
-        self,
-        request_id: int,
-        prompt_length: int,
-        max_new_tokens: int,
-        shared: object | None = None,
-        shared_rows: int = 0,
-    ) -> None:
-        if self.packed is not None:
-            adopted = 0
-            if isinstance(shared, SharedRows):  # never more than its own prompt would pack
-                rows = min(shared_rows, self.packed.prompt_rows(prompt_length))
-                adopted = self.packed.store.adoptable(shared, rows)
-            loops = self.config.num_loops
-            self.packed.reserve(request_id, prompt_length, max_new_tokens, loops, adopted)
-            if adopted:
-                self.packed.store.adopt(request_id, shared, adopted)
-
-    def share_prompt(self, request_id: int, rows: int) -> object | None:
-        if self.packed is None:
-            return None
-        rows = self.packed.shareable_rows(request_id, rows)
-        return self.packed.store.share(request_id, rows) if rows else None
-
-    def drop_shared(self, shared: object) -> None:
-        if self.packed is not None and isinstance(shared, SharedRows):
-            self.packed.store.drop(shared)
-
-    def frees_on_drop(self, shared: object) -> bool:
-        if self.packed is None or not isinstance(shared, SharedRows):
-            return False
-        return self.packed.store.frees_on_drop(shared)
-
-    def prompt_rows_done(self, request_id: int, kv: RequestKV, rows: int) -> None:
-        if self.packed is not None:
-            self.packed.pack_final_prompt_rows(request_id, kv, rows)
-
-    def carried_prompt_rows(self, prompt_length: int) -> int:
-        return 0 if self.packed is None else self.packed.prompt_rows(prompt_length)
-
-    def store_prompt_depth(self, request_id: int, kv: RequestKV, depth: int, rows: int) -> int:
-        if self.packed is None:
-            return super().store_prompt_depth(request_id, kv, depth, rows)
-        return self.packed.pack_prompt_level(request_id, kv, depth, rows)
-
-    def prompt_done(self, request_id: int, kv: RequestKV) -> None:
-        if self.packed is not None:
-            self.packed.pack_prompt(request_id, kv)
-
-    def token_done(self, request_id: int, kv: RequestKV) -> None:
-        if self.packed is not None:
-            self.packed.flush_tail(request_id, kv)
-
-    def speculation_rows(self, request_id: int, final_rows: int) -> int | None:
-        """``rolling`` packs a group once enough rows are final, and packing is lossy: a
-        row reads the packed rows serial decoding would have packed by its turn. A block
-        therefore ends before the next flush (serial-aligned)."""
-        if self.packed is None:
-            return None
-        return self.packed.rows_until_repacking(request_id, final_rows)
-
-    def retire_slot(self, slot: int) -> None:
-        if self.states is not None:
-            self.states.retire(slot)
-
-    def release(self, request_id: int, slot: int) -> None:
-        if self.packed is not None:
-            self.packed.release(request_id)
-        if self.states is not None and slot >= 0:
-            self.states.retire(slot)
-
-    # ------------------------------------------------------------ saved request state
-    def state_identity(self) -> dict:
-        quant = self.config.kv_residual_quantization
-        encoding = None
-        if quant.enabled:
-            sparse = self.config.token_sparse_prefill.enabled
-            encoding = encoding_descriptor(quant.group_size, quant.policy, quant.tail_size, sparse)
-        return super().state_identity() | {"kv_encoding": encoding}
-
-    def export_request(self, request_id: int) -> dict[str, torch.Tensor]:
-        if self.packed is None:
-            return {}
-        stored = self.packed.store.export_sequence(request_id)
-        return {f"packed.{name}": tensor for name, tensor in stored.items()}
-
-    def import_request(self, request_id: int, tensors: dict[str, torch.Tensor]) -> None:
-        if self.packed is None:
-            super().import_request(request_id, tensors)
-            return
-        foreign = sorted(name for name in tensors if not name.startswith("packed."))
-        if foreign:
-            raise ValueError(
-                f"flashloop keeps only packed.* tensors per request; got {foreign[:4]}"
-            )
-        stored = {name.removeprefix("packed."): t for name, t in tensors.items()}
-        if stored:
-            self.packed.store.import_sequence(request_id, stored)
-        if self.packed.policy != "rolling":  # as after a prompt's packing
-            self.packed.store.unreserve(request_id)
 
     # ------------------------------------------------------------ steps and graphs
     def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
@@ -686,7 +331,3 @@ class FlashLoopBackend(AttentionBackend):
             and bool(depths)
             and min(depths) >= SPARSE_START_DEPTH
         )
-
-
-def factory() -> FlashLoopSpec:
-    return FlashLoopSpec()
