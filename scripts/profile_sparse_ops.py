@@ -21,7 +21,7 @@ from flashloop_backend.kernels.triton.packed_sparse import (
 )
 from flashloop_backend.kernels.triton.sparse_decode import sparse_correction_triton
 from flashloop_backend.kv.levels import level_metadata
-from flashloop_backend.tools.bench.packed import _bf16_rows, _store
+from flashloop_backend.tools.bench.packed_rows import bf16_rows, encoded_store
 
 
 def _kernel_means(fn, calls: int) -> dict[str, float]:
@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, caches, tables, lengths = _bf16_rows(args.context, args.concurrency, 1, gen)
+    q, caches, tables, lengths = bf16_rows(args.context, args.concurrency, 1, gen)
     kc, vc = caches[0]
     bucket = key_bucket(args.key_retention, args.context)
     ops = {}
@@ -62,7 +62,7 @@ def main() -> int:
     ops["bf16_correction"] = lambda: sparse_correction_triton(
         q, kc, vc, tables, idx, mass, output, contribution
     )
-    store, _ = _store(args.concurrency, args.context, 1, False, gen)
+    store, _ = encoded_store(args.concurrency, args.context, 1, False, gen)
     rows = list(range(args.concurrency))
     meta = [level_metadata(store, rows, [d] * len(rows), q.device) for d in range(4)]
     reads = (q, store, 0, meta[1], kc, vc, tables, lengths)

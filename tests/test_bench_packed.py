@@ -6,13 +6,15 @@ import torch
 
 from flashloop_backend.kernels.triton.dense_source import SelectTuning
 from flashloop_backend.tools.bench import packed as bench_packed
+from flashloop_backend.tools.bench import packed_rows, packed_sparse
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; the GPU runs the bench")
 def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
-    monkeypatch.setattr(bench_packed, "HEADS", 2)
-    monkeypatch.setattr(bench_packed, "HEAD_DIM", 32)
-    monkeypatch.setattr(bench_packed, "GROUP", 16)
+    for module in (packed_rows, packed_sparse):
+        monkeypatch.setattr(module, "HEADS", 2)
+        monkeypatch.setattr(module, "GROUP", 16)
+    monkeypatch.setattr(packed_rows, "HEAD_DIM", 32)
     calls = []
 
     def timer(fn):
@@ -21,7 +23,7 @@ def test_sparse_ops_case_times_every_op_and_launch(monkeypatch):
 
     small = SelectTuning(sample=16, candidates=16, block=16, compact_block=16, chunk_min=16)
     dense = {"ms": 1.0, "tb_s": 1.0}
-    record = bench_packed.sparse_ops_case(64, 2, torch.Generator().manual_seed(0), lambda m: None,
+    record = packed_sparse.sparse_ops_case(64, 2, torch.Generator().manual_seed(0), lambda m: None,
                                           dense, timer=timer, select=small)  # fmt: skip
     names = [f"{levels}_{op}" for levels in ("dense_levels", "token_sparse")
              for op in ("plain_read_depth2", "source_depth2", "correction_depth3",
