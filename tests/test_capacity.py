@@ -225,6 +225,27 @@ def test_bench_capacity_says_when_requests_end_before_the_pools_fill():
     assert "requests ended before the pools filled" in lines[-1]
 
 
+def test_bench_capacity_waits_for_the_device_after_a_step_only_when_asked():
+    """The timed loop calls ``step_sync`` once after every step it times and ``sync``
+    (the warm-up's barrier) never: by default no device wait sits between two steps, so
+    the host plans a step while the device runs the one before."""
+    from flashloop_backend.tools.bench.capacity import capacity_variants, serve_at_budget
+
+    config = capacity_variants(CONFIGS["all_on"], "flashloop")[-1]
+    calls = {"sync": 0, "step_sync": 0}
+
+    def counter(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    (record,) = serve_at_budget(
+        tiny_model(max_position_embeddings=128), REQUEST, [config], 1_200_000, 80, 4, 3,
+        block_size=4, log=lambda _: None, warm=False, sync=counter("sync"),
+        step_sync=counter("step_sync"),
+    )  # fmt: skip
+    assert record["completed"] == 3
+    assert calls == {"sync": 0, "step_sync": record["steps"]}
+
+
 def test_bench_capacity_records_the_start_up_it_warms():
     """With the warm-up (the engine's, then the workload's batch sizes), the record states
     the seconds it took; without it, None."""

@@ -77,6 +77,7 @@ def _bench(args: argparse.Namespace) -> int:
             log=progress_log,
             max_batch_tokens=args.max_batch_tokens,
             split_mixed_steps=not args.one_traversal_mixed_steps,
+            sync_every_step=args.sync_every_step,
         )
     elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
@@ -94,6 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
             variant_keys=args.variants.split(",") if args.variants else None,
             prefix_cache=args.prefix_cache,
             shared_prefix=args.shared_prefix,
+            sync_every_step=args.sync_every_step,
         )
     elif args.mode == "packed":
         from flashloop_backend.tools.bench.packed import bench_packed_kv
@@ -150,6 +152,7 @@ def _bench(args: argparse.Namespace) -> int:
                     speculation=speculation,
                     checkpoint=args.model,
                     exit_threshold=args.exit_threshold,
+                    sync_every_step=args.sync_every_step,
                 )
                 record["runs"].append(run)
                 keep(record)  # a long sweep keeps what it measured
@@ -340,6 +343,14 @@ def add_bench_command(sub) -> None:
         help="capacity: a step with prompt chunks runs every row in one eager traversal "
         "(GraphSettings.split_mixed_steps=False; default: the decode rows replay from their "
         "CUDA graph beside eager chunks; needs NAME+graphs)",
+    )
+    bench.add_argument(
+        "--sync-every-step",
+        action="store_true",
+        help="e2e, serving, capacity: wait for the device after every engine step, as every "
+        "record before this option did (default: no wait; a token's time is taken when the "
+        "step that sampled it returns, so the host plans a step while the device runs the "
+        "one before, as a server's would)",
     )
     bench.add_argument("--out", help="write the JSON record here")
     bench.add_argument("--json", action="store_true", help="print the record as JSON")

@@ -53,6 +53,7 @@ def serve_at_budget(
     warm: bool = True,
     prefill_chunk: int = PREFILL_CHUNK,
     max_batch_tokens: int | None = None,
+    step_sync: Callable[[], None] = lambda: None,
 ) -> list[dict]:
     """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
     ``new_tokens`` (one prefilling at a time), an untimed warm-up (``Engine.warm_up``,
@@ -62,7 +63,8 @@ def serve_at_budget(
     the memory breakdown. ``warm`` False skips the warm-up (its prompts need a context of
     132 tokens). A step holds one prompt chunk of ``prefill_chunk`` rows beside every
     client's decode row unless ``max_batch_tokens`` says otherwise (``bench e2e``'s chunk:
-    a 32K prompt in 16 steps a loop, not 128)."""
+    a 32K prompt in 16 steps a loop, not 128). ``sync`` runs after the warm-up,
+    ``step_sync`` after every timed step (default none: see ``bench_capacity``)."""
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -101,7 +103,7 @@ def serve_at_budget(
             sync()
             start_up_s = time.perf_counter() - started
         steps = engine.steps
-        summary = run_workload(engine, arrivals, vocab, clients, sync)
+        summary = run_workload(engine, arrivals, vocab, clients, step_sync)
         summary.update(
             start_up_s=start_up_s,
             # fewer held than planned: requests finished before the pools filled (one
@@ -141,15 +143,18 @@ def bench_capacity(
     log=print,
     max_batch_tokens: int | None = None,
     split_mixed_steps: bool = True,
+    sync_every_step: bool = False,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
     of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
     new_tokens) + new_tokens (default: three times what the config's plan holds there);
     ``max_batch_tokens`` as :func:`serve_at_budget`'s; ``split_mixed_steps`` as
-    ``GraphSettings``' (refused without a graphed baseline)."""
+    ``GraphSettings``' (refused without a graphed baseline); ``sync_every_step``: wait for
+    the device after every timed step (the records before it existed all did; by default
+    a token's time is taken when the step that sampled it returns)."""
     import torch
 
-    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.e2e import STEP_TIMES, graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     variants_named = capacity_variants(config, baseline)
@@ -191,6 +196,7 @@ def bench_capacity(
                 log=log,
                 graphs=graphs,
                 max_batch_tokens=tokens,
+                step_sync=torch.cuda.synchronize if sync_every_step else lambda: None,
             )
             run = {"kv_memory_bytes": budget, "context": context, "clients": n}
             run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
@@ -203,7 +209,9 @@ def bench_capacity(
         "new_tokens": new_tokens,
         "config": config.model_dump(mode="json"),
         "method": "one engine per variant planned from the same KV budget, an untimed warm-up, "
-        "then every client's request submitted at once",
+        "then every client's request submitted at once; "
+        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES),
+        "sync_every_step": sync_every_step,
         "runs": runs,
     }
 

@@ -38,8 +38,21 @@ def ouro_1p4b_shapes(layers: int | None = None):
     )
 
 
+# how the timed loops take token times without a device wait after every step
+STEP_TIMES = (
+    "no device wait after a step: a token's time is taken when the step that sampled it "
+    "returns (its host read of the token waited for the device)"
+)
+
+
 def _timed_workload(
-    engine, prompts, new_tokens, probe: dict | None = None, exits=None, second: dict | None = None
+    engine,
+    prompts,
+    new_tokens,
+    probe: dict | None = None,
+    exits=None,
+    second: dict | None = None,
+    sync_every_step: bool = False,
 ):
     """Submit every prompt at once; (ids, first-token times, finish times, total seconds).
     ``second`` (a dict) receives each request's second-token time: the steps after it
@@ -52,7 +65,10 @@ def _timed_workload(
     (``peak_before_bytes``: prefill) and during it (``hand_over_step_peak_bytes``: the
     conversion's transient use on top of what is held). The peak counter is reset before
     that step: a caller's overall peak is the larger of ``peak_before_bytes`` and the
-    counter afterwards."""
+    counter afterwards. ``sync_every_step``: wait for the device after every step (the
+    host then cannot plan a step while the device runs the one before); by default a token's
+    time is taken when the step that sampled it returns, whose host read of the token
+    waited for the device."""
     from flashloop_backend.host.engine import SamplingParams
 
     ids = [
@@ -61,6 +77,7 @@ def _timed_workload(
     ]
     cuda = engine.device.type == "cuda"  # CPU runs (tests) time without device counters
     sync = torch.cuda.synchronize if cuda else lambda: None
+    step_sync = sync if sync_every_step else lambda: None
     peak = torch.cuda.max_memory_allocated if cuda else lambda: 0
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -74,7 +91,7 @@ def _timed_workload(
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
         finished = engine.step()
-        sync()
+        step_sync()
         now = time.perf_counter() - start
         for rid in ids:
             if rid not in first and engine.has_first_token(rid):
@@ -208,6 +225,7 @@ def bench_end_to_end(
     speculation: SpeculationSettings | None = None,
     checkpoint: str | None = None,
     exit_threshold: float | None = None,
+    sync_every_step: bool = False,
 ) -> dict:
     """Prefill latency, TTFT, TPOT and throughput through the host on Ouro-1.4B shapes with
     random weights (no download). Decode rows advance one loop per host step. ``config``
@@ -234,7 +252,10 @@ def bench_end_to_end(
     a trained model's directory in place of the random Ouro-1.4B shapes, prompted with
     windows of the held-out text (its own layers: not with ``layers``). ``exit_threshold``:
     the checkpoint's tokens leave by Ouro's exit rule at that threshold, for every backend
-    alike (each result counts its exits per loop under ``exit_depths``)."""
+    alike (each result counts its exits per loop under ``exit_depths``).
+    ``sync_every_step``: the timed loop waits for the device after every step (the records
+    before ``sync_every_step`` existed all did); by default it does not, as a server would
+    not, and the host plans a step while the device runs the one before."""
     from flashloop_backend.host.engine import Engine
 
     checked = (
@@ -333,7 +354,7 @@ def bench_end_to_end(
         for _ in range(passes):
             second: dict = {}
             ids, first, done, seconds = _timed_workload(
-                engine, prompts, new_tokens, probe, exits, second
+                engine, prompts, new_tokens, probe, exits, second, sync_every_step
             )
             firsts = [first[i] for i in ids]
             ttft += firsts
@@ -411,7 +432,9 @@ def bench_end_to_end(
         "exit_threshold": exit_threshold,
         "speculation": speculation.model_dump() if speculation else None,
         "method": f"{passes} timed pass(es) after an untimed warm-up pass (prompts cut to "
-        "warmup_context) per backend, same process",
+        "warmup_context) per backend, same process; "
+        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES),
+        "sync_every_step": sync_every_step,
         "config": (config or FlashLoopConfig()).model_dump(mode="json"),
         "results": results,
     }

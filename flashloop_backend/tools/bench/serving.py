@@ -131,6 +131,7 @@ def serve_variants(
     max_context=None,
     on_record: Callable[[list[dict]], None] = lambda records: None,
     prefix_cache: bool = False,
+    step_sync=lambda: None,
 ) -> list[dict]:
     """Every workload on every variant, one engine per variant after an untimed
     :func:`warm_up` (kernels compile and graphs are captured on first use). ``workloads``:
@@ -190,7 +191,7 @@ def serve_variants(
                 workload["arrivals"],
                 vocab,
                 workload["concurrency"],
-                sync,
+                step_sync,
                 shared_prefix=workload.get("shared_prefix", 0),
             )
             if capturing:  # capture steps inside the timed window (0 when warm-up met all)
@@ -242,6 +243,7 @@ def bench_serving(
     variant_keys: list[str] | None = None,
     prefix_cache: bool = False,
     shared_prefix: int = 0,
+    sync_every_step: bool = False,
 ) -> dict:
     """The GPU record: a fixed-arrival mixed workload (prompts drawn from ``contexts``,
     outputs from new_tokens / 2 and new_tokens, 2 x max(concurrency) requests) and the
@@ -255,7 +257,7 @@ def bench_serving(
 
     import torch
 
-    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.e2e import STEP_TIMES, graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     if not config.enabled_features():
@@ -301,7 +303,11 @@ def bench_serving(
     environment = environment_record()
     model_name = "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else "")
     host = "decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)"
-    method = host + ", one engine per variant after an untimed warm-up"
+    method = (
+        host
+        + ", one engine per variant after an untimed warm-up; "
+        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES)
+    )
 
     def record(runs: list[dict]) -> dict:
         return {
@@ -313,6 +319,7 @@ def bench_serving(
             "new_tokens": new_tokens,
             "prefix_cache": prefix_cache,
             "method": method,
+            "sync_every_step": sync_every_step,
             "config": config.model_dump(mode="json"),
             "runs": runs,
         }
@@ -330,5 +337,6 @@ def bench_serving(
         max_context=tokens,
         on_record=lambda runs: on_partial(record(list(runs))),
         prefix_cache=prefix_cache,
+        step_sync=torch.cuda.synchronize if sync_every_step else lambda: None,
     )
     return record(runs)
