@@ -47,7 +47,7 @@ def test_report_cli_names_a_missing_results_directory(tmp_path):
 
 
 def test_serving_ratios_compare_each_variant_to_dense_of_the_same_record():
-    from flashloop_backend.tools.report import serving_ratios
+    from flashloop_backend.tools.serving_plots import serving_ratios
 
     def run(variant, workload, tpot):
         return {"variant": variant, "workload": workload, "tpot_ms": {"p50": tpot}}
@@ -60,7 +60,8 @@ def test_serving_ratios_compare_each_variant_to_dense_of_the_same_record():
 
 
 def test_superseded_records_are_named_real_files_and_left_out_of_every_plot(tmp_path):
-    from flashloop_backend.tools.report import SUPERSEDED, current_records, graphs_tpot_panels
+    from flashloop_backend.tools.plot_records import SUPERSEDED, current_records
+    from flashloop_backend.tools.serving_plots import graphs_tpot_panels
 
     assert all((RESULTS / name).is_file() for name in SUPERSEDED)  # the list names real files
     current = [p.name for p in current_records(RESULTS, "bench_e2e_graphs*.json")]
@@ -87,7 +88,11 @@ def test_superseded_records_are_named_real_files_and_left_out_of_every_plot(tmp_
 
 
 def test_the_serving_plot_draws_cuda_graph_records_only():
-    from flashloop_backend.tools.report import serving_ratios, serving_records, serving_series
+    from flashloop_backend.tools.serving_plots import (
+        serving_ratios,
+        serving_records,
+        serving_series,
+    )
 
     assert "bench_serving_eager_partial" not in serving_records(RESULTS)
     series = dict(serving_series(RESULTS))
@@ -103,7 +108,7 @@ def test_the_serving_plot_draws_cuda_graph_records_only():
 
 
 def test_context_lengths_read_as_the_docs_write_them():
-    from flashloop_backend.tools.report import tokens
+    from flashloop_backend.tools.plot_records import tokens
 
     assert [tokens(n) for n in (1024, 8192, 32768, 1000)] == ["1K", "8K", "32K", "1000"]
 

@@ -2,75 +2,27 @@
 speedup vs context, KV bytes per token, quality per feature combination, quality vs speed,
 host decode eager vs CUDA graphs, serving TPOT vs dense, capacity against the KV budget.
 Every number drawn is read from a record; a missing record skips its plot and says so.
-Only current records are drawn: the ones :data:`SUPERSEDED` names are left out (and the
-log says which), and the serving plot draws CUDA-graph records only (:data:`SERVING_METHOD`)."""
+Only current records are drawn: the ones ``plot_records.SUPERSEDED`` names are left out
+(and the log says which), and the serving plot draws CUDA-graph records only
+(``plot_records.SERVING_METHOD``). The host plots are ``serving_plots``'."""
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 from flashloop_backend.tools.capacity_plot import draw_capacity
+from flashloop_backend.tools.plot_records import (
+    STYLE,
+    SUPERSEDED,
+    features_label,
+    load_record,
+    tokens,
+)
 from flashloop_backend.tools.results_table import dense_and_flashloop
+from flashloop_backend.tools.serving_plots import draw_graphs_tpot, draw_serving_speedup
 
-# Records measured at an older tree than a later record of the same shape (results/README.md
-# lists both): drawn beside it, they would show two figures for one measurement with nothing
-# to tell the reader which one holds.
-SUPERSEDED: dict[str, str] = {
-    "bench_e2e_graphs_flashloop_1k.json": "1K x 1 all on, eager vs graphs, tree 175dae0; "
-    "re-measured by bench_e2e_graphs_1k.json after max_context sizing and batched host reads",
-    "bench_e2e_graphs_32k_3425f19.json": "32K x 16 before the packed reader stopped at each "
-    "row's length (all on 459.4 ms)",
-    "bench_e2e_graphs_32k_2f85039.json": "32K x 16 before the prefill-planning fix and the "
-    "1-warp 32-row deep reader launch",
-    "bench_e2e_graphs_32k_a01ffc7.json": "32K x 16 before the 16 x 2 selected-key launch",
-    "bench_e2e_graphs_32k_streamed_a01ffc7.json": "32K x 16 with the streamed-correction "
-    "override, before the 16 x 2 selected-key launch",
-}
-# Serving TPOT from an eager host and from CUDA graphs measure different hosts; the plot
-# compares features from graphs, so it reads the records whose method says so.
-SERVING_METHOD = "decode-only steps from CUDA graphs"
-
-FEATURE_NAMES = {
-    "token_sparse_prefill": "token-sparse prefill",
-    "sparse_decode_attention": "sparse decode",
-    "kv_residual_quantization": "INT4 KV",
-}
-BACKEND_NAMES = {"triton": "dense Triton", "flashinfer": "dense FlashInfer"}
-STYLE = {  # readable at the docs page's width (figures 9-11 in wide at 110 dpi)
-    "font.size": 11,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "xtick.labelsize": 10,
-    "ytick.labelsize": 10,
-    "legend.fontsize": 10,
-    "figure.titlesize": 13,
-}
-EAGER_COLOR, GRAPHS_COLOR = "0.55", "tab:orange"
 QUALITY_BAR_PERCENT = 3.0  # issue 8's all-on target: Δ bits/byte at most +3%
-
-
-def _load(results: Path, name: str) -> dict | None:
-    path = results / name
-    return json.loads(path.read_text()) if path.is_file() and name not in SUPERSEDED else None
-
-
-def current_records(results: Path, pattern: str) -> list[Path]:
-    """The records matching ``pattern`` that no later record superseded, by name."""
-    return [p for p in sorted(results.glob(pattern)) if p.name not in SUPERSEDED]
-
-
-def tokens(n: int) -> str:
-    """A context length as the docs write it: 1K, 8K, 32K."""
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def _features_label(features: list[str]) -> str:
-    if len(features) == len(FEATURE_NAMES):
-        return "all three"
-    return " + ".join(FEATURE_NAMES.get(f, f) for f in features) or "no feature"
 
 
 # The registered packed reader (encoding v3, the CUDA kernel) at depth 1: 8K x 1 and
@@ -89,9 +41,9 @@ def _cuda_depth1(case: dict) -> dict:
 def _speedup_vs_context(results: Path, plt):
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    sparse = _load(results, "bench_sparse_decode.json")
-    prefill = _load(results, "bench_prefill_attention.json")
-    packed = [_load(results, name) for name in PACKED_READER_RECORDS]
+    sparse = load_record(results, "bench_sparse_decode.json")
+    prefill = load_record(results, "bench_prefill_attention.json")
+    packed = [load_record(results, name) for name in PACKED_READER_RECORDS]
     if not (sparse and prefill and all(packed)):
         return None
     packed = {"decode": [case for record in packed for case in record["decode"]]}
@@ -184,7 +136,7 @@ def _speedup_vs_context(results: Path, plt):
 
 
 def _memory_per_token(results: Path, plt):
-    packed = _load(results, "bench_packed_kv.json")
+    packed = load_record(results, "bench_packed_kv.json")
     if not packed:
         return None
     acc = packed["accounting"]
@@ -222,13 +174,13 @@ def _quality_by_combination(results: Path, plt):
     """Δ bits/byte with its 95% CI per combination, one row each (a forest plot: the
     intervals are far wider than the deltas, so bars would show nothing but their whiskers),
     beside the all-on quality bar of issue 8 (+3%)."""
-    record = _load(results, "eval_combinations_cpu.json")
+    record = load_record(results, "eval_combinations_cpu.json")
     if not record:
         return None
     rows = record["combinations"][::-1]  # dense on top
     labels = [
         {"no feature": "dense (all off)", "all three": "all three (all on)"}.get(name, name)
-        for name in (_features_label(r["features"]) for r in rows)
+        for name in (features_label(r["features"]) for r in rows)
     ]
     delta = [r["delta_bits_per_byte_percent"] for r in rows]
     low = [d - r["delta_ci95_percent"][0] for d, r in zip(delta, rows, strict=True)]
@@ -301,8 +253,8 @@ def _quality_vs_speed(results: Path, plt):
     """One point per configuration: decode TPOT against dense's in the same run (Ouro-1.4B
     shapes, random weights, H200) and Δ bits/byte against dense on the evaluation model
     (H200) at the same configuration: one model and one machine per axis."""
-    grid = _load(results, QUALITY_GRID)
-    runs = [(label, _load(results, name), index) for label, name, index in QUALITY_VS_SPEED]
+    grid = load_record(results, QUALITY_GRID)
+    runs = [(label, load_record(results, name), index) for label, name, index in QUALITY_VS_SPEED]
     if grid is None or any(record is None for _, record, _ in runs):
         return None
     points = []
@@ -333,210 +285,13 @@ def _quality_vs_speed(results: Path, plt):
     return fig
 
 
-def _backend_label(name: str, config: dict) -> str:
-    base = name.removesuffix("+graphs")
-    if base != "flashloop":
-        return BACKEND_NAMES.get(base, base)
-    enabled = [f for f in FEATURE_NAMES if config.get(f, {}).get("enabled")]
-    features = (
-        "all three features" if len(enabled) == len(FEATURE_NAMES) else _features_label(enabled)
-    )
-    overrides = config.get("kernel_overrides") or {}
-    return f"FlashLoop\n{features}" + ("\n(kernel overrides)" if overrides else "")
-
-
-def graphs_tpot_panels(results: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """Per shape ("1K x 1, 24 layers"), per backend label, TPOT median ms under "eager" and
-    "graphs", from the current ``bench_e2e_graphs*.json`` records."""
-    panels: dict[str, dict[str, dict[str, float]]] = {}
-    for path in current_records(results, "bench_e2e_graphs*.json"):
-        for run in json.loads(path.read_text())["runs"]:
-            layers = run["model"].rpartition(", ")[2] if "layers" in run["model"] else "24 layers"
-            shape = f"{tokens(run['context'])} x {run['concurrency']}, {layers}"
-            for name, entry in run["results"].items():
-                mode = "graphs" if name.endswith("+graphs") else "eager"
-                label = _backend_label(name, run.get("config") or {})
-                tpot = entry["tpot_ms"]["median"]
-                panels.setdefault(shape, {}).setdefault(label, {})[mode] = tpot
-    return panels
-
-
-def _graphs_tpot(results: Path, plt):
-    """Decode TPOT through the host, one panel per shape (a 32K decode and a 1K one share no
-    useful scale): eager (gray) beside CUDA graphs (orange) where a record has both."""
-    from matplotlib.patches import Patch
-
-    panels = graphs_tpot_panels(results)
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 5.2), squeeze=False)
-    for ax, (shape, backends) in zip(axes[0], panels.items(), strict=True):
-        has_eager = any("eager" in modes for modes in backends.values())
-        width = 0.38 if has_eager else 0.55
-        for x, modes in enumerate(backends.values()):
-            drawn = [m for m in ("eager", "graphs") if m in modes]
-            for i, mode in enumerate(drawn):
-                offset = (i - (len(drawn) - 1) / 2) * width
-                rect = ax.bar(
-                    x + offset,
-                    modes[mode],
-                    width * 0.95,
-                    color=EAGER_COLOR if mode == "eager" else GRAPHS_COLOR,
-                )[0]
-                ax.annotate(
-                    f"{modes[mode]:.1f}",
-                    (rect.get_x() + rect.get_width() / 2, rect.get_height()),
-                    ha="center",
-                    va="bottom",
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                )
-        ticks = [
-            label
-            + (
-                f"\ngraphs {modes['eager'] / modes['graphs']:.1f}x faster"
-                if {"eager", "graphs"} <= modes.keys()
-                else ""
-            )
-            for label, modes in backends.items()
-        ]
-        ax.set_xticks(range(len(backends)), ticks)
-        ax.set_xlim(-0.6, len(backends) - 0.4)
-        ax.set_ylim(0, max(v for m in backends.values() for v in m.values()) * 1.18)
-        ax.set_title(shape + ("" if has_eager else " (CUDA graphs only)"))
-        ax.set_ylabel("TPOT ms (median)")
-    fig.legend(
-        handles=[
-            Patch(color=EAGER_COLOR, label="eager"),
-            Patch(color=GRAPHS_COLOR, label="CUDA graphs"),
-        ],
-        loc="upper right",
-        ncol=2,
-        frameon=False,
-    )
-    fig.suptitle("Decode through the host, eager vs CUDA graphs (H200)", x=0.02, ha="left")
-    return fig
-
-
-def serving_ratios(record: dict) -> dict[str, dict[str, float]]:
-    """Per variant, per workload: dense TPOT p50 / the variant's, both from ``record`` (one
-    run: the machine's run-to-run spread cancels). Dense itself and workloads that only one
-    of the two finished are left out."""
-    dense = {
-        run["workload"]: run["tpot_ms"]["p50"]
-        for run in record["runs"]
-        if run["variant"] == "dense" and run.get("tpot_ms")
-    }
-    out: dict[str, dict[str, float]] = {}
-    for run in record["runs"]:
-        if run["variant"] != "dense" and run.get("tpot_ms") and run["workload"] in dense:
-            ratio = dense[run["workload"]] / run["tpot_ms"]["p50"]
-            out.setdefault(run["variant"], {})[run["workload"]] = ratio
-    return out
-
-
-def _variant_features(variant: str) -> list[str]:
-    return variant.removesuffix(" alone").split(" + ")
-
-
-def _variant_order(variant: str) -> list[int]:
-    """Single features before combinations, each in the config's feature order."""
-    features = _variant_features(variant)
-    order = list(FEATURE_NAMES)
-    return [len(features)] + [order.index(f) if f in order else len(order) for f in features]
-
-
-def serving_records(results: Path) -> dict[str, dict]:
-    """The current ``bench_serving*.json`` records measured from CUDA graphs, by file stem."""
-    records = {
-        path.stem: json.loads(path.read_text())
-        for path in current_records(results, "bench_serving*.json")
-    }
-    return {
-        stem: record
-        for stem, record in records.items()
-        if record.get("method", "").startswith(SERVING_METHOD)
-    }
-
-
-def serving_series(results: Path) -> list[tuple[str, dict[str, float]]]:
-    """(variant label, ratios per workload) from :func:`serving_records`, single features
-    first, then cumulative ones; a variant measured in two records names its record."""
-    found = [
-        (variant, stem.removeprefix("bench_serving_"), ratios)
-        for stem, record in serving_records(results).items()
-        for variant, ratios in serving_ratios(record).items()
-    ]
-    found.sort(key=lambda f: _variant_order(f[0]))
-    names = [v for v, _, _ in found]
-    return [
-        (
-            _features_label(_variant_features(v)) + (f" [{rec}]" if names.count(v) > 1 else ""),
-            ratios,
-        )
-        for v, rec, ratios in found
-    ]
-
-
-def _workload_label(workload: str) -> str:
-    if m := re.fullmatch(r"closed_ctx(\d+)_conc(\d+)", workload):
-        return f"{tokens(int(m[1]))} x {m[2]}"
-    if m := re.fullmatch(r"fixed_arrival_([\d.]+)/s", workload):
-        return f"fixed arrival\n{float(m[1]):g} req/s"
-    return workload.replace("_", " ")
-
-
-def _serving_speedup(results: Path, plt):
-    """Each variant's TPOT p50 speedup over dense of the same record, per workload (bars
-    below 1 are slower than dense)."""
-    series = serving_series(results)
-    if not series:
-        return None
-    records = serving_records(results).values()
-    dense = sorted(
-        {
-            BACKEND_NAMES.get(run["backend"], run["backend"])
-            for record in records
-            for run in record["runs"]
-            if run["variant"] == "dense"
-        }
-    )
-    models = sorted({record["model"].rpartition(", ")[2] for record in records})
-    workloads = list(dict.fromkeys(w for _, ratios in series for w in ratios))
-    fig, ax = plt.subplots(figsize=(11, 5.2))
-    width = 0.8 / len(series)
-    for index, (label, ratios) in enumerate(series):
-        xs = [
-            w + (index - (len(series) - 1) / 2) * width
-            for w, name in enumerate(workloads)
-            if name in ratios
-        ]
-        ax.bar(xs, [ratios[n] for n in workloads if n in ratios], width * 0.95, label=label)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.annotate(
-        "dense = 1", (0.005, 1.0), xycoords=("axes fraction", "data"), va="bottom", color="gray"
-    )
-    ax.set_xticks(range(len(workloads)), [_workload_label(w) for w in workloads])
-    ax.set_ylim(0, max(1.0, *(r for _, ratios in series for r in ratios.values())) * 1.12)
-    ax.grid(axis="y", color="0.9")
-    ax.set_axisbelow(True)
-    ax.set(
-        xlabel="workload (context x concurrency, closed loop; or fixed arrival)",
-        ylabel="TPOT speedup vs dense\n(dense p50 / variant p50, same run)",
-        title=f"Serving from CUDA graphs vs {' / '.join(dense)} of the same run "
-        f"(H200, {' / '.join(models)})",
-    )
-    ax.legend(title="features on", loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    return fig
-
-
 PLOTS: dict[str, Callable] = {
     "speedup_vs_context.png": _speedup_vs_context,
     "memory_per_token.png": _memory_per_token,
     "quality_by_combination.png": _quality_by_combination,
     "quality_vs_speed.png": _quality_vs_speed,
-    "graphs_tpot.png": _graphs_tpot,
-    "serving_speedup.png": _serving_speedup,
+    "graphs_tpot.png": draw_graphs_tpot,
+    "serving_speedup.png": draw_serving_speedup,
     "capacity_vs_budget.png": draw_capacity,
 }
 
