@@ -37,6 +37,10 @@ def _context_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
+# bench capacity names the configuration under test "config" (configs/all_on.json here)
+VARIANT_LABELS = {"config": "all three features", "dense": "dense"}
+
+
 def draw_capacity(results: Path, plt):
     """Two panels against the budget: requests held at once and output tokens/s; an x
     marks a run whose requests ended before the pools filled (``pools_filled`` false)."""
@@ -48,11 +52,16 @@ def draw_capacity(results: Path, plt):
     if not series:
         return None
     fig, (held_ax, rate_ax) = plt.subplots(1, 2, figsize=(11, 4.9))
-    for (context, variant), points in sorted(series.items()):
-        label = f"{variant}, {_context_label(context)} tokens"
+    for index, ((context, variant), points) in enumerate(sorted(series.items())):
+        name = VARIANT_LABELS.get(variant, variant.replace("kv_residual_quantization", "INT4 KV"))
+        label = f"{name}, {_context_label(context)} tokens"
         budgets = [p[0] for p in points]
-        (line,) = held_ax.plot(budgets, [p[1] for p in points], marker="o", label=label)
-        rate_ax.plot(budgets, [p[2] for p in points], marker="o", color=line.get_color())
+        # hollow rings that shrink series by series: variants that held as many requests
+        # stay visible one inside the other
+        size = max(4, 13 - 3 * index)
+        style = {"marker": "o", "markerfacecolor": "none", "markersize": size, "markeredgewidth": 2}
+        (line,) = held_ax.plot(budgets, [p[1] for p in points], label=label, **style)
+        rate_ax.plot(budgets, [p[2] for p in points], color=line.get_color(), **style)
         unfilled = [p for p in points if not p[3]]
         held_ax.plot([p[0] for p in unfilled], [p[1] for p in unfilled], "kx", ms=9)
     gpus = sorted({r["environment"]["gpu"] or "CPU" for r in records})
@@ -63,7 +72,7 @@ def draw_capacity(results: Path, plt):
         ax.grid(color="0.9")
         ax.set_axisbelow(True)
         ax.set_ylim(bottom=0)
-    held_ax.legend(loc="upper left", frameon=False)
+    held_ax.legend(loc="lower right", frameon=False)
     fig.suptitle(
         f"Capacity at a fixed KV budget ({' / '.join(gpus)}, {' / '.join(models)})\n"
         "x: requests ended before the pools filled"
