@@ -36,6 +36,10 @@ def cli(*args):
             "unknown serving variants ['all']",
         ),
         (("bench", "kernel", "--grid"), "--grid applies to bench e2e, not bench kernel"),
+        (
+            ("bench", "packed", "--sync-every-step"),
+            "--sync-every-step applies to bench e2e, serving and capacity, not bench packed",
+        ),
         (("bench", "serving", "--speculate", "4"), "--speculate applies to bench e2e, not"),
         (("bench", "e2e", "--speculate", "1"), "1 must be an integer >= 2"),
         (("bench", "e2e", "--speculate", "2", "--draft-depth", "0"), "draft_depth=0 is not built"),

@@ -52,6 +52,10 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, given in e2e_only:
         if given and args.mode != "e2e":
             raise ConfigError(f"{flag} applies to bench e2e, not bench {args.mode}")
+    if args.sync_every_step and args.mode not in ("e2e", "serving", "capacity"):
+        raise ConfigError(
+            f"--sync-every-step applies to bench e2e, serving and capacity, not bench {args.mode}"
+        )
     if graphed and args.mode not in ("e2e", "serving", "capacity"):
         raise ConfigError(
             f"{graphed}: CUDA-graph entries (NAME+graphs) apply to e2e, serving and capacity only"

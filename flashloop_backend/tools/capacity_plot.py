@@ -37,8 +37,21 @@ def _context_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
-# bench capacity names the configuration under test "config" (configs/all_on.json here)
-VARIANT_LABELS = {"config": "all three features", "dense": "dense"}
+def variant_label(variant: str, records: list[dict]) -> str:
+    """A variant as the docs name it: bench capacity's "config" (the configuration under
+    test) by the features its records enable, feature names as the plots write them."""
+    from flashloop_backend.tools.plot_records import FEATURE_NAMES, features_label
+
+    if variant == "config":
+        enabled = {
+            tuple(f for f in FEATURE_NAMES if r["config"].get(f, {}).get("enabled"))
+            for r in records
+        }
+        names = [features_label(list(e)) for e in sorted(enabled)]
+        return " / ".join("all three features" if n == "all three" else n for n in names) + " on"
+    for name, label in FEATURE_NAMES.items():
+        variant = variant.replace(name, label)
+    return variant
 
 
 def draw_capacity(results: Path, plt):
@@ -53,8 +66,7 @@ def draw_capacity(results: Path, plt):
         return None
     fig, (held_ax, rate_ax) = plt.subplots(1, 2, figsize=(11, 4.9))
     for index, ((context, variant), points) in enumerate(sorted(series.items())):
-        name = VARIANT_LABELS.get(variant, variant.replace("kv_residual_quantization", "INT4 KV"))
-        label = f"{name}, {_context_label(context)} tokens"
+        label = f"{variant_label(variant, records)}, {_context_label(context)} tokens"
         budgets = [p[0] for p in points]
         # hollow rings that shrink series by series: variants that held as many requests
         # stay visible one inside the other
@@ -71,7 +83,7 @@ def draw_capacity(results: Path, plt):
     for ax in (held_ax, rate_ax):
         ax.grid(color="0.9")
         ax.set_axisbelow(True)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0, top=1.12 * ax.get_ylim()[1])  # room above the highest ring
     held_ax.legend(loc="lower right", frameon=False)
     fig.suptitle(
         f"Capacity at a fixed KV budget ({' / '.join(gpus)}, {' / '.join(models)})\n"

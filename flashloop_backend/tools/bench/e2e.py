@@ -81,12 +81,13 @@ def _timed_workload(
     peak = torch.cuda.max_memory_allocated if cuda else lambda: 0
     first: dict[int, float] = {}
     done: dict[int, float] = {}
+    sync()  # the pass starts on an idle device: nothing queued before it counts in it
     start = time.perf_counter()
     all_first = False  # every request had its first token before this step
     while engine.has_unfinished():
         hand_over_step = probe is not None and not probe and all_first
         if hand_over_step:
-            sync()
+            step_sync()  # the peak counters are the allocator's host-side accounting
             peak_before = peak()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

@@ -186,6 +186,7 @@ def serve_variants(
                 engine.prefix_cache.clear()
             capturing = engine.graphs is not None and engine.graphs.settings.capture
             captured = engine.graphs.eager_steps if capturing else 0
+            sync()  # each workload starts on an idle device
             summary = run_workload(
                 engine,
                 workload["arrivals"],
