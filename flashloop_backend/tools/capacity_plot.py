@@ -42,11 +42,9 @@ def variant_label(variant: str, records: list[dict]) -> str:
     test) by the features its records enable, feature names as the plots write them."""
     from flashloop_backend.tools.plot_records import FEATURE_NAMES, features_label
 
-    if variant == "config":
-        enabled = {
-            tuple(f for f in FEATURE_NAMES if r["config"].get(f, {}).get("enabled"))
-            for r in records
-        }
+    configs = [r["config"] for r in records if "config" in r]
+    if variant == "config" and configs:
+        enabled = {tuple(f for f in FEATURE_NAMES if c.get(f, {}).get("enabled")) for c in configs}
         names = [features_label(list(e)) for e in sorted(enabled)]
         return " / ".join("all three features" if n == "all three" else n for n in names) + " on"
     for name, label in FEATURE_NAMES.items():
