@@ -16,7 +16,11 @@ from collections.abc import Callable
 
 from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.tools.bench.serving import Variant, memory_breakdown, warm_up
-from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
+from flashloop_backend.tools.bench.workload import (
+    fixed_arrival_schedule,
+    run_workload,
+    step_timing,
+)
 
 # Prompt rows a step runs, as bench e2e's: a 32K prompt in 16 steps a loop.
 PREFILL_CHUNK = 2048
@@ -154,7 +158,7 @@ def bench_capacity(
     a token's time is taken when the step that sampled it returns)."""
     import torch
 
-    from flashloop_backend.tools.bench.e2e import STEP_TIMES, graph_variant, random_ouro
+    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     variants_named = capacity_variants(config, baseline)
@@ -209,8 +213,7 @@ def bench_capacity(
         "new_tokens": new_tokens,
         "config": config.model_dump(mode="json"),
         "method": "one engine per variant planned from the same KV budget, an untimed warm-up, "
-        "then every client's request submitted at once; "
-        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES),
+        "then every client's request submitted at once; " + step_timing(sync_every_step),
         "sync_every_step": sync_every_step,
         "runs": runs,
     }

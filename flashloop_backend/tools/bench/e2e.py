@@ -19,6 +19,7 @@ from flashloop_backend.host.speculation import SpeculationSettings
 from flashloop_backend.registry import Registry, resolve
 from flashloop_backend.tools.bench.replay_bytes import ModelShapes, record_bandwidth
 from flashloop_backend.tools.bench.timing import environment_record, require_cuda
+from flashloop_backend.tools.bench.workload import step_timing
 
 
 def ouro_1p4b_shapes(layers: int | None = None):
@@ -36,13 +37,6 @@ def ouro_1p4b_shapes(layers: int | None = None):
         total_ut_steps=4,
         max_position_embeddings=65536,
     )
-
-
-# how the timed loops take token times without a device wait after every step
-STEP_TIMES = (
-    "no device wait after a step: a token's time is taken when the step that sampled it "
-    "returns (its host read of the token waited for the device)"
-)
 
 
 def _timed_workload(
@@ -433,8 +427,7 @@ def bench_end_to_end(
         "exit_threshold": exit_threshold,
         "speculation": speculation.model_dump() if speculation else None,
         "method": f"{passes} timed pass(es) after an untimed warm-up pass (prompts cut to "
-        "warmup_context) per backend, same process; "
-        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES),
+        "warmup_context) per backend, same process; " + step_timing(sync_every_step),
         "sync_every_step": sync_every_step,
         "config": (config or FlashLoopConfig()).model_dump(mode="json"),
         "results": results,

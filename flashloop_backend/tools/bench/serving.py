@@ -11,7 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashloop_backend.config import ConfigError
-from flashloop_backend.tools.bench.workload import fixed_arrival_schedule, run_workload
+from flashloop_backend.tools.bench.workload import (
+    fixed_arrival_schedule,
+    run_workload,
+    step_timing,
+)
 
 # a shared prefix served to this many requests: one computes it, the rest reuse it
 SHARED_PREFIX_REQUESTS = 16
@@ -258,7 +262,7 @@ def bench_serving(
 
     import torch
 
-    from flashloop_backend.tools.bench.e2e import STEP_TIMES, graph_variant, random_ouro
+    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     if not config.enabled_features():
@@ -305,9 +309,7 @@ def bench_serving(
     model_name = "Ouro-1.4B shapes, random bf16 weights" + (f", {layers} layers" if layers else "")
     host = "decode-only steps from CUDA graphs" if graphs else "eager host (no CUDA graphs)"
     method = (
-        host
-        + ", one engine per variant after an untimed warm-up; "
-        + ("the device synchronized after every step" if sync_every_step else STEP_TIMES)
+        host + ", one engine per variant after an untimed warm-up; " + step_timing(sync_every_step)
     )
 
     def record(runs: list[dict]) -> dict:

@@ -15,6 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+def step_timing(sync_every_step: bool) -> str:
+    """How a timed loop took token times, as a record's ``method`` says it."""
+    if sync_every_step:
+        return "the device synchronized after every step"
+    return (
+        "no device wait after a step: a token's time is taken when the step that sampled "
+        "it returns (its host read of the token waited for the device)"
+    )
+
+
 @dataclass(frozen=True)
 class Arrival:
     at_s: float  # seconds after the run starts
