@@ -545,3 +545,110 @@ def test_the_values_pass_finish_names_the_buffer_it_cannot_write(bad):
     outputs = tuple(tensors[name] for name in ("out", "mass", "output", "contribution"))
     with pytest.raises(ValueError, match="part_mass and mass" if "mass" in bad else bad):
         _finish(selection, outputs, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("levels", "few_rows"), [(1, False), (4, False), (2, True)])
+def test_the_streaming_readers_finish_equals_the_merge_launch_at_every_launch(levels, few_rows):
+    """The streaming reader with its last CTA merging the splits against the Triton merge
+    launch over the same partials, launched again and replayed from a CUDA graph: the
+    arrival counters are back at 0 after every launch."""
+    from flashloop_backend.kernels.cuda import arrivals
+    from flashloop_backend.kernels.cuda.packed_stream import StreamTuning, packed_decode_cuda
+
+    args, lengths = _packed_rows(levels, sparse=False)
+
+    def run(fused):
+        tuning = StreamTuning(finish_in_kernel=fused)
+        return packed_decode_cuda(*args, lengths, None, few_rows, tuning=tuning)
+
+    expected = run(False)
+    first = run(True)
+    torch.testing.assert_close(first.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(first[2], torch.zeros_like(first[2]))  # length 0 reads nothing
+    assert torch.equal(run(True), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run(True)
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        assert torch.equal(replayed, first)
+    torch.cuda.synchronize()
+    assert not arrivals._COUNTERS[first.device].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_corrections_finish_equals_the_merge_launch_at_every_launch(sparse):
+    """The loop 3-4 correction with its last CTA merging and correcting against the Triton
+    merge launch, launched again and replayed from a CUDA graph."""
+    from flashloop_backend.kernels.cuda import arrivals
+    from flashloop_backend.kernels.cuda.packed_selected import (
+        SelectedTuning,
+        packed_sparse_correction_cuda,
+    )
+    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
+    from flashloop_backend.kv.levels import level_metadata
+
+    args, lengths = _packed_rows(4, sparse)
+    q, store, layer, _, cache_k, cache_v, tables = args
+    two = level_metadata(store, [0, 1, 2], [1, 1, 1], "cuda")
+    state = packed_dense_source(q, store, layer, two, cache_k, cache_v, tables, lengths, 0.1, 128)
+    state = state[1:]
+
+    def run(fused):
+        tuning = SelectedTuning(finish_in_kernel=fused)
+        return packed_sparse_correction_cuda(*args, *state, tuning=tuning)
+
+    expected = run(False)
+    first = run(True)
+    torch.testing.assert_close(first.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(run(True), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run(True)
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        assert torch.equal(replayed, first)
+    torch.cuda.synchronize()
+    assert not arrivals._COUNTERS[first.device].any()
+
+
+def _kernel_bodies():
+    """(file, kernel name, body) of every ``extern "C"`` kernel of ``kernels/cuda``."""
+    import re
+    from importlib import resources
+
+    folder = resources.files("flashloop_backend.kernels.cuda")
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".cu"):
+            continue
+        text = path.read_text()
+        for match in re.finditer(r'extern "C" __global__[^{]*?(\w+)\s*\([^)]*\)\s*\{', text):
+            depth, end = 1, match.end()
+            while depth:
+                depth += {"{": 1, "}": -1}.get(text[end], 0)
+                end += 1
+            yield path.name, match.group(1), text[match.end() : end]
+
+
+def test_every_cuda_kernel_waits_for_the_kernel_before_it_before_it_writes():
+    """The loader launches these kernels so that they may start while the kernel before
+    them runs: each waits (``wait_for_prior_grid``) before its first store to global
+    memory and its first read of what that kernel wrote, and then lets the next start."""
+    bodies = list(_kernel_bodies())
+    assert {name for _, name, _ in bodies} >= {
+        "packed_stream",
+        "packed_selected",
+        "packed_source_keys",
+        "packed_source_values",
+        "select_top_k",
+    }
+    for file, name, body in bodies:
+        wait = body.find("wait_for_prior_grid();")
+        assert wait >= 0, f"{file}: {name} never waits for the kernel before it"
+        assert body.find("allow_next_grid();") > wait, f"{file}: {name}"
+        before = body[:wait]
+        assert "P.part" not in before and "out[" not in before, f"{file}: {name} writes first"

@@ -243,3 +243,96 @@ __device__ __forceinline__ bool last_split(int* counter, int splits) {
     __syncthreads();
     return is_last;
 }
+
+// Programmatic dependent launch (the loader launches every kernel that calls
+// wait_for_prior_grid with it): the kernel may start while the one before it on the stream
+// still runs. It reads nothing that kernel writes, and writes nothing, before
+// wait_for_prior_grid; it then lets the next kernel start (allow_next_grid), whose own wait
+// still holds it until this grid has finished.
+__device__ __forceinline__ void wait_for_prior_grid() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void allow_next_grid() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// The finish of a split read in the last CTA of each (row, head) to arrive: the splits'
+// partials merged as merge_splits merges them (kernels/triton/paged_decode.py), with a
+// correction ref - contrib + mass * merged, written to out in bf16
+struct SplitFinish {
+    int* counters;         // [R, Hq] arrivals, 0 between launches; nullptr: no finish
+    u16* out;              // [R, Hq, D] bf16
+    const float* ref;      // [R, Hq, D] FP32 reference output; nullptr: no correction
+    const float* contrib;  // [R, Hq, D] FP32
+    const float* mass;     // [R, Hq] FP32
+    int out_row, out_head, ref_row, ref_head, contrib_row, contrib_head, mass_row;
+    int splits;
+};
+
+// The CTA's max and sum of one value per thread (every thread gets them; two barriers)
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = NEG_INF;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v = fmaxf(v, scratch[w]);
+    __syncthreads();
+    return v;
+}
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += scratch[w];
+    __syncthreads();
+    return v;
+}
+
+// the most splits a finish merges (the wrappers merge more by the launch after)
+#define FINISH_SPLITS 256
+
+// parts: this (row, head)'s first partial [S][D] (o_split apart); maxima and sums: its
+// first split state (natural-log maxima), S consecutive. The splits' weights go to shared
+// memory once; each channel then sums its S partials four loads at a time.
+template <int D>
+__device__ __forceinline__ void finish_splits(const SplitFinish& F, const float* parts,
+                                              i64 o_split, const float* maxima,
+                                              const float* sums, i64 row, int head) {
+    __shared__ float weights[FINISH_SPLITS];
+    __shared__ float scratch[32];
+    const int S = F.splits;
+    float top = NEG_INF;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) top = fmaxf(top, ldcg(maxima + s));
+    top = block_max(top, scratch);
+    const float safe = top == NEG_INF ? 0.f : top;
+    float part = 0.f;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const float m = ldcg(maxima + s);
+        const float w = m == NEG_INF ? 0.f : expf(m - safe);
+        weights[s] = w;
+        part += ldcg(sums + s) * w;
+    }
+    const float denom = block_sum(part, scratch);  // its barriers publish the weights
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float n0 = 0.f, n1 = 0.f, n2 = 0.f, n3 = 0.f;
+        int s = 0;
+        for (; s + 4 <= S; s += 4) {
+            const float* at = parts + s * o_split + d;
+            const float a = ldcg(at), b = ldcg(at + o_split);
+            const float c = ldcg(at + 2 * o_split), e = ldcg(at + 3 * o_split);
+            n0 += a * weights[s];
+            n1 += b * weights[s + 1];
+            n2 += c * weights[s + 2];
+            n3 += e * weights[s + 3];
+        }
+        for (; s < S; ++s) n0 += ldcg(parts + s * o_split + d) * weights[s];
+        const float numer = (n0 + n1) + (n2 + n3);
+        float v = denom > 0.f ? numer / denom : 0.f;
+        if (F.ref != nullptr)
+            v = F.ref[row * F.ref_row + (i64)head * F.ref_head + d] -
+                F.contrib[row * F.contrib_row + (i64)head * F.contrib_head + d] +
+                F.mass[row * F.mass_row + head] * v;
+        F.out[row * F.out_row + (i64)head * F.out_head + d] = float_to_bf16(v);
+    }
+}
