@@ -20,33 +20,6 @@ NVRTC_SUCCESS = 0
 CUDA_SUCCESS = 0
 # cuFuncSetAttribute: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 MAX_DYNAMIC_SHARED = 8
-# CUlaunchAttributeID: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-PROGRAMMATIC_STREAM_SERIALIZATION = 6
-# A kernel whose source calls this may start while the kernel before it still runs
-# (common.cuh); FLASHLOOP_DEPENDENT_LAUNCH=0 launches every kernel after the one before
-DEPENDENT_CALL = "wait_for_prior_grid();"
-DEPENDENT_LAUNCH = os.environ.get("FLASHLOOP_DEPENDENT_LAUNCH", "1") != "0"
-
-
-class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]
-
-
-class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: the id, padding to 8 bytes, the 64-byte value
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    # CUlaunchConfig
-    _fields_ = [
-        *((name, ctypes.c_uint) for name in ("grid_x", "grid_y", "grid_z")),
-        *((name, ctypes.c_uint) for name in ("block_x", "block_y", "block_z")),
-        ("shared", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttribute)),
-        ("num_attrs", ctypes.c_uint),
-    ]
 
 
 class CudaBuildError(RuntimeError):
@@ -129,11 +102,9 @@ class CudaKernel:
     kernel's parameter order (``ctypes.c_void_p(tensor.data_ptr())``, ``c_int``,
     ``c_int64``, ``c_float``)."""
 
-    def __init__(self, function: ctypes.c_void_p, name: str, dependent: bool = False) -> None:
+    def __init__(self, function: ctypes.c_void_p, name: str) -> None:
         self.function, self.name = function, name
         self.dynamic_shared = 0
-        # launched so that it may start while the kernel before it finishes
-        self.dependent = dependent and DEPENDENT_LAUNCH
 
     def allow_shared(self, nbytes: int) -> None:
         """Let launches use ``nbytes`` of dynamic shared memory (above 48 KB needs it)."""
@@ -147,16 +118,9 @@ class CudaKernel:
             *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args)
         )
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if not self.dependent:
-            result = _driver().cuLaunchKernel(
-                self.function, *grid, *block, shared, stream, pointers, None
-            )
-            _check_driver(result, f"launch of {self.name}")
-            return
-        attribute = _LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION)
-        attribute.value.value = 1
-        config = _LaunchConfig(*grid, *block, shared, stream, ctypes.pointer(attribute), 1)
-        result = _driver().cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None)
+        result = _driver().cuLaunchKernel(
+            self.function, *grid, *block, shared, stream, pointers, None
+        )
         _check_driver(result, f"launch of {self.name}")
 
 
@@ -183,7 +147,7 @@ def build(source: str, name: str, kernels: tuple[str, ...]) -> dict[str, CudaKer
             function = ctypes.c_void_p()
             result = _driver().cuModuleGetFunction(ctypes.byref(function), module, kernel.encode())
             _check_driver(result, f"{name}: kernel {kernel}")
-            loaded[kernel] = CudaKernel(function, kernel, DEPENDENT_CALL in source)
+            loaded[kernel] = CudaKernel(function, kernel)
         _MODULES[key] = loaded
         BUILD_SECONDS[name] = time.perf_counter() - start
     return _MODULES[key]

@@ -57,7 +57,6 @@ struct Params {
     int k_block, k_slot, k_head, v_block, v_slot, v_head, bt_row;
     int o_row, o_head, o_split, s_row, s_head;
     int keys_per_split, bucket, group_q, block_size;
-    SplitFinish finish;  // the last CTA's corrected merge into out (counters nullptr: after)
 };
 
 __device__ __forceinline__ uint4 ldg128(const unsigned char* p) {
@@ -88,8 +87,6 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
     const int split = blockIdx.x, head = blockIdx.y;
     const i64 row = blockIdx.z;
     const int kv_head = head / P.group_q;
-    wait_for_prior_grid();
-    allow_next_grid();
     const int packed = P.packed[row];
     const int* idx = P.indices + row * P.i_row + (i64)head * P.i_head;
     const int start = split * P.keys_per_split;
@@ -365,12 +362,4 @@ extern "C" __global__ void SELECTED_BOUNDS packed_selected(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    // the finish takes its (row, head) from the grid again: nothing of the loop stays live
-    const SplitFinish& F = P.finish;
-    const i64 r = blockIdx.z;
-    const int h = blockIdx.y;
-    if (F.counters == nullptr || !last_split(F.counters + r * gridDim.y + h, F.splits)) return;
-    const i64 states = r * P.s_row + (i64)h * P.s_head;
-    finish_splits<D>(F, P.part_out + r * P.o_row + (i64)h * P.o_head, P.o_split,
-                     P.part_max + states, P.part_sum + states, r, h);
 }

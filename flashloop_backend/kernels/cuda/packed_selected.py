@@ -11,12 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.cuda.arrivals import (
-    FINISH_SPLITS,
-    NO_FINISH,
-    SplitFinish,
-    split_finish,
-)
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
 from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
@@ -31,14 +25,11 @@ WARPS = 4
 class SelectedTuning:
     """Launch of the selected-key kernel: about ``ctas_per_sm`` CTAs of 4 warps per SM
     over the (row, head) pairs, at least ``keys_per_split`` keys a split, registers capped
-    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap); with
-    ``finish_in_kernel`` the correction's last CTA of each (row, head) merges the splits and
-    applies the correction (off: the Triton merge launch after the kernel)."""
+    so that ``resident_ctas`` CTAs fit on an SM at once (0: no cap)."""
 
     ctas_per_sm: int = 4
     keys_per_split: int = 64
     resident_ctas: int = 4
-    finish_in_kernel: bool = False
 
 
 DEFAULT_SELECTED = SelectedTuning()
@@ -65,15 +56,7 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
-        ("finish", SplitFinish),
     ]
-
-
-def _splits(q: torch.Tensor, bucket: int, tuning: SelectedTuning) -> tuple[int, int]:
-    """(splits, keys per split) of the kernel's grid over q [R, Hq, D]'s heads."""
-    rows, num_q_heads = q.shape[:2]
-    per_gpu = tuning.ctas_per_sm * sm_count(q.device)
-    return packed_key_splits(rows, num_q_heads, max(1, bucket), per_gpu, tuning.keys_per_split)
 
 
 def packed_selected_parts_cuda(
@@ -87,12 +70,9 @@ def packed_selected_parts_cuda(
     indices: torch.Tensor,
     scale: float,
     tuning: SelectedTuning = DEFAULT_SELECTED,
-    finish=None,
 ):
     """``packed_selected_parts``' contract (split partials over the selected positions
-    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel; ``finish`` =
-    (out [R, Hq, D] bf16, correction as ``merge_splits`` takes it): the kernel's last CTA of
-    each (row, head) also writes the corrected merge to out (None: no finish)."""
+    ``indices`` [R, Hq, Kb], increasing, -1 after them) by the CUDA kernel."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     reason = unsupported(q, store, key_cache)
@@ -101,7 +81,13 @@ def packed_selected_parts_cuda(
     check_selected_indices(q, indices)
     check_packed_inputs(q, store, meta, key_cache)
     bucket = indices.shape[-1]
-    splits, keys_per_split = _splits(q, bucket, tuning)
+    splits, keys_per_split = packed_key_splits(
+        rows,
+        num_q_heads,
+        max(1, bucket),
+        tuning.ctas_per_sm * sm_count(q.device),
+        tuning.keys_per_split,
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     if rows == 0 or bucket == 0:
         return part_out.zero_(), part_max.fill_(float("-inf")), part_sum.zero_()
@@ -151,7 +137,6 @@ def packed_selected_parts_cuda(
         bucket,
         num_q_heads // num_kv_heads,
         block_size,
-        NO_FINISH if finish is None else split_finish(finish[0], splits, finish[1]),
     )
     defines = {
         "HEAD_DIM": head_dim,
@@ -184,13 +169,6 @@ def packed_sparse_correction_cuda(
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S over the selected keys
     ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
-    out = torch.empty_like(q)
-    # an empty bucket or batch launches nothing, and a finish merges at most FINISH_SPLITS
-    # splits: the Triton merge writes the correction then
-    bucket = indices.shape[-1]
-    in_kernel = tuning.finish_in_kernel and q.shape[0] > 0 and bucket > 0
-    in_kernel = in_kernel and _splits(q, bucket, tuning)[0] <= FINISH_SPLITS
     parts = packed_selected_parts_cuda(
         q,
         store,
@@ -202,8 +180,6 @@ def packed_sparse_correction_cuda(
         indices.to(torch.int32),
         scale,
         tuning=tuning,
-        finish=(out, correction) if in_kernel else None,
     )
-    if in_kernel:
-        return out
-    return merge_splits(*parts, out, correction=correction)
+    correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
+    return merge_splits(*parts, torch.empty_like(q), correction=correction)

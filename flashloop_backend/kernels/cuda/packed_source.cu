@@ -121,8 +121,6 @@ packed_source_keys(const KeyParams P) {
     const int split = blockIdx.x, head = blockIdx.y;
     const i64 row = blockIdx.z;
     const int kv_head = head / P.group_q;
-    wait_for_prior_grid();
-    allow_next_grid();
     const int length = P.lengths[row];
     const int packed_groups = P.packed[row] / G;
     const int first = split * P.groups_per_split;
@@ -325,6 +323,10 @@ packed_source_values(const ValueParams P) {
     unsigned char* ring = smem + warp * (STAGES * STAGE);
     float* merge = (float*)(smem + WARPS * STAGES * STAGE);  // [WARPS][2 D + 1]
     const float* logits = P.logits + row * P.g_row + (i64)head * P.g_head;
+    const int* plan = P.plan + (row * gridDim.y + head) * 3;
+    const u32 threshold = (u32)plan[0];
+    const int last_tie = plan[2];
+    const float lse2 = P.lse[row * P.e_row + head] * LOG2E;
     int kinds[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
@@ -357,14 +359,6 @@ packed_source_values(const ValueParams P) {
     };
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) issue(k);
-    // the selection's plan and LSE come from the kernel before this one (the pages, tables
-    // and logits from earlier ones): its first groups are on their way while it runs
-    wait_for_prior_grid();
-    allow_next_grid();
-    const int* plan = P.plan + (row * gridDim.y + head) * 3;
-    const u32 threshold = (u32)plan[0];
-    const int last_tie = plan[2];
-    const float lse2 = P.lse[row * P.e_row + head] * LOG2E;
     for (int k = 0; k < mine; ++k) {
         issue(k + STAGES - 1);
         cp_async_wait<STAGES - 1>();
@@ -555,24 +549,11 @@ packed_source_values(const ValueParams P) {
     const i64 pair = row * gridDim.y + head;
     const i64 first_part = row * P.o_row + (i64)head * P.o_head;
     for (int d = threadIdx.x; d < D; d += WARPS * 32) {
-        // two splits a step, four loads in flight
-        float dense = 0.f, contrib = 0.f, dense2 = 0.f, contrib2 = 0.f;
-        int s = 0;
-        for (; s + 2 <= F.value_splits; s += 2) {
-            const i64 at = first_part + (i64)s * P.o_split + d;
-            const float a = ldcg(P.part_out + at), b = ldcg(P.part_out + at + P.o_split);
-            const float c = ldcg(P.part_contrib + at), e = ldcg(P.part_contrib + at + P.o_split);
-            dense += a;
-            dense2 += b;
-            contrib += c;
-            contrib2 += e;
-        }
-        if (s < F.value_splits) {
+        float dense = 0.f, contrib = 0.f;
+        for (int s = 0; s < F.value_splits; ++s) {
             dense += ldcg(P.part_out + first_part + (i64)s * P.o_split + d);
             contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
         }
-        dense += dense2;
-        contrib += contrib2;
         F.output[row * F.output_row + (i64)head * F.output_head + d] = dense;
         F.out[row * F.out_row + (i64)head * F.out_head + d] = float_to_bf16(dense);
         F.contribution[row * F.contrib_row + (i64)head * F.contrib_head + d] = contrib;

@@ -104,18 +104,7 @@ struct Params {
     int groups_per_split;
     int group_q;
     int block_size;
-    SplitFinish finish;  // the last CTA's merge into out (counters nullptr: merged after)
 };
-
-// this CTA's partial is written: the last of its (row, head) merges every split's
-__device__ __forceinline__ void arrive(const Params& P, i64 row, int head) {
-    const SplitFinish& F = P.finish;
-    if (F.counters == nullptr || !last_split(F.counters + row * gridDim.y + head, F.splits))
-        return;
-    const i64 states = row * P.s_row + (i64)head * P.s_head;
-    finish_splits<D>(F, P.part_out + row * P.o_row + (i64)head * P.o_head, P.o_split,
-                     P.part_max + states, P.part_sum + states, row, head);
-}
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 packed_stream(const Params P) {
@@ -125,8 +114,6 @@ packed_stream(const Params P) {
     const int split = blockIdx.x, head = blockIdx.y;
     const i64 row = blockIdx.z;
     const int kv_head = head / P.group_q;
-    wait_for_prior_grid();
-    allow_next_grid();
     const int length = P.lengths[row];
     const int packed_groups = P.packed[row] / G;
     const int first = split * P.groups_per_split;
@@ -140,7 +127,6 @@ packed_stream(const Params P) {
             P.part_max[at] = NEG_INF;
             P.part_sum[at] = 0.f;
         }
-        arrive(P, row, head);
         return;
     }
     unsigned char* ring = smem + warp * WARP_BYTES;
@@ -550,5 +536,4 @@ packed_stream(const Params P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
-    arrive(P, row, head);
 }

@@ -1,7 +1,6 @@
 """Wrapper of the CUDA streaming packed reader (``packed_stream.cu``): the
 ``packed_decode`` contract for BF16 queries and caches, head_dim 128, dense levels. Splits
-come from shapes only; the last CTA of each (row, head) merges them (or, with
-``finish_in_kernel`` off, the Triton merge after the kernel). Rows whose metadata may hold
+come from shapes only; the Triton merge combines them. Rows whose metadata may hold
 compact levels (token-sparse depths) take the Triton reader, which reads them."""
 
 from __future__ import annotations
@@ -13,12 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.cuda.arrivals import (
-    FINISH_SPLITS,
-    NO_FINISH,
-    SplitFinish,
-    split_finish,
-)
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_decode_triton,
@@ -44,9 +37,7 @@ class StreamTuning:
     through a ring of ``ring_units`` units per warp (a warp holds a few units, not every
     level of a group, so two CTAs fit an SM at four levels); None: at four levels with
     ``split_copy`` unset, units of one level in a ring of three (``chunk_levels``; the
-    fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never.
-    ``finish_in_kernel``: the last CTA of each (row, head) merges the splits (off: the
-    Triton merge launch after the kernel)."""
+    fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never."""
 
     ctas_per_sm: int = 2
     warps: int | None = None
@@ -54,7 +45,6 @@ class StreamTuning:
     split_copy: bool | None = None
     level_chunk: int | None = None
     ring_units: int = 3
-    finish_in_kernel: bool = False
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -86,7 +76,6 @@ class _Params(ctypes.Structure):
         ("part_sum", ctypes.c_void_p),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in INT_FIELDS),
-        ("finish", SplitFinish),
     ]
 
 
@@ -207,7 +196,6 @@ def packed_decode_cuda(
     per_sm = 0 if few_rows else tuning.ctas_per_sm
     splits, per_split = stream_splits(q, store, meta, block_tables, block_size, None, per_sm)
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
-    in_kernel = tuning.finish_in_kernel and splits <= FINISH_SPLITS
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -247,7 +235,6 @@ def packed_decode_cuda(
         per_split,
         num_q_heads // num_kv_heads,
         block_size,
-        split_finish(out, splits) if in_kernel else NO_FINISH,
     )
     warps, _ = launch_shape(levels, tuning)
     kernel = _kernel(levels, g, head_dim, tuning)
@@ -257,6 +244,4 @@ def packed_decode_cuda(
         [params],
         shared_bytes(levels, g, head_dim, tuning),
     )
-    if in_kernel:
-        return out
     return merge_splits(part_out, part_max, part_sum, out)

@@ -162,8 +162,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const long long pair = (long long)row * gridDim.x + head;
-    wait_for_prior_grid();
-    allow_next_grid();
     const float lse = row_lse(P, row, head);
     const int length = P.lengths[row];
     const long long want = ((long long)length * P.ratio_num + P.ratio_den - 1) / P.ratio_den;
