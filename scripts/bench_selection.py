@@ -1,8 +1,7 @@
 """The loop-2 top-K selection alone on the GPU, from CUDA graphs of 10 calls: the Triton
 launches (bracket, candidates, threshold, compaction) per radix digit width of their
 searches and per candidate-list size, and the one-launch CUDA selection
-(``kernels/cuda/select_top_k.py``) with scalar loads of 4 or 8 tiles and the variant it
-picks by default (float4 loads):
+(``kernels/cuda/select_top_k.py``):
 
     python3 scripts/bench_selection.py --json selection.json
 
@@ -36,7 +35,7 @@ def _case(context: int, rows: int, tunings: dict, gen: torch.Generator) -> dict:
         selections = []
 
         def select(tuning=tuning, indices=indices, selections=selections):
-            if tuning is None or isinstance(tuning, int):  # the CUDA kernel (batch or auto)
+            if isinstance(tuning, int):  # the CUDA kernel's tiles in flight per warp
                 selections.append(
                     select_positions_cuda(logits, lse, lengths, indices, RETENTION, tuning)
                 )
@@ -75,7 +74,6 @@ def main() -> int:
         tunings[f"candidates={size}"] = dataclasses.replace(DEFAULT_SELECT, candidates=size)
     for batch in (4, 8):
         tunings[f"cuda one launch, batch {batch}"] = batch
-    tunings["cuda one launch, float4 (default)"] = None
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     records = [_case(context, rows, tunings, gen) for context, rows in shapes]
     if args.json:

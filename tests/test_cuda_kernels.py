@@ -432,30 +432,29 @@ def _oracle_selection(logits, lengths, retention, bucket):
 @pytest.mark.gpu
 @pytest.mark.parametrize("span", [64, 8192, 40000])
 @pytest.mark.parametrize("logits_kind", ["continuous", "integers", "constant"])
-@pytest.mark.parametrize(("batch", "rows"), [(4, 5), (8, 5), (None, 5), (None, 9)])
+@pytest.mark.parametrize("batch", [4, 8])
 def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
-    span, logits_kind, batch, rows
+    span, logits_kind, batch
 ):
     """Rows of every length class (1, odd, full span), logits continuous, drawn from a few
     values (many ties at the threshold) or constant (every key in one bin: more than the
     candidate list holds, so the digits search the row), in a strided view: the CUDA
     selection picks the oracle's positions, the Triton selection's threshold plan, and
-    its mass. Scalar loads of 4 or 8 tiles, and float4 loads at 80 (row, head) pairs (one
-    CTA per SM, four tiles in flight) and 144 (two CTAs per SM, one tile)."""
+    its mass."""
     from flashloop_backend.backends.sparse_state import key_bucket
-    from flashloop_backend.kernels.cuda.select_top_k import launch_defines, select_positions_cuda
+    from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
     from flashloop_backend.kernels.triton.threshold_select import select_positions
 
     gen = torch.Generator(device="cuda").manual_seed(span)
-    heads, retention = 16, 0.1
+    rows, heads, retention = 5, 16, 0.1
     padded = torch.randn(rows, heads, span + 8, device="cuda", generator=gen) * 3.0
     if logits_kind == "integers":
         padded = torch.round(padded)
     elif logits_kind == "constant":
         padded = torch.full_like(padded, 1.5)
     logits = padded[..., :span]  # a row stride above the span
-    lengths = [1, span, span // 2 + 1, max(1, span - 7), 3, span, 2, span - 1, 5][:rows]
-    lengths = torch.tensor(lengths, device="cuda").to(torch.int32)
+    lengths = torch.tensor([1, span, span // 2 + 1, max(1, span - 7), 3], device="cuda")
+    lengths = lengths.to(torch.int32)
     visible = torch.arange(span, device="cuda") < lengths[:, None, None]
     lse = torch.where(visible, logits, float("-inf")).logsumexp(-1)
     bucket = key_bucket(retention, span)
@@ -464,7 +463,6 @@ def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
     cuda_indices = torch.full_like(want, 7)
     expected = select_positions(logits, lse, lengths, triton_indices, retention)
     got = select_positions_cuda(logits, lse, lengths, cuda_indices, retention, batch)
-    assert launch_defines(logits, batch).get("VEC", 1) == (4 if batch is None else 1)
     assert torch.equal(triton_indices, want)
     assert torch.equal(cuda_indices, want)
     assert torch.equal(got.plan, expected.plan)

@@ -9,11 +9,9 @@
 //   2. that bin's keys and positions into a shared candidate list, and per warp the keys
 //      in lower bins; three radix digits of the order key (11, 11, 10 bits) over the list
 //      give the threshold, and the list gives each warp's keys above it and ties at it;
-//   3. each warp writes its range's selected positions in order (warp scans of each
-//      lane's ties and taken keys give the slots).
+//   3. each warp writes its range's selected positions in order (ballots give the slots).
 // A bin fuller than the list takes the same digits over the row instead (slower, exact).
-// Warp w reads positions [w * per_warp, (w + 1) * per_warp) in tiles of 32 VEC positions,
-// lane l holding VEC consecutive ones (VEC 4: one 16-byte load).
+// Warp w reads positions [w * per_warp, (w + 1) * per_warp), lanes consecutive.
 #include "common.cuh"
 
 #ifndef THREADS
@@ -24,13 +22,8 @@
 #define BINS_PER_NAT 32.0f
 #define CANDIDATES 4096
 #ifndef BATCH
-#define BATCH 4  // tiles of 32 VEC positions a warp loads before using any
+#define BATCH 4  // tiles of 32 positions a warp loads before using any
 #endif
-#ifndef VEC
-#define VEC 1  // positions a lane loads at once: 1, or 4 (16-byte aligned rows)
-#endif
-constexpr int TILE = 32 * VEC;
-static_assert(VEC == 1 || VEC == 4, "a lane loads one float or one float4");
 #ifndef MIN_CTAS
 #define MIN_CTAS 1
 #endif
@@ -86,23 +79,13 @@ __device__ __forceinline__ int linear_bin(u32 key, float lse) {
     return (int)fminf(fmaxf(distance, 0.0f), (float)(BINS - 1));
 }
 
-// a lane's BATCH x VEC logits of the tiles from base (lane's positions base + TILE t +
-// VEC lane + e), issued before any is used; tiles at or past end read as 0 (positions
-// past end are masked by the caller; a float4 below end stays inside the row's span)
-__device__ __forceinline__ void load_tiles(float (&v)[BATCH][VEC], const float* logits,
-                                           int base, int lane, int end) {
+// a lane's BATCH logits at first, first + 32, ... below end, issued before any is used
+// (positions at or past end read as 0 and are masked by the caller)
+__device__ __forceinline__ void load_batch(float* batch, const float* logits, int first, int end) {
 #pragma unroll
-    for (int t = 0; t < BATCH; ++t) {
-        const int p = base + TILE * t + VEC * lane;
-        if (VEC == 4) {
-            const float4 x = p < end ? *(const float4*)(logits + p) : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[t][0] = x.x;
-            v[t][VEC > 1 ? 1 : 0] = x.y;
-            v[t][VEC > 2 ? 2 : 0] = x.z;
-            v[t][VEC > 3 ? 3 : 0] = x.w;
-        } else {
-            v[t][0] = p < end ? logits[p] : 0.0f;
-        }
+    for (int j = 0; j < BATCH; ++j) {
+        const int p = first + 32 * j;
+        batch[j] = p < end ? logits[p] : 0.0f;
     }
 }
 
@@ -199,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
         return;
     }
     const float* logits = P.logits + row * P.l_row + head * P.l_head;
-    const int per_warp = ((length + WARPS * TILE - 1) / (WARPS * TILE)) * TILE;
+    const int per_warp = ((length + WARPS * 32 - 1) / (WARPS * 32)) * 32;
     const int begin = warp * per_warp;
     const int end = min(begin + per_warp, length);
 
@@ -207,15 +190,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
     if (tid == 0) cand_count = 0;
     __syncthreads();
-    for (int base = begin; base < end; base += TILE * BATCH) {
-        float v[BATCH][VEC];
-        load_tiles(v, logits, base, lane, end);
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
 #pragma unroll
-        for (int t = 0; t < BATCH; ++t)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (base + TILE * t + VEC * lane + e < end)
-                    atomicAdd(&hist[linear_bin(order_key(v[t][e]), lse)], 1);
+        for (int j = 0; j < BATCH; ++j)
+            if (base + lane + 32 * j < end) atomicAdd(&hist[linear_bin(order_key(batch[j]), lse)], 1);
     }
     __syncthreads();
     int rank = count - 1;  // of the K-th key among those still in the search
@@ -226,23 +206,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
 
     // read 2: the bin's keys into the list, each warp's keys in lower bins
     int gt = 0;
-    for (int base = begin; base < end; base += TILE * BATCH) {
-        float v[BATCH][VEC];
-        load_tiles(v, logits, base, lane, end);
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
 #pragma unroll
-        for (int t = 0; t < BATCH; ++t)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const int p = base + TILE * t + VEC * lane + e;
-                const u32 key = order_key(v[t][e]);
-                const int b = linear_bin(key, lse);
-                gt += p < end && b < bin;
-                if (p < end && b == bin && listed) {
-                    const int slot = atomicAdd(&cand_count, 1);
-                    cand_key[slot] = key;
-                    cand_pos[slot] = p;
-                }
+        for (int j = 0; j < BATCH; ++j) {
+            const int p = base + lane + 32 * j;
+            const u32 key = order_key(batch[j]);
+            const int b = linear_bin(key, lse);
+            gt += p < end && b < bin;
+            if (p < end && b == bin && listed) {
+                const int slot = atomicAdd(&cand_count, 1);
+                cand_key[slot] = key;
+                cand_pos[slot] = p;
             }
+        }
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) gt += __shfl_xor_sync(FULL_MASK, gt, d);
@@ -317,42 +295,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     const int taken_before_lane = warp_exclusive(lane_taken, lane);
     int written = __shfl_sync(FULL_MASK, taken_before_lane, warp);
     int ties_seen = __shfl_sync(FULL_MASK, ties_before_lane, warp);
+    const u32 below = (1u << lane) - 1;
     float mass = 0.0f;
-    for (int base = begin; base < end; base += TILE * BATCH) {
-        float v[BATCH][VEC];
-        load_tiles(v, logits, base, lane, end);
+    for (int base = begin; base < end; base += 32 * BATCH) {
+        float batch[BATCH];
+        load_batch(batch, logits, base + lane, end);
 #pragma unroll
-        for (int t = 0; t < BATCH; ++t) {
-            // a tile's positions in order: the lanes before this one, then its own VEC
-            const int first = base + TILE * t + VEC * lane;
-            int lane_ties = 0;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                lane_ties += first + e < end && order_key(v[t][e]) == threshold;
-            const int ties_incl = warp_inclusive(lane_ties, lane);
-            int tie_rank = ties_seen + ties_incl - lane_ties;
-            bool take[VEC];
-            int lane_taken = 0;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-                const u32 key = order_key(v[t][e]);
-                const bool here = first + e < end;
-                const bool tie = here && key == threshold;
-                take[e] = (here && key > threshold) || (tie && tie_rank < remaining);
-                if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = first + e;
-                tie_rank += tie;
-                lane_taken += take[e];
+        for (int j = 0; j < BATCH; ++j) {
+            const int p = base + lane + 32 * j;
+            const u32 key = order_key(batch[j]);
+            const bool tie = p < end && key == threshold;
+            const u32 tie_bits = __ballot_sync(FULL_MASK, tie);
+            const int tie_rank = ties_seen + __popc(tie_bits & below);
+            const bool take = (p < end && key > threshold) || (tie && tie_rank < remaining);
+            const u32 take_bits = __ballot_sync(FULL_MASK, take);
+            if (take) {
+                out[written + __popc(take_bits & below)] = p;
+                mass += expf(batch[j] - lse);
+                if (tie && tie_rank == remaining - 1) P.plan[pair * 3 + 2] = p;
             }
-            const int taken_incl = warp_inclusive(lane_taken, lane);
-            int slot = written + taken_incl - lane_taken;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (take[e]) {
-                    out[slot++] = first + e;
-                    mass += expf(v[t][e] - lse);
-                }
-            written += __shfl_sync(FULL_MASK, taken_incl, 31);
-            ties_seen += __shfl_sync(FULL_MASK, ties_incl, 31);
+            written += __popc(take_bits);
+            ties_seen += __popc(tie_bits);
         }
     }
 #pragma unroll

@@ -10,31 +10,12 @@ import torch
 
 from flashloop_backend.algorithms import key_retention_fraction
 from flashloop_backend.kernels.cuda import loader
-from flashloop_backend.kernels.triton.paged_decode import sm_count
 from flashloop_backend.kernels.triton.threshold_select import Selection
 
 THREADS = 1024  # per CTA
-# the scalar kernel's tiles of 32 positions a warp loads before using any: 4 fits the 32
-# registers a thread has when an SM holds two CTAs; 8 takes more registers and one CTA
-# per SM
+# tiles of 32 positions a warp loads before using any: 4 fits the 32 registers a thread
+# has when an SM holds two CTAs; 8 takes more registers and one CTA per SM
 BATCH = (4, 8)
-
-
-def launch_defines(logits: torch.Tensor, batch: int | None) -> dict[str, int]:
-    """The kernel variant for ``logits`` [R, H, T]: with ``batch`` the scalar loads of that
-    many tiles; else float4 loads where rows are 16-byte aligned: with (rows, heads) pairs
-    no more than the SMs (one CTA per SM, 64 registers a thread) four tiles of 128
-    positions in flight per warp, with more pairs (two CTAs per SM, 32 registers) one."""
-    if batch is not None:
-        return {"THREADS": THREADS, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
-    rows, heads, span = logits.shape
-    aligned = logits.data_ptr() % 16 == 0 and span % 4 == 0
-    aligned = aligned and logits.stride(0) % 4 == 0 and logits.stride(1) % 4 == 0
-    if not aligned:
-        return launch_defines(logits, 4)
-    if rows * heads <= sm_count(logits.device):
-        return {"THREADS": THREADS, "VEC": 4, "BATCH": 4, "MIN_CTAS": 1}
-    return {"THREADS": THREADS, "VEC": 4, "BATCH": 1, "MIN_CTAS": 2}
 
 
 class _Params(ctypes.Structure):
@@ -59,15 +40,14 @@ def select_positions_cuda(
     context_lengths: torch.Tensor,
     indices: torch.Tensor,
     key_retention: float,
-    batch: int | None = None,
+    batch: int = 4,
     split_states: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Selection:
     """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid
     below its ``context_lengths`` [R] int32) with ``lse`` [R, H] FP32: writes ``indices``
     [R, H, Kb] int32 in position order (-1 past K = max(1, ceil(key_retention * T))) and
-    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``batch``: the
-    scalar kernel with that many tiles in flight per warp, one of ``BATCH`` (None: the
-    variant ``launch_defines`` picks). With ``split_states`` (the keys pass's
+    returns the plan as one split (``part_mass`` [R, H, 1] holds the mass); ``batch``
+    tiles in flight per warp, one of ``BATCH``. With ``split_states`` (the keys pass's
     part_max and part_sum [R, H, S] FP32, natural log) the kernel merges each row's lse
     from them and writes it into ``lse`` (``merge_lse``'s work) instead of reading it."""
     rows, heads, bucket = indices.shape
@@ -86,7 +66,7 @@ def select_positions_cuda(
         )
     if logits.stride(-1) != 1 or lse.stride(-1) != 1 or indices.stride(-1) != 1:
         raise ValueError("logits, lse and indices must have unit stride on their last axis")
-    if batch is not None and batch not in BATCH:
+    if batch not in BATCH:
         raise ValueError(f"batch={batch} must be one of {BATCH}")
     states = _split_states(split_states, rows, heads)
     device = logits.device
@@ -106,7 +86,8 @@ def select_positions_cuda(
         *(ratio_num, ratio_den, bucket),
         *states,
     )
-    kernel = loader.build_file("select_top_k", launch_defines(logits, batch))
+    defines = {"THREADS": THREADS, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
+    kernel = loader.build_file("select_top_k", defines)
     kernel((heads, rows, 1), (THREADS, 1, 1), [params])
     return selection
 
