@@ -7,7 +7,8 @@ import torch
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.backends.dense import DenseBackend
 from flashloop_backend.dispatch import RowMode
-from flashloop_backend.kernels.ops import KernelImpl, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl
 from flashloop_backend.kernels.torch_ref import SUPPORT
 from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.registry import Registry

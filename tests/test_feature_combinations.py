@@ -53,7 +53,7 @@ def test_combination_runs_and_batching_is_invisible(flags):
 
 def test_graph_safety_is_asked_of_the_packed_ops_the_config_routes_to():
     from flashloop_backend.capabilities import Capability
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     spec = Registry.discover().backends["flashloop"]
     both = _config({"token_sparse_prefill": False, "sparse_decode_attention": True,

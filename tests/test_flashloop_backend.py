@@ -156,7 +156,7 @@ def test_routable_ops_cover_every_route_of_every_combination():
 
 def test_decode_only_view_skips_prefill_ops(rng):
     """With ``decode_only`` the token-sparse prefill kernel is not launched at all."""
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
     backend = Registry.discover().create("flashloop", REQUEST, config)
@@ -190,7 +190,7 @@ def test_prefill_steps_launch_only_the_prefill_op_of_their_depths(rng):
     from dataclasses import replace
 
     from flashloop_backend.dispatch import prefill_route_ops
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
     assert prefill_route_ops(config, {0, 1}) == {OpName.DENSE_PREFILL}
@@ -230,7 +230,7 @@ def test_prefill_rows_route_to_dense_prefill_and_decode_rows_to_dense_attention(
     consecutive rows of a sequence), decode rows the decode op; with token-sparse prefill
     its loops 3-4 rows take sparse_prefill."""
     from flashloop_backend.dispatch import ROUTE_CODES, route_rows
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     M = RowMode
     modes = [M.PREFILL] * 4 + [M.DECODE] * 4
@@ -282,7 +282,7 @@ def test_decode_steps_launch_only_the_ops_of_their_depths(rng):
     step launches only the source."""
     from dataclasses import replace
 
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     config = FlashLoopConfig(sparse_decode_attention={"enabled": True, "key_retention": 0.5})
     backend = Registry.discover().create("flashloop", REQUEST, config)
@@ -400,7 +400,7 @@ def test_prefill_kernel_sees_the_same_tables_and_lengths_at_every_layer(rng):
     """A kernel that plans on the host (FlashInfer) recognises the batch by its input
     tensors: every layer of one view passes the very same tables and lengths objects, with
     and without sparse decode (whose decode routes change from layer to layer)."""
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     M = RowMode
     modes = [M.PREFILL, M.PREFILL, M.DECODE, M.PAD]

@@ -421,7 +421,7 @@ def test_each_provider_registers_a_level_writer_that_writes_the_chains_pages(rng
     """``packed_kv_write`` of the torch and the Triton provider, as the backend takes it
     (``PackedState`` hands it to the store's append): the chain's pages, bit for bit."""
     from flashloop_backend.kernels import torch_ref, triton
-    from flashloop_backend.kernels.ops import OpName
+    from flashloop_backend.kernels.op_protocols import OpName
 
     active = [torch.ones(32, dtype=torch.bool)] * 2 + [torch.arange(32) % 2 == 0] * 2
     keys, values = ([x.to(DEVICE) for x in _versions(rng, 32)] for _ in range(2))
@@ -643,7 +643,8 @@ def test_every_source_gives_zeros_for_a_row_of_context_length_0(impl, rng):
     a row of length 0 (one the source does not serve) selects nothing and its out, dense
     output, mass and contribution are zeros, in every CPU implementation (the CUDA source
     equals the torch reference on such a row in its GPU test)."""
-    from flashloop_backend.kernels.ops import BASE_OUTPUT_OPS, OpName
+    from flashloop_backend.kernels.op_inputs import BASE_OUTPUT_OPS
+    from flashloop_backend.kernels.op_protocols import OpName
     from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source
     from flashloop_backend.kernels.triton.dense_source import dense_source_triton

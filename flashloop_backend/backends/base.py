@@ -22,7 +22,7 @@ import torch
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import BatchView
-from flashloop_backend.kernels.ops import PagedAttention
+from flashloop_backend.kernels.op_protocols import PagedAttention
 from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.sequence_levels import OutOfPackedPagesError
 from flashloop_backend.registry.spec import SelectionInfo

@@ -23,7 +23,9 @@ from flashloop_backend.capabilities import (
 )
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import BatchView, RowMode, verify_spans
-from flashloop_backend.kernels.ops import KernelImpl, OpName, PagedInputs
+from flashloop_backend.kernels.op_inputs import PagedInputs
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:

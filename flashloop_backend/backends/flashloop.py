@@ -25,18 +25,18 @@ from flashloop_backend.dispatch import (
     prefill_route_ops,
     routable_ops,
 )
-from flashloop_backend.kernels.ops import (
+from flashloop_backend.kernels.op_inputs import (
     BASE_OUTPUT_OPS,
     CORRECTION_OPS,
     PACKED_READ_OPS,
     SOURCE_OPS,
     CorrectionInputs,
-    OpName,
     PackedKV,
     PagedInputs,
     SourceInputs,
     over_packed,
 )
+from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.registry.spec import SelectionInfo
 
 if TYPE_CHECKING:

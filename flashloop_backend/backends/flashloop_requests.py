@@ -13,7 +13,7 @@ from flashloop_backend.backends.base import EngineCapacity, RequestCost, Request
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.config import ConfigError, FlashLoopConfig
-from flashloop_backend.kernels.ops import OpName
+from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kv.encoding import encoding_descriptor
 from flashloop_backend.kv.layout import PackedLayout
 from flashloop_backend.kv.store import PackedKVStore

@@ -18,7 +18,8 @@ from flashloop_backend.backends.flashloop import FlashLoopBackend
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
 from flashloop_backend.config import FlashLoopConfig, UnservableError
 from flashloop_backend.dispatch import config_capabilities, decode_route_ops, required_ops
-from flashloop_backend.kernels.ops import OP_INPUTS, PACKED_VERSION, OpName
+from flashloop_backend.kernels.op_inputs import OP_INPUTS, PACKED_VERSION
+from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kv.encoding import encoding_descriptor
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
@@ -49,7 +50,7 @@ NOT_DELIVERED = {
     "grouped form)"
 }
 
-# Every op with typed inputs (the table in ``kernels/ops.py``) and the packed write.
+# Every op with typed inputs (the table in ``kernels/op_inputs.py``) and the packed write.
 WIRED_OPS = frozenset(OP_INPUTS) | {OpName.PACKED_KV_WRITE}
 
 

@@ -15,7 +15,8 @@ import torch
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import DENSE_LOOPS, FlashLoopConfig
 from flashloop_backend.dispatch.batch import BatchView, RowMode
-from flashloop_backend.kernels.ops import PACKED_VERSION, OpName
+from flashloop_backend.kernels.op_inputs import PACKED_VERSION
+from flashloop_backend.kernels.op_protocols import OpName
 
 REFERENCE_DEPTH = DENSE_LOOPS - 1  # zero-based depth of loop 2, the decode reference
 SPARSE_START_DEPTH = DENSE_LOOPS  # zero-based depth of loop 3, the first sparse loop
@@ -32,7 +33,7 @@ class OpRequirement:
 
 def decode_op(config: FlashLoopConfig, op: OpName) -> OpName:
     """The op that serves ``op``'s decode rows: its packed-KV version when KV quantization
-    is on (``kernels.ops.PACKED_VERSION``)."""
+    is on (``kernels.op_inputs.PACKED_VERSION``)."""
     return PACKED_VERSION[op] if config.kv_residual_quantization.enabled else op
 
 

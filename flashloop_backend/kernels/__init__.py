@@ -1,28 +1,29 @@
 """Kernel ops, providers and implementations (torch reference, Triton, FlashInfer)."""
 
-from flashloop_backend.kernels.ops import (
+from flashloop_backend.kernels.op_inputs import (
     OP_INPUTS,
     CorrectionInputs,
-    DenseSource,
-    KernelImpl,
-    KernelProvider,
     OpInputs,
-    OpName,
     PackedCorrectionInputs,
-    PackedDecode,
     PackedDecodeInputs,
-    PackedDenseSource,
     PackedKV,
-    PackedKVWrite,
     PackedSourceInputs,
-    PackedSparseCorrection,
-    PagedAttention,
     PagedInputs,
     SourceInputs,
-    SourceOutputs,
-    SparseCorrection,
     over_packed,
 )
+from flashloop_backend.kernels.op_protocols import (
+    DenseSource,
+    OpName,
+    PackedDecode,
+    PackedDenseSource,
+    PackedKVWrite,
+    PackedSparseCorrection,
+    PagedAttention,
+    SourceOutputs,
+    SparseCorrection,
+)
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 
 __all__ = [
     "OP_INPUTS",

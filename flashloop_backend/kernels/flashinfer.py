@@ -16,7 +16,8 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(

@@ -28,7 +28,8 @@ from flashloop_backend.capabilities import (
     not_supported_reasons,
 )
 from flashloop_backend.config import ConfigError, EffectiveConfig, FlashLoopConfig, UnservableError
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.registry.spec import BackendSpec, BuiltBackend, SelectionInfo
 
 LOG = logging.getLogger("flashloop_backend")

@@ -10,7 +10,8 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 
 
 def _packed_decode(*args, **kwargs) -> torch.Tensor:

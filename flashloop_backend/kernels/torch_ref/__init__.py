@@ -7,7 +7,8 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.torch_ref.paged import paged_attention
 
 _FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})

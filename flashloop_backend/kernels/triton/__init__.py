@@ -9,7 +9,8 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
-from flashloop_backend.kernels.ops import KernelImpl, KernelProvider, OpName
+from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 
 if TYPE_CHECKING:
     from flashloop_backend.kv.levels import LevelMetadata

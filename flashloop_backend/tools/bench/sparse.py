@@ -61,7 +61,8 @@ def _dense_source_designs(q, kc, vc, tables, lengths, key_retention, bucket) -> 
 def _sparse_case(ctx, conc, key_retention, backend, gen) -> dict:
     from flashloop_backend.backends.sparse_state import key_bucket
     from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer, planned_wrapper
-    from flashloop_backend.kernels.ops import CorrectionInputs, OpName, SourceInputs
+    from flashloop_backend.kernels.op_inputs import CorrectionInputs, SourceInputs
+    from flashloop_backend.kernels.op_protocols import OpName
 
     heads, dim, bs, dtype = 16, 128, 16, torch.bfloat16
     source_impl = backend.kernels[OpName.DENSE_SOURCE].impl
