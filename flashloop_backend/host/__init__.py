@@ -2,8 +2,8 @@
 batch builder and a continuous-batching generate loop, driving attention backends through
 the registry the way vllm-rlt would.
 
-Names load on first use, so the CLI's parser (``cli/host_commands.py``) imports without
-torch.
+Names load on first use, so the CLI's parser (``cli/host_commands.py``,
+``cli/generate_command.py``) imports without torch.
 """
 
 from __future__ import annotations
