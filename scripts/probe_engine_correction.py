@@ -18,7 +18,7 @@ from flashloop_backend import FlashLoopConfig
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.kernels.cuda import packed_selected as selected_module
 from flashloop_backend.registry import Registry
-from flashloop_backend.tools.bench.e2e import random_ouro
+from flashloop_backend.tools.bench.bench_models import random_ouro
 from flashloop_backend.tools.bench.timing import graph_ms
 
 GROUP = 64

@@ -27,7 +27,7 @@ from flashloop_backend.host.config import OuroConfig
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.host.model import OuroModel
 from flashloop_backend.registry import Registry
-from flashloop_backend.tools.bench.e2e import random_ouro
+from flashloop_backend.tools.bench.bench_models import random_ouro
 
 
 def _model(args):

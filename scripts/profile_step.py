@@ -23,7 +23,7 @@ from flashloop_backend import FlashLoopConfig
 from flashloop_backend.host.capacity import footprint, planning_capacity
 from flashloop_backend.host.engine import Engine, SamplingParams
 from flashloop_backend.registry import Registry
-from flashloop_backend.tools.bench.e2e import random_ouro
+from flashloop_backend.tools.bench.bench_models import random_ouro
 
 
 def new_tokens(args) -> int:

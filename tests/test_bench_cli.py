@@ -89,7 +89,7 @@ def test_bench_without_gpu_is_a_clean_error(mode):
 
 def test_graph_variant_names():
     from flashloop_backend.config import ConfigError
-    from flashloop_backend.tools.bench.e2e import graph_variant
+    from flashloop_backend.tools.bench.bench_models import graph_variant
 
     assert graph_variant("triton", 16, 1040) == ("triton", None)
     name, settings = graph_variant("flashloop+graphs", 12, 1040)
@@ -207,7 +207,7 @@ EVAL_MODEL = "models/ouro-eval-bytes-20m"
 def test_checkpoint_prompts_are_consecutive_windows_of_the_held_out_text():
     from flashloop_backend.config import ConfigError
     from flashloop_backend.host.loader import load_tokenizer
-    from flashloop_backend.tools.bench.e2e import heldout_prompts
+    from flashloop_backend.tools.bench.bench_models import heldout_prompts
     from flashloop_backend.tools.evaluation import heldout_text
 
     tokenizer = load_tokenizer(EVAL_MODEL)

@@ -9,7 +9,7 @@ import torch
 
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.kv.layout import PackedLayout
-from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+from flashloop_backend.tools.bench.bench_models import ouro_1p4b_shapes
 from flashloop_backend.tools.bench.replay_bytes import (
     LEVEL_BYTES,
     ModelShapes,

@@ -86,7 +86,7 @@ def _capacity(args, registry, request, config) -> dict[str, object]:
     ``config``: the accounting ``Engine(kv_memory_bytes=...)`` sizes its pools by."""
     from flashloop_backend.config import FlashLoopConfig
     from flashloop_backend.host.capacity import requests_that_fit
-    from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+    from flashloop_backend.tools.bench.bench_models import ouro_1p4b_shapes
 
     if not 1 <= args.new_tokens < args.context:
         raise ConfigError(

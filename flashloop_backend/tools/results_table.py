@@ -153,7 +153,7 @@ def _planned_capacity(results: Path) -> str:
     from flashloop_backend.config import FlashLoopConfig, load_config
     from flashloop_backend.host.capacity import requests_that_fit
     from flashloop_backend.registry import Registry
-    from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+    from flashloop_backend.tools.bench.bench_models import ouro_1p4b_shapes
 
     all_on = load_config(results.parent / "configs" / "all_on.json")
     registry, request = Registry.discover(), SupportRequest(head_dim=128, block_size=16)

@@ -158,7 +158,7 @@ def bench_capacity(
     a token's time is taken when the step that sampled it returns)."""
     import torch
 
-    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.bench_models import graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     variants_named = capacity_variants(config, baseline)

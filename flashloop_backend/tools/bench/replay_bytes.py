@@ -186,7 +186,7 @@ def record_shapes(record: dict) -> ModelShapes | None:
     described = record.get("model", "")
     if not described.startswith("Ouro-1.4B shapes"):
         return None
-    from flashloop_backend.tools.bench.e2e import ouro_1p4b_shapes
+    from flashloop_backend.tools.bench.bench_models import ouro_1p4b_shapes
 
     layers = None
     for part in described.split(", "):

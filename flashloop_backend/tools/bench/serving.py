@@ -262,7 +262,7 @@ def bench_serving(
 
     import torch
 
-    from flashloop_backend.tools.bench.e2e import graph_variant, random_ouro
+    from flashloop_backend.tools.bench.bench_models import graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
     if not config.enabled_features():
