@@ -64,8 +64,9 @@ def _device_us(event) -> float:
     return 0.0
 
 
-def _profile_one_step(engine, step: int, layers: int) -> None:
-    """Print one decode step's kernels: launches and GPU µs per layer, by name."""
+def _profile_one_step(engine, step: int, layers: int) -> dict:
+    """Print one decode step's kernels (launches and GPU µs per layer, by name) and return
+    them as a record: the step's GPU µs and launches per layer, and each kernel's."""
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         engine.step()
@@ -83,6 +84,19 @@ def _profile_one_step(engine, step: int, layers: int) -> None:
             f"  {_device_us(e) / layers:8.2f} us {e.count / layers:5.2f}x  {e.key[:90]}",
             file=sys.stderr,
         )
+    return {
+        "step": step,
+        "gpu_us_per_layer": total / layers,
+        "launches_per_layer": launches / layers,
+        "kernels": [
+            {
+                "name": e.key[:120],
+                "us_per_layer": _device_us(e) / layers,
+                "launches_per_layer": e.count / layers,
+            }
+            for e in kernels
+        ],
+    }
 
 
 def main() -> int:
@@ -102,7 +116,7 @@ def main() -> int:
         "--per-step",
         action="store_true",
         help="also list each profiled decode step's kernels (one loop depth a step at "
-        "concurrency 1)",
+        "concurrency 1), and record them under per_step in --json",
     )
     args = parser.parse_args()
     model, request = random_ouro(args.layers, 16, fused=args.layer_ops == "fused")
@@ -123,9 +137,9 @@ def main() -> int:
         engine.hand_over_prompts()  # the packing stays out of the timed decode steps
     torch.cuda.synchronize()
     wall_ms = None
+    per_step = []
     if args.phase == "decode" and args.per_step:
-        for step in range(args.steps):
-            _profile_one_step(engine, step, args.layers)
+        per_step = [_profile_one_step(engine, step, args.layers) for step in range(args.steps)]
     if args.phase == "decode":
         started = time.perf_counter()
         for _ in range(args.steps):
@@ -180,6 +194,8 @@ def main() -> int:
         ],
         "method": "torch.profiler over eager host steps (profiler overhead inflates wall time)",
     }
+    if per_step:  # one loop depth a step at concurrency 1, in the order the engine ran them
+        record["per_step"] = per_step
     print(json.dumps({k: v for k, v in record.items() if k != "top_kernels"}), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
