@@ -168,14 +168,14 @@ def test_the_docs_quote_the_decode_ratios_of_the_readmes_records():
     README's table by hand: each must be the ratio its record gives (to two decimals)."""
     from pathlib import Path
 
-    from flashloop_backend.tools.results_table import ROWS, _ratio_of
+    from flashloop_backend.tools.results_table import ROWS, _ratio_of, _record
 
     repo = Path(__file__).resolve().parents[1]
     records = {row.what: row.record for row in ROWS}
 
     def ratio(shape: str) -> str:
         record = records[f"decode TPOT, {shape}, all on"]
-        return f"{_ratio_of(repo / 'results', record, 'tpot'):.2f}x"
+        return f"{_ratio_of(_record(repo / 'results', record), 'tpot'):.2f}x"
 
     short, long, many = (
         ratio("8K x 1 (24 layers)"),

@@ -82,22 +82,26 @@ def _quality_cells(row: QualityRow, record: dict) -> tuple[str, str, str]:
 SECOND_RUN_32K16 = "decode_v3/bench_e2e_all_on_32k16_f483680.json"
 
 
-def _ratio_of(results: Path, record: str, metric: str) -> float:
-    dense, mine = dense_and_flashloop(json.loads((results / record).read_text()))
+def _record(results: Path, name: str) -> dict:
+    """The record ``name`` under ``results``."""
+    return json.loads((results / name).read_text())
+
+
+def _ratio_of(record: dict, metric: str) -> float:
+    dense, mine = dense_and_flashloop(record)
     if metric == "kv":
         return dense["kv_held_bytes_per_token"] / mine["kv_held_bytes_per_token"]
     return dense["tpot_ms"]["median"] / mine["tpot_ms"]["median"]
 
 
-def _gpu(results: Path, record: str) -> str:
+def _gpu(record: dict) -> str:
     """The record's GPU in short ("H100", "H200")."""
-    gpu = json.loads((results / record).read_text())["environment"]["gpu"]
-    return gpu.removeprefix("NVIDIA ").split(" ")[0]
+    return record["environment"]["gpu"].removeprefix("NVIDIA ").split(" ")[0]
 
 
-def _loop_2_over_dense(results: Path, record: str) -> float:
+def _loop_2_over_dense(record: dict) -> float:
     """All on's loop-2 replay over dense's loop replay in a ``bench e2e`` record."""
-    dense, mine = dense_and_flashloop(json.loads((results / record).read_text()))
+    dense, mine = dense_and_flashloop(record)
     (dense_loop,) = (v["median_ms"] for v in dense["replay_ms_by_key"].values())
     (loop_2,) = (v["median_ms"] for k, v in mine["replay_ms_by_key"].items() if ", 2, (" in k)
     return loop_2 / dense_loop
@@ -109,20 +113,20 @@ def summary(results: Path) -> str:
     e2e = {row.what: row for row in ROWS if isinstance(row, E2ERow)}
 
     def ratio(what: str, metric: str = "tpot") -> float:
-        return _ratio_of(results, e2e[what].record, metric)
+        return _ratio_of(_record(results, e2e[what].record), metric)
 
     fast = ratio("decode TPOT, 32K x 16 (4 layers), all on")
-    fast_gpu = _gpu(results, e2e["decode TPOT, 32K x 16 (4 layers), all on"].record)
-    second = _ratio_of(results, SECOND_RUN_32K16, "tpot")
-    second_gpu = _gpu(results, SECOND_RUN_32K16)
+    fast_gpu = _gpu(_record(results, e2e["decode TPOT, 32K x 16 (4 layers), all on"].record))
+    second_run = _record(results, SECOND_RUN_32K16)
+    second, second_gpu = _ratio_of(second_run, "tpot"), _gpu(second_run)
     one_32k_record = e2e["decode TPOT, 32K x 1 (24 layers), all on"].record
-    loop_2 = _loop_2_over_dense(results, one_32k_record)
+    loop_2 = _loop_2_over_dense(_record(results, one_32k_record))
     memory = ratio("KV bytes held per token, 32K x 16, all on", "kv")
     one_8k = ratio("decode TPOT, 8K x 1 (24 layers), all on")
     one_32k = ratio("decode TPOT, 32K x 1 (24 layers), all on")
     quant = ratio("decode TPOT, 32K x 16, KV quantization alone")
     row = next(r for r in ROWS if isinstance(r, QualityRow))
-    point = json.loads((results / row.record).read_text())["combinations"][row.index]
+    point = _record(results, row.record)["combinations"][row.index]
     planned = _planned_capacity(results)
     return (
         f"- **Memory**: all three features hold **{memory:.1f}x less KV per token** than "
@@ -177,11 +181,11 @@ CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_
 def _served_capacity(results: Path) -> str:
     """One sentence on what :data:`CAPACITY_RECORD` measured: requests held at once,
     output tokens/s and ITL p99 of all on against dense."""
-    record = json.loads((results / CAPACITY_RECORD).read_text())
+    record = _record(results, CAPACITY_RECORD)
     run = record["runs"][0]
     by_name = {r["variant"]: r for r in run["records"]}
     dense, mine = by_name["dense"], by_name["config"]
-    device = record["environment"]["gpu"].removeprefix("NVIDIA ").split(" 80GB")[0]
+    device = _gpu(record)
     layers = record["model"].rsplit(", ", 1)[-1]
     return (
         f"Served by `bench capacity` on an {device} ({run['context'] // 1024}K requests, "
@@ -201,9 +205,9 @@ def table(results: Path) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in ROWS:
-        record = json.loads((results / row.record).read_text())
+        record = _record(results, row.record)
         cells = _e2e_cells(row, record) if isinstance(row, E2ERow) else _quality_cells(row, record)
-        gpu = row.gpu if isinstance(row, QualityRow) else _gpu(results, row.record)
+        gpu = row.gpu if isinstance(row, QualityRow) else _gpu(record)
         lines.append(f"| {row.what} | {gpu} | {' | '.join(cells)} | `results/{row.record}` |")
     return "\n".join(lines) + "\n"
 
