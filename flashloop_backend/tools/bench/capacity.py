@@ -20,6 +20,7 @@ from flashloop_backend.tools.bench.workload import (
     fixed_arrival_schedule,
     run_workload,
     step_timing,
+    step_wait,
 )
 
 # Prompt rows a step runs, as bench e2e's: a 32K prompt in 16 steps a loop.
@@ -200,7 +201,7 @@ def bench_capacity(
                 log=log,
                 graphs=graphs,
                 max_batch_tokens=tokens,
-                step_sync=torch.cuda.synchronize if sync_every_step else lambda: None,
+                step_sync=step_wait(sync_every_step),
             )
             run = {"kv_memory_bytes": budget, "context": context, "clients": n}
             run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}

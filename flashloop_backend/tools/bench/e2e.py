@@ -23,7 +23,7 @@ from flashloop_backend.tools.bench.bench_models import (
 )
 from flashloop_backend.tools.bench.replay_bytes import ModelShapes, record_bandwidth
 from flashloop_backend.tools.bench.timing import environment_record
-from flashloop_backend.tools.bench.workload import step_timing
+from flashloop_backend.tools.bench.workload import step_timing, step_wait
 
 
 def _timed_workload(
@@ -58,7 +58,7 @@ def _timed_workload(
     ]
     cuda = engine.device.type == "cuda"  # CPU runs (tests) time without device counters
     sync = torch.cuda.synchronize if cuda else lambda: None
-    step_sync = sync if sync_every_step else lambda: None
+    step_sync = step_wait(sync_every_step and cuda)
     peak = torch.cuda.max_memory_allocated if cuda else lambda: 0
     first: dict[int, float] = {}
     done: dict[int, float] = {}

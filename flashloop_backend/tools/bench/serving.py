@@ -15,6 +15,7 @@ from flashloop_backend.tools.bench.workload import (
     fixed_arrival_schedule,
     run_workload,
     step_timing,
+    step_wait,
 )
 
 # a shared prefix served to this many requests: one computes it, the rest reuse it
@@ -340,6 +341,6 @@ def bench_serving(
         max_context=tokens,
         on_record=lambda runs: on_partial(record(list(runs))),
         prefix_cache=prefix_cache,
-        step_sync=torch.cuda.synchronize if sync_every_step else lambda: None,
+        step_sync=step_wait(sync_every_step),
     )
     return record(runs)

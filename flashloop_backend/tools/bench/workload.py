@@ -15,6 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+def step_wait(sync_every_step: bool) -> Callable[[], None]:
+    """What a timed loop calls after every step: the device wait with ``sync_every_step``,
+    else nothing."""
+    if not sync_every_step:
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize
+
+
 def step_timing(sync_every_step: bool) -> str:
     """How a timed loop took token times, as a record's ``method`` says it."""
     if sync_every_step:
