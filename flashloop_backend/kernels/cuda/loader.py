@@ -11,6 +11,7 @@ import functools
 import glob
 import hashlib
 import os
+import re
 import time
 from importlib import resources
 
@@ -157,12 +158,29 @@ def build_file(
     name: str, defines: dict[str, int], shared: int = 0, kernel: str | None = None
 ) -> CudaKernel:
     """Kernel ``kernel`` (default ``name``) of this folder's ``name``.cu with ``defines``
-    prepended (its ``#include "common.cuh"`` inlined: NVRTC then needs no include path), allowed
+    prepended (its ``#include "*.cuh"`` lines inlined once each: NVRTC then needs no
+    include path), allowed
     ``shared`` bytes of dynamic shared memory; built once per process, device and
     variant."""
     return _build_file(
         name, kernel or name, tuple(sorted(defines.items())), shared, torch.cuda.current_device()
     )
+
+
+_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
+
+
+def inline_includes(name: str, seen: set[str]) -> str:
+    """This folder's file ``name`` with its ``#include "x.cuh"`` lines replaced by those
+    files' text, each file once (``seen``: the files already inlined)."""
+    seen.add(name)
+    text = resources.files("flashloop_backend.kernels.cuda").joinpath(name).read_text()
+
+    def include(match: re.Match) -> str:
+        found = match.group(1)
+        return "" if found in seen else inline_includes(found, seen)
+
+    return _INCLUDE.sub(include, text)
 
 
 @functools.cache
@@ -171,10 +189,8 @@ def _build_file(
 ) -> CudaKernel:
     # ``device`` only keys the cache: ``build`` loads into the current device's context
     defines = dict(defines)
-    folder = resources.files("flashloop_backend.kernels.cuda")
     header = "".join(f"#define {key} {value}\n" for key, value in defines.items())
-    common = folder.joinpath("common.cuh").read_text()
-    body = folder.joinpath(f"{name}.cu").read_text().replace('#include "common.cuh"', common)
+    body = inline_includes(f"{name}.cu", set())
     label = name if kernel == name else f"{name}.{kernel}"
     built = build(header + body, label, (kernel,))[kernel]
     if shared:
