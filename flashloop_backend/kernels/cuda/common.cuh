@@ -132,11 +132,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
 }
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
 
 // the channel of a v3 row segment's nibble: quad lane j, word m, pair p (0: +0/+1, 1: +8/+9,
 // 2: +16/+17, 3: +24/+25 above 32 m + 2 j), half h

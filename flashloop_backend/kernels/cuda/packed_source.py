@@ -15,10 +15,6 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.arrivals import arrival_counters
-from flashloop_backend.kernels.cuda.packed_source_cluster import (
-    cluster_unsupported,
-    source_cluster,
-)
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
 from flashloop_backend.kernels.triton.packed_decode import (
@@ -51,9 +47,7 @@ class SourceTuning:
     the passes is the one-launch CUDA kernel (``select_top_k.py``), or with
     ``one_launch_selection`` off the Triton launches; both select the same keys. With
     ``finish_in_kernel`` the values pass's last CTA of each (row, head) sums its splits
-    (off: the Triton finish launch after it). Launches of at most ``cluster_pairs`` (row,
-    query head) pairs take the one-launch cluster source (``packed_source_cluster.py``)
-    instead, where it applies (0: never)."""
+    (off: the Triton finish launch after it)."""
 
     keys_ctas_per_sm: int = 4
     keys_stages: int = 2
@@ -62,7 +56,6 @@ class SourceTuning:
     warps: int = 4
     one_launch_selection: bool = True
     finish_in_kernel: bool = True
-    cluster_pairs: int = 16
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -302,18 +295,11 @@ def packed_dense_source_cuda(
     if rows == 0:
         return out, indices, mass, output, contribution
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    block_tables = block_tables.contiguous()
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    if rows * num_q_heads <= tuning.cluster_pairs and (
-        cluster_unsupported(q, store, meta.tables.shape[1], span) is None
-    ):
-        caches = (key_cache, value_cache, block_tables, context_lengths)
-        outputs = (out, indices, mass, output, contribution)
-        source_cluster(q, store, layer, meta, caches, outputs, span, key_retention, scale)
-        return outputs
-    tables = (block_tables, context_lengths)
     logits = torch.empty((rows, num_q_heads, span), **f32)
     lse = torch.empty((rows, num_q_heads), **f32)
+    block_tables = block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    tables = (block_tables, context_lengths)
     one_launch = tuning.one_launch_selection
     states = source_keys(
         q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning, merge=not one_launch

@@ -134,10 +134,9 @@ def sparse_ops_case(
 
 
 def _source_launch_variants() -> list[tuple]:
-    """(suffix, source) of the two-pass CUDA source in three launches and of the one-launch
-    cluster source at every batch (the default picks one by the batch), with the Triton selection launches in place of
-    the one-launch selection, and with the Triton finish launch in place of the values
-    pass's own, each timed beside the default in every run."""
+    """(suffix, source) of the two-pass CUDA source with the Triton selection launches in
+    place of the one-launch kernel, and with the Triton finish launch in place of the
+    values pass's own, each timed beside it in every run."""
     import functools
 
     from flashloop_backend.kernels.cuda.packed_source import (
@@ -151,10 +150,8 @@ def _source_launch_variants() -> list[tuple]:
             functools.partial(packed_dense_source_cuda, tuning=replace(DEFAULT_SOURCE, **change)),
         )
         for suffix, change in (
-            ("_cuda_three_launches", {"cluster_pairs": 0}),
-            ("_cuda_cluster", {"cluster_pairs": 1 << 30}),
-            ("_cuda_triton_selection", {"one_launch_selection": False, "cluster_pairs": 0}),
-            ("_cuda_finish_launch", {"finish_in_kernel": False, "cluster_pairs": 0}),
+            ("_cuda_triton_selection", {"one_launch_selection": False}),
+            ("_cuda_finish_launch", {"finish_in_kernel": False}),
         )
     ]
 
@@ -170,7 +167,7 @@ def _source_variants(source) -> list:
     return [
         (
             f"_cuda_keys{kc}x{ks}_values{vc}x{vs}",
-            functools.partial(source, tuning=SourceTuning(kc, ks, vc, vs, cluster_pairs=0)),
+            functools.partial(source, tuning=SourceTuning(kc, ks, vc, vs)),
         )
         for kc, ks, vc, vs in shapes
     ]
