@@ -238,6 +238,7 @@ def _layer_kernels() -> bool:
 def _threshold_selection() -> bool:
     """The registered selection's six kernels at the registered launch
     (``threshold_select.py``)."""
+    from flashloop_backend.kernels.triton import source_values_jit as values_jit
     from flashloop_backend.kernels.triton import threshold_select_jit as jit
     from flashloop_backend.kernels.triton.threshold_select import DEFAULT_SELECT as tuning
 
@@ -266,13 +267,13 @@ def _threshold_selection() -> bool:
         ),
         (
             "finish",
-            jit.select_finish_kernel,
+            values_jit.select_finish_kernel,
             dict(HEAD_DIM=128, SPLITS_PAD=64, VALUE_SPLITS_PAD=16, VALUES=True),
             4,
         ),
         (
             "values",
-            jit.source_values_kernel,
+            values_jit.source_values_kernel,
             dict(
                 GROUP=1,
                 GROUP_PAD=16,

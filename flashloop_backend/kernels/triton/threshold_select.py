@@ -207,7 +207,7 @@ def finish_selection(
     """``mass`` [R, H] from the compaction's partials; with ``value_parts`` (dense output,
     contribution) [R, H, S', D] FP32 contiguous, their sums into ``output`` and
     ``contribution`` [R, H, D] FP32; ``output`` then also in ``out``'s dtype [R, H, D]."""
-    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+    from flashloop_backend.kernels.triton import source_values_jit as values_jit
 
     rows, heads = mass.shape
     if rows == 0:
@@ -215,7 +215,7 @@ def finish_selection(
     part_mass = selection.part_mass
     part_out, part_contrib = value_parts if value_parts is not None else (part_mass, part_mass)
     value_splits = part_out.shape[2] if value_parts is not None else 1
-    jit.select_finish_kernel[(rows, heads)](
+    values_jit.select_finish_kernel[(rows, heads)](
         part_mass,
         part_contrib,
         part_out,
@@ -261,7 +261,7 @@ def select_top_keys(
     ``block_tables`` [R, MB] (packed KV sums it itself and passes None). With a value
     cache ``output`` is written (the dense output, summed in the same pass over the
     values), without one it is read."""
-    from flashloop_backend.kernels.triton import threshold_select_jit as jit
+    from flashloop_backend.kernels.triton import source_values_jit as values_jit
 
     rows, heads, _ = indices.shape
     head_dim = output.shape[-1]
@@ -280,7 +280,7 @@ def select_top_keys(
     part_out = torch.empty_like(part_contrib)
     group = heads // num_kv_heads
     use_dot = DECODE_TUNING.use_dot
-    jit.source_values_kernel[(rows, num_kv_heads, splits)](
+    values_jit.source_values_kernel[(rows, num_kv_heads, splits)](
         logits,
         lse,
         context_lengths,
