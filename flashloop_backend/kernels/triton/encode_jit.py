@@ -13,7 +13,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from flashloop_backend.kernels.triton.packed_block_jit import channel_a, param_slot
+from flashloop_backend.kernels.triton.packed_block_jit import (
+    channel_a,
+    param_slot,
+    per_row_column,
+)
 from flashloop_backend.kernels.triton.quantize_jit import int4_codes
 from flashloop_backend.kernels.triton.specialization import APPEND_METADATA
 
@@ -62,17 +66,6 @@ def _minmax_by_group(x, owner, NG: tl.constexpr):
             group[None, :] == g, tl.max(tl.where(mine, x, float("-inf")), 1)[:, None], high
         )
     return low, high
-
-
-@triton.jit
-def _per_column(per_group, owner, NG: tl.constexpr):
-    """[G, NG] values per V group -> [G, D/2] per column ``owner``."""
-    group = tl.arange(0, NG)
-    out = tl.zeros([per_group.shape[0], owner.shape[0]], tl.float32)
-    for g in tl.static_range(NG):
-        column = tl.sum(tl.where(group[None, :] == g, per_group, 0.0), 1)
-        out = tl.where(owner[None, :] == g, column[:, None], out)
-    return out
 
 
 @triton.jit
@@ -203,8 +196,8 @@ def encode_level_kernel(
     v_min16 = low.to(tl.float16)
     v_scale16 = tl.math.div_rn(high - low, 15.0).to(tl.float16)
     m32, s32 = v_min16.to(tl.float32), v_scale16.to(tl.float32)
-    code_a = int4_codes(v_a, _per_column(m32, owner_a, NG), _per_column(s32, owner_a, NG))
-    code_b = int4_codes(v_b, _per_column(m32, owner_b, NG), _per_column(s32, owner_b, NG))
+    code_a = int4_codes(v_a, per_row_column(m32, owner_a, NG), per_row_column(s32, owner_a, NG))
+    code_b = int4_codes(v_b, per_row_column(m32, owner_b, NG), per_row_column(s32, owner_b, NG))
     packed = code_a.to(tl.uint8) | (code_b.to(tl.uint8) << 4)
     tl.store(codes_ptr + out + V_CODES + row_bytes, packed)
     group = tl.arange(0, NG)

@@ -88,3 +88,14 @@ def units(byte):
     a = (((word & 15) << 19) | ONE_BITS).to(tl.float32, bitcast=True)
     b = (((word & 240) << 15) | ONE_BITS).to(tl.float32, bitcast=True)
     return a, b
+
+
+@triton.jit
+def per_row_column(per_group, owner, NG: tl.constexpr):
+    """[G, NG] values per row and V group -> [G, D/2] per column ``owner``."""
+    group = tl.arange(0, NG)
+    out = tl.zeros([per_group.shape[0], owner.shape[0]], tl.float32)
+    for g in tl.static_range(NG):
+        column = tl.sum(tl.where(group[None, :] == g, per_group, 0.0), 1)
+        out = tl.where(owner[None, :] == g, column[:, None], out)
+    return out

@@ -7,10 +7,7 @@ parameters they fold.
 import triton
 import triton.language as tl
 
-from flashloop_backend.kernels.triton.packed_block_jit import (
-    nibbles,
-    units,
-)
+from flashloop_backend.kernels.triton.packed_block_jit import nibbles, per_row_column, units
 
 
 @triton.jit
@@ -95,17 +92,6 @@ def per_column(per_group, owner, NG: tl.constexpr):
     out = tl.zeros(owner.shape, tl.float32)
     for g in tl.static_range(NG):
         out = tl.where(owner == g, tl.sum(tl.where(group == g, per_group, 0.0), 0), out)
-    return out
-
-
-@triton.jit
-def per_row_column(per_group, owner, NG: tl.constexpr):
-    """[G, NG] values per row and V group -> [G, D/2] per column ``owner``."""
-    group = tl.arange(0, NG)
-    out = tl.zeros([per_group.shape[0], owner.shape[0]], tl.float32)
-    for g in tl.static_range(NG):
-        column = tl.sum(tl.where(group[None, :] == g, per_group, 0.0), 1)
-        out = tl.where(owner[None, :] == g, column[:, None], out)
     return out
 
 
