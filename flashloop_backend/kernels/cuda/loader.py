@@ -159,9 +159,8 @@ def build_file(
 ) -> CudaKernel:
     """Kernel ``kernel`` (default ``name``) of this folder's ``name``.cu with ``defines``
     prepended (its ``#include "*.cuh"`` lines inlined once each: NVRTC then needs no
-    include path), allowed
-    ``shared`` bytes of dynamic shared memory; built once per process, device and
-    variant."""
+    include path), allowed ``shared`` bytes of dynamic shared memory; built once per
+    process, device and variant."""
     return _build_file(
         name, kernel or name, tuple(sorted(defines.items())), shared, torch.cuda.current_device()
     )

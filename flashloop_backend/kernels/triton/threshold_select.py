@@ -1,4 +1,5 @@
-"""The loop-2 top-K selection split over programs (kernels in ``threshold_select_jit.py``).
+"""The loop-2 top-K selection split over programs (kernels in ``threshold_select_jit.py``;
+the value pass and the finish in ``source_values_jit.py``).
 
 Each (row, head)'s exact top-K (K = max(1, ceil(key_retention * T)), ties to the earlier
 position) over the scaled logits one attention pass wrote: a sampled bracket, a split
