@@ -1,6 +1,6 @@
-// The exact top-K search shared by the one-launch selection (select_top_k.cu) and the
-// cluster source (packed_source_cluster.cu): linear bins of (lse - logit), then radix digits
-// of the order key, each step finding the bin where a rank falls.
+// The exact top-K search of the one-launch selection (select_top_k.cu), for any CTA of
+// NWARPS warps: linear bins of (lse - logit), then radix digits of the order key, each step
+// finding the bin where a rank falls.
 #pragma once
 #include "common.cuh"
 

@@ -1,6 +1,6 @@
 // The loop-2 source's work on one group of GROUP tokens (encoding v3, dense levels), shared
-// by the two-pass source (packed_source.cu) and the one-launch cluster source
-// (packed_source_cluster.cu). The including file defines HEAD_DIM, GROUP and LEVELS.
+// by the keys and values passes of the two-pass source (packed_source.cu). The including
+// file defines HEAD_DIM, GROUP and LEVELS.
 //  keys: exact logits (q times each level's K scales in FP16 hi and lo rows of the A
 //        fragment, FP32 sums) and the warp's running max and sum (base 2).
 //  values: p = exp(logit - max) on the group's logits; the dense output sums p v and the
