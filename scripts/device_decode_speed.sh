@@ -18,6 +18,10 @@
 #   host     where a decode step's host time goes (scripts/profile_host.py --decode, graphs)
 #            for dense Triton and all on at HOST_SHAPE (context x concurrency, default
 #            32768x16) over HOST_LAYERS layers (default 4)
+#   trace    the GPU tests of whole-wave grids and traced launches with the CUDA and packed
+#            kernel tests, then where the packed decode launches' time goes
+#            (scripts/trace_loop2.py: each loop-2 launch alone and its phases, under launch
+#            variants, at TRACE_SHAPES, default 8192x1,32768x1,32768x16)
 #   convert  a prompt's conversion to packed INT4 (the Triton level writer) at 8K and
 #            32K, 24 layers, with its top CUDA ops
 set -uo pipefail
@@ -33,7 +37,13 @@ e2e() {  # name, config, then bench e2e arguments
   grep -E "Error|error" "$OUT/bench_e2e_$name.log" | tail -3
   python3 scripts/e2e_summary.py "$OUT/bench_e2e_$name.json" | cut -c1-200
 }
-case "${1:?stage: kernels, e2e, tests, selection, host or convert}" in
+case "${1:?stage: kernels, e2e, tests, selection, host, trace or convert}" in
+  trace)
+    OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_launch_waves.py \
+      tests/test_cuda_kernels.py tests/test_packed_kv.py tests/test_kernels_triton.py 2>&1 \
+      | tee "$OUT/gpu_tests_waves.log" | tail -4
+    run python3 scripts/trace_loop2.py --shapes "${TRACE_SHAPES:-8192x1,32768x1,32768x16}" \
+      --json "$OUT/trace_loop2.json" 2>&1 | grep -v -i warn | tee "$OUT/trace_loop2.log" | cut -c1-400 ;;
   kernels)
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
       OMP_NUM_THREADS=1 run python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_packed_kv.py tests/test_cuda_kernels.py \

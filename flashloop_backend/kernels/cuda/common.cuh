@@ -243,3 +243,27 @@ __device__ __forceinline__ bool last_split(int* counter, int splits) {
     __syncthreads();
     return is_last;
 }
+
+// ---- phase timestamps (scripts/trace_loop2.py): a kernel built with TRACE defined as its
+// count of points takes a u64 buffer [CTAs, TRACE, 2] as its parameters' last field, and
+// thread 0 of each CTA writes (%globaltimer ns, clock64 cycles) at each point; without
+// TRACE a point compiles to nothing
+#ifdef TRACE
+#define TRACE_AT(buffer, point)                                                             \
+    do {                                                                                    \
+        if (threadIdx.x == 0) {                                                             \
+            u64 ns, cycles;                                                                 \
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));                        \
+            asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(cycles));                        \
+            const u64 cta = ((u64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x; \
+            (buffer)[2 * (cta * TRACE + (point))] = ns;                                     \
+            (buffer)[2 * (cta * TRACE + (point)) + 1] = cycles;                             \
+        }                                                                                   \
+    } while (0)
+#define TRACE_FIELD u64* trace;
+#else
+#define TRACE_AT(buffer, point) \
+    do {                        \
+    } while (0)
+#define TRACE_FIELD
+#endif

@@ -106,6 +106,7 @@ class CudaKernel:
     def __init__(self, function: ctypes.c_void_p, name: str) -> None:
         self.function, self.name = function, name
         self.dynamic_shared = 0
+        self.resident: dict[tuple[int, int], int] = {}  # (threads, shared) -> CTAs per SM
 
     def allow_shared(self, nbytes: int) -> None:
         """Let launches use ``nbytes`` of dynamic shared memory (above 48 KB needs it)."""
@@ -113,6 +114,19 @@ class CudaKernel:
             result = _driver().cuFuncSetAttribute(self.function, MAX_DYNAMIC_SHARED, nbytes)
             _check_driver(result, f"{self.name}: {nbytes} B of shared memory")
             self.dynamic_shared = nbytes
+
+    def resident_ctas(self, threads: int, shared: int) -> int:
+        """CTAs of ``threads`` threads and ``shared`` dynamic bytes one SM holds at once
+        (the driver's occupancy calculator: registers, shared memory, thread slots)."""
+        key = (threads, shared)
+        if key not in self.resident:
+            count = ctypes.c_int(0)
+            result = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(count), self.function, threads, ctypes.c_size_t(shared)
+            )
+            _check_driver(result, f"occupancy of {self.name}")
+            self.resident[key] = count.value
+        return self.resident[key]
 
     def __call__(self, grid, block, args: list, shared: int = 0) -> None:
         pointers = (ctypes.c_void_p * len(args))(

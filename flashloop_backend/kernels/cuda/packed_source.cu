@@ -42,6 +42,7 @@ struct KeyParams {
     int k_block, k_slot, k_head, bt_row;
     int g_row, g_head, s_row, s_head;
     int groups_per_split, group_q, block_size;
+    TRACE_FIELD  // points: entry, set up, first group's bytes, groups read, tail read, end
 };
 
 // The finish of the values pass, in the last CTA of each (row, head): the splits'
@@ -77,12 +78,14 @@ struct ValueParams {
     int o_row, o_head, o_split;
     int groups_per_split, group_q, block_size;
     SourceFinish finish;          // the last CTA's finish (counters nullptr: none)
+    TRACE_FIELD  // points: the keys pass's, then partials written, finish done
 };
 
 #if PASS == 1
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 packed_source_keys(const KeyParams P) {
     extern __shared__ __align__(16) unsigned char smem[];
+    TRACE_AT(P.trace, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int quad = lane & 3, tok = lane >> 2;
     const int split = blockIdx.x, head = blockIdx.y;
@@ -104,6 +107,7 @@ packed_source_keys(const KeyParams P) {
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
 
     float m_run = NEG_INF, l_run = 0.f;
+    TRACE_AT(P.trace, 1);
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
     auto issue = [&](int k) {
@@ -118,15 +122,18 @@ packed_source_keys(const KeyParams P) {
         issue(k + STAGES - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
+        if (k == 0) TRACE_AT(P.trace, 2);
         keys_group(ring + (k % STAGES) * STAGE, kinds, fold, quad, tok, first + warp + k * WARPS,
                    length, logits, 0, m_run, l_run);
         __syncwarp();
     }
     cp_async_wait<0>();
+    TRACE_AT(P.trace, 3);
 
     // ---- the BF16 pages above the packed length
     keys_tail(P, row, kv_head, qrow, qs, max(first, packed_groups) * G, min(last * G, length),
               warp, WARPS, quad, tok, logits, 0, m_run, l_run);
+    TRACE_AT(P.trace, 4);
 
     if (lane == 0) {
         merge[2 * warp] = m_run;
@@ -145,6 +152,7 @@ packed_source_keys(const KeyParams P) {
         P.part_max[at] = cta_max * LN2;
         P.part_sum[at] = total;
     }
+    TRACE_AT(P.trace, 5);
 }
 #endif
 
@@ -159,6 +167,7 @@ __device__ __forceinline__ bool taken(float logit, int pos, u32 threshold, int l
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 packed_source_values(const ValueParams P) {
     extern __shared__ __align__(16) unsigned char smem[];
+    TRACE_AT(P.trace, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int quad = lane & 3, tok = lane >> 2;
     const int split = blockIdx.x, head = blockIdx.y;
@@ -181,6 +190,7 @@ packed_source_values(const ValueParams P) {
 
     ValueSums sums;
     clear_sums(sums);
+    TRACE_AT(P.trace, 1);
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
     auto issue = [&](int k) {
@@ -199,6 +209,7 @@ packed_source_values(const ValueParams P) {
         issue(k + STAGES - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
+        if (k == 0) TRACE_AT(P.trace, 2);
         const unsigned char* stage = ring + (k % STAGES) * STAGE;
         const float* group_logits = (const float*)(stage + LEVELS * HALF);
         const int group = first + warp + k * WARPS;
@@ -215,12 +226,14 @@ packed_source_values(const ValueParams P) {
         __syncwarp();
     }
     cp_async_wait<0>();
+    TRACE_AT(P.trace, 3);
 
     // ---- the BF16 pages above the packed length
     values_tail(
         P, row, kv_head, max(first, packed_groups) * G, min(last * G, length), warp, WARPS, quad,
         tok, [&](int pos) { return logits[pos]; },
         [&](int pos, float logit) { return taken(logit, pos, threshold, last_tie); }, sums);
+    TRACE_AT(P.trace, 4);
 
     // ---- this warp's partials relative to its max, then the CTA's, made absolute by lse
     store_value_sums(sums, merge + warp * (2 * D + 1), lane, quad, tok);
@@ -238,6 +251,7 @@ packed_source_values(const ValueParams P) {
         else
             P.part_contrib[at + d - D] = v;
     }
+    TRACE_AT(P.trace, 5);
     const SourceFinish& F = P.finish;
     if (F.counters == nullptr || !last_split(F.counters + row * gridDim.y + head, F.value_splits))
         return;
@@ -258,5 +272,6 @@ packed_source_values(const ValueParams P) {
         for (int s = 0; s < F.mass_splits; ++s) mass += F.part_mass[pair * F.mass_splits + s];
         F.mass[row * F.mass_row + head] = mass;
     }
+    TRACE_AT(P.trace, 6);
 }
 #endif

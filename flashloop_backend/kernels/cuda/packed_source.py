@@ -17,6 +17,7 @@ from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.arrivals import arrival_counters
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
+from flashloop_backend.kernels.cuda.trace import POINTS, traced
 from flashloop_backend.kernels.triton.packed_decode import (
     check_packed_inputs,
     packed_span,
@@ -47,15 +48,21 @@ class SourceTuning:
     the passes is the one-launch CUDA kernel (``select_top_k.py``), or with
     ``one_launch_selection`` off the Triton launches; both select the same keys. With
     ``finish_in_kernel`` the values pass's last CTA of each (row, head) sums its splits
-    (off: the Triton finish launch after it)."""
+    (off: the Triton finish launch after it). With ``whole_waves`` a pass takes the split
+    count, up to its ``*_ctas_per_sm``, whose CTAs run in the fewest waves (``wave_splits``:
+    no last wave of a few CTAs). ``select_threads`` and ``rank_list``: the one-launch
+    selection's threads per CTA and the longest candidate list it ranks directly."""
 
-    keys_ctas_per_sm: int = 4
+    keys_ctas_per_sm: float = 4
     keys_stages: int = 2
-    values_ctas_per_sm: int = 2
+    values_ctas_per_sm: float = 2
     values_stages: int = 2
     warps: int = 4
     one_launch_selection: bool = True
     finish_in_kernel: bool = True
+    whole_waves: bool = True
+    select_threads: int = 1024
+    rank_list: int = 0
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -149,7 +156,7 @@ def shared_bytes(which: int, levels: int, group: int, head_dim: int, tuning: Sou
     return tuning.warps * (stages * stage + 4 * merge)
 
 
-def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning):
+def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning, traced: bool):
     defines = {
         "HEAD_DIM": head_dim,
         "GROUP": group,
@@ -158,9 +165,16 @@ def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTu
         "STAGES": tuning.keys_stages if which == KEYS else tuning.values_stages,
         "PASS": which,
     }
+    if traced:
+        defines["TRACE"] = len(POINTS["keys" if which == KEYS else "values"])
     name = "packed_source_keys" if which == KEYS else "packed_source_values"
     shared = shared_bytes(which, levels, group, head_dim, tuning)
     return loader.build_file("packed_source", defines, shared, kernel=name), shared
+
+
+def _resident(kernel, shared: int, tuning: SourceTuning) -> int | None:
+    """CTAs of a pass one SM holds at once, when ``whole_waves`` fits its grid to them."""
+    return kernel.resident_ctas(tuning.warps * 32, shared) if tuning.whole_waves else None
 
 
 def source_keys(
@@ -176,16 +190,28 @@ def source_keys(
     scale: float,
     tuning: SourceTuning = DEFAULT_SOURCE,
     merge: bool = True,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys pass: the scaled natural logits into ``logits`` [R, Hq, >= span] FP32 (each
     row's positions below its length) and, with ``merge``, their LSE into ``lse`` [R, Hq]
     FP32 (without, the one-launch selection merges it), from q [R, Hq, D] BF16 over dense
     packed levels and the BF16 keys [NB, BS, Hkv, D] above each row's packed length; its
-    split states (part_max, part_sum) [R, Hq, S]. Inputs are checked by the caller."""
+    split states (part_max, part_sum) [R, Hq, S]. Inputs are checked by the caller.
+    ``trace``: phase timestamps [S * Hq * R, points, 2] int64 (``trace.py``)."""
     rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    levels = meta.tables.shape[1]
+    kernel, shared = _kernel(KEYS, levels, store.group_size, head_dim, tuning, trace is not None)
     splits, per_split = stream_splits(
-        q, store, meta, block_tables, block_size, logits, tuning.keys_ctas_per_sm
+        q,
+        store,
+        meta,
+        block_tables,
+        block_size,
+        logits,
+        tuning.keys_ctas_per_sm,
+        _resident(kernel, shared, tuning),
+        tuning.warps,
     )
     part_max = torch.empty((rows, num_q_heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -200,8 +226,8 @@ def source_keys(
         *(logits.stride(0), logits.stride(1), part_max.stride(0), part_max.stride(1)),
         *(per_split, num_q_heads // num_kv_heads, block_size),
     )
-    levels = meta.tables.shape[1]
-    kernel, shared = _kernel(KEYS, levels, store.group_size, head_dim, tuning)
+    if trace is not None:
+        keys = traced(keys, trace, splits * num_q_heads * rows, "keys")
     kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [keys], shared)
     if merge:
         merge_lse(part_max, part_sum, lse)
@@ -220,16 +246,27 @@ def source_values(
     plan: torch.Tensor,
     tuning: SourceTuning = DEFAULT_SOURCE,
     finish: tuple | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The values pass: split partials (dense output, contribution) [R, Hq, S, D] FP32 of
     sum p v over every key and over the keys ``plan`` [R, Hq, 3] takes (``Selection``), p
     = exp(logit - lse) from the keys pass's ``logits`` and ``lse``. With ``finish`` =
     (selection, (out, mass, output, contribution)) the pass's last CTA of each (row, head)
-    also does ``finish_selection``'s work."""
+    also does ``finish_selection``'s work. ``trace``: as the keys pass's."""
     rows, num_q_heads, _ = logits.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
+    levels = meta.tables.shape[1]
+    kernel, shared = _kernel(VALUES, levels, store.group_size, head_dim, tuning, trace is not None)
     splits, per_split = stream_splits(  # logits [R, Hq, T] give the rows' shape and device
-        logits, store, meta, block_tables, block_size, None, tuning.values_ctas_per_sm
+        logits,
+        store,
+        meta,
+        block_tables,
+        block_size,
+        None,
+        tuning.values_ctas_per_sm,
+        _resident(kernel, shared, tuning),
+        tuning.warps,
     )
     f32 = {"dtype": torch.float32, "device": logits.device}
     part_out = torch.empty((rows, num_q_heads, splits, head_dim), **f32)
@@ -247,8 +284,8 @@ def source_values(
         *(per_split, num_q_heads // num_kv_heads, block_size),
         _SourceFinish() if finish is None else _finish(*finish, splits),
     )
-    levels = meta.tables.shape[1]
-    kernel, shared = _kernel(VALUES, levels, store.group_size, head_dim, tuning)
+    if trace is not None:
+        values = traced(values, trace, splits * num_q_heads * rows, "values")
     kernel((splits, num_q_heads, rows), (tuning.warps * 32, 1, 1), [values], shared)
     return part_out, part_contrib
 
@@ -306,7 +343,14 @@ def packed_dense_source_cuda(
     )
     if one_launch:  # the selection merges the rows' lse from the split states
         selection = select_positions_cuda(
-            logits, lse, context_lengths, indices, key_retention, split_states=states
+            logits,
+            lse,
+            context_lengths,
+            indices,
+            key_retention,
+            split_states=states,
+            threads=tuning.select_threads,
+            rank_list=tuning.rank_list,
         )
     else:
         selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)

@@ -37,14 +37,17 @@ class StreamTuning:
     through a ring of ``ring_units`` units per warp (a warp holds a few units, not every
     level of a group, so two CTAs fit an SM at four levels); None: at four levels with
     ``split_copy`` unset, units of one level in a ring of three (``chunk_levels``; the
-    fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never."""
+    fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never.
+    ``whole_waves``: the split count, up to ``ctas_per_sm``'s, whose CTAs run in the fewest
+    waves (``wave_splits``: no last wave of a few CTAs)."""
 
-    ctas_per_sm: int = 2
+    ctas_per_sm: float = 2
     warps: int | None = None
     stages: int | None = None
     split_copy: bool | None = None
     level_chunk: int | None = None
     ring_units: int = 3
+    whole_waves: bool = True
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -194,7 +197,13 @@ def packed_decode_cuda(
     _, block_size, num_kv_heads, _ = key_cache.shape
     g = store.group_size
     per_sm = 0 if few_rows else tuning.ctas_per_sm
-    splits, per_split = stream_splits(q, store, meta, block_tables, block_size, None, per_sm)
+    warps, _ = launch_shape(levels, tuning)
+    kernel = _kernel(levels, g, head_dim, tuning)
+    shared = shared_bytes(levels, g, head_dim, tuning)
+    resident = kernel.resident_ctas(warps * 32, shared) if tuning.whole_waves else None
+    splits, per_split = stream_splits(
+        q, store, meta, block_tables, block_size, None, per_sm, resident, warps
+    )
     part_out, part_max, part_sum = split_buffers(rows, num_q_heads, splits, head_dim, q.device)
     codes = store.blocks[:, layer]
     block_tables = block_tables.contiguous()
@@ -236,12 +245,5 @@ def packed_decode_cuda(
         num_q_heads // num_kv_heads,
         block_size,
     )
-    warps, _ = launch_shape(levels, tuning)
-    kernel = _kernel(levels, g, head_dim, tuning)
-    kernel(
-        (splits, num_q_heads, rows),
-        (warps * 32, 1, 1),
-        [params],
-        shared_bytes(levels, g, head_dim, tuning),
-    )
+    kernel((splits, num_q_heads, rows), (warps * 32, 1, 1), [params], shared)
     return merge_splits(part_out, part_max, part_sum, out)

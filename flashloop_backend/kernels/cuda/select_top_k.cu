@@ -8,7 +8,8 @@
 //      lower bin holds strictly larger logits and the K-th key lies in one bin;
 //   2. that bin's keys and positions into a shared candidate list, and per warp the keys
 //      in lower bins; three radix digits of the order key (11, 11, 10 bits) over the list
-//      give the threshold, and the list gives each warp's keys above it and ties at it;
+//      give the threshold (a list of up to RANK_LIST keys: each key's rank counted
+//      directly), and the list gives each warp's keys above it and ties at it;
 //   3. each warp writes its range's selected positions in order (ballots give the slots).
 // A bin fuller than the list takes the same digits over the row instead (slower, exact).
 // Warp w reads positions [w * per_warp, (w + 1) * per_warp), lanes consecutive.
@@ -24,6 +25,9 @@
 #endif
 #ifndef MIN_CTAS
 #define MIN_CTAS 1
+#endif
+#ifndef RANK_LIST
+#define RANK_LIST 0  // a list of up to this many keys is ranked directly (0: digits always)
 #endif
 
 struct Params {
@@ -42,6 +46,7 @@ struct Params {
     const float* part_max;
     const float* part_sum;
     int s_row, s_head, splits;
+    TRACE_FIELD  // points: entry, lse, read 1, its bin, read 2, digits, counts, read 3, end
 };
 
 // The row's LSE: read, or merged from the keys pass's split states by warp 0 and written
@@ -90,7 +95,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const long long pair = (long long)row * gridDim.x + head;
+    TRACE_AT(P.trace, 0);
     const float lse = row_lse(P, row, head);
+    TRACE_AT(P.trace, 1);
     const int length = P.lengths[row];
     const long long want = ((long long)length * P.ratio_num + P.ratio_den - 1) / P.ratio_den;
     const int count = (int)(want < length ? want : length);
@@ -126,11 +133,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
             if (base + lane + 32 * j < end) atomicAdd(&hist[linear_bin(order_key(batch[j]), lse)], 1);
     }
     __syncthreads();
+    TRACE_AT(P.trace, 2);
     int rank = count - 1;  // of the K-th key among those still in the search
     const Found first = find_bin<WARPS, false>(hist, rank, warp_sum, &found);
     const int bin = first.bin;
     rank -= first.before;
     const bool listed = hist[bin] <= CANDIDATES;
+    TRACE_AT(P.trace, 3);
 
     // read 2: the bin's keys into the list, each warp's keys in lower bins
     int gt = 0;
@@ -157,35 +166,65 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
         warp_ties[warp] = 0;
     }
     const int listed_count = listed ? hist[bin] : 0;
+    TRACE_AT(P.trace, 4);
 
-    // the digits over the list (or over the row's keys in the bin)
-    u32 prefix = 0, high = 0;
-#pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-        const u32 digit_mask = pass == 2 ? 0x3ffu : 0x7ffu;
-        __syncthreads();  // the last search's reads of hist are done
-        for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
-        __syncthreads();
-        if (listed) {
-            for (int c = tid; c < listed_count; c += THREADS) {
-                const u32 key = cand_key[c];
-                if ((key & high) == prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+    u32 prefix = 0;
+    if (RANK_LIST > 0 && listed && listed_count <= RANK_LIST) {
+        // a short list ranked directly: the threshold is the key with exactly rank keys
+        // of the list before it in (key down, position up) order, and the ties to take
+        // are the ones at earlier positions and itself
+        __shared__ u32 direct_key;
+        __shared__ int direct_ties;
+        __syncthreads();  // the list is written
+        for (int c = tid; c < listed_count; c += THREADS) {
+            const u32 key = cand_key[c];
+            const int pos = cand_pos[c];
+            int above = 0, ties_before = 0;
+            for (int j = 0; j < listed_count; ++j) {
+                const u32 other = cand_key[j];
+                above += other > key;
+                ties_before += other == key && cand_pos[j] < pos;
             }
-        } else {
-            for (int p = begin + lane; p < end; p += 32) {
-                const u32 key = order_key(logits[p]);
-                if ((key & high) == prefix && linear_bin(key, lse) == bin)
-                    atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+            if (above + ties_before == rank) {
+                direct_key = key;
+                direct_ties = ties_before;
             }
         }
         __syncthreads();
-        const Found digit = find_bin<WARPS, true>(hist, rank, warp_sum, &found);
-        rank -= digit.before;
-        prefix |= (u32)digit.bin << shift;
-        high |= digit_mask << shift;
+        prefix = direct_key;
+        rank = direct_ties;
+    } else {
+        // the digits over the list (or over the row's keys in the bin)
+        u32 high = 0;
+#pragma unroll 1
+        for (int pass = 0; pass < 3; ++pass) {
+            const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+            const u32 digit_mask = pass == 2 ? 0x3ffu : 0x7ffu;
+            __syncthreads();  // the last search's reads of hist are done
+            for (int b = tid; b < BINS; b += THREADS) hist[b] = 0;
+            __syncthreads();
+            if (listed) {
+                for (int c = tid; c < listed_count; c += THREADS) {
+                    const u32 key = cand_key[c];
+                    if ((key & high) == prefix)
+                        atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+                }
+            } else {
+                for (int p = begin + lane; p < end; p += 32) {
+                    const u32 key = order_key(logits[p]);
+                    if ((key & high) == prefix && linear_bin(key, lse) == bin)
+                        atomicAdd(&hist[(key >> shift) & digit_mask], 1);
+                }
+            }
+            __syncthreads();
+            const Found digit = find_bin<WARPS, true>(hist, rank, warp_sum, &found);
+            rank -= digit.before;
+            prefix |= (u32)digit.bin << shift;
+            high |= digit_mask << shift;
+        }
     }
     const u32 threshold = prefix;
+    TRACE_AT(P.trace, 5);
     const int remaining = rank + 1;  // ties at the threshold to take, earliest first
 
     // each warp's keys of the bin above the threshold and at it
@@ -214,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
         }
     }
     __syncthreads();
+    TRACE_AT(P.trace, 6);
 
     // read 3: each warp's selected positions in order at its offset
     const int lane_ties = lane < WARPS ? warp_ties[lane] : 0;
@@ -250,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     for (int d = 16; d; d >>= 1) mass += __shfl_xor_sync(FULL_MASK, mass, d);
     if (lane == 0) warp_mass[warp] = mass;
     __syncthreads();
+    TRACE_AT(P.trace, 7);
     if (warp == 0) {
         float total = lane < WARPS ? warp_mass[lane] : 0.0f;
 #pragma unroll
@@ -260,4 +301,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
             P.plan[pair * 3 + 1] = remaining;
         }
     }
+    TRACE_AT(P.trace, 8);
 }

@@ -64,9 +64,13 @@ def stream_splits(
     block_size: int,
     logits,
     per_sm: float,
+    resident: int | None = None,
+    warps: int = 4,
 ) -> tuple[int, int]:
     """(splits, groups per split) of a streaming reader's grid, checking that ``logits``
-    [R, Hq, >= span] holds every covered position."""
+    [R, Hq, >= span] holds every covered position: about ``per_sm`` CTAs per SM, or with
+    ``resident`` (CTAs of ``warps`` warps one SM holds at once) the count up to that
+    which ``wave_splits`` models fastest."""
     rows, num_q_heads = q.shape[:2]
     g = store.group_size
     groups = packed_span(store, meta, block_tables, block_size) // g
@@ -74,9 +78,27 @@ def stream_splits(
         raise ValueError(
             f"logits must be [{rows}, {num_q_heads}, >= {groups * g}]; got {tuple(logits.shape)}"
         )
-    want = max(1, math.ceil(per_sm * sm_count(q.device) / (rows * num_q_heads)))
+    sms = sm_count(q.device)
+    want = max(1, math.ceil(per_sm * sms / (rows * num_q_heads)))
     splits = max(1, min(want, groups))
+    if resident:
+        splits = wave_splits(rows * num_q_heads, groups, splits, resident * sms, warps)
     return splits, math.ceil(groups / splits)
+
+
+def wave_splits(pairs: int, groups: int, most: int, capacity: int, warps: int) -> int:
+    """The split count in [1, most] for a grid of ``pairs`` x splits CTAs of ``warps``
+    warps, ``capacity`` of them running at once, with the least time modelled as waves x
+    (groups per warp + 1): a CTA's warps read their groups side by side, its set-up and
+    end cost about one group more, and a last wave of a few CTAs costs a whole CTA's time.
+    Ties go to more splits (smaller CTAs balance uneven rows)."""
+
+    def cost(splits: int) -> tuple[int, int]:
+        waves = math.ceil(pairs * splits / max(1, capacity))
+        per_warp = math.ceil(math.ceil(groups / splits) / warps)
+        return waves * (per_warp + 1), -splits
+
+    return min(range(1, most + 1), key=cost)
 
 
 def layer_blocks(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
