@@ -4,7 +4,8 @@ source (depth 2: keys pass, selection, values pass), whole and launch by launch,
 graphs over rotating layers, under each launch variant; then one traced launch of each
 loop-2 kernel (``kernels/cuda/trace.py``): per phase the median over CTAs of its time
 after the CTA's entry, and the CTAs' entries after the first one's (a second wave shows
-as late entries). Ouro-1.4B attention (16 heads of 128), random rows, key retention 0.10.
+as late entries); last, the keys pass, the loop-1 reader and the source over stores of 1
+and 24 layers from a cold L2 (``--strides``: do pages far apart cost bandwidth?). Ouro-1.4B attention (16 heads of 128), random rows, key retention 0.10.
 
     python3 scripts/trace_loop2.py --shapes 8192x1,32768x1 --json trace_loop2.json
 """
@@ -46,13 +47,11 @@ SOURCE_VARIANTS = {
     "committed (no whole waves)": replace(DEFAULT_SOURCE, whole_waves=False),
     "whole waves": DEFAULT_SOURCE,
     "whole waves, keys 1 stage": replace(DEFAULT_SOURCE, keys_stages=1),
-    "whole waves, keys 1 stage 8/SM": replace(DEFAULT_SOURCE, keys_stages=1, keys_ctas_per_sm=8),
     "whole waves, values 1 stage": replace(DEFAULT_SOURCE, values_stages=1),
-    "whole waves, selection of 512 threads": replace(DEFAULT_SOURCE, select_threads=512),
-    "whole waves, lists up to 256 ranked": replace(DEFAULT_SOURCE, rank_list=256),
-    "whole waves, 512 threads, lists up to 256 ranked": replace(
-        DEFAULT_SOURCE, select_threads=512, rank_list=256
-    ),
+    **{
+        f"whole waves, lists up to {n} ranked": replace(DEFAULT_SOURCE, rank_list=n)
+        for n in (64, 128, 256, 512)
+    },
 }
 STREAM_VARIANTS = {
     "committed (no whole waves)": replace(DEFAULT_STREAM, whole_waves=False),
@@ -228,10 +227,62 @@ def shape_case(context: int, batch: int, gen: torch.Generator) -> dict:
     return result
 
 
+def cold_ops(store, q, kc, vc, tables, lengths, bucket, flush, flush_ms) -> dict:
+    """µs of the keys pass, the loop-1 reader and the source over ``store``'s layer 0,
+    each after ``flush``'s read, less that read's ``flush_ms``."""
+    batch, device = q.shape[0], q.device
+    meta = [level_metadata(store, list(range(batch)), [d] * batch, device) for d in range(2)]
+    span = packed_span(store, meta[1], tables, kc.shape[1])
+    logits = torch.empty((batch, HEADS, span), dtype=torch.float32, device=device)
+    lse = torch.empty((batch, HEADS), dtype=torch.float32, device=device)
+    ops = {
+        "keys": lambda: source_keys(
+            q, store, 0, meta[1], kc, tables, lengths, logits, lse, 0.088, merge=False
+        ),
+        "stream": lambda: packed_decode_cuda(q, store, 0, meta[0], kc, vc, tables, lengths),
+        "source": lambda: packed_dense_source_cuda(
+            q, store, 0, meta[1], kc, vc, tables, lengths, RETENTION, bucket
+        ),
+    }
+    row = {"page_stride_bytes": store.blocks.stride(0)}
+    for name, fn in ops.items():
+        row[name + "_us"] = (graph_ms(lambda fn=fn: (flush.amax(), fn())) - flush_ms) * 1e3
+    return row
+
+
+def layer_strides(context: int, batch: int, gen: torch.Generator) -> dict:
+    """The keys pass and the loop-1 reader over stores of 1 and 24 layers (a head's pages
+    16 x 9,216 B or 24 times that apart), each call after a read of 256 MB that leaves
+    the L2 without the store's bytes, the read's own time subtracted."""
+    device = gen.device
+    flush = torch.ones(64 * 2**20, dtype=torch.float32, device=device)
+    flush_ms = graph_ms(lambda: flush.amax())
+    q, caches, tables, lengths = bf16_rows(context, batch, 1, gen)
+    kc, vc = caches[0]
+    bucket = key_bucket(RETENTION, context)
+    out = {"flush_us": flush_ms * 1e3}
+    for layers in (1, 24):
+        store, _ = encoded_store(batch, context, layers, False, gen)
+        row = cold_ops(store, q, kc, vc, tables, lengths, bucket, flush, flush_ms)
+        out[f"{layers}_layers"] = row
+        print(
+            f"  {context} x {batch}, store of {layers} layers ({row['page_stride_bytes'] / 1e6:.2f}"
+            f" MB between pages), cold L2: keys {row['keys_us']:.1f} us, loop-1 stream "
+            f"{row['stream_us']:.1f} us, loop-2 source {row['source_us']:.1f} us",
+            flush=True,
+        )
+        del store
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="8192x1,32768x1")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--strides", default="8192x1,32768x1", help="shapes of the layer-stride probe"
+    )
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     records = []
@@ -240,9 +291,14 @@ def main() -> int:
         context, batch = (int(x) for x in shape.split("x"))
         records.append(shape_case(context, batch, gen))
         torch.cuda.empty_cache()
+    strides = {}
+    for shape in filter(None, args.strides.split(",")):
+        context, batch = (int(x) for x in shape.split("x"))
+        strides[shape] = layer_strides(context, batch, gen)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shapes": records}, f, indent=1)
+            record = {"device": torch.cuda.get_device_name(), "shapes": records, "strides": strides}
+            json.dump(record, f, indent=1)
     return 0
 
 

@@ -437,7 +437,8 @@ def _oracle_selection(logits, lengths, retention, bucket):
     [
         {"batch": 4},
         {"batch": 8},
-        {"batch": 4, "threads": 512, "rank_list": 4096},
+        {"batch": 4, "threads": 512, "rank_list": 512},
+        {"batch": 4, "rank_list": 1024},
         {"batch": 4, "threads": 256, "rank_list": 64},
     ],
 )
@@ -506,7 +507,7 @@ def test_the_one_launch_selection_takes_nothing_from_an_empty_row():
         ({"logits": torch.zeros(2, 4, 128)[..., ::2]}, "unit stride on their last axis"),
         ({"batch": 3}, r"batch=3 must be one of \(4, 8\)"),
         ({"threads": 300}, r"threads=300 must be one of \(1024, 512, 256\)"),
-        ({"rank_list": 5000}, r"rank_list=5000 must be in \[0, 4096\]"),
+        ({"rank_list": 2000}, r"rank_list=2000 must be in \[0, 1024\] \(the threads per CTA\)"),
         ({"states": (torch.zeros(2, 4, 3).half(),) * 2}, "split states must be float32"),
         ({"states": (torch.zeros(2, 3, 3),) * 2}, r"\[rows, heads, splits\] with \(rows, heads\) = \(2, 4\)"),
         ({"states": (torch.zeros(2, 4, 3), torch.zeros(2, 3, 4).transpose(1, 2))}, "share strides"),

@@ -18,6 +18,7 @@ from flashloop_backend.kernels.triton.packed_decode import wave_splits
         (16, 128, 33, 396, 24),  # one wave of two groups a warp, not two of one
         (16, 128, 33, 528, 33),  # 528 CTAs fit at once: one group a warp
         (256, 512, 3, 396, 3),  # many groups a warp: a second wave costs little
+        (256, 512, 2, 264, 2),  # one wave is no tenth faster than two full ones
         (16, 4, 4, 528, 4),  # the caller caps the count at the groups
         (1, 1, 1, 8, 1),
     ],

@@ -27,7 +27,7 @@
 #define MIN_CTAS 1
 #endif
 #ifndef RANK_LIST
-#define RANK_LIST 0  // a list of up to this many keys is ranked directly (0: digits always)
+#define RANK_LIST 0  // a list of up to this many keys (<= THREADS) is ranked directly (0: never)
 #endif
 
 struct Params {
@@ -172,23 +172,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) select_top_k(con
     if (RANK_LIST > 0 && listed && listed_count <= RANK_LIST) {
         // a short list ranked directly: the threshold is the key with exactly rank keys
         // of the list before it in (key down, position up) order, and the ties to take
-        // are the ones at earlier positions and itself
+        // are the ones at earlier positions and itself. The lanes of a slice share a
+        // candidate, each counting over every slices-th key of the list.
         __shared__ u32 direct_key;
         __shared__ int direct_ties;
+        int slices = 32;  // a power of two, as many as THREADS / listed_count allows
+        while (slices > 1 && slices * listed_count > THREADS) slices >>= 1;
+        const int c = tid / slices, part = tid % slices;
+        const bool mine = c < listed_count;
         __syncthreads();  // the list is written
-        for (int c = tid; c < listed_count; c += THREADS) {
-            const u32 key = cand_key[c];
-            const int pos = cand_pos[c];
-            int above = 0, ties_before = 0;
-            for (int j = 0; j < listed_count; ++j) {
+        const u32 key = mine ? cand_key[c] : 0u;
+        const int pos = mine ? cand_pos[c] : 0;
+        int above = 0, ties_before = 0;
+        if (mine) {
+            for (int j = part; j < listed_count; j += slices) {
                 const u32 other = cand_key[j];
                 above += other > key;
                 ties_before += other == key && cand_pos[j] < pos;
             }
-            if (above + ties_before == rank) {
-                direct_key = key;
-                direct_ties = ties_before;
-            }
+        }
+        for (int o = 1; o < slices; o <<= 1) {
+            above += __shfl_xor_sync(FULL_MASK, above, o);
+            ties_before += __shfl_xor_sync(FULL_MASK, ties_before, o);
+        }
+        if (mine && part == 0 && above + ties_before == rank) {
+            direct_key = key;
+            direct_ties = ties_before;
         }
         __syncthreads();
         prefix = direct_key;

@@ -56,7 +56,7 @@ def select_positions_cuda(
     from them and writes it into ``lse`` (``merge_lse``'s work) instead of reading it.
     ``trace``: phase timestamps [R * H, points, 2] int64 (``trace.py``). ``threads`` per
     CTA, one of ``THREADS``; ``rank_list``: a candidate list of up to that many keys is
-    ranked directly in place of the three radix digits (0: never; at most 4096)."""
+    ranked directly in place of the three radix digits (0: never; at most ``threads``)."""
     rows, heads, bucket = indices.shape
     span = logits.shape[-1]
     if logits.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -77,8 +77,8 @@ def select_positions_cuda(
         raise ValueError(f"batch={batch} must be one of {BATCH}")
     if threads not in THREADS:
         raise ValueError(f"threads={threads} must be one of {THREADS}")
-    if not 0 <= rank_list <= 4096:
-        raise ValueError(f"rank_list={rank_list} must be in [0, 4096] (the list's size)")
+    if not 0 <= rank_list <= threads:
+        raise ValueError(f"rank_list={rank_list} must be in [0, {threads}] (the threads per CTA)")
     states = _split_states(split_states, rows, heads)
     device = logits.device
     int32 = {"dtype": torch.int32, "device": device}

@@ -87,18 +87,18 @@ def stream_splits(
 
 
 def wave_splits(pairs: int, groups: int, most: int, capacity: int, warps: int) -> int:
-    """The split count in [1, most] for a grid of ``pairs`` x splits CTAs of ``warps``
-    warps, ``capacity`` of them running at once, with the least time modelled as waves x
-    (groups per warp + 1): a CTA's warps read their groups side by side, its set-up and
-    end cost about one group more, and a last wave of a few CTAs costs a whole CTA's time.
-    Ties go to more splits (smaller CTAs balance uneven rows)."""
+    """The split count for a grid of ``pairs`` x splits CTAs of ``warps`` warps,
+    ``capacity`` of them running at once: ``most`` unless a count below it takes a tenth
+    less time modelled as waves x (groups per warp + 1) (a CTA's warps read their groups
+    side by side, its set-up and end cost about one group more, and a last wave of a few
+    CTAs costs a whole CTA's time); among the fastest, the most splits."""
 
-    def cost(splits: int) -> tuple[int, int]:
+    def cost(splits: int) -> int:
         waves = math.ceil(pairs * splits / max(1, capacity))
-        per_warp = math.ceil(math.ceil(groups / splits) / warps)
-        return waves * (per_warp + 1), -splits
+        return waves * (math.ceil(math.ceil(groups / splits) / warps) + 1)
 
-    return min(range(1, most + 1), key=cost)
+    best = min(range(1, most + 1), key=lambda s: (cost(s), -s))
+    return best if cost(best) <= 0.9 * cost(most) else most
 
 
 def layer_blocks(store: PackedKVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
