@@ -32,12 +32,12 @@ class QualityRow:
 
 
 ROWS: tuple[E2ERow | QualityRow, ...] = (
-    E2ERow("decode TPOT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "tpot"),
-    E2ERow("decode TPOT, 32K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_32k1_h100_4acd49f.json", "tpot"),
-    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_h100_4acd49f.json", "tpot"),
-    E2ERow("decode TPOT, 32K x 16, KV quantization alone", "decode_v3/bench_e2e_kv_quant_32k16_h100_5cc97c7.json", "tpot"),
-    E2ERow("TTFT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "ttft"),
-    E2ERow("KV bytes held per token, 32K x 16, all on", "decode_v3/bench_e2e_all_on_32k16_h100_099ac3d.json", "kv"),
+    E2ERow("decode TPOT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "tpot"),
+    E2ERow("decode TPOT, 32K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_32k1_h100_d21fd6c.json", "tpot"),
+    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_h100_d21fd6c.json", "tpot"),
+    E2ERow("decode TPOT, 32K x 16, KV quantization alone", "decode_v3/bench_e2e_kv_quant_32k16_h100_d21fd6c.json", "tpot"),
+    E2ERow("TTFT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "ttft"),
+    E2ERow("KV bytes held per token, 32K x 16, all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "kv"),
     QualityRow("quality, evaluation model, all on: Δ bits/byte, top-1", "quality/eval_grid_h200.json", 13, "H200"),
 )  # fmt: skip
 
@@ -112,7 +112,8 @@ def summary(results: Path) -> str:
     of :data:`ROWS` (and :data:`SECOND_RUN_32K16`)."""
     e2e = {row.what: row for row in ROWS if isinstance(row, E2ERow)}
     # each record file read once: several rows quote the same run
-    loaded = {name: _record(results, name) for name in {row.record for row in e2e.values()}}
+    names = dict.fromkeys(row.record for row in e2e.values())  # once each, in table order
+    loaded = {name: _record(results, name) for name in names}
 
     def ratio(what: str, metric: str = "tpot") -> float:
         return _ratio_of(loaded[e2e[what].record], metric)
@@ -176,7 +177,7 @@ def _planned_capacity(results: Path) -> str:
 
 
 # bench capacity on one budget, every variant in one run (the README's served capacity).
-CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_5cc97c7.json"
+CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_d21fd6c.json"
 
 
 def _served_capacity(results: Path) -> str:

@@ -257,23 +257,11 @@ packed_source_values(const ValueParams P) {
         return;
     const i64 pair = row * gridDim.y + head;
     const i64 first_part = row * P.o_row + (i64)head * P.o_head;
-    constexpr int IN_FLIGHT = 8;  // splits' loads issued before any is summed
     for (int d = threadIdx.x; d < D; d += WARPS * 32) {
         float dense = 0.f, contrib = 0.f;
-        for (int s0 = 0; s0 < F.value_splits; s0 += IN_FLIGHT) {
-            float a[IN_FLIGHT], b[IN_FLIGHT];
-#pragma unroll
-            for (int i = 0; i < IN_FLIGHT; ++i) {
-                const i64 at = first_part + (i64)(s0 + i) * P.o_split + d;
-                const bool in = s0 + i < F.value_splits;
-                a[i] = in ? ldcg(P.part_out + at) : 0.f;
-                b[i] = in ? ldcg(P.part_contrib + at) : 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < IN_FLIGHT; ++i) {
-                dense += a[i];
-                contrib += b[i];
-            }
+        for (int s = 0; s < F.value_splits; ++s) {
+            dense += ldcg(P.part_out + first_part + (i64)s * P.o_split + d);
+            contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
         }
         F.output[row * F.output_row + (i64)head * F.output_head + d] = dense;
         F.out[row * F.out_row + (i64)head * F.out_head + d] = float_to_bf16(dense);
