@@ -48,9 +48,9 @@ class SourceTuning:
     the passes is the one-launch CUDA kernel (``select_top_k.py``), or with
     ``one_launch_selection`` off the Triton launches; both select the same keys. With
     ``finish_in_kernel`` the values pass's last CTA of each (row, head) sums its splits
-    (off: the Triton finish launch after it). With ``whole_waves`` a pass takes the split
-    count, up to its ``*_ctas_per_sm``, whose CTAs run in the fewest waves (``wave_splits``:
-    no last wave of a few CTAs). ``select_threads`` and ``rank_list``: the one-launch
+    (off: the Triton finish launch after it). With ``whole_waves`` a pass fits its split
+    count to the CTAs an SM holds (``wave_splits``: fewer splits where a last wave of a few
+    CTAs would cost a tenth more). ``select_threads`` and ``rank_list``: the one-launch
     selection's threads per CTA and the longest candidate list it ranks directly (256: the
     selection 2 µs faster at 8K x 1 on the H100, the same at 32K x 1; results/README.md)."""
 

@@ -38,8 +38,8 @@ class StreamTuning:
     level of a group, so two CTAs fit an SM at four levels); None: at four levels with
     ``split_copy`` unset, units of one level in a ring of three (``chunk_levels``; the
     fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never.
-    ``whole_waves``: the split count, up to ``ctas_per_sm``'s, whose CTAs run in the fewest
-    waves (``wave_splits``: no last wave of a few CTAs)."""
+    ``whole_waves``: the split count fitted to the CTAs an SM holds (``wave_splits``: fewer
+    splits where a last wave of a few CTAs would cost a tenth more)."""
 
     ctas_per_sm: float = 2
     warps: int | None = None
