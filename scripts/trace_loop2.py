@@ -48,10 +48,14 @@ SOURCE_VARIANTS = {
     "whole waves": DEFAULT_SOURCE,
     "whole waves, keys 1 stage": replace(DEFAULT_SOURCE, keys_stages=1),
     "whole waves, values 1 stage": replace(DEFAULT_SOURCE, values_stages=1),
-    **{
-        f"whole waves, lists up to {n} ranked": replace(DEFAULT_SOURCE, rank_list=n)
-        for n in (64, 128, 256, 512)
-    },
+    "whole waves, lists up to 0 ranked": replace(DEFAULT_SOURCE, rank_list=0),
+    "whole waves, page window": replace(DEFAULT_SOURCE, page_window=True),
+    "whole waves, page window, keys 1 stage": replace(
+        DEFAULT_SOURCE, page_window=True, keys_stages=1
+    ),
+    "whole waves, page window, values 1 stage": replace(
+        DEFAULT_SOURCE, page_window=True, values_stages=1
+    ),
 }
 STREAM_VARIANTS = {
     "committed (no whole waves)": replace(DEFAULT_STREAM, whole_waves=False),

@@ -134,3 +134,32 @@ def test_traced_loop2_launches_write_what_untraced_ones_write_and_ordered_points
         for p in range(1, ns.shape[1]):
             both = reached[:, p] & reached[:, p - 1]
             assert bool((ns[both, p] >= ns[both, p - 1]).all()), (kernel, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_split", [False, True])
+def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split):
+    """``page_window`` changes where a copy's page comes from, not the arithmetic: the
+    source's outputs equal the table-lookup build's exactly. With one split a warp reads
+    32 groups of an 8K row, so its window of 16 groups (two levels) turns over."""
+    from dataclasses import replace
+
+    from flashloop_backend.kernels.cuda.packed_source import (
+        DEFAULT_SOURCE,
+        packed_dense_source_cuda,
+    )
+    from tests.test_cuda_kernels import _packed_rows
+
+    context = 8192 if one_split else 4096
+    args, lengths = _packed_rows(2, sparse=False, context=context, tail=40, batch=3)
+    tuning = DEFAULT_SOURCE
+    if one_split:
+        tuning = replace(tuning, keys_ctas_per_sm=0.01, values_ctas_per_sm=0.01)
+    outputs = [
+        packed_dense_source_cuda(
+            *args, lengths, 0.1, 1024, tuning=replace(tuning, page_window=window)
+        )
+        for window in (False, True)
+    ]
+    for got, want in zip(outputs[1], outputs[0], strict=True):
+        assert torch.equal(got, want)

@@ -52,7 +52,10 @@ class SourceTuning:
     count to the CTAs an SM holds (``wave_splits``: fewer splits where a last wave of a few
     CTAs would cost a tenth more). ``select_threads`` and ``rank_list``: the one-launch
     selection's threads per CTA and the longest candidate list it ranks directly (256: the
-    selection 2 µs faster at 8K x 1 on the H100, the same at 32K x 1; results/README.md)."""
+    selection 2 µs faster at 8K x 1 on the H100, the same at 32K x 1; results/README.md).
+    ``page_window``: each warp looks its pages up a window of 32 / levels groups ahead in
+    one load a lane, so no copy waits for a table entry behind the loads in flight (built,
+    not yet run on a GPU: off)."""
 
     keys_ctas_per_sm: float = 4
     keys_stages: int = 2
@@ -64,6 +67,7 @@ class SourceTuning:
     whole_waves: bool = True
     select_threads: int = 1024
     rank_list: int = 256
+    page_window: bool = False
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -168,6 +172,8 @@ def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTu
     }
     if traced:
         defines["TRACE"] = len(POINTS["keys" if which == KEYS else "values"])
+    if tuning.page_window:
+        defines["PAGE_WINDOW"] = 1
     name = "packed_source_keys" if which == KEYS else "packed_source_values"
     shared = shared_bytes(which, levels, group, head_dim, tuning)
     return loader.build_file("packed_source", defines, shared, kernel=name), shared
