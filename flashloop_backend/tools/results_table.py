@@ -138,7 +138,7 @@ def summary(results: Path) -> str:
         f"requests (32K x 16) all on decodes **{fast:.2f}x** dense's speed ({second:.2f}x on "
         f"the {second_gpu}, an earlier kernel revision); at batch 1 it is near dense "
         f"({one_8k:.2f}x at 8K, {one_32k:.2f}x at 32K), where loop 2 (the top-K selection "
-        f"and its two passes over the keys) costs {loop_2:.1f}x a dense loop at 32K. KV "
+        f"and its keys and values passes) costs {loop_2:.1f}x a dense loop at 32K. KV "
         f"quantization alone decodes at {quant:.2f}x dense at 32K x 16.\n"
         f"- **Quality** (`configs/all_on.json`, evaluation model): Δ bits/byte "
         f"{point['delta_bits_per_byte_percent']:+.2f}% against dense, top-1 agreement "
