@@ -60,6 +60,7 @@ SOURCE_VARIANTS = {
 STREAM_VARIANTS = {
     "committed (no whole waves)": replace(DEFAULT_STREAM, whole_waves=False),
     "whole waves": DEFAULT_STREAM,
+    "whole waves, page window": replace(DEFAULT_STREAM, page_window=True),
 }
 
 

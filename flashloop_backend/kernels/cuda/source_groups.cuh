@@ -8,6 +8,7 @@
 //        second skipped for rounds of 8 tokens where no lane's token is taken.
 #pragma once
 #include "common.cuh"
+#include "page_window.cuh"
 
 constexpr int D = HEAD_DIM;
 constexpr int G = GROUP;
@@ -58,39 +59,6 @@ __device__ __forceinline__ void copy_group(unsigned char* stage, const Params& P
     }
 }
 
-// A warp's page numbers looked up a window ahead (built with PAGE_WINDOW): lane j of a
-// window holds the page of group window * PER + j / LEVELS of the warp's list at level
-// j % LEVELS, so a copy takes its page by a shuffle and never waits for a table entry
-// behind the loads already in flight. ``next`` is loaded when a window opens, a whole
-// window before its copies need it.
-struct PageWindow {
-    static constexpr int PER = 32 / LEVELS;  // groups a window covers
-    int now, next, at;                        // entries of windows at and at + 1
-};
-
-// one window's entry of this lane: the warp's groups are first + warp + k WARPS, k < mine;
-// ``dense``: bit l set when level l is dense (others are not copied here)
-template <class Params>
-__device__ __forceinline__ int window_entry(const Params& P, i64 row, unsigned dense, int first,
-                                            int warp, int warps, int mine, int window,
-                                            int lane) {
-    constexpr int PER = PageWindow::PER;
-    const int k = window * PER + lane / LEVELS, l = lane % LEVELS;
-    if (lane >= PER * LEVELS || k >= mine || !(dense >> l & 1u)) return 0;
-    return P.tables[row * P.t_row + (i64)l * P.t_level + first + warp + k * warps];
-}
-
-template <class Params>
-__device__ __forceinline__ PageWindow open_windows(const Params& P, i64 row, unsigned dense,
-                                                   int first, int warp, int warps, int mine,
-                                                   int lane) {
-    PageWindow w;
-    w.at = 0;
-    w.now = window_entry(P, row, dense, first, warp, warps, mine, 0, lane);
-    w.next = window_entry(P, row, dense, first, warp, warps, mine, 1, lane);
-    return w;
-}
-
 // copy_group's copies of the warp's k-th group with its pages from the window (k grows by
 // at most one between calls; the whole warp calls it)
 template <bool VALUES, class Params>
@@ -98,17 +66,11 @@ __device__ __forceinline__ void copy_group_windowed(unsigned char* stage, const 
                                                     i64 row, int kv_head, unsigned dense,
                                                     int first, int warp, int warps, int mine,
                                                     int k, PageWindow& w, int lane) {
-    constexpr int PER = PageWindow::PER;
-    const int window = k / PER;
-    if (window != w.at) {
-        w.now = w.next;
-        w.at = window;
-        w.next = window_entry(P, row, dense, first, warp, warps, mine, window + 1, lane);
-    }
+    advance_window(P, row, dense, first, warp, warps, mine, k, w, lane);
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) {
         if (!(dense >> l & 1u)) continue;
-        const int page = __shfl_sync(FULL_MASK, w.now, (k % PER) * LEVELS + l);
+        const int page = window_page(w, k, l);
         const unsigned char* src = P.blocks + page * P.page_bytes + (i64)kv_head * BLOCK;
         if (VALUES)
             copy_half(stage + l * HALF, src + CODES, src + 2 * CODES + PARAMS, lane);
