@@ -141,7 +141,8 @@ def test_traced_loop2_launches_write_what_untraced_ones_write_and_ordered_points
 def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split):
     """``page_window`` changes where a copy's page comes from, not the arithmetic: the
     source's outputs equal the table-lookup build's exactly. With one split a warp reads
-    32 groups of an 8K row, so its window of 16 groups (two levels) turns over."""
+    64 groups of a 16K row: its window of 16 groups (two levels) turns over three times,
+    twice to a window loaded at a turnover."""
     from dataclasses import replace
 
     from flashloop_backend.kernels.cuda.packed_source import (
@@ -150,14 +151,14 @@ def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split)
     )
     from tests.test_cuda_kernels import _packed_rows
 
-    context = 8192 if one_split else 4096
+    context = 16384 if one_split else 4096
     args, lengths = _packed_rows(2, sparse=False, context=context, tail=40, batch=3)
     tuning = DEFAULT_SOURCE
     if one_split:
         tuning = replace(tuning, keys_ctas_per_sm=0.01, values_ctas_per_sm=0.01)
     outputs = [
         packed_dense_source_cuda(
-            *args, lengths, 0.1, 1024, tuning=replace(tuning, page_window=window)
+            *args, lengths, 0.1, 2048, tuning=replace(tuning, page_window=window)
         )
         for window in (False, True)
     ]
@@ -166,18 +167,19 @@ def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("levels", [1, 2, 3, 4])
 def test_the_streaming_reader_reads_the_same_from_a_page_window(levels):
-    """The loop-1 reader (and a two-level read) with ``page_window``: outputs equal the
-    table-lookup build's bit for bit, at one split of a 16K row, so that a warp's 64 groups
-    turn its window over (32 / levels groups a window)."""
+    """The loop-1 reader (and reads of 2-4 levels, in whole blocks) with ``page_window``:
+    outputs equal the table-lookup build's bit for bit, at one split of a 16K row, so that
+    a warp's 64 groups turn its window of 32 / levels groups over (10 at three levels,
+    with two idle lanes)."""
     from dataclasses import replace
 
     from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, packed_decode_cuda
     from tests.test_cuda_kernels import _packed_rows
 
     args, lengths = _packed_rows(levels, sparse=False, context=16384, tail=40, batch=3)
-    one_split = replace(DEFAULT_STREAM, ctas_per_sm=0.01)
+    one_split = replace(DEFAULT_STREAM, ctas_per_sm=0.01, split_copy=False, level_chunk=0)
     reads = [
         packed_decode_cuda(*args, lengths, tuning=replace(one_split, page_window=window))
         for window in (False, True)
@@ -189,5 +191,5 @@ def test_a_page_window_names_the_copy_it_cannot_take():
     """Three levels copy in K and V halves by default: the window refuses, naming them."""
     from flashloop_backend.kernels.cuda.packed_stream import StreamTuning, _kernel
 
-    with pytest.raises(ValueError, match=r"3 levels copies in K and V halves \(split_copy=None"):
+    with pytest.raises(ValueError, match=r"3 levels copies in K and V halves .*split_copy=False"):
         _kernel(3, 64, 128, StreamTuning(page_window=True))

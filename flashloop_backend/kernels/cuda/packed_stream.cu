@@ -61,6 +61,7 @@ static_assert(ROUNDS % FLUSH_ROUNDS == 0, "whole flushes per group");
 #endif
 constexpr bool CHUNKED = LEVEL_CHUNK > 0;
 constexpr bool HALVES = STAGES == 1 && SPLIT_COPY && !CHUNKED;
+static_assert(!PAGE_WINDOW || (!CHUNKED && !HALVES), "the page window takes whole-block copies");
 constexpr float LOG2E = 1.4426950408889634f;
 // V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
 // weights of tokens far below the page's largest stay normal FP16 numbers, while eight

@@ -147,7 +147,8 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
             raise ValueError(
                 f"page_window takes whole-block copies; a read of {levels} levels copies in "
                 f"{'level units' if chunk else 'K and V halves'} (split_copy="
-                f"{tuning.split_copy}, level_chunk={tuning.level_chunk}; 0 / False: whole blocks)"
+                f"{tuning.split_copy}, level_chunk={tuning.level_chunk}; whole blocks need "
+                "split_copy=False and level_chunk=0)"
             )
         defines["PAGE_WINDOW"] = 1
     shared = shared_bytes(levels, group, head_dim, tuning)
