@@ -169,7 +169,6 @@ def shape_case(context: int, batch: int, gen: torch.Generator) -> dict:
                 *(logits, lse, lengths, indices, RETENTION),
                 split_states=states,
                 trace=trace,
-                threads=t.select_threads,
                 rank_list=t.rank_list,
             )
 

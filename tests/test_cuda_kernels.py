@@ -437,9 +437,9 @@ def _oracle_selection(logits, lengths, retention, bucket):
     [
         {"batch": 4},
         {"batch": 8},
-        {"batch": 4, "threads": 512, "rank_list": 512},
+        {"batch": 4, "rank_list": 512},
         {"batch": 4, "rank_list": 1024},
-        {"batch": 4, "threads": 256, "rank_list": 64},
+        {"batch": 4, "rank_list": 64},
     ],
 )
 def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
@@ -448,7 +448,7 @@ def test_the_one_launch_selection_matches_the_triton_selection_and_the_oracle(
     """Rows of every length class (1, odd, full span), logits continuous, drawn from a few
     values (many ties at the threshold) or constant (every key in one bin: more than the
     candidate list holds at 8192 and 40000, so the digits search the row), in a strided
-    view, under each launch (tiles in flight, threads, lists ranked directly): the CUDA
+    view, under each launch (tiles in flight, lists ranked directly): the CUDA
     selection picks the oracle's positions, the Triton selection's threshold plan, and
     its mass."""
     from flashloop_backend.backends.sparse_state import key_bucket
@@ -506,7 +506,6 @@ def test_the_one_launch_selection_takes_nothing_from_an_empty_row():
         ({"lse": torch.zeros(2, 3)}, r"lse \(2, 3\) must lead with indices' \(rows, heads\) = \(2, 4\)"),
         ({"logits": torch.zeros(2, 4, 128)[..., ::2]}, "unit stride on their last axis"),
         ({"batch": 3}, r"batch=3 must be one of \(4, 8\)"),
-        ({"threads": 300}, r"threads=300 must be one of \(1024, 512, 256\)"),
         ({"rank_list": 2000}, r"rank_list=2000 must be in \[0, 1024\] \(the threads per CTA\)"),
         ({"states": (torch.zeros(2, 4, 3).half(),) * 2}, "split states must be float32"),
         ({"states": (torch.zeros(2, 3, 3),) * 2}, r"\[rows, heads, splits\] with \(rows, heads\) = \(2, 4\)"),
@@ -524,14 +523,12 @@ def test_the_one_launch_selection_names_each_input_it_refuses(change, message):
         "indices": torch.zeros(2, 4, 16, dtype=torch.int32),
         "batch": 4,
         "states": None,
-        "threads": 1024,
         "rank_list": 0,
     } | change
     with pytest.raises(ValueError, match=message):
         select_positions_cuda(
             *(args["logits"], args["lse"], args["lengths"], args["indices"], 0.1, args["batch"]),
             split_states=args["states"],
-            threads=args["threads"],
             rank_list=args["rank_list"],
         )
 

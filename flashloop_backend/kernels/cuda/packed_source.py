@@ -50,9 +50,8 @@ class SourceTuning:
     ``finish_in_kernel`` the values pass's last CTA of each (row, head) sums its splits
     (off: the Triton finish launch after it). With ``whole_waves`` a pass fits its split
     count to the CTAs an SM holds (``wave_splits``: fewer splits where a last wave of a few
-    CTAs would cost a tenth more). ``select_threads`` and ``rank_list``: the one-launch
-    selection's threads per CTA and the longest candidate list it ranks directly (256: the
-    selection 2 µs faster at 8K x 1 on the H100, the same at 32K x 1; results/README.md).
+    CTAs would cost a tenth more). ``rank_list``: the longest candidate list the one-launch
+    selection ranks directly (results/README.md, "Fourteenth session", chose 256).
     ``page_window``: each warp looks its pages up a window of 32 / levels groups ahead in
     one load a lane, so no copy waits for a table entry behind the loads in flight (built,
     not yet run on a GPU: off)."""
@@ -65,7 +64,6 @@ class SourceTuning:
     one_launch_selection: bool = True
     finish_in_kernel: bool = True
     whole_waves: bool = True
-    select_threads: int = 1024
     rank_list: int = 256
     page_window: bool = False
 
@@ -356,7 +354,6 @@ def packed_dense_source_cuda(
             indices,
             key_retention,
             split_states=states,
-            threads=tuning.select_threads,
             rank_list=tuning.rank_list,
         )
     else:

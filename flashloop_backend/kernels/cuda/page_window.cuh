@@ -38,8 +38,8 @@ __device__ __forceinline__ PageWindow open_windows(const Params& P, i64 row, uns
 
 // moves the window on when the warp's k-th group opens the next one. Callers take k = 0,
 // 1, 2, ... in order, as both kernels' rings do: a k that skipped a window would read the
-// window loaded ahead for the wrong groups (reloading there instead costs the keys pass 24
-// registers). The whole warp calls it before taking that group's pages.
+// window loaded ahead for the wrong groups (a reload there would cost the keys pass
+// registers on every path). The whole warp calls it before taking that group's pages.
 template <class Params>
 __device__ __forceinline__ void advance_window(const Params& P, i64 row, unsigned dense,
                                                int first, int warp, int warps, int mine, int k,

@@ -13,7 +13,7 @@ from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.trace import POINTS, traced
 from flashloop_backend.kernels.triton.threshold_select import Selection
 
-THREADS = (1024, 512, 256)  # per CTA; the first is the default
+THREADS = 1024  # per CTA
 # tiles of 32 positions a warp loads before using any: 4 fits the 32 registers a thread
 # has when an SM holds two CTAs; 8 takes more registers and one CTA per SM
 BATCH = (4, 8)
@@ -44,7 +44,6 @@ def select_positions_cuda(
     batch: int = 4,
     split_states: tuple[torch.Tensor, torch.Tensor] | None = None,
     trace: torch.Tensor | None = None,
-    threads: int = THREADS[0],
     rank_list: int = 0,
 ) -> Selection:
     """Top-K selection over ``logits`` [R, H, T] FP32 (each row valid
@@ -54,9 +53,9 @@ def select_positions_cuda(
     tiles in flight per warp, one of ``BATCH``. With ``split_states`` (the keys pass's
     part_max and part_sum [R, H, S] FP32, natural log) the kernel merges each row's lse
     from them and writes it into ``lse`` (``merge_lse``'s work) instead of reading it.
-    ``trace``: phase timestamps [R * H, points, 2] int64 (``trace.py``). ``threads`` per
-    CTA, one of ``THREADS``; ``rank_list``: a candidate list of up to that many keys is
-    ranked directly in place of the three radix digits (0: never; at most ``threads``)."""
+    ``trace``: phase timestamps [R * H, points, 2] int64 (``trace.py``). ``rank_list``: a
+    candidate list of up to that many keys is ranked directly in place of the three radix
+    digits (0: never; at most ``THREADS``)."""
     rows, heads, bucket = indices.shape
     span = logits.shape[-1]
     if logits.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -75,10 +74,8 @@ def select_positions_cuda(
         raise ValueError("logits, lse and indices must have unit stride on their last axis")
     if batch not in BATCH:
         raise ValueError(f"batch={batch} must be one of {BATCH}")
-    if threads not in THREADS:
-        raise ValueError(f"threads={threads} must be one of {THREADS}")
-    if not 0 <= rank_list <= threads:
-        raise ValueError(f"rank_list={rank_list} must be in [0, {threads}] (the threads per CTA)")
+    if not 0 <= rank_list <= THREADS:
+        raise ValueError(f"rank_list={rank_list} must be in [0, {THREADS}] (the threads per CTA)")
     states = _split_states(split_states, rows, heads)
     device = logits.device
     int32 = {"dtype": torch.int32, "device": device}
@@ -97,14 +94,14 @@ def select_positions_cuda(
         *(ratio_num, ratio_den, bucket),
         *states,
     )
-    defines = {"THREADS": threads, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
+    defines = {"THREADS": THREADS, "BATCH": batch, "MIN_CTAS": 2 if batch == 4 else 1}
     if rank_list:
         defines["RANK_LIST"] = rank_list
     if trace is not None:
         defines["TRACE"] = len(POINTS["select"])
         params = traced(params, trace, rows * heads, "select")
     kernel = loader.build_file("select_top_k", defines)
-    kernel((heads, rows, 1), (threads, 1, 1), [params])
+    kernel((heads, rows, 1), (THREADS, 1, 1), [params])
     return selection
 
 
