@@ -44,23 +44,13 @@ from flashloop_backend.tools.bench.timing import graph_ms
 
 RETENTION = 0.10
 SOURCE_VARIANTS = {
-    "committed (no whole waves)": replace(DEFAULT_SOURCE, whole_waves=False),
-    "whole waves": DEFAULT_SOURCE,
-    "whole waves, keys 1 stage": replace(DEFAULT_SOURCE, keys_stages=1),
-    "whole waves, values 1 stage": replace(DEFAULT_SOURCE, values_stages=1),
-    "whole waves, lists up to 0 ranked": replace(DEFAULT_SOURCE, rank_list=0),
-    "whole waves, page window": replace(DEFAULT_SOURCE, page_window=True),
-    "whole waves, page window, keys 1 stage": replace(
-        DEFAULT_SOURCE, page_window=True, keys_stages=1
-    ),
-    "whole waves, page window, values 1 stage": replace(
-        DEFAULT_SOURCE, page_window=True, values_stages=1
-    ),
+    "committed": DEFAULT_SOURCE,
+    "no page window": replace(DEFAULT_SOURCE, page_window=False),
+    "keys 1 stage": replace(DEFAULT_SOURCE, keys_stages=1),
+    "values 1 stage": replace(DEFAULT_SOURCE, values_stages=1),
 }
 STREAM_VARIANTS = {
-    "committed (no whole waves)": replace(DEFAULT_STREAM, whole_waves=False),
-    "whole waves": DEFAULT_STREAM,
-    "whole waves, page window": replace(DEFAULT_STREAM, page_window=True),
+    "committed": DEFAULT_STREAM,
 }
 
 

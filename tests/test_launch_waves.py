@@ -164,32 +164,3 @@ def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split)
     ]
     for got, want in zip(outputs[1], outputs[0], strict=True):
         assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("levels", [1, 2, 3, 4])
-def test_the_streaming_reader_reads_the_same_from_a_page_window(levels):
-    """The loop-1 reader (and reads of 2-4 levels, in whole blocks) with ``page_window``:
-    outputs equal the table-lookup build's bit for bit, at one split of a 16K row, so that
-    a warp's 64 groups turn its window of 32 / levels groups over (10 at three levels,
-    with two idle lanes)."""
-    from dataclasses import replace
-
-    from flashloop_backend.kernels.cuda.packed_stream import DEFAULT_STREAM, packed_decode_cuda
-    from tests.test_cuda_kernels import _packed_rows
-
-    args, lengths = _packed_rows(levels, sparse=False, context=16384, tail=40, batch=3)
-    one_split = replace(DEFAULT_STREAM, ctas_per_sm=0.01, split_copy=False, level_chunk=0)
-    reads = [
-        packed_decode_cuda(*args, lengths, tuning=replace(one_split, page_window=window))
-        for window in (False, True)
-    ]
-    assert torch.equal(reads[1], reads[0])
-
-
-def test_a_page_window_names_the_copy_it_cannot_take():
-    """Three levels copy in K and V halves by default: the window refuses, naming them."""
-    from flashloop_backend.kernels.cuda.packed_stream import StreamTuning, _kernel
-
-    with pytest.raises(ValueError, match=r"3 levels copies in K and V halves .*split_copy=False"):
-        _kernel(3, 64, 128, StreamTuning(page_window=True))

@@ -53,8 +53,8 @@ class SourceTuning:
     CTAs would cost a tenth more). ``rank_list``: the longest candidate list the one-launch
     selection ranks directly (results/README.md, "Fourteenth session", chose 256).
     ``page_window``: each warp looks its pages up a window of 32 / levels groups ahead in
-    one load a lane, so no copy waits for a table entry behind the loads in flight (built,
-    not yet run on a GPU: off)."""
+    one load a lane, so no copy waits for a table entry behind the loads in flight
+    (results/README.md, "Fifteenth session")."""
 
     keys_ctas_per_sm: float = 4
     keys_stages: int = 2
@@ -65,7 +65,7 @@ class SourceTuning:
     finish_in_kernel: bool = True
     whole_waves: bool = True
     rank_list: int = 256
-    page_window: bool = False
+    page_window: bool = True
 
 
 DEFAULT_SOURCE = SourceTuning()

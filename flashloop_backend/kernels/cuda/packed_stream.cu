@@ -22,7 +22,6 @@
 //     tokens of its own (its 8 tokens of a group: the products are all >= 0, so the FP16
 //     sums' rounding stays below the BF16 output's).
 #include "common.cuh"
-#include "page_window.cuh"
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -56,12 +55,8 @@ static_assert(ROUNDS % FLUSH_ROUNDS == 0, "whole flushes per group");
 #ifndef RING_UNITS
 #define RING_UNITS 3                      // copy units a warp's ring holds (with LEVEL_CHUNK)
 #endif
-#ifndef PAGE_WINDOW
-#define PAGE_WINDOW 0  // whole-block copies: pages from a window loaded ahead (PageWindow)
-#endif
 constexpr bool CHUNKED = LEVEL_CHUNK > 0;
 constexpr bool HALVES = STAGES == 1 && SPLIT_COPY && !CHUNKED;
-static_assert(!PAGE_WINDOW || (!CHUNKED && !HALVES), "the page window takes whole-block copies");
 constexpr float LOG2E = 1.4426950408889634f;
 // V weights p * scale go to FP16 times this (and the FP32 sums come back divided by it):
 // weights of tokens far below the page's largest stay normal FP16 numbers, while eight
@@ -181,21 +176,14 @@ packed_stream(const Params P) {
     // ---- packed groups: this warp's are first + warp, first + warp + WARPS, ...
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
-    unsigned dense = 0;
-#pragma unroll
-    for (int l = 0; l < LEVELS; ++l) dense |= kinds[l] == 0 ? 1u << l : 0u;
-    PageWindow window;
-    if (PAGE_WINDOW) window = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
     auto issue = [&](int k) {  // copy the blocks of the warp's k-th group into its stage
         if (k < mine) {
             const int group = first + warp + k * WARPS;
             unsigned char* stage = ring + (k % STAGES) * (LEVELS * BLOCK);
-            if (PAGE_WINDOW) advance_window(P, row, dense, first, warp, WARPS, mine, k, window, lane);
 #pragma unroll
             for (int l = 0; l < LEVELS; ++l) {
                 if (kinds[l] != 0) continue;
-                const int page = PAGE_WINDOW ? window_page(window, k, l)
-                                             : P.tables[row * P.t_row + (i64)l * P.t_level + group];
+                const int page = P.tables[row * P.t_row + (i64)l * P.t_level + group];
                 const unsigned char* src = P.blocks + page * P.page_bytes + (i64)kv_head * BLOCK;
 #pragma unroll
                 for (int c = 0; c < BLOCK / 512; ++c)

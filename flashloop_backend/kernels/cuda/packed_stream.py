@@ -39,9 +39,7 @@ class StreamTuning:
     ``split_copy`` unset, units of one level in a ring of three (``chunk_levels``; the
     fastest at 32K x 16 on the H100, results/README.md, "Eleventh session"); 0: never.
     ``whole_waves``: the split count fitted to the CTAs an SM holds (``wave_splits``: fewer
-    splits where a last wave of a few CTAs would cost a tenth more). ``page_window``: with
-    whole-block copies, each warp looks its pages up a window of 32 / levels groups ahead,
-    one load a lane (built, not yet run on a GPU: off)."""
+    splits where a last wave of a few CTAs would cost a tenth more)."""
 
     ctas_per_sm: float = 2
     warps: int | None = None
@@ -50,7 +48,6 @@ class StreamTuning:
     level_chunk: int | None = None
     ring_units: int = 3
     whole_waves: bool = True
-    page_window: bool = False
 
 
 DEFAULT_STREAM = StreamTuning()
@@ -142,15 +139,6 @@ def _kernel(levels: int, group: int, head_dim: int, tuning: StreamTuning) -> loa
     chunk = chunk_levels(levels, tuning)
     if chunk:  # a ring size without units would only build the same kernel again
         defines |= {"LEVEL_CHUNK": chunk, "RING_UNITS": tuning.ring_units}
-    if tuning.page_window:
-        if chunk or defines["SPLIT_COPY"]:
-            raise ValueError(
-                f"page_window takes whole-block copies; a read of {levels} levels copies in "
-                f"{'level units' if chunk else 'K and V halves'} (split_copy="
-                f"{tuning.split_copy}, level_chunk={tuning.level_chunk}; whole blocks need "
-                "split_copy=False and level_chunk=0)"
-            )
-        defines["PAGE_WINDOW"] = 1
     shared = shared_bytes(levels, group, head_dim, tuning)
     return loader.build_file("packed_stream", defines, shared)
 

@@ -1,5 +1,5 @@
 // A warp's page numbers looked up a window ahead, for the streaming kernels built with
-// PAGE_WINDOW (packed_source.cu, packed_stream.cu). The including file defines LEVELS and
+// PAGE_WINDOW (the loop-2 passes of packed_source.cu). The including file defines LEVELS and
 // a Params with tables, t_row and t_level.
 #pragma once
 #include "common.cuh"
