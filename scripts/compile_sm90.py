@@ -344,7 +344,7 @@ def _dense_kernels() -> bool:
         )
     for lse, correct in ((False, False), (True, False), (False, True)):
         shape = dict(SPLIT_BLOCK=16, HEAD_DIM=128, STORE_LSE=lse, CORRECT=correct)
-        merge = {"out_ptr": "*bf16"}
+        merge = {"out_ptr": "*bf16", "serves_ptr": "*i8"}
         ok &= _compile(
             f"merge_splits STORE_LSE={lse} CORRECT={correct}",
             merge_splits_kernel,
@@ -353,6 +353,9 @@ def _dense_kernels() -> bool:
             shape,
             4,
         )
+    serving = dict(SPLIT_BLOCK=16, HEAD_DIM=128, STORE_LSE=False, CORRECT=True, SERVES=True)
+    merge = {"out_ptr": "*bf16", "serves_ptr": "*i8"}
+    ok &= _compile("merge_splits CORRECT SERVES", merge_splits_kernel, merge, set(), serving, 4)
     lse_only = dict(SPLIT_BLOCK=16, HEAD_DIM=16, STORE_LSE=True, CORRECT=False, STORE_OUT=False)
     ok &= _compile("merge_splits STORE_OUT=False", merge_splits_kernel, {}, set(), lse_only, 4)
     shape = dict(GROUP=1, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_K=64, DOT_PRECISION="tf32")

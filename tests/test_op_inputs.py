@@ -83,11 +83,19 @@ def test_inputs_call_the_implementation_in_the_protocols_order(cls):
     inputs.call(fn)
     expected = [named[name] for name in _argument_names(PROTOCOL[cls].__call__)]
     assert list(seen[0]) == expected
-    # verification groups travel by keyword, to a kernel declaring grouped_verify_rows only
-    grouped = {"row_spans": "<row_spans>", "max_span": "<max_span>"}
-    assert keywords[0] == (grouped if cls is PagedInputs else {})
+    # verification groups and a correction's base travel by keyword, to a kernel declaring
+    # grouped_verify_rows or correction_into_base only
+    by_keyword = {
+        PagedInputs: {"row_spans": "<row_spans>", "max_span": "<max_span>"},
+        CorrectionInputs: {"base": "<base>", "serves": "<serves>"},
+        PackedCorrectionInputs: {"base": "<base>", "serves": "<serves>"},
+    }
+    assert keywords[0] == by_keyword.get(cls, {})
     if cls is PagedInputs:
         dataclasses.replace(inputs, row_spans=None).call(fn)
+        assert keywords[1] == {} and list(seen[1]) == expected
+    if cls is CorrectionInputs:
+        dataclasses.replace(inputs, base=None, serves=None).call(fn)
         assert keywords[1] == {} and list(seen[1]) == expected
 
 

@@ -34,6 +34,7 @@ from flashloop_backend.kernels.op_inputs import (
     PackedKV,
     PagedInputs,
     SourceInputs,
+    into_base,
     over_packed,
 )
 from flashloop_backend.kernels.op_protocols import OpName
@@ -234,6 +235,9 @@ class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
         out = None
         for op, choice, n in self._runs(view, plan):
             mine, inputs = self._op_inputs(op, n, layer, gathered_q, key_cache, value_cache, scale)
+            merges = out is not None and self._merges_into_base(op, choice, out[:n])
+            if merges:  # the correction writes its rows into the base: no where launch
+                inputs = into_base(inputs, out[:n], mine)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
                 rows = routing.source_rows(states, n, mine)
@@ -246,10 +250,20 @@ class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
                 # with zeros: its output is the base
                 out = result
                 continue
+            if merges:
+                continue
             if out is None:
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
         return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
+
+    @staticmethod
+    def _merges_into_base(op: OpName, choice: KernelChoice, base: torch.Tensor) -> bool:
+        """Whether ``op`` writes the rows it serves into the batch's ``base`` output itself:
+        a correction whose kernel declares ``correction_into_base``, over a contiguous base."""
+        declared = choice.impl.support.capabilities
+        into = Capability.CORRECTION_INTO_BASE in declared and base.is_contiguous()
+        return op in CORRECTION_OPS and into
 
     def _planned(self, view: BatchView) -> tuple[BatchPlan, PlanRouting]:
         """The batch's plan and routing, made at its first layer and reused by the others."""

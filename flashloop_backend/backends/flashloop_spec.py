@@ -35,6 +35,7 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     # only decode steps are captured (DESIGN §4): sparse prefill runs eagerly, so graph
     # safety is asked of the sparse decode ops alone
     Capability.GRAPH_SAFE_SPARSE: (OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION),
+    Capability.CORRECTION_INTO_BASE: (OpName.SPARSE_CORRECTION,),
     Capability.DEVICE_POSITIONS: None,
     Capability.PACKED_PREFILL: None,
     # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,

@@ -16,6 +16,8 @@ class Capability(str, Enum):
     DEVICE_POSITIONS = "device_positions"  # positions/depths stay on the device, no host reads
     # one program computes a verification group's rows, reading their shared keys once
     GROUPED_VERIFY_ROWS = "grouped_verify_rows"
+    # a correction writes the rows it serves into the batch's output in place (base, serves)
+    CORRECTION_INTO_BASE = "correction_into_base"
     # vllm-rlt's existing BackendCapabilities flags
     PACKED_PREFILL = "packed_prefill"
     CUDA_GRAPHS = "cuda_graphs"

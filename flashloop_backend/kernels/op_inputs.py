@@ -8,7 +8,7 @@ outputs, read packed KV, or give the batch's base output.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -97,7 +97,10 @@ class CorrectionInputs:
     q [R, Hq, D]; key_cache, value_cache [NB, BS, Hkv, D]; block_tables [R, MB] int32;
     indices [R, Hq, Kb] int32 absolute positions in increasing order (-1 in the unused
     slots after them); mass [R, Hq], output and
-    contribution [R, Hq, D], FP32 (the loop-2 statistics); scale None: 1 / sqrt(D)."""
+    contribution [R, Hq, D], FP32 (the loop-2 statistics); scale None: 1 / sqrt(D).
+    base [R, Hq, D] and serves [R] bool, both or neither (an implementation declaring
+    ``correction_into_base``): the rows where serves holds are written into base, which
+    the op returns."""
 
     q: torch.Tensor
     key_cache: torch.Tensor
@@ -108,6 +111,16 @@ class CorrectionInputs:
     output: torch.Tensor
     contribution: torch.Tensor
     scale: float | None = None
+    base: torch.Tensor | None = None
+    serves: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.base is None) != (self.serves is None):
+            raise ValueError("base and serves go together: give both or neither")
+
+    def into_base(self) -> dict[str, torch.Tensor]:
+        """The keywords that write into ``base`` (none without it)."""
+        return {} if self.base is None else {"base": self.base, "serves": self.serves}
 
     def call(self, fn: SparseCorrection) -> torch.Tensor:
         """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
@@ -121,6 +134,7 @@ class CorrectionInputs:
             self.output,
             self.contribution,
             self.scale,
+            **self.into_base(),
         )
 
 
@@ -216,6 +230,7 @@ class PackedCorrectionInputs:
             p.output,
             p.contribution,
             p.scale,
+            **p.into_base(),
         )
 
 
@@ -266,6 +281,16 @@ _OVER_PACKED: Mapping[type[PagedOpInputs], type[PackedOpInputs]] = MappingProxyT
         CorrectionInputs: PackedCorrectionInputs,
     }
 )
+
+
+def into_base(
+    inputs: CorrectionInputs | PackedCorrectionInputs, base: torch.Tensor, serves: torch.Tensor
+) -> CorrectionInputs | PackedCorrectionInputs:
+    """A correction's ``inputs`` that write the rows where ``serves`` [R] bool holds into
+    ``base`` [R, Hq, D] (the capability ``correction_into_base``)."""
+    if isinstance(inputs, PackedCorrectionInputs):
+        return replace(inputs, paged=replace(inputs.paged, base=base, serves=serves))
+    return replace(inputs, base=base, serves=serves)
 
 
 def over_packed(kv: PackedKV, paged: PagedOpInputs) -> PackedOpInputs:

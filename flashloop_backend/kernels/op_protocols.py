@@ -97,7 +97,10 @@ class SparseCorrection(Protocol):
     [R, Hq], output and contribution [R, Hq, D], FP32 (``dense_source``'s statistics);
     paged inputs as :class:`PagedAttention`. A (row, head) with no selected key (all -1)
     returns O_ref - C_ref: the softmax term of an empty S is zero, as m is. Returns
-    [R, Hq, D] in q's dtype."""
+    [R, Hq, D] in q's dtype. An implementation declaring ``correction_into_base`` also
+    takes keywords ``base`` [R, Hq, D] (q's dtype, contiguous) and ``serves`` [R] bool:
+    it writes the rows where ``serves`` holds into ``base``, leaves the others as they
+    are, and returns ``base``."""
 
     def __call__(
         self,

@@ -78,3 +78,25 @@ def tensor_versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
     if any(t.is_inference() for t in tensors):
         return None
     return tuple(t._version for t in tensors)
+
+
+def correction_target(
+    q: torch.Tensor, base: torch.Tensor | None, serves: torch.Tensor | None
+) -> torch.Tensor:
+    """Where a correction merges into: ``base`` [R, Hq, D] (q's shape and dtype,
+    contiguous; written in place at the rows where ``serves`` [R] bool holds) or a new
+    tensor like ``q``."""
+    if (base is None) != (serves is None):
+        raise ValueError("base and serves go together: give both or neither")
+    if base is None:
+        return torch.empty_like(q)
+    if base.shape != q.shape or base.dtype != q.dtype or not base.is_contiguous():
+        raise ValueError(
+            f"base must be contiguous {tuple(q.shape)} {q.dtype} like q; got "
+            f"{tuple(base.shape)} {base.dtype} (contiguous: {base.is_contiguous()})"
+        )
+    if serves.dtype != torch.bool or serves.shape != q.shape[:1]:
+        raise ValueError(
+            f"serves must be [{q.shape[0]}] bool; got {tuple(serves.shape)} {serves.dtype}"
+        )
+    return base

@@ -59,6 +59,17 @@ SPARSE = Support(
     capabilities=PACKED.capabilities | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
 )
 
+# a correction merges into the batch's output at the rows it serves
+CORRECTION = Support(
+    devices=SPARSE.devices,
+    dtypes=SPARSE.dtypes,
+    head_dims=SPARSE.head_dims,
+    block_sizes=SPARSE.block_sizes,
+    min_compute_capability=SPARSE.min_compute_capability,
+    python_modules=SPARSE.python_modules,
+    capabilities=SPARSE.capabilities | {Capability.CORRECTION_INTO_BASE},
+)
+
 
 def provider() -> KernelProvider:
     return KernelProvider(
@@ -75,7 +86,7 @@ def provider() -> KernelProvider:
             OpName.PACKED_DECODE: KernelImpl(OpName.PACKED_DECODE, _packed_decode, PACKED),
             OpName.PACKED_SOURCE: KernelImpl(OpName.PACKED_SOURCE, _packed_source, SPARSE),
             OpName.PACKED_CORRECTION: KernelImpl(
-                OpName.PACKED_CORRECTION, _packed_correction, SPARSE
+                OpName.PACKED_CORRECTION, _packed_correction, CORRECTION
             ),
         },
     )

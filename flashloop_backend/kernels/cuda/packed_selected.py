@@ -14,7 +14,12 @@ from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.packed_stream import unsupported
 from flashloop_backend.kernels.triton.packed_decode import check_packed_inputs
 from flashloop_backend.kernels.triton.packed_sparse import check_selected_indices, packed_key_splits
-from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import (
+    merge_splits,
+    sm_count,
+    split_buffers,
+)
+from flashloop_backend.kernels.validate import correction_target
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -164,10 +169,14 @@ def packed_sparse_correction_cuda(
     output,
     contribution,
     scale=None,
+    base=None,
+    serves=None,
     tuning: SelectedTuning = DEFAULT_SELECTED,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S over the selected keys
-    ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``)."""
+    ``indices`` [R, Hq, Kb] read at the rows' depth (``PackedSparseCorrection``; into
+    ``base`` at the rows where ``serves`` holds, when given)."""
+    out = correction_target(q, base, serves)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     parts = packed_selected_parts_cuda(
         q,
@@ -182,4 +191,4 @@ def packed_sparse_correction_cuda(
         tuning=tuning,
     )
     correction = (output.float().contiguous(), contribution.float().contiguous(), mass.float())
-    return merge_splits(*parts, torch.empty_like(q), correction=correction)
+    return merge_splits(*parts, out, correction=correction, serves=serves)

@@ -3,6 +3,8 @@ implementation is tested against (``torch_reference`` in configs and reports).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashloop_backend._version import __version__
@@ -60,6 +62,14 @@ def provider() -> KernelProvider:
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
     from flashloop_backend.kv.codec import encode_levels_chain
 
+    into_base = {Capability.CORRECTION_INTO_BASE}
+    correction = dataclasses.replace(
+        SPARSE_DECODE_SUPPORT, capabilities=SPARSE_DECODE_SUPPORT.capabilities | into_base
+    )
+    packed_correction = dataclasses.replace(
+        PACKED_SPARSE_SUPPORT, capabilities=PACKED_SPARSE_SUPPORT.capabilities | into_base
+    )
+
     return KernelProvider(
         name="torch_reference",
         version=__version__,
@@ -73,7 +83,7 @@ def provider() -> KernelProvider:
                 OpName.DENSE_SOURCE, dense_source, SPARSE_DECODE_SUPPORT
             ),
             OpName.SPARSE_CORRECTION: KernelImpl(
-                OpName.SPARSE_CORRECTION, sparse_correction, SPARSE_DECODE_SUPPORT
+                OpName.SPARSE_CORRECTION, sparse_correction, correction
             ),
             OpName.PACKED_DECODE: KernelImpl(
                 OpName.PACKED_DECODE, packed_decode_reference, PACKED_SUPPORT
@@ -85,7 +95,7 @@ def provider() -> KernelProvider:
                 OpName.PACKED_SOURCE, packed_dense_source, PACKED_SPARSE_SUPPORT
             ),
             OpName.PACKED_CORRECTION: KernelImpl(
-                OpName.PACKED_CORRECTION, packed_sparse_correction, PACKED_SPARSE_SUPPORT
+                OpName.PACKED_CORRECTION, packed_sparse_correction, packed_correction
             ),
         },
     )

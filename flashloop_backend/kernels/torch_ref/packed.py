@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashloop_backend.kernels.validate import correction_target
 from flashloop_backend.kv.layout import nibble_of_channel, param_slot
 from flashloop_backend.kv.levels import LevelKind, LevelMetadata
 
@@ -223,10 +224,18 @@ def packed_sparse_correction(
     output: torch.Tensor,
     contribution: torch.Tensor,
     scale: float | None = None,
+    base: torch.Tensor | None = None,
+    serves: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_correction`` over packed KV: the selected keys read from the reconstructed
     history of this depth (only those positions enter the softmax; arguments as
-    :class:`~.ops.PackedSparseCorrection`). Returns [R, Hq, D] in q's dtype."""
+    :class:`~.ops.PackedSparseCorrection`). Returns [R, Hq, D] in q's dtype: ``base``
+    with the rows where ``serves`` holds written, when given."""
+    if base is not None or serves is not None:
+        target = correction_target(q, base, serves)
+        paged = (key_cache, value_cache, block_tables, indices, mass, output, contribution)
+        corrected = packed_sparse_correction(q, store, layer, meta, *paged, scale)
+        return torch.where(serves[:, None, None], corrected, target, out=target)
 
     def run(q, meta, block_tables, indices, mass, output, contribution):
         return _correction_rows(

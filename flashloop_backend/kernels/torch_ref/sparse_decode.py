@@ -9,7 +9,7 @@ import math
 import torch
 
 from flashloop_backend.algorithms import key_retention_fraction
-from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kernels.validate import check_paged_inputs, correction_target
 
 CHUNK_ELEMENTS = 4 * 1024 * 1024
 
@@ -123,11 +123,28 @@ def source_statistics(
 
 
 def sparse_correction(
-    q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale=None
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale=None,
+    base=None,
+    serves=None,
 ):
     """Later-loop decode: O = O_ref - C_ref + m * softmax(q k_S^T) v_S with k_S, v_S read
     from this depth's pages at the absolute positions ``indices`` [R, Hq, Kb] (-1 unused).
-    Returns [R, Hq, D] in q's dtype."""
+    Returns [R, Hq, D] in q's dtype: ``base`` with the rows where ``serves`` holds
+    written, when given (``correction_into_base``)."""
+    if base is not None or serves is not None:
+        target = correction_target(q, base, serves)
+        corrected = sparse_correction(
+            q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale
+        )
+        return torch.where(serves[:, None, None], corrected, target, out=target)
     rows, num_q_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

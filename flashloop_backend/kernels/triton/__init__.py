@@ -147,8 +147,12 @@ def provider() -> KernelProvider:
         OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, _sparse_prefill, SUPPORT),
         OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, _sparse_prefill, SUPPORT),
     }
+    into_base = {Capability.CORRECTION_INTO_BASE}
+    correction = dataclasses.replace(
+        SPARSE_SUPPORT, capabilities=SPARSE_SUPPORT.capabilities | into_base
+    )
     impl[OpName.SPARSE_CORRECTION] = KernelImpl(
-        OpName.SPARSE_CORRECTION, _sparse_correction, SPARSE_SUPPORT
+        OpName.SPARSE_CORRECTION, _sparse_correction, correction
     )
     impl[OpName.DENSE_SOURCE] = KernelImpl(OpName.DENSE_SOURCE, _dense_source, SPARSE_SUPPORT)
     packed = Support(
@@ -171,8 +175,11 @@ def provider() -> KernelProvider:
         | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
     )
     impl[OpName.PACKED_SOURCE] = KernelImpl(OpName.PACKED_SOURCE, _packed_source, packed_sparse)
+    packed_correction = dataclasses.replace(
+        packed_sparse, capabilities=packed_sparse.capabilities | into_base
+    )
     impl[OpName.PACKED_CORRECTION] = KernelImpl(
-        OpName.PACKED_CORRECTION, _packed_correction, packed_sparse
+        OpName.PACKED_CORRECTION, _packed_correction, packed_correction
     )
     return KernelProvider(
         name="triton",

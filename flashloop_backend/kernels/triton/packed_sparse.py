@@ -20,13 +20,18 @@ from flashloop_backend.kernels.triton.packed_decode import (
     packed_span,
     uses_ptx,
 )
-from flashloop_backend.kernels.triton.paged_decode import merge_splits, next_pow2, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import (
+    merge_splits,
+    next_pow2,
+    split_buffers,
+)
 from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,
     select_top_keys,
     source_outputs,
 )
+from flashloop_backend.kernels.validate import correction_target
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -183,12 +188,16 @@ def packed_sparse_correction_triton(
     output,
     contribution,
     scale=None,
+    base=None,
+    serves=None,
     block_n: int = BLOCK_N,
     num_warps: int = SELECTED_WARPS,
     programs: int = SELECTED_PROGRAMS,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S with k_S, v_S reconstructed at
-    ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype."""
+    ``indices`` [R, Hq, Kb] only, in registers. Returns [R, Hq, D] in q's dtype: ``base``
+    with the rows where ``serves`` holds written, when given (``correction_into_base``)."""
+    out = correction_target(q, base, serves)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     parts = packed_selected_parts(
         q,
@@ -204,9 +213,8 @@ def packed_sparse_correction_triton(
         num_warps=num_warps,
         programs=programs,
     )
-    return merge_splits(
-        *parts, torch.empty_like(q), correction=_correction_terms(output, contribution, mass)
-    )
+    terms = _correction_terms(output, contribution, mass)
+    return merge_splits(*parts, out, correction=terms, serves=serves)
 
 
 def packed_dense_source_triton(

@@ -73,11 +73,13 @@ def merge_splits(
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
     correction: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    serves: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combine split partial states into ``out`` [R, H, D] (rows with no key give 0) and,
     if given, the natural-log LSE [R, H] of the scaled logits. ``correction`` = (output
     [R, H, D], contribution [R, H, D], mass [R, H]), all FP32, turns the merged sparse
-    softmax into the sparse correction output - contribution + mass * merged."""
+    softmax into the sparse correction output - contribution + mass * merged. ``serves``
+    [R] bool: only those rows of ``out`` are written (the others keep what they hold)."""
     from flashloop_backend.kernels.triton.paged_decode_jit import merge_splits_kernel
 
     rows, heads, splits, head_dim = part_out.shape
@@ -93,6 +95,8 @@ def merge_splits(
         raise ValueError(
             f"merge_splits needs unit stride in the last dimension; got strides {strided}"
         )
+    if serves is not None and (serves.dtype != torch.bool or serves.shape != (rows,)):
+        raise ValueError(f"serves must be [{rows}] bool; got {tuple(serves.shape)} {serves.dtype}")
     merge_splits_kernel[(rows, heads)](
         part_out,
         part_max,
@@ -102,6 +106,7 @@ def merge_splits(
         ref,
         contrib,
         mass,
+        serves.contiguous().view(torch.int8) if serves is not None else part_max,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -120,6 +125,7 @@ def merge_splits(
         HEAD_DIM=head_dim,
         STORE_LSE=lse is not None,
         CORRECT=correction is not None,
+        SERVES=serves is not None,
     )
     return out
 
@@ -141,6 +147,7 @@ def merge_lse(part_max: torch.Tensor, part_sum: torch.Tensor, lse: torch.Tensor)
             part_sum,
             unused,
             lse,
+            unused,
             unused,
             unused,
             unused,

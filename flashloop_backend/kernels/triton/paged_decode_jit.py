@@ -188,6 +188,7 @@ def merge_splits_kernel(
     ref_ptr,
     contrib_ptr,
     mass_ptr,
+    serves_ptr,
     stride_pr,
     stride_ph,
     stride_ps,
@@ -207,11 +208,14 @@ def merge_splits_kernel(
     STORE_LSE: tl.constexpr,
     CORRECT: tl.constexpr,
     STORE_OUT: tl.constexpr = True,
+    SERVES: tl.constexpr = False,
 ):
     """One (row, query head): combine split partial states; rows with no key give 0.
     With CORRECT the result is the sparse correction ref - contrib + mass * merged.
-    Without STORE_OUT only the LSE: the states of a pass that sums no values. The splits
-    go SPLIT_BLOCK at a time, so one variant serves every split count."""
+    Without STORE_OUT only the LSE: the states of a pass that sums no values. With SERVES
+    the output is stored only for rows whose serves [R] int8 is nonzero (the others keep
+    what out holds). The splits go SPLIT_BLOCK at a time, so one variant serves every
+    split count."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLIT_BLOCK)
@@ -247,7 +251,11 @@ def merge_splits_kernel(
             contrib = tl.load(contrib_ptr + row * stride_cr + head * stride_ch + d)
             out = ref - contrib + tl.load(mass_ptr + row * stride_sr + head) * out
         out_row = out_ptr + row * stride_or + head * stride_oh
-        tl.store(out_row + d, out.to(out_ptr.dtype.element_ty))
+        if SERVES:
+            keep = (d < HEAD_DIM) & (tl.load(serves_ptr + row) != 0)
+            tl.store(out_row + d, out.to(out_ptr.dtype.element_ty), mask=keep)
+        else:
+            tl.store(out_row + d, out.to(out_ptr.dtype.element_ty))
     if STORE_LSE:  # natural-log log-sum-exp of the scaled logits (-inf for rows with no key)
         lse = tl.where(denom > 0, safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
         tl.store(lse_ptr + row * stride_lr + head, lse)

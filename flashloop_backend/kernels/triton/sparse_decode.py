@@ -7,7 +7,12 @@ import math
 
 import torch
 
-from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
+from flashloop_backend.kernels.triton.paged_decode import (
+    merge_splits,
+    sm_count,
+    split_buffers,
+)
+from flashloop_backend.kernels.validate import correction_target
 
 KEYS_PER_SPLIT_MIN = 64
 PROGRAMS_PER_SM = 2
@@ -25,13 +30,24 @@ def selected_key_splits(
 
 
 def sparse_correction_triton(
-    q, key_cache, value_cache, block_tables, indices, mass, output, contribution, scale=None
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    indices,
+    mass,
+    output,
+    contribution,
+    scale=None,
+    base=None,
+    serves=None,
 ):
     """O = O_ref - C_ref + m * softmax(q k_S^T * scale) v_S (the ``SparseCorrection`` contract).
 
     q [R, Hq, D]; key_cache/value_cache [NB, BS, Hkv, D] (unit stride on D); block_tables
     [R, MB] int32; indices [R, Hq, Kb] int32 absolute positions (-1 unused); mass [R, Hq];
-    output, contribution [R, Hq, D] FP32. Returns [R, Hq, D] in q's dtype.
+    output, contribution [R, Hq, D] FP32. Returns [R, Hq, D] in q's dtype: ``base`` with
+    the rows where ``serves`` holds written, when given (``correction_into_base``).
     """
     from flashloop_backend.kernels.triton.sparse_decode_jit import sparse_correction_split_kernel
 
@@ -69,8 +85,9 @@ def sparse_correction_triton(
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
         indices = indices.to(torch.int32).contiguous()
     block_tables = block_tables.contiguous()
+    out = correction_target(q, base, serves)
     if rows == 0:
-        return torch.empty_like(q)
+        return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     bucket = indices.shape[-1]
     splits, keys_per_split = selected_key_splits(rows, num_q_heads, bucket, q.device)
@@ -109,5 +126,5 @@ def sparse_correction_triton(
         BLOCK_K=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    out = torch.empty_like(q)
-    return merge_splits(part_out, part_max, part_sum, out, correction=(output, contribution, mass))
+    correction = (output, contribution, mass)
+    return merge_splits(part_out, part_max, part_sum, out, correction=correction, serves=serves)
