@@ -6,6 +6,8 @@ compute capability 8.0 or newer, above the Triton provider in automatic selectio
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashloop_backend._version import __version__
@@ -60,14 +62,8 @@ SPARSE = Support(
 )
 
 # a correction merges into the batch's output at the rows it serves
-CORRECTION = Support(
-    devices=SPARSE.devices,
-    dtypes=SPARSE.dtypes,
-    head_dims=SPARSE.head_dims,
-    block_sizes=SPARSE.block_sizes,
-    min_compute_capability=SPARSE.min_compute_capability,
-    python_modules=SPARSE.python_modules,
-    capabilities=SPARSE.capabilities | {Capability.CORRECTION_INTO_BASE},
+CORRECTION = dataclasses.replace(
+    SPARSE, capabilities=SPARSE.capabilities | {Capability.CORRECTION_INTO_BASE}
 )
 
 
