@@ -34,7 +34,7 @@ class QualityRow:
 ROWS: tuple[E2ERow | QualityRow, ...] = (
     E2ERow("decode TPOT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "tpot"),
     E2ERow("decode TPOT, 32K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_32k1_h100_d21fd6c.json", "tpot"),
-    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_h100_d21fd6c.json", "tpot"),
+    E2ERow("decode TPOT, 8K x 1 (24 layers), all on", "decode_v3/bench_e2e_all_on_8k_h100_31433a0.json", "tpot"),
     E2ERow("decode TPOT, 32K x 16, KV quantization alone", "decode_v3/bench_e2e_kv_quant_32k16_h100_d21fd6c.json", "tpot"),
     E2ERow("TTFT, 32K x 16 (4 layers), all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "ttft"),
     E2ERow("KV bytes held per token, 32K x 16, all on", "decode_v3/bench_e2e_all_on_32k16_h100_d21fd6c.json", "kv"),
