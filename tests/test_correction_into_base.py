@@ -100,7 +100,7 @@ def test_correction_inputs_carry_a_base_only_with_its_rows():
     with pytest.raises(ValueError, match="base and serves go together"):
         CorrectionInputs(*fields, base=q)
     plain = CorrectionInputs(*fields)
-    assert plain.into_base() == {}
+    assert plain.base_keywords() == {}
     serves = torch.ones(2, dtype=torch.bool)
     merged = into_base(plain, q, serves)
     assert merged.base is q and merged.serves is serves

@@ -118,7 +118,7 @@ class CorrectionInputs:
         if (self.base is None) != (self.serves is None):
             raise ValueError("base and serves go together: give both or neither")
 
-    def into_base(self) -> dict[str, torch.Tensor]:
+    def base_keywords(self) -> dict[str, torch.Tensor]:
         """The keywords that write into ``base`` (none without it)."""
         return {} if self.base is None else {"base": self.base, "serves": self.serves}
 
@@ -134,7 +134,7 @@ class CorrectionInputs:
             self.output,
             self.contribution,
             self.scale,
-            **self.into_base(),
+            **self.base_keywords(),
         )
 
 
@@ -230,7 +230,7 @@ class PackedCorrectionInputs:
             p.output,
             p.contribution,
             p.scale,
-            **p.into_base(),
+            **p.base_keywords(),
         )
 
 
