@@ -20,11 +20,7 @@ from flashloop_backend.kernels.triton.packed_decode import (
     packed_span,
     uses_ptx,
 )
-from flashloop_backend.kernels.triton.paged_decode import (
-    merge_splits,
-    next_pow2,
-    split_buffers,
-)
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, next_pow2, split_buffers
 from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
     SelectTuning,

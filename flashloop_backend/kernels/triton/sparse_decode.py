@@ -7,11 +7,7 @@ import math
 
 import torch
 
-from flashloop_backend.kernels.triton.paged_decode import (
-    merge_splits,
-    sm_count,
-    split_buffers,
-)
+from flashloop_backend.kernels.triton.paged_decode import merge_splits, sm_count, split_buffers
 from flashloop_backend.kernels.validate import correction_target
 
 KEYS_PER_SPLIT_MIN = 64
