@@ -92,6 +92,11 @@ def test_a_base_names_what_it_must_be():
     with pytest.raises(ValueError, match=r"serves must be \[3\] bool; got \(3,\) torch.int64"):
         correction_target(q, torch.zeros_like(q), torch.ones(3, dtype=torch.int64))
     assert correction_target(q, None, None).shape == q.shape
+    from flashloop_backend.kernels.triton.paged_decode import merge_splits
+
+    parts = (torch.zeros(3, 2, 1, 16), torch.zeros(3, 2, 1), torch.zeros(3, 2, 1))
+    with pytest.raises(ValueError, match=r"serves must be \[3\] bool; got \(2,\) torch.bool"):
+        merge_splits(*parts, torch.zeros_like(q), serves=torch.ones(2, dtype=torch.bool))
 
 
 def test_correction_inputs_carry_a_base_only_with_its_rows():

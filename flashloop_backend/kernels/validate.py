@@ -95,8 +95,11 @@ def correction_target(
             f"base must be contiguous {tuple(q.shape)} {q.dtype} like q; got "
             f"{tuple(base.shape)} {base.dtype} (contiguous: {base.is_contiguous()})"
         )
-    if serves.dtype != torch.bool or serves.shape != q.shape[:1]:
-        raise ValueError(
-            f"serves must be [{q.shape[0]}] bool; got {tuple(serves.shape)} {serves.dtype}"
-        )
+    check_serves(serves, q.shape[0])
     return base
+
+
+def check_serves(serves: torch.Tensor, rows: int) -> None:
+    """``serves`` must be [rows] bool: the rows a merge writes."""
+    if serves.dtype != torch.bool or serves.shape != (rows,):
+        raise ValueError(f"serves must be [{rows}] bool; got {tuple(serves.shape)} {serves.dtype}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashloop_backend.kernels.validate import check_triton_paged
+from flashloop_backend.kernels.validate import check_serves, check_triton_paged
 
 SM_COUNT_FALLBACK = 132  # H100/H200
 KEYS_PER_SPLIT_MIN = 256
@@ -95,8 +95,8 @@ def merge_splits(
         raise ValueError(
             f"merge_splits needs unit stride in the last dimension; got strides {strided}"
         )
-    if serves is not None and (serves.dtype != torch.bool or serves.shape != (rows,)):
-        raise ValueError(f"serves must be [{rows}] bool; got {tuple(serves.shape)} {serves.dtype}")
+    if serves is not None:
+        check_serves(serves, rows)
     merge_splits_kernel[(rows, heads)](
         part_out,
         part_max,
