@@ -113,9 +113,7 @@ packed_source_keys(const KeyParams P) {
     TRACE_AT(P.trace, 1);
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
-    unsigned dense = 0;
-#pragma unroll
-    for (int l = 0; l < LEVELS; ++l) dense |= kinds[l] == 0 ? 1u << l : 0u;
+    const unsigned dense = dense_levels(kinds);
     PageWindow pages;
     if (PAGE_WINDOW) pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
     auto issue = [&](int k) {
@@ -206,9 +204,7 @@ packed_source_values(const ValueParams P) {
     TRACE_AT(P.trace, 1);
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
-    unsigned dense = 0;
-#pragma unroll
-    for (int l = 0; l < LEVELS; ++l) dense |= kinds[l] == 0 ? 1u << l : 0u;
+    const unsigned dense = dense_levels(kinds);
     PageWindow pages;
     if (PAGE_WINDOW) pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
     auto issue = [&](int k) {

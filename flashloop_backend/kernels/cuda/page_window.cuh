@@ -13,6 +13,14 @@ struct PageWindow {
     int now, next, at;                        // entries of windows at and at + 1
 };
 
+// bit l set when level l of the row is dense (kinds[l] == 0): the levels a window covers
+__device__ __forceinline__ unsigned dense_levels(const int (&kinds)[LEVELS]) {
+    unsigned dense = 0;
+#pragma unroll
+    for (int l = 0; l < LEVELS; ++l) dense |= kinds[l] == 0 ? 1u << l : 0u;
+    return dense;
+}
+
 // one window's entry of this lane: the warp's groups are first + warp + k WARPS, k < mine;
 // ``dense``: bit l set when level l is dense (others are not copied here)
 template <class Params>
