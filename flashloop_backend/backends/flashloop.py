@@ -227,9 +227,7 @@ class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
         route names, and results are scattered back; inactive and padding rows get zeros.
         Sparse decode: loop-2 rows write their reference into the state store; loop 3-4
         rows with this token's reference run the correction, others run dense and are
-        counted in ``states.missing_reference``. No host synchronisation.
-        """
-        states = self.states
+        counted in ``states.missing_reference``. No host synchronisation."""
         plan, routing = self._planned(view)
         gathered_q = plan.gather(q)
         out = None
@@ -240,11 +238,7 @@ class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
                 inputs = into_base(inputs, out[:n], mine)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
-                rows = routing.source_rows(states, n, mine)
-                states.store(
-                    layer, rows, result.indices, result.mass, result.output, result.contribution
-                )
-                result = result.out
+                result = self._store_reference(routing, layer, n, mine, result)
             if out is None and n == view.num_rows and op in BASE_OUTPUT_OPS:
                 # rows this op does not serve had length 0, which the op contract answers
                 # with zeros: its output is the base
@@ -256,6 +250,14 @@ class FlashLoopBackend(FlashLoopRequests, AttentionBackend):
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
         return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
+
+    def _store_reference(self, routing: PlanRouting, layer: int, n: int, mine, result):
+        """Writes a loop-2 source's selection and reference states for its rows into the
+        state store; returns the rows' attention output."""
+        states = self.states
+        rows = routing.source_rows(states, n, mine)
+        states.store(layer, rows, result.indices, result.mass, result.output, result.contribution)
+        return result.out
 
     @staticmethod
     def _merges_into_base(op: OpName, choice: KernelChoice, base: torch.Tensor) -> bool:
