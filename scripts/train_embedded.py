@@ -107,7 +107,12 @@ def windows(data: torch.Tensor, batch: int, length: int, gen: torch.Generator) -
     return data[idx].long()
 
 
-def ouro_loss(model: OuroModel, tokens: torch.Tensor, beta: float):
+def ouro_loss(
+    model: OuroModel, tokens: torch.Tensor, beta: float, consistency: float = 0.0, after: int = 2
+):
+    """Ouro's stage-I loss; ``consistency`` > 0 adds that weight times the mean relative
+    squared change of the end-of-loop hidden state over the transitions after loop
+    ``after`` (the loops sparse decode and the residual quantization predict from)."""
     hiddens, gates = model.full_forward(tokens[:, :-1])
     targets = tokens[:, 1:]
     per_loop = torch.stack(
@@ -120,6 +125,15 @@ def ouro_loss(model: OuroModel, tokens: torch.Tensor, beta: float):
     pdf = exit_distribution(gates)
     entropy = -(pdf * torch.log(pdf.clamp_min(1e-9))).sum(-1)
     loss = (pdf * per_loop).sum(-1).mean() - beta * entropy.mean()
+    if consistency > 0:
+        changes = [
+            (
+                (hiddens[r].float() - hiddens[r - 1].float()).pow(2).sum(-1)
+                / hiddens[r].float().pow(2).sum(-1).clamp_min(1e-6)
+            ).mean()
+            for r in range(after, len(hiddens))
+        ]
+        loss = loss + consistency * torch.stack(changes).mean()
     return loss, per_loop.mean(dim=(0, 1)), entropy.mean()
 
 
@@ -196,6 +210,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--beta", type=float, default=0.05, help="entropy bonus weight")
     parser.add_argument("--passkey-fraction", type=float, default=0.25)
+    parser.add_argument(
+        "--consistency",
+        type=float,
+        default=0.0,
+        help="weight of the late loops' hidden-state change in the loss (0: Ouro's stage I)",
+    )
+    parser.add_argument(
+        "--consistency-after",
+        type=int,
+        default=2,
+        help="the change is taken over the transitions after this loop (1-based)",
+    )
     # the model's shape (defaults: the embedded model's) and its corpus
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
@@ -210,6 +236,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.hidden != 128 * args.heads:
         parser.error(f"--hidden {args.hidden} must be 128 x --heads {args.heads} (head_dim 128)")
+    if args.consistency < 0 or not 1 <= args.consistency_after <= 3:
+        parser.error(
+            f"--consistency {args.consistency} must be >= 0 and --consistency-after "
+            f"{args.consistency_after} one of 1, 2, 3 (the model has 4 loops)"
+        )
     lengths = tuple(int(v) for v in args.passkey_lengths.split(","))
     if min(args.seq_len, *lengths) < 128:  # a needle and its question take about 100 bytes
         parser.error(f"--seq-len {args.seq_len} and --passkey-lengths {lengths} must be >= 128")
@@ -268,7 +299,9 @@ def main() -> None:
         pick = torch.randint(0, passkeys.shape[0], (n_pass,), generator=gen, device=device)
         tokens = torch.cat([text, passkeys[pick]])
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss, per_loop, entropy = ouro_loss(model, tokens, args.beta)
+            loss, per_loop, entropy = ouro_loss(
+                model, tokens, args.beta, args.consistency, args.consistency_after
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
