@@ -45,7 +45,6 @@ from flashloop_backend.tools.bench.timing import graph_ms
 RETENTION = 0.10
 SOURCE_VARIANTS = {
     "committed": DEFAULT_SOURCE,
-    "no page window": replace(DEFAULT_SOURCE, page_window=False),
     "keys 1 stage": replace(DEFAULT_SOURCE, keys_stages=1),
     "values 1 stage": replace(DEFAULT_SOURCE, values_stages=1),
 }

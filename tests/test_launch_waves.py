@@ -138,17 +138,18 @@ def test_traced_loop2_launches_write_what_untraced_ones_write_and_ordered_points
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("one_split", [False, True])
-def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split):
-    """``page_window`` changes where a copy's page comes from, not the arithmetic: the
-    source's outputs equal the table-lookup build's exactly. With one split a warp reads
-    64 groups of a 16K row: its window of 16 groups (two levels) turns over three times,
-    twice to a window loaded at a turnover."""
+def test_pages_from_a_window_match_the_reference_as_windows_turn_over(one_split):
+    """The loop-2 passes take their pages from a window of table entries loaded ahead. With
+    one split a warp reads 64 groups of a 16K row: its window of 16 groups (two levels)
+    turns over three times, twice to a window loaded at a turnover; the outputs still
+    match the torch reference."""
     from dataclasses import replace
 
     from flashloop_backend.kernels.cuda.packed_source import (
         DEFAULT_SOURCE,
         packed_dense_source_cuda,
     )
+    from flashloop_backend.kernels.torch_ref.packed import packed_dense_source
     from tests.test_cuda_kernels import _packed_rows
 
     context = 16384 if one_split else 4096
@@ -156,11 +157,11 @@ def test_pages_from_a_window_give_what_table_lookups_give_bit_for_bit(one_split)
     tuning = DEFAULT_SOURCE
     if one_split:
         tuning = replace(tuning, keys_ctas_per_sm=0.01, values_ctas_per_sm=0.01)
-    outputs = [
-        packed_dense_source_cuda(
-            *args, lengths, 0.1, 2048, tuning=replace(tuning, page_window=window)
-        )
-        for window in (False, True)
-    ]
-    for got, want in zip(outputs[1], outputs[0], strict=True):
-        assert torch.equal(got, want)
+    expected = packed_dense_source(*args, lengths, 0.1, 2048)
+    got = packed_dense_source_cuda(*args, lengths, 0.1, 2048, tuning=tuning)
+    names = ("out", "indices", "mass", "output", "contribution")
+    for name, e, g in zip(names, expected, got, strict=True):
+        if name == "indices":  # near-ties may order differently: nearly all agree
+            assert (e == g).float().mean().item() > 0.98, name
+        else:
+            torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2, msg=name)

@@ -21,9 +21,6 @@ static_assert(STAGE % 16 == 0, "stages stay 16-byte aligned");
 #ifndef MIN_CTAS
 #define MIN_CTAS 1  // resident CTAs per SM the registers must allow
 #endif
-#ifndef PAGE_WINDOW
-#define PAGE_WINDOW 0  // 1: pages from a window of table entries loaded ahead (PageWindow)
-#endif
 
 
 struct KeyParams {
@@ -114,16 +111,12 @@ packed_source_keys(const KeyParams P) {
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
     const unsigned dense = dense_levels(kinds);
-    PageWindow pages;
-    if (PAGE_WINDOW) pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
+    PageWindow pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
     auto issue = [&](int k) {
         if (k < mine) {
             unsigned char* stage = ring + (k % STAGES) * STAGE;
-            if (PAGE_WINDOW)
-                copy_group_windowed<false>(stage, P, row, kv_head, dense, first, warp, WARPS, mine,
-                                           k, pages, lane);
-            else
-                copy_group<false>(stage, P, row, kv_head, kinds, first + warp + k * WARPS, lane);
+            copy_group<false>(stage, P, row, kv_head, dense, first, warp, WARPS, mine, k, pages,
+                              lane);
         }
         cp_async_commit();
     };
@@ -205,17 +198,13 @@ packed_source_values(const ValueParams P) {
     const int packed_end = min(last, packed_groups);
     const int mine = packed_end > first + warp ? (packed_end - first - warp + WARPS - 1) / WARPS : 0;
     const unsigned dense = dense_levels(kinds);
-    PageWindow pages;
-    if (PAGE_WINDOW) pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
+    PageWindow pages = open_windows(P, row, dense, first, warp, WARPS, mine, lane);
     auto issue = [&](int k) {
         if (k < mine) {
             const int group = first + warp + k * WARPS;
             unsigned char* stage = ring + (k % STAGES) * STAGE;
-            if (PAGE_WINDOW)
-                copy_group_windowed<true>(stage, P, row, kv_head, dense, first, warp, WARPS, mine,
-                                          k, pages, lane);
-            else
-                copy_group<true>(stage, P, row, kv_head, kinds, group, lane);
+            copy_group<true>(stage, P, row, kv_head, dense, first, warp, WARPS, mine, k, pages,
+                             lane);
             if (lane < G / 4)  // the group's G logits, 16 bytes a lane
                 cp_async16(stage + LEVELS * HALF + 16 * lane, logits + group * G + 4 * lane);
         }

@@ -51,10 +51,9 @@ class SourceTuning:
     (off: the Triton finish launch after it). With ``whole_waves`` a pass fits its split
     count to the CTAs an SM holds (``wave_splits``: fewer splits where a last wave of a few
     CTAs would cost a tenth more). ``rank_list``: the longest candidate list the one-launch
-    selection ranks directly (results/README.md, "Fourteenth session", chose 256).
-    ``page_window``: each warp looks its pages up a window of 32 / levels groups ahead in
-    one load a lane, so no copy waits for a table entry behind the loads in flight
-    (results/README.md, "Fifteenth session")."""
+    selection ranks directly (results/README.md, "Fourteenth session", chose 256). Both
+    passes look their pages up a window of 32 / levels groups ahead in one load a lane
+    (``page_window.cuh``), so no copy waits for a table entry behind the loads in flight."""
 
     keys_ctas_per_sm: float = 4
     keys_stages: int = 2
@@ -65,7 +64,6 @@ class SourceTuning:
     finish_in_kernel: bool = True
     whole_waves: bool = True
     rank_list: int = 256
-    page_window: bool = True
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -170,8 +168,6 @@ def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTu
     }
     if traced:
         defines["TRACE"] = len(POINTS["keys" if which == KEYS else "values"])
-    if tuning.page_window:
-        defines["PAGE_WINDOW"] = 1
     name = "packed_source_keys" if which == KEYS else "packed_source_values"
     shared = shared_bytes(which, levels, group, head_dim, tuning)
     return loader.build_file("packed_source", defines, shared, kernel=name), shared

@@ -1,6 +1,6 @@
-// A warp's page numbers looked up a window ahead, for the streaming kernels built with
-// PAGE_WINDOW (the loop-2 passes of packed_source.cu). The including file defines LEVELS and
-// a Params with tables, t_row and t_level.
+// A warp's page numbers looked up a window ahead, for the streaming loop-2 passes of
+// packed_source.cu. The including file defines LEVELS and a Params with tables, t_row and
+// t_level.
 #pragma once
 #include "common.cuh"
 

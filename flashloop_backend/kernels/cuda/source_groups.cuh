@@ -42,30 +42,13 @@ __device__ __forceinline__ void copy_half(unsigned char* dst, const unsigned cha
         cp_async16(dst + CODES + 16 * (lane + 32 * c), params + 16 * (lane + 32 * c));
 }
 
-// issues one pass's halves of a group's blocks at every dense level into ``stage``:
-// VALUES false takes K codes and K parameters, true V codes and V records
+// issues one pass's halves of the warp's k-th group's blocks at every dense level into
+// ``stage``, its pages from the window (k grows by at most one between calls; the whole warp
+// calls it): VALUES false takes K codes and K parameters, true V codes and V records
 template <bool VALUES, class Params>
 __device__ __forceinline__ void copy_group(unsigned char* stage, const Params& P, i64 row,
-                                           int kv_head, const int* kinds, int group, int lane) {
-#pragma unroll
-    for (int l = 0; l < LEVELS; ++l) {
-        if (kinds[l] != 0) continue;
-        const int page = P.tables[row * P.t_row + (i64)l * P.t_level + group];
-        const unsigned char* src = P.blocks + page * P.page_bytes + (i64)kv_head * BLOCK;
-        if (VALUES)
-            copy_half(stage + l * HALF, src + CODES, src + 2 * CODES + PARAMS, lane);
-        else
-            copy_half(stage + l * HALF, src, src + 2 * CODES, lane);
-    }
-}
-
-// copy_group's copies of the warp's k-th group with its pages from the window (k grows by
-// at most one between calls; the whole warp calls it)
-template <bool VALUES, class Params>
-__device__ __forceinline__ void copy_group_windowed(unsigned char* stage, const Params& P,
-                                                    i64 row, int kv_head, unsigned dense,
-                                                    int first, int warp, int warps, int mine,
-                                                    int k, PageWindow& w, int lane) {
+                                           int kv_head, unsigned dense, int first, int warp,
+                                           int warps, int mine, int k, PageWindow& w, int lane) {
     advance_window(P, row, dense, first, warp, warps, mine, k, w, lane);
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) {
