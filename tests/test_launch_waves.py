@@ -161,7 +161,14 @@ def test_pages_from_a_window_match_the_reference_as_windows_turn_over(one_split)
     got = packed_dense_source_cuda(*args, lengths, 0.1, 2048, tuning=tuning)
     names = ("out", "indices", "mass", "output", "contribution")
     for name, e, g in zip(names, expected, got, strict=True):
-        if name == "indices":  # near-ties may order differently: nearly all agree
-            assert (e == g).float().mean().item() > 0.98, name
+        if name == "indices":  # near-ties may pick differently: the sets nearly agree
+            span = int(lengths.max())
+            chosen = [torch.zeros(*t.shape[:2], span + 1, device=t.device) for t in (e, g)]
+            for mask, t in zip(chosen, (e, g), strict=True):
+                mask.scatter_(-1, torch.where(t < 0, span, t).long(), 1.0)
+            sets = [mask[..., :span] for mask in chosen]
+            both, most = (sets[0] * sets[1]).sum(-1), torch.maximum(*(m.sum(-1) for m in sets))
+            agree = torch.where(most > 0, both / most.clamp_min(1), 1.0)
+            assert agree.min().item() > 0.98, name
         else:
             torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2, msg=name)
