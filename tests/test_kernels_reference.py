@@ -106,3 +106,31 @@ def test_wrapper_rejects_bad_inputs(change, fragment, rng):
     }
     with pytest.raises(ValueError, match=fragment):
         paged_attention(**change(args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_sharing_a_table_give_what_each_row_alone_gives(dtype):
+    """On the CPU rows that share a block table (a prompt's rows, each seeing one more key)
+    are grouped and their pages gathered once; every row still equals the naive
+    recomputation of its own prefix, beside rows of other tables and a padding row."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block = 4, 2, 16, 4
+    seqs = [(torch.randn(n, kv_heads, dim, generator=gen),) * 2 for n in (11, 7)]
+    seqs = [(k, torch.randn(k.shape, generator=gen)) for k, _ in seqs]
+    kc, vc, tables = build_paged(seqs, block, 16, gen)
+    # rows 0-4: sequence 0's last five prefixes (a prompt chunk); 5: sequence 1; 6: padding
+    which = torch.tensor([0, 0, 0, 0, 0, 1, 0])
+    lengths = torch.tensor([7, 8, 9, 10, 11, 7, 0], dtype=torch.int32)
+    q = torch.randn(len(which), heads, dim, generator=gen)
+    out = paged_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), tables[which], lengths)
+    scale = 1.0 / math.sqrt(dim)
+    for r in range(len(which)):
+        k, v = seqs[int(which[r])]
+        n = int(lengths[r])
+        if n == 0:
+            assert torch.equal(out[r], torch.zeros_like(out[r]))
+            continue
+        want = naive(
+            q[r].to(dtype).float(), k[:n].to(dtype).float(), v[:n].to(dtype).float(), scale
+        )
+        torch.testing.assert_close(out[r].double(), want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -1,7 +1,9 @@
 """Torch reference kernels: the oracle every other implementation is tested against.
 
 Written for clarity, not speed; runs on CPU and GPU; FP32 softmax and accumulation.
-No host synchronisation: shapes come from tensor sizes, never from tensor values.
+No host synchronisation on a GPU: shapes come from tensor sizes, never from tensor values.
+On the CPU, where nothing waits for a device, rows that share a block table (a prompt's
+rows) gather its pages once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,42 @@ def _rows(q, key_cache, value_cache, block_tables, context_lengths, scale):
     return out.reshape(rows, num_q_heads, head_dim)
 
 
+def _rows_of_one_table(q, key_cache, value_cache, table, context_lengths, scale):
+    """The same math for rows that share one block table [MB] (one sequence's rows): its
+    pages are gathered once and every row's scores are one product with them."""
+    rows, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    pages = table.long().clamp(0, num_blocks - 1)
+    span = pages.shape[0] * block_size
+    keys = key_cache[pages].reshape(span, num_kv_heads, head_dim).float()
+    values = value_cache[pages].reshape(span, num_kv_heads, head_dim).float()
+    group = num_q_heads // num_kv_heads
+    qf = q.float().reshape(rows, num_kv_heads, group, head_dim)
+    positions = torch.arange(span, device=q.device)
+    visible = positions[None, :] < context_lengths.long()[:, None]  # [R, T]
+    scores = torch.einsum("rkgd,tkd->rkgt", qf, keys) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
+    out = torch.einsum("rkgt,tkd->rkgd", probs, values)
+    return out.reshape(rows, num_q_heads, head_dim)
+
+
+def _rows_by_table(q, key_cache, value_cache, block_tables, context_lengths, scale, chunk):
+    """Rows grouped by their block table, each group's pages gathered once (CPU only: the
+    grouping reads the tables' values, which on a GPU would wait for the device)."""
+    tables, which = torch.unique(block_tables, dim=0, return_inverse=True)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for t in range(tables.shape[0]):
+        rows = torch.nonzero(which == t).squeeze(1)
+        for i in range(0, rows.numel(), chunk):
+            mine = rows[i : i + chunk]
+            out[mine] = _rows_of_one_table(
+                q[mine], key_cache, value_cache, tables[t], context_lengths[mine], scale
+            )
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -56,6 +94,12 @@ def paged_attention(
     # Rows are processed in chunks so the gathered per-row K/V copies stay small.
     span = block_tables.shape[1] * block_size
     chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads * head_dim))
+    if q.device.type == "cpu":  # a sequence's prefill rows read its pages once
+        scores_chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads))
+        out = _rows_by_table(
+            q, key_cache, value_cache, block_tables, context_lengths, scale, scores_chunk
+        )
+        return out.to(q.dtype)
     out = torch.cat(
         [
             _rows(
