@@ -19,31 +19,35 @@ if TYPE_CHECKING:
 
 def _level_rows(store, layer: int, pages: torch.Tensor, rows: torch.Tensor):
     """K and V [R, T, Hkv, D] FP32 of a level's rows ``rows`` [R, T] (-1 absent: zeros)
-    through its page ids ``pages`` [R, P]: only the bytes each value needs, read from the
-    v3 blocks (``kv.layout``)."""
+    through its page ids ``pages`` [R, P]: every page's block decoded from the v3 bytes
+    (``kv.layout``), then each row's values taken from its page at its place in the group."""
     g, layout = store.group_size, store.layout
-    present = rows >= 0
-    page = torch.gather(pages.long(), 1, (rows.clamp(min=0) // g)).clamp(min=0)  # [R, T]
-    within = rows.clamp(min=0) % g
     heads, dim = store.shape[1], store.shape[2]
-    blocks = store.blocks[:, layer]  # [pages, H, block bytes]
-    h = torch.arange(heads, device=rows.device)[None, None, :, None]
-    nibble = nibble_of_channel(dim, rows.device)[None, None, None, :]
-    p4, w4 = page[..., None, None], within[..., None, None]
+    device = rows.device
+    blocks = store.blocks[:, layer][pages.long().clamp(min=0)]  # [R, P, H, block bytes]
+    halves = blocks.view(torch.float16)  # [R, P, H, block bytes / 2]
+    nibble = nibble_of_channel(dim, device)
     shift = (4 * (nibble % 2)).to(torch.uint8)
-    row_byte = w4 * layout.row_bytes + nibble // 2
-    k_code = ((blocks[p4, h, row_byte] >> shift) & 15).float()
-    v_code = ((blocks[p4, h, layout.v_codes + row_byte] >> shift) & 15).float()
-    halves = blocks.view(torch.float16)  # [pages, H, block bytes / 2]
-    d = torch.arange(dim, device=rows.device)[None, None, None, :]
-    slot = param_slot(dim, rows.device)[None, None, None, :]
-    k_scale = halves[p4, h, layout.k_params // 2 + slot].float()
-    k_min = halves[p4, h, layout.k_params // 2 + dim + slot].float()
+    token = torch.arange(g, device=device)[:, None]
+    row_byte = token * layout.row_bytes + nibble[None, :] // 2  # [G, D]
+    k_code = ((blocks[..., row_byte] >> shift) & 15).float()  # [R, P, H, G, D]
+    v_code = ((blocks[..., layout.v_codes + row_byte] >> shift) & 15).float()
+    slot = param_slot(dim, device)
+    k_scale = halves[..., layout.k_params // 2 + slot].float()[..., None, :]
+    k_min = halves[..., layout.k_params // 2 + dim + slot].float()[..., None, :]
     k = k_min + k_scale * k_code
-    record = layout.v_params // 2 + w4 * (2 * layout.v_groups) + 2 * (d // g)
-    v = halves[p4, h, record].float() + halves[p4, h, record + 1].float() * v_code
-    mask = present[..., None, None]
-    return torch.where(mask, k, 0.0), torch.where(mask, v, 0.0)
+    d = torch.arange(dim, device=device)[None, :]
+    record = layout.v_params // 2 + token * (2 * layout.v_groups) + 2 * (d // g)  # [G, D]
+    v = halves[..., record].float() + halves[..., record + 1].float() * v_code
+    count, columns = blocks.shape[:2]
+    k = k.permute(0, 1, 3, 2, 4).reshape(count, columns * g, heads, dim)
+    v = v.permute(0, 1, 3, 2, 4).reshape(count, columns * g, heads, dim)
+    at = rows.clamp(min=0).long()[..., None, None].expand(-1, -1, heads, dim)
+    mask = (rows >= 0)[..., None, None]
+    return (
+        torch.where(mask, torch.gather(k, 1, at), 0.0),
+        torch.where(mask, torch.gather(v, 1, at), 0.0),
+    )
 
 
 def packed_history(store, layer, meta, key_cache, value_cache, block_tables, dtype):
