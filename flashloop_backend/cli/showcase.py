@@ -155,8 +155,8 @@ def side_by_side(model, tokenizer, block_size: int, log=print) -> dict:
         f"\n(a) tokens generated per second of wall time for the {TABLE_PROMPTS} prompts of "
         f"{TABLE_PROMPT_TOKENS} tokens, prefill included (it dominates at {TABLE_NEW_TOKENS} new "
         f"tokens each), after a warm-up, on the flashloop backend with {kernels}; measured "
-        "on the H200 at Ouro-1.4B shapes, all on decodes faster than dense with batches of "
-        "long contexts and slower at batch 1 (the README's table)"
+        "on an H100 at Ouro-1.4B shapes with CUDA graphs, all on decodes faster than dense "
+        "with batches of long contexts and about as fast at batch 1 (the README's table)"
     )
     log(
         f"(b) the most KV the live requests held at any step, over the tokens they held: dense: "
