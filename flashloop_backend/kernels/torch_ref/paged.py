@@ -17,6 +17,16 @@ from flashloop_backend.kernels.validate import check_paged_inputs
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # gathered K elements per chunk of rows (16 MiB in FP32)
 
 
+def _visible_softmax(scores, context_lengths):
+    """Softmax of scores [R, Hkv, G, T] over each row's first ``context_lengths`` [R] keys,
+    in FP32; a row with no visible key gets zeros (softmax over all -inf would give NaN)."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    visible = positions[None, :] < context_lengths.long()[:, None]  # [R, T]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
+
+
 def _rows(q, key_cache, value_cache, block_tables, context_lengths, scale):
     """The reference math for a few rows: gather each row's pages, mask, softmax in FP32."""
     rows, num_q_heads, head_dim = q.shape
@@ -28,13 +38,8 @@ def _rows(q, key_cache, value_cache, block_tables, context_lengths, scale):
     values = value_cache[tables].reshape(rows, span, num_kv_heads, head_dim).float()
     group = num_q_heads // num_kv_heads
     qf = q.float().reshape(rows, num_kv_heads, group, head_dim)
-    positions = torch.arange(span, device=q.device)
-    visible = positions[None, :] < context_lengths.long()[:, None]  # [R, T]
     scores = torch.einsum("rkgd,rtkd->rkgt", qf, keys) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Padding rows (no visible key) give NaN from softmax over all -inf: make them zero.
-    probs = torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
+    probs = _visible_softmax(scores, context_lengths)
     out = torch.einsum("rkgt,rtkd->rkgd", probs, values)
     return out.reshape(rows, num_q_heads, head_dim)
 
@@ -50,12 +55,8 @@ def _rows_of_one_table(q, key_cache, value_cache, table, context_lengths, scale)
     values = value_cache[pages].reshape(span, num_kv_heads, head_dim).float()
     group = num_q_heads // num_kv_heads
     qf = q.float().reshape(rows, num_kv_heads, group, head_dim)
-    positions = torch.arange(span, device=q.device)
-    visible = positions[None, :] < context_lengths.long()[:, None]  # [R, T]
     scores = torch.einsum("rkgd,tkd->rkgt", qf, keys) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
+    probs = _visible_softmax(scores, context_lengths)
     out = torch.einsum("rkgt,tkd->rkgd", probs, values)
     return out.reshape(rows, num_q_heads, head_dim)
 
