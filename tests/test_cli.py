@@ -30,7 +30,7 @@ def test_info_json_reports_truthful_capabilities(capsys):
 
 
 def test_info_reports_which_features_serve_speculation_and_tensor_parallel(capsys, monkeypatch):
-    from flashloop_backend.backends import flashloop
+    from flashloop_backend.backends import flashloop_support as flashloop
 
     declared = dict(flashloop.TENSOR_PARALLEL_SUPPORT, kv_residual_quantization=False)
     monkeypatch.setattr(flashloop, "TENSOR_PARALLEL_SUPPORT", declared)

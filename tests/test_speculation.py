@@ -112,7 +112,7 @@ def test_a_verification_block_wider_than_the_largest_bucket_runs_eagerly_and_say
 def test_a_feature_declared_not_to_verify_is_refused_by_name(monkeypatch):
     """The declaration is data: a feature marked as not verifying speculative rows makes
     the engine refuse at configuration time, naming it and the features that do."""
-    from flashloop_backend.backends import flashloop
+    from flashloop_backend.backends import flashloop_support as flashloop
 
     declared = dict(flashloop.SPECULATION_SUPPORT, sparse_decode_attention=False)
     monkeypatch.setattr(flashloop, "SPECULATION_SUPPORT", declared)

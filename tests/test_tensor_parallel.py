@@ -174,7 +174,7 @@ def test_generate_tp_refuses_what_no_rank_could_run(capsys, extra, fragment):
 
 
 def test_a_feature_that_does_not_split_is_refused_when_the_engine_is_built(monkeypatch):
-    from flashloop_backend.backends import flashloop
+    from flashloop_backend.backends import flashloop_support as flashloop
 
     declared = dict(flashloop.TENSOR_PARALLEL_SUPPORT, sparse_decode_attention=False)
     monkeypatch.setattr(flashloop, "TENSOR_PARALLEL_SUPPORT", declared)

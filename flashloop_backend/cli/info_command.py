@@ -14,7 +14,7 @@ from flashloop_backend.config import ConfigError
 
 
 def _info(args: argparse.Namespace) -> int:
-    from flashloop_backend.backends.flashloop import feature_support
+    from flashloop_backend.backends.flashloop_support import feature_support
     from flashloop_backend.capabilities import Capability, SupportRequest
     from flashloop_backend.cli.main import EXIT_UNSERVABLE
     from flashloop_backend.config import load_config
