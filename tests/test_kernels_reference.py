@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flashloop_backend.kernels.torch_ref.paged import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention, paged_prefill
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -108,11 +108,13 @@ def test_wrapper_rejects_bad_inputs(change, fragment, rng):
         paged_attention(**change(args))
 
 
+@pytest.mark.parametrize("fn", [paged_attention, paged_prefill])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rows_sharing_a_table_give_what_each_row_alone_gives(dtype):
-    """On the CPU rows that share a block table (a prompt's rows, each seeing one more key)
-    are grouped and their pages gathered once; every row still equals the naive
-    recomputation of its own prefix, beside rows of other tables and a padding row."""
+def test_rows_sharing_a_table_give_what_each_row_alone_gives(dtype, fn):
+    """``paged_prefill`` on the CPU groups rows that share a block table (a prompt's rows,
+    each seeing one more key) and gathers their pages once; every row still equals the
+    naive recomputation of its own prefix, beside rows of other tables and a padding row,
+    as ``paged_attention``'s rows do."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block = 4, 2, 16, 4
     seqs = [(torch.randn(n, kv_heads, dim, generator=gen),) * 2 for n in (11, 7)]
@@ -122,7 +124,7 @@ def test_rows_sharing_a_table_give_what_each_row_alone_gives(dtype):
     which = torch.tensor([0, 0, 0, 0, 0, 1, 0])
     lengths = torch.tensor([7, 8, 9, 10, 11, 7, 0], dtype=torch.int32)
     q = torch.randn(len(which), heads, dim, generator=gen)
-    out = paged_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), tables[which], lengths)
+    out = fn(q.to(dtype), kc.to(dtype), vc.to(dtype), tables[which], lengths)
     scale = 1.0 / math.sqrt(dim)
     for r in range(len(which)):
         k, v = seqs[int(which[r])]

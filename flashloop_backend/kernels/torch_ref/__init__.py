@@ -11,7 +11,7 @@ from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
-from flashloop_backend.kernels.torch_ref.paged import paged_attention
+from flashloop_backend.kernels.torch_ref.paged import paged_attention, paged_prefill
 
 _FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
@@ -77,8 +77,8 @@ def provider() -> KernelProvider:
         description="pure torch reference kernels (oracle; CPU and GPU)",
         impls={
             OpName.DENSE_ATTENTION: KernelImpl(OpName.DENSE_ATTENTION, paged_attention, SUPPORT),
-            OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, paged_attention, SUPPORT),
-            OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_attention, SUPPORT),
+            OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, paged_prefill, SUPPORT),
+            OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, paged_prefill, SUPPORT),
             OpName.DENSE_SOURCE: KernelImpl(
                 OpName.DENSE_SOURCE, dense_source, SPARSE_DECODE_SUPPORT
             ),

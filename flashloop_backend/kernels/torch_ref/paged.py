@@ -1,9 +1,9 @@
 """Torch reference kernels: the oracle every other implementation is tested against.
 
 Written for clarity, not speed; runs on CPU and GPU; FP32 softmax and accumulation.
-No host synchronisation on a GPU: shapes come from tensor sizes, never from tensor values.
-On the CPU, where nothing waits for a device, rows that share a block table (a prompt's
-rows) gather its pages once.
+No host synchronisation: shapes come from tensor sizes, never from tensor values, except
+in ``paged_prefill`` on the CPU, where rows that share a block table (a prompt's rows)
+gather its pages once.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def _rows_of_one_table(q, key_cache, value_cache, table, context_lengths, scale)
 
 
 def _rows_by_table(q, key_cache, value_cache, block_tables, context_lengths, scale, chunk):
-    """Rows grouped by their block table, each group's pages gathered once (CPU only: the
-    grouping reads the tables' values, which on a GPU would wait for the device)."""
+    """Rows grouped by their block table, each group's pages gathered once (the grouping
+    reads the tables' values: on a GPU that would wait for the device, and in a captured
+    graph it would fix one step's groups for every replay)."""
     tables, which = torch.unique(block_tables, dim=0, return_inverse=True)
     out = torch.empty(q.shape, dtype=torch.float32)
     for t in range(tables.shape[0]):
@@ -85,6 +86,24 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Per-row causal paged attention (see :class:`~.ops.PagedAttention` for shapes)."""
+    return _paged(q, key_cache, value_cache, block_tables, context_lengths, scale, False)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` for prefill rows, the same math. On the CPU, rows that share a
+    block table (a prompt's rows) gather its pages once; the grouping reads the tables'
+    values, which a prefill step may (no graph captures one) and a decode step may not."""
+    return _paged(q, key_cache, value_cache, block_tables, context_lengths, scale, True)
+
+
+def _paged(q, key_cache, value_cache, block_tables, context_lengths, scale, by_table: bool):
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -92,15 +111,13 @@ def paged_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if rows == 0:
         return q.new_empty((0, num_q_heads, head_dim))
-    # Rows are processed in chunks so the gathered per-row K/V copies stay small.
     span = block_tables.shape[1] * block_size
-    chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads * head_dim))
-    if q.device.type == "cpu":  # a sequence's prefill rows read its pages once
-        scores_chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads))
-        out = _rows_by_table(
-            q, key_cache, value_cache, block_tables, context_lengths, scale, scores_chunk
-        )
+    if by_table and q.device.type == "cpu":
+        chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads))  # rows of scores
+        out = _rows_by_table(q, key_cache, value_cache, block_tables, context_lengths, scale, chunk)
         return out.to(q.dtype)
+    # Rows are processed in chunks so the gathered per-row K/V copies stay small.
+    chunk = max(1, CHUNK_ELEMENTS // max(1, span * num_q_heads * head_dim))
     out = torch.cat(
         [
             _rows(
