@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import torch
@@ -102,6 +102,10 @@ class Support:
     python_modules: tuple[str, ...] = ()
     # capabilities that only hold on these devices (e.g. cuda_graphs only on cuda)
     device_capabilities: dict[str, frozenset[Capability]] = field(default_factory=dict)
+
+    def with_capabilities(self, *extra: Capability) -> Support:
+        """The same declaration, also claiming ``extra``."""
+        return replace(self, capabilities=self.capabilities | frozenset(extra))
 
     def capabilities_on(self, device: str) -> frozenset[Capability]:
         return self.capabilities | self.device_capabilities.get(device, frozenset())

@@ -6,8 +6,6 @@ compute capability 8.0 or newer, above the Triton provider in automatic selectio
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from flashloop_backend._version import __version__
@@ -62,9 +60,7 @@ SPARSE = Support(
 )
 
 # a correction merges into the batch's output at the rows it serves
-CORRECTION = dataclasses.replace(
-    SPARSE, capabilities=SPARSE.capabilities | {Capability.CORRECTION_INTO_BASE}
-)
+CORRECTION = SPARSE.with_capabilities(Capability.CORRECTION_INTO_BASE)
 
 
 def provider() -> KernelProvider:

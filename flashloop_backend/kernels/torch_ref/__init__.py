@@ -3,8 +3,6 @@ implementation is tested against (``torch_reference`` in configs and reports).""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from flashloop_backend._version import __version__
@@ -62,13 +60,8 @@ def provider() -> KernelProvider:
     from flashloop_backend.kernels.torch_ref.sparse_decode import dense_source, sparse_correction
     from flashloop_backend.kv.codec import encode_levels_chain
 
-    into_base = {Capability.CORRECTION_INTO_BASE}
-    correction = dataclasses.replace(
-        SPARSE_DECODE_SUPPORT, capabilities=SPARSE_DECODE_SUPPORT.capabilities | into_base
-    )
-    packed_correction = dataclasses.replace(
-        PACKED_SPARSE_SUPPORT, capabilities=PACKED_SPARSE_SUPPORT.capabilities | into_base
-    )
+    correction = SPARSE_DECODE_SUPPORT.with_capabilities(Capability.CORRECTION_INTO_BASE)
+    packed_correction = PACKED_SPARSE_SUPPORT.with_capabilities(Capability.CORRECTION_INTO_BASE)
 
     return KernelProvider(
         name="torch_reference",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,9 +133,7 @@ SPARSE_SUPPORT = Support(
 
 
 # the decode kernel computes the rows of a verification group together (row_spans)
-DENSE_ATTENTION_SUPPORT = dataclasses.replace(
-    SUPPORT, capabilities=SUPPORT.capabilities | {Capability.GROUPED_VERIFY_ROWS}
-)
+DENSE_ATTENTION_SUPPORT = SUPPORT.with_capabilities(Capability.GROUPED_VERIFY_ROWS)
 
 
 def provider() -> KernelProvider:
@@ -147,10 +144,7 @@ def provider() -> KernelProvider:
         OpName.DENSE_PREFILL: KernelImpl(OpName.DENSE_PREFILL, _sparse_prefill, SUPPORT),
         OpName.SPARSE_PREFILL: KernelImpl(OpName.SPARSE_PREFILL, _sparse_prefill, SUPPORT),
     }
-    into_base = {Capability.CORRECTION_INTO_BASE}
-    correction = dataclasses.replace(
-        SPARSE_SUPPORT, capabilities=SPARSE_SUPPORT.capabilities | into_base
-    )
+    correction = SPARSE_SUPPORT.with_capabilities(Capability.CORRECTION_INTO_BASE)
     impl[OpName.SPARSE_CORRECTION] = KernelImpl(
         OpName.SPARSE_CORRECTION, _sparse_correction, correction
     )
@@ -175,9 +169,7 @@ def provider() -> KernelProvider:
         | {Capability.GRAPH_SAFE_SPARSE, Capability.SOURCE_STATISTICS},
     )
     impl[OpName.PACKED_SOURCE] = KernelImpl(OpName.PACKED_SOURCE, _packed_source, packed_sparse)
-    packed_correction = dataclasses.replace(
-        packed_sparse, capabilities=packed_sparse.capabilities | into_base
-    )
+    packed_correction = packed_sparse.with_capabilities(Capability.CORRECTION_INTO_BASE)
     impl[OpName.PACKED_CORRECTION] = KernelImpl(
         OpName.PACKED_CORRECTION, _packed_correction, packed_correction
     )
