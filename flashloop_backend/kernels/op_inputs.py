@@ -24,6 +24,7 @@ from flashloop_backend.kernels.op_protocols import (
     SourceOutputs,
     SparseCorrection,
 )
+from flashloop_backend.kernels.validate import check_paired
 
 if TYPE_CHECKING:
     from flashloop_backend.kv.levels import LevelMetadata
@@ -115,8 +116,7 @@ class CorrectionInputs:
     serves: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if (self.base is None) != (self.serves is None):
-            raise ValueError("base and serves go together: give both or neither")
+        check_paired(self.base, self.serves)
 
     def base_keywords(self) -> dict[str, torch.Tensor]:
         """The keywords that write into ``base`` (none without it)."""

@@ -86,8 +86,7 @@ def correction_target(
     """Where a correction merges into: ``base`` [R, Hq, D] (q's shape and dtype,
     contiguous; written in place at the rows where ``serves`` [R] bool holds) or a new
     tensor like ``q``."""
-    if (base is None) != (serves is None):
-        raise ValueError("base and serves go together: give both or neither")
+    check_paired(base, serves)
     if base is None:
         return torch.empty_like(q)
     if base.shape != q.shape or base.dtype != q.dtype or not base.is_contiguous():
@@ -103,3 +102,9 @@ def check_serves(serves: torch.Tensor, rows: int) -> None:
     """``serves`` must be [rows] bool: the rows a merge writes."""
     if serves.dtype != torch.bool or serves.shape != (rows,):
         raise ValueError(f"serves must be [{rows}] bool; got {tuple(serves.shape)} {serves.dtype}")
+
+
+def check_paired(base: torch.Tensor | None, serves: torch.Tensor | None) -> None:
+    """A correction writes into ``base`` only at the rows ``serves`` names: both or neither."""
+    if (base is None) != (serves is None):
+        raise ValueError("base and serves go together: give both or neither")
