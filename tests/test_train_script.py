@@ -58,3 +58,18 @@ def test_shapes_and_lengths_off_the_recipe_are_refused(tmp_path):
     assert result.returncode == 2 and "--hidden 256 must be 128 x --heads 1" in result.stderr
     result = _run("--out", str(tmp_path), *SMALL, "--passkey-lengths", "64")
     assert result.returncode == 2 and "must be >= 128" in result.stderr
+
+
+def test_a_consistency_weight_trains_and_bad_ones_are_refused(tmp_path):
+    """``--consistency`` adds the late loops' hidden-state change to the loss: a small run
+    with it writes a checkpoint; a negative weight or a transition past the last loop is
+    refused by name."""
+    tiny = ["--passkey-lengths", "128", "--corpus-mb", "1", "--consistency", "0.3"]
+    result = _run("--out", str(tmp_path), *SMALL, *tiny)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["args"]["consistency"] == 0.3 and len(metrics["relative_change_k"]) == 3
+    for bad in (["--consistency", "-1"], ["--consistency-after", "4"]):
+        result = _run("--out", str(tmp_path), *SMALL, *bad)
+        assert result.returncode == 2, bad
+        assert "--consistency" in result.stderr and "one of 1, 2, 3" in result.stderr
