@@ -6,6 +6,8 @@ Run on a GPU (``--seconds`` bounds the training loop; the embedded model's own r
 results/embedded_train_h200.log, and flashloop_backend/models/ouro-tiny-bytes/MODEL_CARD.md
 describes it):
     python3 scripts/train_embedded.py --out $OUT --seconds 390
+``--init DIR`` continues from a checkpoint instead (a short run that fits on a CPU, e.g.
+the embedded model with ``--consistency``); ``--max-steps`` bounds a run by steps.
 Writes config.json, model.safetensors, tokenizer.json and metrics.json (a model card is
 written from metrics.json by hand).
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from flashloop_backend.host.config import OuroConfig  # noqa: E402
 from flashloop_backend.host.layer_ops import rope_reference  # noqa: E402
-from flashloop_backend.host.loader import save_checkpoint  # noqa: E402
+from flashloop_backend.host.loader import load_model, save_checkpoint  # noqa: E402
 from flashloop_backend.host.model import (  # noqa: E402
     OuroModel,
     exit_distribution,
@@ -204,6 +206,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seconds", type=float, default=390)
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="also stop after this many steps (0: only --seconds bounds the run); the "
+        "learning-rate schedule follows whichever bound is nearer",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
@@ -231,11 +240,26 @@ def main() -> None:
     parser.add_argument(
         "--corpus-mb", type=float, default=0, help="read at most this many MB (0: all)"
     )
+    parser.add_argument(
+        "--init",
+        default=None,
+        help="start from this checkpoint directory (its architecture; --layers, --hidden, "
+        "--heads and --intermediate are then not used) instead of random weights",
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=200, help="steps of linear learning-rate warm-up"
+    )
     parser.add_argument("--passkey-lengths", default="256,512,1024")
     parser.add_argument("--eval-windows", type=int, default=64)
     args = parser.parse_args()
     if args.hidden != 128 * args.heads:
         parser.error(f"--hidden {args.hidden} must be 128 x --heads {args.heads} (head_dim 128)")
+    if args.max_steps < 0:
+        parser.error(f"--max-steps {args.max_steps} must be >= 0 (0: no step bound)")
+    if args.warmup_steps < 1:
+        parser.error(f"--warmup-steps {args.warmup_steps} must be >= 1")
+    if args.init is not None and not (Path(args.init) / "config.json").is_file():
+        parser.error(f"--init {args.init} is not a checkpoint directory (no config.json in it)")
     if args.consistency < 0 or not 1 <= args.consistency_after <= 3:
         parser.error(
             f"--consistency {args.consistency} must be >= 0 and --consistency-after "
@@ -272,25 +296,31 @@ def main() -> None:
     pool = [passkey_sample(train_np, args.seq_len + 1, rng.random(), rng)[0] for _ in range(8192)]
     passkeys = torch.tensor(np.stack(pool), device=device).long()
 
-    model = OuroModel(cfg).to(device)
-    for name, p in model.named_parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(
-                p,
-                std=0.02
-                if "o_proj" not in name and "down_proj" not in name
-                else 0.02 / math.sqrt(2 * cfg.num_hidden_layers),
-            )
-    torch.nn.init.zeros_(model.model.early_exit_gate.bias)
+    if args.init is not None:
+        model = load_model(Path(args.init), device, torch.float32)
+        model.train()
+    else:
+        model = OuroModel(cfg).to(device)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(
+                    p,
+                    std=0.02
+                    if "o_proj" not in name and "down_proj" not in name
+                    else 0.02 / math.sqrt(2 * cfg.num_hidden_layers),
+                )
+        torch.nn.init.zeros_(model.model.early_exit_gate.bias)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     n_pass = int(args.batch * args.passkey_fraction)
     start, step, log = time.time(), 0, []
-    while (elapsed := time.time() - start) < args.seconds:
-        frac = elapsed / args.seconds
+    while (elapsed := time.time() - start) < args.seconds and (
+        args.max_steps == 0 or step < args.max_steps
+    ):
+        frac = max(elapsed / args.seconds, step / args.max_steps if args.max_steps else 0.0)
         lr = (
             args.lr
-            * min(1.0, (step + 1) / 200)
+            * min(1.0, (step + 1) / args.warmup_steps)
             * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         )
         for group in opt.param_groups:

@@ -73,3 +73,32 @@ def test_a_consistency_weight_trains_and_bad_ones_are_refused(tmp_path):
         result = _run("--out", str(tmp_path), *SMALL, *bad)
         assert result.returncode == 2, bad
         assert "--consistency" in result.stderr and "one of 1, 2, 3" in result.stderr
+
+
+def test_a_run_from_a_checkpoint_keeps_its_shape_and_a_directory_without_one_is_refused(
+    tmp_path,
+):
+    """``--init DIR`` starts from a checkpoint: the shape flags are not used, the written
+    model has the checkpoint's shape, and its first step scores the same batch (same seed)
+    far better than the random model the checkpoint's own run started from."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    tiny = ["--passkey-lengths", "128", "--corpus-mb", "1", "--warmup-steps", "1"]
+    quick = ["--lr", "1e-2", "--seconds", "300", "--max-steps", "40"]
+    assert _run("--out", str(first), *SMALL, *tiny, *quick).returncode == 0
+    other_shape = ["--layers", "3", "--hidden", "256", "--heads", "2"]
+    rest = SMALL[:2] + SMALL[10:]  # SMALL without its shape flags
+    result = _run("--out", str(second), "--init", str(first), *rest, *other_shape, *tiny)
+    assert result.returncode == 0, result.stderr
+    model = load_model(second)
+    assert (model.config.num_hidden_layers, model.config.hidden_size) == (2, 128)
+    random_start = json.loads((first / "metrics.json").read_text())["log"][0]["loss"]
+    trained = json.loads((first / "metrics.json").read_text())
+    assert trained["steps"] == 40
+    checkpoint_start = json.loads((second / "metrics.json").read_text())["log"][0]["loss"]
+    assert checkpoint_start < random_start - 0.5
+    result = _run("--out", str(tmp_path / "x"), "--init", str(tmp_path), *SMALL)
+    assert result.returncode == 2 and "is not a checkpoint directory" in result.stderr
+    result = _run("--out", str(tmp_path / "x"), *SMALL, "--warmup-steps", "0")
+    assert result.returncode == 2 and "--warmup-steps 0 must be >= 1" in result.stderr
+    result = _run("--out", str(tmp_path / "x"), *SMALL, "--max-steps", "-1")
+    assert result.returncode == 2 and "--max-steps -1 must be >= 0" in result.stderr
