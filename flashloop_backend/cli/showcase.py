@@ -98,8 +98,9 @@ def quality_note(delta: float, interval: tuple[float, float], top1: float) -> st
         f"{QUICK_EVAL.context} + {QUICK_EVAL.continuation} tokens; all on is "
         f"configs/all_on.json, chosen on the 20M evaluation model, where 256 windows put it "
         f"within every budget (the README's table): here it is {verdict}. Eight windows give "
-        "a wide interval, and a model whose K changes more between loops than Ouro's (the "
-        "embedded model's card) loses more to FlashLoop's approximations"
+        "a wide interval (the embedded model's card gives the same measurement over 48), and "
+        "a model whose K changes more between loops than Ouro's loses more to FlashLoop's "
+        "approximations"
     )
 
 
