@@ -27,38 +27,41 @@ def _visible_softmax(scores, context_lengths):
     return torch.where(visible.any(dim=-1)[:, None, None, None], probs, torch.zeros_like(probs))
 
 
+def _attend(q, keys, values, context_lengths, scale):
+    """Rows q [R, Hq, D] against keys and values [R, T, Hkv, D] (each row its own) or
+    [T, Hkv, D] (shared by every row), FP32: scores, the masked softmax, the weighted sum."""
+    rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[-2]
+    kv = "rtkd" if keys.dim() == 4 else "tkd"
+    qf = q.float().reshape(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = torch.einsum(f"rkgd,{kv}->rkgt", qf, keys) * scale
+    probs = _visible_softmax(scores, context_lengths)
+    out = torch.einsum(f"rkgt,{kv}->rkgd", probs, values)
+    return out.reshape(rows, num_q_heads, head_dim)
+
+
 def _rows(q, key_cache, value_cache, block_tables, context_lengths, scale):
     """The reference math for a few rows: gather each row's pages, mask, softmax in FP32."""
-    rows, num_q_heads, head_dim = q.shape
+    rows, _, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     # Entries past a row's context may be -1 or stale: clamp to a legal id, then mask.
     tables = block_tables.long().clamp(0, num_blocks - 1)
     span = tables.shape[1] * block_size
     keys = key_cache[tables].reshape(rows, span, num_kv_heads, head_dim).float()
     values = value_cache[tables].reshape(rows, span, num_kv_heads, head_dim).float()
-    group = num_q_heads // num_kv_heads
-    qf = q.float().reshape(rows, num_kv_heads, group, head_dim)
-    scores = torch.einsum("rkgd,rtkd->rkgt", qf, keys) * scale
-    probs = _visible_softmax(scores, context_lengths)
-    out = torch.einsum("rkgt,rtkd->rkgd", probs, values)
-    return out.reshape(rows, num_q_heads, head_dim)
+    return _attend(q, keys, values, context_lengths, scale)
 
 
 def _rows_of_one_table(q, key_cache, value_cache, table, context_lengths, scale):
     """The same math for rows that share one block table [MB] (one sequence's rows): its
     pages are gathered once and every row's scores are one product with them."""
-    rows, num_q_heads, head_dim = q.shape
+    head_dim = q.shape[-1]
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     pages = table.long().clamp(0, num_blocks - 1)
     span = pages.shape[0] * block_size
     keys = key_cache[pages].reshape(span, num_kv_heads, head_dim).float()
     values = value_cache[pages].reshape(span, num_kv_heads, head_dim).float()
-    group = num_q_heads // num_kv_heads
-    qf = q.float().reshape(rows, num_kv_heads, group, head_dim)
-    scores = torch.einsum("rkgd,tkd->rkgt", qf, keys) * scale
-    probs = _visible_softmax(scores, context_lengths)
-    out = torch.einsum("rkgt,tkd->rkgd", probs, values)
-    return out.reshape(rows, num_q_heads, head_dim)
+    return _attend(q, keys, values, context_lengths, scale)
 
 
 def _rows_by_table(q, key_cache, value_cache, block_tables, context_lengths, scale, chunk):
