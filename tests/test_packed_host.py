@@ -33,6 +33,47 @@ def _logprobs(engine, prompt, forced):
 SPARSE_DECODE = {"enabled": True, "key_retention": 0.3}
 
 
+def test_a_chunk_packs_its_final_rows_after_the_step_samples(monkeypatch):
+    """In a step that decodes one request and runs a last-loop chunk of another's prompt
+    (not the prompt's last chunk), the sampling read comes before the chunk's packing, so
+    the decoded token does not wait for the conversion; the depth's last chunk packs
+    before its depth ends."""
+    from flashloop_backend.backends import packed_state
+    from flashloop_backend.host import engine_steps
+
+    monkeypatch.setattr(packed_state, "PACK_CHUNK_ROWS", 16)
+    model = tiny_model(seed=2)
+    engine = _engine(model, FlashLoopConfig(kv_residual_quantization=QUANT), prefill_chunk=16)
+    events = []
+    choose, pack = engine_steps.choose_tokens, type(engine.backend).prompt_rows_done
+
+    def sampled(*args, **kwargs):
+        events.append("sample")
+        return choose(*args, **kwargs)
+
+    def packed(self, request_id, kv, rows):
+        events.append(("pack", request_id, rows))
+        return pack(self, request_id, kv, rows)
+
+    monkeypatch.setattr(engine_steps, "choose_tokens", sampled)
+    monkeypatch.setattr(type(engine.backend), "prompt_rows_done", packed)
+    first = engine.add_request(PROMPT[:16], SamplingParams(max_new_tokens=40))
+    while not engine.has_first_token(first):
+        engine.step()
+    second = engine.add_request(PROMPT + PROMPT[:20], SamplingParams(max_new_tokens=2))
+    seen = []  # (rows final, packed after the sampling read)
+    while not engine.has_first_token(second):
+        events.clear()
+        engine.step()
+        mine = [e for e in events if e != "sample" and e[1] == second]
+        if mine and "sample" in events:
+            seen.append((mine[0][2], events.index("sample") < events.index(mine[0])))
+    total = len(PROMPT) + 20
+    assert any(rows < total for rows, _ in seen) and seen[-1] == (total, False), seen
+    assert all(after for rows, after in seen if rows < total), seen
+    assert engine.backend.packed.packed_rows(second) == 64
+
+
 @pytest.mark.parametrize(
     "extra",
     [{}, {"token_sparse_prefill": SPARSE}, {"sparse_decode_attention": SPARSE_DECODE},

@@ -111,6 +111,7 @@ class StepExecution:
         lams = self.model.exit_lambda(out[[starts[i] for i in gated]]).tolist() if gated else []
         hazard = dict(zip(gated, lams, strict=True))
         emits: list[tuple[Request, torch.Tensor]] = []
+        packing: list[tuple[Request, int]] = []  # final prompt rows packed after sampling
         for index, group in enumerate(groups):
             r = self._requests[group.request_id]
             h = out[starts[index] : starts[index] + group.count]
@@ -119,7 +120,10 @@ class StepExecution:
                 r.chunk_start += group.count
                 if r.depth == loops - 1:  # rows before the next scheduled one are final
                     final = r.schedule.final_rows(r.chunk_start)
-                    self.backend.prompt_rows_done(r.id, self._request_kv(r), final)
+                    if r.chunk_start < len(r.schedule.positions):
+                        packing.append((r, final))
+                    else:  # the depth ends here: its rows are packed before it does
+                        self.backend.prompt_rows_done(r.id, self._request_kv(r), final)
                 if r.chunk_start == len(r.schedule.positions):
                     r.schedule.finish_depth(r.depth, r.prompt_hidden, self.kv, r.id)
                     r.depth, r.chunk_start = r.depth + 1, 0
@@ -157,6 +161,10 @@ class StepExecution:
             else:
                 r.depth, r.hidden = r.depth + 1, h[0]
         self._emit(emits)
+        # queued after the sampling read, so that the step's tokens do not wait for the
+        # conversion; the stream still runs it before any later step reads the pages
+        for r, final in packing:
+            self.backend.prompt_rows_done(r.id, self._request_kv(r), final)
 
     def _may_exit_early(self, group: RowGroup) -> bool:
         """A decode row whose token may still leave before the last loop."""
