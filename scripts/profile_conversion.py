@@ -11,9 +11,14 @@ together (fewer launches, more FP32 scratch; the pages are the same). Writers
 (``--writers``): ``fused``, the registered Triton level writer (one kernel per level,
 ``kernels/triton/encode.py``), and ``chain``, the store's torch chain with the Triton
 quantizer (the design before it); on CPU only the chain with the torch quantizer runs
-(tiny shapes: a smoke run). ``--encode-launches`` times the fused writer at each launch
-``WARPS:REGISTERS`` (0 registers: no cap), e.g.
-``16:0,16:64,8:128``; the default is the registered launch."""
+(tiny shapes: a smoke run); ``cuda`` is the CUDA level writer
+(``kernels/cuda/encode_level.py``, BF16 and head_dim 128). ``--encode-launches`` times
+the fused writer at each launch ``WARPS:REGISTERS`` (0 registers: no cap), e.g.
+``16:0,16:64,8:128``, and ``--cuda-launches`` the CUDA writer at each ``ROWS:MIN_CTAS``
+(rows a thread owns, CTAs per SM the registers allow); the defaults are the registered
+launches. Every timing prints the bytes a conversion must move (BF16 K and V of every
+depth in, each level's earlier levels re-read, the packed pages out) and the rate, beside
+a device copy of the same BF16 bytes in the same run."""
 
 import argparse
 import functools
@@ -40,6 +45,13 @@ def _writer(name: str, device, launch=None):
         from flashloop_backend.kernels.triton.encode import DEFAULT_ENCODE, encode_levels_triton
 
         return functools.partial(encode_levels_triton, tuning=launch or DEFAULT_ENCODE)
+    if name == "cuda":
+        from flashloop_backend.kernels.cuda.encode_level import (
+            DEFAULT_LEVEL_WRITER,
+            encode_levels_cuda,
+        )
+
+        return functools.partial(encode_levels_cuda, tuning=launch or DEFAULT_LEVEL_WRITER)
     if device.type == "cuda":
         from flashloop_backend.kernels.triton.quantize import quantize_int4_triton as quantize
     else:
@@ -90,6 +102,35 @@ def _convert(
     return time.perf_counter() - start
 
 
+def _bytes_moved(args) -> dict[str, int]:
+    """Bytes one conversion must move: BF16 K and V of every depth read, each level's
+    earlier levels re-read (codes and parameters), every level's packed pages written."""
+    token_heads = args.context * args.layers * args.heads
+    level = token_heads * args.head_dim * (args.group + 8) // args.group
+    moved = {
+        "bf16_in": DEPTHS * token_heads * args.head_dim * 2 * 2,
+        "levels_reread": sum(range(DEPTHS)) * level,
+        "pages_out": DEPTHS * level,
+    }
+    moved["total"] = sum(moved.values())
+    return moved
+
+
+def _copy_seconds(args, device) -> float:
+    """Median seconds of a device copy of the conversion's BF16 input (read and written)."""
+    elements = DEPTHS * args.context * args.layers * args.heads * args.head_dim * 2
+    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=8192)
@@ -103,6 +144,7 @@ def main() -> int:
     parser.add_argument(
         "--encode-launches", default="", help="fused writer launches WARPS:REGISTERS"
     )
+    parser.add_argument("--cuda-launches", default="", help="CUDA writer launches ROWS:MIN_CTAS")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="ops listed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -116,9 +158,9 @@ def main() -> int:
         )
     device = torch.device(args.device)
     writers = args.writers.split(",")
-    unknown = sorted(set(writers) - {"fused", "chain"})
+    unknown = sorted(set(writers) - {"fused", "chain", "cuda"})
     if unknown:
-        parser.error(f"--writers {unknown} are not among ['chain', 'fused']")
+        parser.error(f"--writers {unknown} are not among ['chain', 'cuda', 'fused']")
     if device.type != "cuda":
         writers = ["chain"]
     launches = [None]
@@ -130,11 +172,25 @@ def main() -> int:
             launches = [EncodeTuning(w, r or None) for w, r in fields]
         except ValueError:
             parser.error(f"--encode-launches {args.encode_launches!r}: WARPS:REGISTERS,...")
+    cuda_launches = [None]
+    if args.cuda_launches:
+        from flashloop_backend.kernels.cuda.encode_level import LevelWriterTuning
+
+        try:
+            fields = [[int(x) for x in item.split(":")] for item in args.cuda_launches.split(",")]
+            cuda_launches = [LevelWriterTuning(r, c) for r, c in fields]
+        except ValueError:
+            parser.error(f"--cuda-launches {args.cuda_launches!r}: ROWS:MIN_CTAS,...")
     runs = [("fused", 1, launch) for launch in launches] if "fused" in writers else []
+    runs += [("cuda", 1, launch) for launch in cuda_launches] if "cuda" in writers else []
     runs += [("chain", passes, None) for passes in passes_list if "chain" in writers]
     for writer, passes, launch in runs:  # compiles each writer's kernels
         _convert(args, device, chunks[0], passes, writer, launch)
+    moved = _bytes_moved(args)
+    copy_s = _copy_seconds(args, device) if device.type == "cuda" else None
     record = {
+        "bytes_moved": moved,
+        "bf16_copy_seconds": copy_s,
         "context": args.context,
         "layers": args.layers,
         "kv_heads": args.heads,
@@ -149,19 +205,24 @@ def main() -> int:
                 _convert(args, device, chunk, passes, writer, launch) for _ in range(args.repeats)
             ]
             key = f"{writer}_chunk_{chunk or 'whole'}" + (f"_layers_{passes}" * (writer == "chain"))
-            if launch is not None:
+            if launch is not None and writer == "fused":
                 key += f"_launch_{launch.num_warps}:{launch.max_registers or 0}"
-            record["seconds"][key] = sorted(times)[len(times) // 2]
+            if launch is not None and writer == "cuda":
+                key += f"_launch_{launch.rows_per_thread}:{launch.min_ctas}"
+            seconds = record["seconds"][key] = sorted(times)[len(times) // 2]
+            copy = f", BF16 copy {moved['bf16_in'] * 2 / copy_s / 1e12:.2f} TB/s" if copy_s else ""
             print(
-                f"  {key}: median {1e3 * record['seconds'][key]:.1f} ms ({args.context} rows x "
-                f"{args.layers} layers x {DEPTHS} depths)",
+                f"  {key}: median {1e3 * seconds:.2f} ms ({args.context} rows x {args.layers} "
+                f"layers x {DEPTHS} depths; {moved['total'] / 1e9:.3f} GB moved, "
+                f"{moved['total'] / seconds / 1e12:.3f} TB/s{copy})",
                 file=sys.stderr,
             )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     record["aten_calls"], record["device_launches"] = {}, {}
-    profiled = [r for r in runs if r[0] == "fused"][:1] + [r for r in runs if r[0] == "chain"]
+    profiled = [r for r in runs if r[0] == "fused"][:1] + [r for r in runs if r[0] == "cuda"][:1]
+    profiled += [r for r in runs if r[0] == "chain"]
     for writer, passes, launch in profiled:
         with torch.profiler.profile(activities=activities) as prof:  # calls and launches
             _convert(args, device, chunks[0], passes, writer, launch)

@@ -1,8 +1,9 @@
 """CUDA C++ kernels built on first use with NVRTC (``loader``): no compiler or extension
 build on the host, only the driver and NVRTC libraries a CUDA build of torch loads. The
 ``cuda`` kernel provider serves the packed-KV decode ops (``packed_decode``,
-``packed_dense_source``, ``packed_sparse_correction``) for BF16 rows of head_dim 128 on
-compute capability 8.0 or newer, above the Triton provider in automatic selection."""
+``packed_dense_source``, ``packed_sparse_correction``) and the packed append
+(``packed_kv_write``) for BF16 rows of head_dim 128 on compute capability 8.0 or newer,
+above the Triton provider in automatic selection."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def _packed_source(*args, **kwargs) -> tuple[torch.Tensor, ...]:
     from flashloop_backend.kernels.cuda.packed_source import packed_dense_source_cuda
 
     return packed_dense_source_cuda(*args, **kwargs)
+
+
+def _packed_kv_write(*args, **kwargs) -> None:
+    from flashloop_backend.kernels.cuda.encode_level import encode_levels_cuda
+
+    encode_levels_cuda(*args, **kwargs)
 
 
 def _packed_correction(*args, **kwargs) -> torch.Tensor:
@@ -72,11 +79,12 @@ def provider() -> KernelProvider:
             "CUDA C++ packed INT4 KV readers built on first use with NVRTC: the streaming "
             "decode read (cp.async rings, tensor-core K products), the loop-2 source as a "
             "keys pass and a values pass around the selection, and the selected-key read "
-            "of the loop 3-4 correction"
+            "of the loop 3-4 correction; the packed append's level writer"
         ),
         impls={
             OpName.PACKED_DECODE: KernelImpl(OpName.PACKED_DECODE, _packed_decode, PACKED),
             OpName.PACKED_SOURCE: KernelImpl(OpName.PACKED_SOURCE, _packed_source, SPARSE),
+            OpName.PACKED_KV_WRITE: KernelImpl(OpName.PACKED_KV_WRITE, _packed_kv_write, PACKED),
             OpName.PACKED_CORRECTION: KernelImpl(
                 OpName.PACKED_CORRECTION, _packed_correction, CORRECTION
             ),

@@ -42,19 +42,27 @@ def _level_rows(
     return present[fill].to(torch.int32)
 
 
-def encode_levels_triton(
+@dataclass(frozen=True)
+class LevelLaunch:
+    """One level a writer launches: its depth, the rows it reads (``KVRows``, in place),
+    the append's row in each slot of its pages ([pages * G] int32) and its page count."""
+
+    depth: int
+    source: KVRows
+    rows: torch.Tensor
+    pages: int
+
+
+def plan_level_writes(
     store: PackedKVStore,
     rows_by_depth: list[KVRows],
     presents: list[torch.Tensor | None],
     pages: list[list[int]],
-    tuning: EncodeTuning = DEFAULT_ENCODE,
-) -> None:
-    """rows_by_depth per depth its T rows of K and V (read in place), None for a level
-    already stored (read from its pages) or not written; presents per depth the compact
-    level's rows [Nd] (None: dense); pages per depth its page ids. Levels are written in
-    order: each reads the ones before."""
-    from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
-
+) -> tuple[torch.Tensor, torch.Tensor, list[LevelLaunch]]:
+    """The level writers' shared plan of one append (the ``packed_kv_write`` contract):
+    (slots [Lv, T] int32, a row's slot in each level's pages, -1 where absent; the page
+    table [Lv, P] int32 on the store's device; the levels to write, in order). Checks
+    every written depth's rows against the store's shape and device."""
     g = store.group_size
     num_layers, kv_heads, head_dim = store.shape
     if g < 16 or g & (g - 1) or head_dim & (head_dim - 1):
@@ -84,24 +92,50 @@ def encode_levels_triton(
         if pages[depth]:
             table[depth, : len(pages[depth])] = torch.tensor(pages[depth], dtype=torch.int32)
     table = to_device(table, device)  # built on the host: no wait for the queued steps
+    launches = [
+        LevelLaunch(
+            depth,
+            rows_by_depth[depth],
+            _level_rows(present, rows, len(pages[depth]), g, device),
+            len(pages[depth]),
+        )
+        for depth, present in enumerate(presents)
+        if pages[depth] and rows_by_depth[depth] is not None  # else none, or read only
+    ]
+    return slots, table, launches
+
+
+def encode_levels_triton(
+    store: PackedKVStore,
+    rows_by_depth: list[KVRows],
+    presents: list[torch.Tensor | None],
+    pages: list[list[int]],
+    tuning: EncodeTuning = DEFAULT_ENCODE,
+) -> None:
+    """rows_by_depth per depth its T rows of K and V (read in place), None for a level
+    already stored (read from its pages) or not written; presents per depth the compact
+    level's rows [Nd] (None: dense); pages per depth its page ids. Levels are written in
+    order: each reads the ones before."""
+    from flashloop_backend.kernels.triton.encode_jit import encode_level_kernel
+
+    num_layers, kv_heads, head_dim = store.shape
+    slots, table, launches = plan_level_writes(store, rows_by_depth, presents, pages)
+    device = store.blocks.device
     exact = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     codes, halves = store.blocks, store.blocks.view(torch.float16)
-    for depth, present in enumerate(presents):
-        if not pages[depth] or rows_by_depth[depth] is None:  # none, or read only
-            continue
-        source = rows_by_depth[depth]
+    for launch in launches:
+        source = launch.source
         k, v = source.keys, source.values
-        level_rows = _level_rows(present, rows, len(pages[depth]), g, device)
-        encode_level_kernel[(len(pages[depth]), num_layers, kv_heads)](
+        encode_level_kernel[(launch.pages, num_layers, kv_heads)](
             k,
             v,
             source.blocks,
-            level_rows,
+            launch.rows,
             slots,
             table,
             codes,
             halves,
-            depth,
+            launch.depth,
             source.block_size,
             slots.stride(0),
             table.stride(0),
@@ -112,7 +146,7 @@ def encode_levels_triton(
             codes.stride(0),
             codes.stride(1),
             HEAD_DIM=head_dim,
-            GROUP=g,
+            GROUP=store.group_size,
             EXACT=exact,
             num_warps=tuning.num_warps,
             **({} if tuning.max_registers is None else {"maxnreg": tuning.max_registers}),
