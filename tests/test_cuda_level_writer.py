@@ -22,7 +22,8 @@ def _versions(gen, rows, device, depths=4):
         out.append(
             out[-1] + 0.3 * torch.randn(rows, LAYERS, HEADS, DIM, generator=gen, device=device)
         )
-    out[0][0, 0, 0, :8] = 0.0  # a run of equal values: a K group of scale 0 where all rows agree
+    out[0][:, 0, 0, :8] = 0.5  # K groups (channels across rows) of scale 0 at level 0
+    out[0][0, 1, 0, :] = 0.25  # and V groups (a row across channels) of scale 0
     return [x.to(torch.bfloat16) for x in out]
 
 
