@@ -22,8 +22,9 @@
 #            kernel tests, then where the packed decode launches' time goes
 #            (scripts/trace_loop2.py: each loop-2 launch alone and its phases, under launch
 #            variants, at TRACE_SHAPES, default 8192x1,32768x1,32768x16)
-#   convert  a prompt's conversion to packed INT4 (the Triton level writer) at 8K and
-#            32K, 24 layers, with its top CUDA ops
+#   convert  a prompt's conversion to packed INT4 (the CUDA level writer at each of
+#            CUDA_LAUNCHES, then the Triton one) at CONTEXTS (default 8K and 32K), 24
+#            layers, with bytes moved, TB/s beside a BF16 copy and the top CUDA ops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -92,10 +93,11 @@ json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
       grep -E "Error|decode step wall" "$OUT/profile_host_decode_${backend}_$shape.log" | tail -2
     done ;;
   convert)
-    for context in 8192 32768; do
+    for context in ${CONTEXTS:-8192 32768}; do
       run python3 scripts/profile_conversion.py --context "$context" --layers 24 --chunks 4096 \
-        --writers fused --repeats 2 > "$OUT/profile_conversion_$context.log" 2>&1
-      grep -E "median|Error" "$OUT/profile_conversion_$context.log" | head -4
+        --writers cuda,fused --cuda-launches "${CUDA_LAUNCHES:-2:2,1:1,4:1}" --repeats 3 \
+        --rows 8 > "$OUT/profile_conversion_$context.log" 2>&1
+      grep -E "median|Error" "$OUT/profile_conversion_$context.log" | cut -c1-220 | head -6
     done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
