@@ -50,8 +50,8 @@ def _paged(keys, values, gen, block_size):
 @pytest.mark.parametrize("rows_per_thread", [1, 2, 4])
 def test_the_cuda_level_writer_writes_the_chains_pages_bit_for_bit(group, rows_per_thread):
     """Dense levels, compact ones with a padded last page, a compact level of one row and
-    one of none, two appends each: contiguous rows and rows in paged pools give the
-    chain's pools and pages, byte for byte."""
+    one of none, an append of each: contiguous rows and rows in paged pools (a partial last
+    block) give the chain's pools and pages, byte for byte."""
     if 16 * group // rows_per_thread > 1024:
         pytest.skip("more threads than a CTA holds")
     gen = torch.Generator(device="cuda").manual_seed(group + rows_per_thread)
@@ -60,7 +60,7 @@ def test_the_cuda_level_writer_writes_the_chains_pages_bit_for_bit(group, rows_p
     def write(*args):
         encode_levels_cuda(*args, tuning=tuning)
 
-    rows = 3 * group + 5
+    rows = 3 * group  # an append holds whole groups; compact levels pad their last page
     dense = [torch.ones(rows, dtype=torch.bool, device="cuda")] * 4
     one_row = torch.zeros(rows, dtype=torch.bool, device="cuda")
     one_row[5] = True
@@ -92,9 +92,9 @@ def test_the_cuda_provider_serves_packed_kv_write_with_the_chains_pages():
     choice = Registry.discover().select_kernel(OpName.PACKED_KV_WRITE, request)
     assert choice.provider.name == "cuda"
     gen = torch.Generator(device="cuda").manual_seed(7)
-    keys, values = _versions(gen, 200, "cuda"), _versions(gen, 200, "cuda")
-    active = [torch.ones(200, dtype=torch.bool, device="cuda")] * 3
-    active.append(torch.arange(200, device="cuda") % 4 != 0)
+    keys, values = _versions(gen, 192, "cuda"), _versions(gen, 192, "cuda")
+    active = [torch.ones(192, dtype=torch.bool, device="cuda")] * 3
+    active.append(torch.arange(192, device="cuda") % 4 != 0)
     chain, cuda = (PackedKVStore(32, LAYERS, HEADS, DIM, 64, device="cuda") for _ in range(2))
     chain.append(0, keys, values, active)
     cuda.append(0, keys, values, active, write=choice.impl.fn)

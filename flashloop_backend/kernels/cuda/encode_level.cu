@@ -8,7 +8,7 @@
 // lie in the paged pools, minus their reconstruction from the levels already written
 // (each earlier level's minimum + scale * code, product and sum rounded on their own, in
 // level order), quantized as the chain does (K per channel across the rows, V per row
-// across each 64 channels, FP16 parameters, codes rounded half to even).
+// across each G channels, FP16 parameters, codes rounded half to even).
 //
 // Thread t owns code word w = t % 16 of rows t / 16 + STEP j (j < ROWS, STEP = G / ROWS): the four byte columns
 // 4 w .. 4 w + 3 of a row, whose low nibbles hold channels c, c + 8, c + 1, c + 9 (A) and

@@ -21,7 +21,8 @@ GROUPS = (32, 64, 128)
 class LevelWriterTuning:
     """Launch of the CUDA level writer: ``rows_per_thread`` (each thread owns one code word
     of that many rows, so a CTA has 16 x group / rows threads) and ``min_ctas`` (CTAs per
-    SM the registers must allow)."""
+    SM the registers must allow; a CTA of 1,024 threads is held to one, where two would cap
+    it at 32 registers and spill)."""
 
     rows_per_thread: int = 2
     min_ctas: int = 2
@@ -89,7 +90,7 @@ def encode_levels_cuda(
         "HEAD_DIM": 128,
         "GROUP": group,
         "ROWS": tuning.rows_per_thread,
-        "MIN_CTAS": tuning.min_ctas,
+        "MIN_CTAS": 1 if threads == 1024 else tuning.min_ctas,
     }
     kernel = loader.build_file("encode_level", defines)
     blocks = store.blocks
@@ -99,6 +100,14 @@ def encode_levels_cuda(
         k, v = source.keys, source.values
         if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             raise ValueError(f"depth {launch.depth}: K/V must be bfloat16 (got {k.dtype})")
+        # the kernel reads channel pairs as 4-byte words
+        if any(x.data_ptr() % 4 or x.storage_offset() % 2 for x in (k, v)) or any(
+            stride % 2 for stride in k.stride()[:-1]
+        ):
+            raise ValueError(
+                f"depth {launch.depth}: K/V must start at an even element with even strides; "
+                f"got offsets {k.storage_offset()}, {v.storage_offset()} and strides {k.stride()}"
+            )
         params = _Params(
             *(k.data_ptr(), v.data_ptr(), row_blocks.data_ptr(), launch.rows.data_ptr()),
             *(slots.data_ptr(), table.data_ptr(), blocks.data_ptr()),
