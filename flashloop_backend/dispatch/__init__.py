@@ -15,7 +15,6 @@ from flashloop_backend.dispatch.router import (
     required_ops,
     routable_ops,
     route_rows,
-    sparse_prefill_depth,
     with_references,
 )
 
@@ -36,7 +35,6 @@ __all__ = [
     "required_ops",
     "routable_ops",
     "route_rows",
-    "sparse_prefill_depth",
     "verify_spans",
     "with_references",
 ]
