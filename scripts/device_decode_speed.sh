@@ -95,7 +95,7 @@ json.dump(record, open('$OUT/bench_packed_v3_$1_$2.json', 'w'), indent=1)
   convert)
     for context in ${CONTEXTS:-8192 32768}; do
       run python3 scripts/profile_conversion.py --context "$context" --layers 24 --chunks 4096 \
-        --writers cuda,fused --cuda-launches "${CUDA_LAUNCHES:-2:2,1:1,4:1}" --repeats 3 \
+        --writers cuda,fused --cuda-launches "${CUDA_LAUNCHES:-4:1,2:2,2:1}" --repeats 3 \
         --rows 8 > "$OUT/profile_conversion_$context.log" 2>&1
       grep -E "median|Error" "$OUT/profile_conversion_$context.log" | cut -c1-220 | head -6
     done ;;

@@ -33,7 +33,7 @@ constexpr int V_RECORDS = K_PARAMS + 4 * D;  // byte offset of the V records
 #define MIN_CTAS 1  // resident CTAs per SM the registers must allow
 #endif
 #ifndef ROWS
-#define ROWS 2  // rows a thread owns
+#define ROWS 4  // rows a thread owns
 #endif
 constexpr int WORDS = ROW / 4;             // code words of a row
 constexpr int STEP = G / ROWS;             // a thread's rows are first + STEP j

@@ -22,10 +22,11 @@ class LevelWriterTuning:
     """Launch of the CUDA level writer: ``rows_per_thread`` (each thread owns one code word
     of that many rows, so a CTA has 16 x group / rows threads) and ``min_ctas`` (CTAs per
     SM the registers must allow; a CTA of 1,024 threads is held to one, where two would cap
-    it at 32 registers and spill)."""
+    it at 32 registers and spill). The default is the launch measured fastest
+    (``scripts/profile_conversion.py --cuda-launches``, results/README.md)."""
 
-    rows_per_thread: int = 2
-    min_ctas: int = 2
+    rows_per_thread: int = 4
+    min_ctas: int = 1
 
 
 DEFAULT_LEVEL_WRITER = LevelWriterTuning()
