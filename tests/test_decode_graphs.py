@@ -8,7 +8,6 @@ import torch
 
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.config import ConfigError
-from flashloop_backend.dispatch import RowMode
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.host.graphs import GraphSettings
 from flashloop_backend.registry import Registry
@@ -153,41 +152,6 @@ def test_mixed_steps_split_replay_their_decode_rows_and_give_the_eager_tokens(fl
                     cuda_graphs=settings, graph_capture=RecordingCapture())  # fmt: skip
     assert [r.output_token_ids for r in whole.generate(PROMPTS, params)] == plain
     assert split.graphs.stats()["replays"] > whole.graphs.stats()["replays"]
-
-
-def test_a_mixed_step_queues_its_prompt_chunks_before_the_decode_graph(monkeypatch):
-    """A split mixed step runs the prompt chunks' eager traversal before it replays the
-    decode rows (a host planner in the chunks then waits for them alone); where the graph
-    refuses the decode rows, they run eagerly in their own traversal, with the same
-    tokens."""
-    plain, engine, params = _recorded(COMBINATIONS[-1], monkeypatch)
-    order = []
-    run_eagerly, run_graph = type(engine)._run_eagerly, type(engine.graphs).run
-
-    def eager(self, groups):
-        order.append(("eager", frozenset(g.mode for g in groups)))
-        return run_eagerly(self, groups)
-
-    def graph(self, groups, hidden):
-        order.append(("graph", None))
-        return run_graph(self, groups, hidden)
-
-    monkeypatch.setattr(type(engine), "_run_eagerly", eager)
-    monkeypatch.setattr(type(engine.graphs), "run", graph)
-    steps, results = [], {}
-    ids = [engine.add_request(p, params) for p in PROMPTS]
-    while engine.has_unfinished():
-        order.clear()
-        results |= {r.request_id: r.output_token_ids for r in engine.step()}
-        steps.append(list(order))
-    assert [results[i] for i in ids] == plain
-    chunk = ("eager", frozenset({RowMode.PREFILL}))
-    mixed = [step for step in steps if chunk in step and ("graph", None) in step]
-    assert mixed and all(step.index(chunk) < step.index(("graph", None)) for step in mixed)
-
-    refusing = _recorded(COMBINATIONS[-1], monkeypatch)[1]
-    monkeypatch.setattr(type(refusing.graphs), "run", lambda self, groups, hidden: None)
-    assert [r.output_token_ids for r in refusing.generate(PROMPTS, params)] == plain
 
 
 @pytest.mark.parametrize(

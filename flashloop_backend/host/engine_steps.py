@@ -40,8 +40,7 @@ class StepExecution:
     def step(self) -> list[GenerationResult]:
         """Hand the last step's completed prompts to the backend, admit what fits, run one
         traversal over the scheduled rows (two with ``GraphSettings.split_mixed_steps``:
-        the prompt chunks eagerly, then the decode rows from a graph), return finished
-        ones."""
+        the decode rows from a graph, the prompt chunks eagerly), return finished ones."""
         self.hand_over_prompts()
         self._admit()
         groups = self._schedule()
@@ -59,20 +58,11 @@ class StepExecution:
             chunks = [g for g in groups if g.mode not in GRAPH_MODES]
             if graphed and (not chunks or self.graphs.settings.split_mixed_steps):
                 hidden = torch.cat([self._input_hidden(g) for g in graphed])
-                prompt_out = None
-                if chunks:  # the prompt chunks in their own eager traversal, queued first:
-                    # a kernel that plans on the host (FlashInfer's prefill) then waits for
-                    # the chunk's own first layer, not for the decode graph
-                    with torch.no_grad():
-                        prompt_out = self._run_eagerly(chunks)
                 out = self.graphs.run(graphed, hidden)
-                if out is None and prompt_out is not None:  # the decode rows eagerly too
-                    with torch.no_grad():
-                        out = self._run_eagerly(graphed)
                 if out is not None:
                     with torch.no_grad():
-                        if prompt_out is not None:
-                            out = torch.cat([out, prompt_out])
+                        if chunks:  # the prompt chunks in their own eager traversal
+                            out = torch.cat([out, self._run_eagerly(chunks)])
                         self._advance(graphed + chunks, out)
                     self.steps += 1
                     return self._collect()
