@@ -16,6 +16,7 @@ from flashloop_backend.host.capacity import Footprint, footprint, plan_pools
 from flashloop_backend.registry import Registry
 
 from .host_helpers import tiny_model
+from .test_feature_combinations import COMBINATION_IDS, COMBINATIONS
 
 REQUEST = SupportRequest(head_dim=16, block_size=4, num_q_heads=4, num_kv_heads=2)
 QUANT = {"enabled": True, "group_size": 16}
@@ -178,6 +179,52 @@ def test_accounting_returns_to_its_baseline_after_a_random_load(name):
             assert report["pages_used"] + report["pages_reserved"] <= report["pages_total"]
     while engine.has_unfinished():
         engine.step()
+    assert (engine.kv.free_blocks, len(engine._free_slots)) == (free_blocks, free_slots)
+    if packed is not None:
+        report = packed.store.accounting()
+        assert report["pages_used"] == report["pages_reserved"] == 0
+
+
+@pytest.mark.parametrize("flags", COMBINATIONS, ids=COMBINATION_IDS)
+def test_every_combination_under_a_budget_keeps_its_accounting_under_a_random_load(flags):
+    """Each feature combination on pools planned from one budget, under random arrivals,
+    cancellations, preemptions and steps: the plan fits the budget and the KV held never
+    exceeds it; packed pages in use and reserved never exceed the pool; requests beyond
+    what the pools hold wait; when all have left, every block, slot and page is back."""
+    from .test_feature_combinations import FEATURES
+
+    config = FlashLoopConfig(**{name: FEATURES[name] for name, on in flags.items() if on})
+    model = tiny_model(max_position_embeddings=128)
+    backend = Registry.discover().create("flashloop", REQUEST, config)
+    budget = 500_000
+    engine = Engine(model, backend, block_size=4, prefill_chunk=32, max_context=128,
+                    kv_memory_bytes=budget, planned_request=(80, 16))  # fmt: skip
+    assert _pool_bytes(engine) == engine.capacity_plan.used_bytes <= budget
+    rng = random.Random(sum(flags.values()) * 7 + 1)
+    free_blocks, free_slots = engine.kv.free_blocks, len(engine._free_slots)
+    packed = engine.backend.packed
+    waited = False
+    for _ in range(80):
+        action = rng.random()
+        running = sorted(r.id for r in engine._requests.values() if r.phase != "waiting")
+        if action < 0.35:
+            length = rng.randint(8, 100)
+            params = SamplingParams(max_new_tokens=rng.randint(1, 16), ignore_eos=True)
+            engine.add_request([rng.randrange(61) for _ in range(length)], params)
+        elif action < 0.42 and engine._requests:
+            engine.cancel(rng.choice(sorted(engine._requests)))
+        elif action < 0.5 and running:
+            engine.preempt(rng.choice(running))
+        elif engine.has_unfinished():
+            engine.step()
+        waited |= any(r.phase == "waiting" for r in engine._requests.values()) and bool(running)
+        if packed is not None:
+            report = packed.store.accounting()
+            assert report["pages_used"] + report["pages_reserved"] <= report["pages_total"]
+        assert engine.kv_held()[1] <= engine.capacity_plan.used_bytes
+    while engine.has_unfinished():
+        engine.step()
+    assert waited  # the load asked for more than the budget holds at once
     assert (engine.kv.free_blocks, len(engine._free_slots)) == (free_blocks, free_slots)
     if packed is not None:
         report = packed.store.accounting()
