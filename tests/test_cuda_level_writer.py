@@ -11,6 +11,8 @@ from flashloop_backend.kernels.cuda.encode_level import (
 from flashloop_backend.kv.rows import KVRows
 from flashloop_backend.kv.store import PackedKVStore
 
+from .test_packed_kv import _paged
+
 LAYERS, HEADS, DIM = 2, 4, 128
 
 
@@ -25,24 +27,6 @@ def _versions(gen, rows, device, depths=4):
     out[0][:, 0, 0, :8] = 0.5  # K groups (channels across rows) of scale 0 at level 0
     out[0][0, 1, 0, :] = 0.25  # and V groups (a row across channels) of scale 0
     return [x.to(torch.bfloat16) for x in out]
-
-
-def _paged(keys, values, gen, block_size):
-    """Each depth's rows in paged pools [NB, L, BS, H, D] at shuffled blocks among blocks of
-    other values (a partial last block when BS does not divide T)."""
-    out = []
-    for k, v in zip(keys, values, strict=True):
-        count = k.shape[0]
-        used = -(-count // block_size)
-        shape = (2 * used + 1, LAYERS, block_size, HEADS, DIM)
-        pools = [torch.randn(shape, generator=gen, device=k.device).to(k.dtype) for _ in range(2)]
-        blocks = torch.randperm(shape[0], generator=gen, device=k.device)[:used]
-        for pool, rows in zip(pools, (k, v), strict=True):
-            for index in range(used):
-                part = rows[index * block_size : (index + 1) * block_size]
-                pool[blocks[index], :, : part.shape[0]] = part.transpose(0, 1)
-        out.append(KVRows.paged(pools[0], pools[1], blocks, count))
-    return out
 
 
 @pytest.mark.gpu
@@ -73,7 +57,8 @@ def test_the_cuda_level_writer_writes_the_chains_pages_bit_for_bit(group, rows_p
         keys, values = _versions(gen, rows, "cuda"), _versions(gen, rows, "cuda")
         stores[0].append(0, keys, values, active)
         stores[1].append(0, keys, values, active, write=write)
-        stores[2].append_rows(0, _paged(keys, values, gen, block_size=12), active, write=write)
+        paged = _paged(keys, values, torch.Generator().manual_seed(group), block_size=12)
+        stores[2].append_rows(0, paged, active, write=write)
     for chain, *others in zip(*(store.pools for store in stores), strict=True):
         for other in others:
             assert torch.equal(chain, other)
