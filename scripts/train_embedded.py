@@ -202,6 +202,18 @@ def passkey_accuracy(
     return result
 
 
+def model_shape(model: OuroModel) -> dict[str, int]:
+    """The shape flags as the trained model has them (with ``--init``, the checkpoint's:
+    the flags given are not used)."""
+    c = model.config
+    return {
+        "hidden": c.hidden_size,
+        "layers": c.num_hidden_layers,
+        "heads": c.num_attention_heads,
+        "intermediate": c.intermediate_size,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -361,7 +373,7 @@ def main() -> None:
         steps=step,
         seconds=round(time.time() - start, 1),
         seed=args.seed,
-        args={**vars(args), "out": record_path(args.out)},
+        args={**vars(args), **model_shape(model), "out": record_path(args.out)},
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         corpus={
             "files": n_files,

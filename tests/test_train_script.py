@@ -79,7 +79,7 @@ def test_a_run_from_a_checkpoint_keeps_its_shape_and_a_directory_without_one_is_
     tmp_path,
 ):
     """``--init DIR`` starts from a checkpoint: the shape flags are not used, the written
-    model has the checkpoint's shape, and its first step scores the same batch (same seed)
+    model and its metrics' args have the checkpoint's shape, and its first step scores the same batch (same seed)
     far better than the random model the checkpoint's own run started from."""
     first, second = tmp_path / "first", tmp_path / "second"
     tiny = ["--passkey-lengths", "128", "--corpus-mb", "1", "--warmup-steps", "1"]
@@ -91,6 +91,8 @@ def test_a_run_from_a_checkpoint_keeps_its_shape_and_a_directory_without_one_is_
     assert result.returncode == 0, result.stderr
     model = load_model(second)
     assert (model.config.num_hidden_layers, model.config.hidden_size) == (2, 128)
+    recorded = json.loads((second / "metrics.json").read_text())["args"]
+    assert (recorded["layers"], recorded["hidden"], recorded["heads"]) == (2, 128, 1)
     random_start = json.loads((first / "metrics.json").read_text())["log"][0]["loss"]
     trained = json.loads((first / "metrics.json").read_text())
     assert trained["steps"] == 40
