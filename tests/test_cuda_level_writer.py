@@ -88,8 +88,9 @@ def test_the_cuda_provider_serves_packed_kv_write_with_the_chains_pages():
 
 
 def test_the_cuda_level_writer_names_what_it_does_not_write():
-    """Group sizes, head sizes and dtypes outside its build are refused by name before any
-    launch (the store's append then gives its pages back)."""
+    """Group sizes, head sizes, dtypes, rows it cannot read as 4-byte pairs and launches of
+    more than 1,024 threads are refused by name before any launch or build (the store's
+    append then gives its pages back)."""
     rows = [torch.zeros(64, LAYERS, HEADS, DIM, dtype=torch.bfloat16)] * 4
     kv = [KVRows.contiguous(x, x) for x in rows]
     pages = [[0], [1], [2], [3]]
@@ -100,6 +101,17 @@ def test_the_cuda_level_writer_names_what_it_does_not_write():
     half = [KVRows.contiguous(x.half(), x.half()) for x in rows]
     with pytest.raises(ValueError, match=r"K/V must be bfloat16 \(got torch.float16\)"):
         encode_levels_cuda(PackedKVStore(8, LAYERS, HEADS, DIM, 64), half, [None] * 4, pages)
+    shape = (1, LAYERS, 64, HEADS, DIM)
+    flat = torch.zeros(1 + torch.Size(shape).numel(), dtype=torch.bfloat16)
+    odd = flat[1:].view(shape)  # starts at an odd element: not 4-byte pairs
+    shifted = [KVRows.paged(odd, odd, torch.zeros(1, dtype=torch.long), 64)] * 4
+    with pytest.raises(ValueError, match=r"depth 0: K/V must start at an even element"):
+        encode_levels_cuda(PackedKVStore(8, LAYERS, HEADS, DIM, 64), shifted, [None] * 4, pages)
+    whole = torch.zeros(128, LAYERS, HEADS, DIM, dtype=torch.bfloat16)
+    store = PackedKVStore(8, LAYERS, HEADS, DIM, 128)
+    wide = LevelWriterTuning(rows_per_thread=1)
+    with pytest.raises(ValueError, match=r"group_size=128 at rows_per_thread=1 needs 2048"):
+        encode_levels_cuda(store, [KVRows.contiguous(whole, whole)] * 4, [None] * 4, pages, wide)
     with pytest.raises(ValueError, match="rows_per_thread=3 must be 1, 2 or 4"):
         encode_levels_cuda(
             PackedKVStore(8, LAYERS, HEADS, DIM, 64),

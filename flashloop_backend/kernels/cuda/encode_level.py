@@ -65,12 +65,22 @@ def encode_levels_cuda(
     in place), None for a level already stored (read from its pages) or not written;
     ``presents`` per depth the compact level's rows [Nd] (None: dense); ``pages`` per depth
     its page ids. Levels are written in order: each reads the ones before."""
-    given = next((r for r in rows_by_depth if r is not None), None)
-    if given is None:
+    given = {depth: r for depth, r in enumerate(rows_by_depth) if r is not None}
+    if not given:
         return
-    reason = unsupported(store, given.keys.dtype)
+    dtypes = {x.dtype for r in given.values() for x in (r.keys, r.values)}
+    reason = unsupported(store, next((d for d in dtypes if d != torch.bfloat16), torch.bfloat16))
     if reason is not None:
         raise ValueError(f"encode_levels_cuda: {reason}")
+    for depth, rows in given.items():  # the kernel reads channel pairs as 4-byte words
+        k, v = rows.keys, rows.values
+        if any(x.data_ptr() % 4 or x.storage_offset() % 2 for x in (k, v)) or any(
+            stride % 2 for stride in k.stride()[:-1]
+        ):
+            raise ValueError(
+                f"depth {depth}: K/V must start at an even element with even strides; "
+                f"got offsets {k.storage_offset()}, {v.storage_offset()} and strides {k.stride()}"
+            )
     if tuning.rows_per_thread not in (1, 2, 4) or tuning.min_ctas < 1:
         raise ValueError(
             f"rows_per_thread={tuning.rows_per_thread} must be 1, 2 or 4 and "
@@ -99,16 +109,6 @@ def encode_levels_cuda(
         source = launch.source
         row_blocks = source.blocks.contiguous()  # read by index: unit stride
         k, v = source.keys, source.values
-        if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-            raise ValueError(f"depth {launch.depth}: K/V must be bfloat16 (got {k.dtype})")
-        # the kernel reads channel pairs as 4-byte words
-        if any(x.data_ptr() % 4 or x.storage_offset() % 2 for x in (k, v)) or any(
-            stride % 2 for stride in k.stride()[:-1]
-        ):
-            raise ValueError(
-                f"depth {launch.depth}: K/V must start at an even element with even strides; "
-                f"got offsets {k.storage_offset()}, {v.storage_offset()} and strides {k.stride()}"
-            )
         params = _Params(
             *(k.data_ptr(), v.data_ptr(), row_blocks.data_ptr(), launch.rows.data_ptr()),
             *(slots.data_ptr(), table.data_ptr(), blocks.data_ptr()),
