@@ -116,19 +116,13 @@ def _bytes_moved(args) -> dict[str, int]:
     return moved
 
 
-def _copy_seconds(args, device) -> float:
+def _copy_seconds(moved: dict[str, int], device) -> float:
     """Median seconds of a device copy of the conversion's BF16 input (read and written)."""
-    elements = DEPTHS * args.context * args.layers * args.heads * args.head_dim * 2
-    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    from flashloop_backend.tools.bench.timing import eager_ms
+
+    source = torch.empty(moved["bf16_in"] // 2, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        target.copy_(source)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[2]
+    return eager_ms(lambda: target.copy_(source), reps=5, calls=1) / 1e3
 
 
 def main() -> int:
@@ -187,7 +181,7 @@ def main() -> int:
     for writer, passes, launch in runs:  # compiles each writer's kernels
         _convert(args, device, chunks[0], passes, writer, launch)
     moved = _bytes_moved(args)
-    copy_s = _copy_seconds(args, device) if device.type == "cuda" else None
+    copy_s = _copy_seconds(moved, device) if device.type == "cuda" else None
     record = {
         "bytes_moved": moved,
         "bf16_copy_seconds": copy_s,
