@@ -154,37 +154,6 @@ def test_one_budget_decodes_more_requests_at_once_when_the_backend_packs():
     assert _run(packed, 18) >= 2 * dense.capacity_plan.requests
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_accounting_returns_to_its_baseline_after_a_random_load(name):
-    engine = _engine(name, 400_000)
-    rng = random.Random(5)
-    free_blocks, free_slots = engine.kv.free_blocks, len(engine._free_slots)
-    packed = engine.backend.packed
-    live: list[int] = []
-    for _ in range(60):
-        action = rng.random()
-        if action < 0.4:
-            length = rng.randint(8, 100)
-            params = SamplingParams(max_new_tokens=rng.randint(1, 16), ignore_eos=True)
-            live.append(engine.add_request([rng.randrange(61) for _ in range(length)], params))
-        elif action < 0.55 and live:
-            request = live.pop(rng.randrange(len(live)))
-            if engine.output_count(request) is not None:
-                engine.cancel(request)
-        for result in engine.step():
-            if result.request_id in live:
-                live.remove(result.request_id)
-        if packed is not None:
-            report = packed.store.accounting()
-            assert report["pages_used"] + report["pages_reserved"] <= report["pages_total"]
-    while engine.has_unfinished():
-        engine.step()
-    assert (engine.kv.free_blocks, len(engine._free_slots)) == (free_blocks, free_slots)
-    if packed is not None:
-        report = packed.store.accounting()
-        assert report["pages_used"] == report["pages_reserved"] == 0
-
-
 @pytest.mark.parametrize("flags", COMBINATIONS, ids=COMBINATION_IDS)
 def test_every_combination_under_a_budget_keeps_its_accounting_under_a_random_load(flags):
     """Each feature combination on pools planned from one budget, under random arrivals,
