@@ -1,10 +1,13 @@
 """The FlashInfer adapter's plan reuse, on CPU with a stand-in for the FlashInfer wrapper:
-a plan is reused for the same unmodified tensors or equal contents, never for changed ones."""
+a plan is reused for the same unmodified tensors or equal contents, never for changed ones;
+given the host's sequence plan, it plans once per plan object and reads no device tensor."""
 
 import pytest
 import torch
 
-from flashloop_backend.kernels.flashinfer import FlashInferPagedAttention
+from flashloop_backend.kernels import flashinfer
+from flashloop_backend.kernels.flashinfer import FlashInferPagedAttention, _PlanSlot
+from flashloop_backend.kernels.sequence_plan import plan_host_sequences, plan_sequences
 
 
 class _Wrapper:
@@ -13,13 +16,14 @@ class _Wrapper:
 
 
 def _adapter(plans: list):
-    adapter = object.__new__(FlashInferPagedAttention)  # no flashinfer import on CPU
-    adapter._key, adapter.use_prefill, adapter.decode = None, False, _Wrapper()
+    """The adapter with a planner that records each plan's sequences (no flashinfer)."""
+    adapter = object.__new__(FlashInferPagedAttention)
+    adapter._key, adapter.current, adapter.empty_rows = None, None, None
 
-    def plan(tables, lengths, device, *rest):
-        plans.append((tables.clone(), lengths.clone()))
-        adapter.empty_rows = (lengths == 0).to(device)
-        adapter.has_empty_rows = bool(adapter.empty_rows.any())
+    def plan(sequences, lengths, *rest):
+        plans.append(sequences)
+        adapter.current = _PlanSlot(decode=_Wrapper())
+        adapter.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
 
     adapter.plan = plan
     return adapter
@@ -40,41 +44,123 @@ def test_plan_reused_for_the_same_tensors_and_redone_when_they_change(monkeypatc
     assert len(plans) == 1 and not compared  # same objects: no device comparison (a sync)
     tables[1, 1] = 0  # modified in place: same object, new version
     adapter(q, cache, cache, tables, lengths)
-    assert len(plans) == 2 and plans[-1][0][1, 1] == 0
+    assert len(plans) == 2 and plans[-1].page_indices.tolist() == [0, 1, 2, 0]
     adapter(q, cache, cache, tables.clone(), lengths.clone())  # equal contents, new objects
     assert len(plans) == 2 and compared
     adapter(q, cache, cache, tables, torch.tensor([21, 30], dtype=torch.int32))
     assert len(plans) == 3
 
 
+def test_a_host_sequence_plan_is_planned_once_per_object_without_reading_the_device(
+    monkeypatch,
+):
+    """Every layer passes the backend's one plan object: the adapter plans at the first,
+    and neither compares nor reads back the device's tables and lengths at any."""
+
+    def refuse(*args):
+        raise AssertionError("read the device's rows")
+
+    monkeypatch.setattr(torch, "equal", refuse)
+    monkeypatch.setattr(flashinfer, "plan_sequences", refuse)
+    plans = []
+    adapter = _adapter(plans)
+    q, cache = torch.randn(3, 2, 16), torch.randn(4, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [0, 1], [2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([17, 18, 0], dtype=torch.int32)
+    keys = torch.tensor([0, 0, 1])
+    sequences = plan_host_sequences(keys, lengths, torch.tensor([[0, 1], [2, 3]]).int(), 16)
+    for _ in range(3):
+        out = adapter(q, cache, cache, tables, lengths, sequence_plan=sequences)
+    assert plans == [sequences]
+    assert bool((out[2] == 0).all()) and bool((out[:2] == 1).all())
+    again = plan_host_sequences(keys, lengths, torch.tensor([[0, 1], [2, 3]]).int(), 16)
+    adapter(q, cache, cache, tables, lengths, sequence_plan=again)  # a new batch's plan
+    assert plans == [sequences, again]
+
+
+def test_a_host_sequence_plan_of_other_rows_or_pages_is_refused_by_name():
+    adapter = _adapter([])
+    q, cache = torch.randn(2, 2, 16), torch.randn(4, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([20, 30], dtype=torch.int32)
+    owner_tables = torch.tensor([[0, 1], [2, 3]]).int()
+    three = plan_host_sequences(
+        torch.tensor([0, 1, 1]), torch.tensor([5, 6, 9]).int(), owner_tables, 16
+    )
+    with pytest.raises(ValueError, match="covers 3 rows in pages of 16 keys; the call has 2"):
+        adapter(q, cache, cache, tables, lengths, sequence_plan=three)
+    eight = plan_host_sequences(torch.tensor([0, 1]), lengths, owner_tables, 8)
+    with pytest.raises(ValueError, match="pages of 8 keys; the call has 2 rows in pages of 16"):
+        adapter(q, cache, cache, tables, lengths, sequence_plan=eight)
+
+
 def test_plan_sequences_groups_a_prefill_chunk_and_keeps_decode_rows_apart():
     """Hand-worked plan, block size 4: a 3-row chunk of one sequence (positions 4-6, table
     [3, 5]), a decode row at position 7 (table [1, 2]) and a padding row."""
-    from flashloop_backend.kernels.flashinfer import plan_sequences
-
     tables = torch.tensor([[3, 5], [3, 5], [3, 5], [1, 2], [-1, -1]], dtype=torch.int32)
     lengths = torch.tensor([5, 6, 7, 8, 0], dtype=torch.int32)
-    qo, kv_indptr, indices, last = plan_sequences(tables, lengths, 4)
-    assert qo.tolist() == [0, 3, 4, 5]  # sequences: the chunk, the decode row, the padding row
-    assert kv_indptr.tolist() == [0, 2, 4, 5]  # 7 keys -> 2 pages, 8 -> 2, padding -> 1
-    assert indices.tolist() == [3, 5, 1, 2, 0]
-    assert last.tolist() == [3, 4, 1]
-    assert all(t.dtype == torch.int32 for t in (qo, kv_indptr, indices, last))
+    plan = plan_sequences(tables, lengths, 4)
+    assert plan.qo_indptr.tolist() == [0, 3, 4, 5]  # the chunk, the decode row, the padding
+    assert plan.kv_indptr.tolist() == [0, 2, 4, 5]  # 7 keys -> 2 pages, 8 -> 2, padding -> 1
+    assert plan.page_indices.tolist() == [3, 5, 1, 2, 0]
+    assert plan.last_page_lengths.tolist() == [3, 4, 1]
+    assert plan.has_empty_rows and (plan.num_rows, plan.num_sequences) == (5, 3)
+    fields = (plan.qo_indptr, plan.kv_indptr, plan.page_indices, plan.last_page_lengths)
+    assert all(t.dtype == torch.int32 for t in fields)
+    # the same rows from the host's copy: keys name the tables, the padding row's is all -1
+    keys = torch.tensor([0, 0, 0, 1, 2])
+    owner_tables = torch.tensor([[3, 5], [1, 2], [-1, -1]], dtype=torch.int32)
+    host = plan_host_sequences(keys, lengths, owner_tables, 4)
+    for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
+        assert torch.equal(getattr(host, field), getattr(plan, field)), field
+    assert host.has_empty_rows
 
 
 def test_plan_sequences_splits_rows_whose_lengths_do_not_continue():
-    from flashloop_backend.kernels.flashinfer import plan_sequences
-
     tables = torch.tensor([[3, 5], [3, 5]], dtype=torch.int32)
-    qo, *_ = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)
-    assert qo.tolist() == [0, 1, 2]  # two decode rows of one table at the same position
+    plan = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)
+    assert plan.qo_indptr.tolist() == [0, 1, 2]  # two decode rows of one table, one position
+    assert not plan.has_empty_rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_host_plan_equals_the_plan_from_the_device_rows(seed):
+    """Random rows over distinct tables (chunks, decode rows, masked rows of length 0,
+    padding): the plan from keys and the host's tables equals the one from every row's
+    table, field for field."""
+    generator = torch.Generator().manual_seed(seed)
+    owners, width, block = 5, 6, 4
+    owner_tables = torch.randperm(owners * width, generator=generator).int().view(owners, width)
+    owner_tables[-1] = -1  # the padding rows' table
+    keys, lengths = [], []
+    while len(keys) < 40:
+        owner = int(torch.randint(owners, (), generator=generator))
+        count = int(torch.randint(1, 6, (), generator=generator))
+        start = int(torch.randint(0, width * block - count, (), generator=generator))
+        masked = bool(torch.rand((), generator=generator) < 0.2)
+        for i in range(count):
+            keys.append(owner)
+            lengths.append(0 if owner == owners - 1 or masked else start + i + 1)
+    keys_t, lengths_t = torch.tensor(keys), torch.tensor(lengths, dtype=torch.int32)
+    device_plan = plan_sequences(owner_tables[keys_t], lengths_t, block)
+    host_plan = plan_host_sequences(keys_t, lengths_t, owner_tables, block)
+    for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
+        assert torch.equal(getattr(host_plan, field), getattr(device_plan, field)), field
+    assert host_plan.has_empty_rows == device_plan.has_empty_rows
+
+
+def test_plan_host_sequences_refuses_device_tensors_and_mismatched_rows():
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="must both be \\[rows\\]"):
+        plan_host_sequences(torch.tensor([0, 0]), torch.tensor([1], dtype=torch.int32), tables, 4)
+    meta = torch.tensor([0], device="meta")
+    with pytest.raises(ValueError, match="takes host tensors; table_keys is on meta"):
+        plan_host_sequences(meta, torch.tensor([1], dtype=torch.int32), tables, 4)
 
 
 def test_planned_wrapper_is_the_wrapper_the_last_call_planned(monkeypatch):
     """Benchmarks time FlashInfer's kernel alone through ``planned_wrapper``: the wrapper of
     the device's last planned call, and a LookupError before any call planned there."""
-    from flashloop_backend.kernels import flashinfer
-
     device = torch.device("cpu")
     adapter = _adapter([])
     monkeypatch.setattr(flashinfer, "_INSTANCES", {device: adapter})
@@ -83,7 +169,7 @@ def test_planned_wrapper_is_the_wrapper_the_last_call_planned(monkeypatch):
     q, cache = torch.randn(2, 2, 16), torch.randn(4, 16, 2, 16)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     flashinfer.paged_attention_flashinfer(q, cache, cache, tables, torch.tensor([20, 30]).int())
-    assert flashinfer.planned_wrapper(device) is adapter.decode
+    assert flashinfer.planned_wrapper(device) is adapter.current.decode
 
 
 def test_padding_rows_are_zeroed_and_a_batch_without_them_returns_the_kernel_output():

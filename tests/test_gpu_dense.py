@@ -52,6 +52,30 @@ def test_dense_backends_match_reference(backend, dtype, hq, hkv):
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_from_the_host_plan_equals_the_device_plan(dtype):
+    """The same rows planned from the host's copy (distinct keys per table) and from the
+    device's tables give the same plan, hence the same output bit for bit; across more
+    calls than the adapter has plan slots, each call's output stays its own."""
+    from flashloop_backend.kernels.flashinfer import PLAN_SLOTS, paged_attention_flashinfer
+    from flashloop_backend.kernels.sequence_plan import plan_host_sequences
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batches = []
+    for _ in range(PLAN_SLOTS + 2):
+        q, kc, vc, tables, lengths = _mixed_batch(gen, 16, 4, dtype)
+        # every row's table is one of a few distinct tables: give each its own key
+        distinct, keys = torch.unique(tables.cpu(), dim=0, return_inverse=True)
+        plan = plan_host_sequences(keys, lengths.cpu(), distinct, 16, pin=True)
+        batches.append((q, kc, vc, tables, lengths, plan))
+    # host plans queued back to back, each call's output compared after all have run
+    outs = [paged_attention_flashinfer(*b[:5], sequence_plan=b[5]) for b in batches]
+    for (q, kc, vc, tables, lengths, _), out in zip(batches, outs, strict=True):
+        assert torch.equal(out, paged_attention_flashinfer(q, kc, vc, tables, lengths))
+        ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
+        torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_triton_captures_into_a_cuda_graph():
     """Evidence for the triton provider's cuda_graphs claim: capture once, replay on new data."""
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton

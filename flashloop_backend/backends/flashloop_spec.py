@@ -37,6 +37,8 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.GRAPH_SAFE_SPARSE: (OpName.DENSE_SOURCE, OpName.SPARSE_CORRECTION),
     Capability.CORRECTION_INTO_BASE: (OpName.SPARSE_CORRECTION,),
     Capability.DEVICE_POSITIONS: None,
+    # the backend hands prompt rows' host plans to the dense prefill kernel alone
+    Capability.HOST_SEQUENCE_PLAN: (OpName.DENSE_PREFILL,),
     Capability.PACKED_PREFILL: None,
     # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
     # so their kernels may plan on the host

@@ -18,6 +18,9 @@ class Capability(str, Enum):
     GROUPED_VERIFY_ROWS = "grouped_verify_rows"
     # a correction writes the rows it serves into the batch's output in place (base, serves)
     CORRECTION_INTO_BASE = "correction_into_base"
+    # plans from the host's sequence plan of its rows (sequence_plan), never reading the
+    # device's tables and lengths back
+    HOST_SEQUENCE_PLAN = "host_sequence_plan"
     # vllm-rlt's existing BackendCapabilities flags
     PACKED_PREFILL = "packed_prefill"
     CUDA_GRAPHS = "cuda_graphs"

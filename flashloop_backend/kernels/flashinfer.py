@@ -1,8 +1,10 @@
 """FlashInfer adapter for dense paged attention (optional extra ``flashinfer``).
 
-FlashInfer plans a batch on the host (its planner reads page counts), so this path
-synchronises once per new batch and is not graph-safe; the plan is reused while the same
-block tables and lengths are passed again (every layer of one traversal). Rows with no
+FlashInfer plans a batch on the host, and the plan is reused while the same rows are
+passed again (every layer of one traversal). Given the host's :class:`SequencePlan` of
+the rows (``host_sequence_plan``), planning reads nothing from the device, so it never
+waits for kernels queued before it; without one, the adapter reads the rows' tables and
+lengths back once per new batch. Either way the path is not graph-safe. Rows with no
 context (padding) must not be mistaken for a sequence's continuation and return zeros.
 Imported lazily: a missing package or GPU is a selection reason, never a crash.
 """
@@ -10,6 +12,7 @@ Imported lazily: a missing package or GPU is a selection reason, never a crash.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
+from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_sequences
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(
@@ -26,41 +30,35 @@ SUPPORT = Support(
     head_dims=frozenset({64, 128, 256}),
     min_compute_capability=(8, 0),
     python_modules=("flashinfer",),
-    capabilities=frozenset({Capability.NONCONSECUTIVE_QUERIES, Capability.PACKED_PREFILL}),
+    capabilities=frozenset(
+        {
+            Capability.NONCONSECUTIVE_QUERIES,
+            Capability.PACKED_PREFILL,
+            Capability.HOST_SEQUENCE_PLAN,
+        }
+    ),
 )
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# FlashInfer stages each plan in its wrapper's pinned buffer and copies it to the device
+# asynchronously, so a wrapper is planned again only once its last plan's copy has run:
+# plans rotate over this many wrappers, and the host waits for the oldest one's copy
+# (queued several plans ago, so it has normally run) before planning on it again.
+PLAN_SLOTS = 4
 
 
-def plan_sequences(
-    tables: torch.Tensor, lengths: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR plan of rows with tables [R, MB] and lengths [R] (any device):
-    (qo_indptr [S + 1], kv_indptr [S + 1], page indices [sum of pages], last page length
-    [S]), int32 on the host. Consecutive rows with one table and consecutive lengths form a
-    causal sequence (a prefill chunk); other rows are sequences of one query. Padding rows
-    (length 0) are planned as one visible key (zeroed afterwards), so FlashInfer never sees
-    an empty sequence. The rows are grouped on the tables' device, so only each sequence's
-    table travels to the host (a 32K-row chunk would otherwise copy R x MB entries)."""
-    rows = lengths.shape[0]
-    lengths = lengths.long().clamp(min=1)
-    tables = tables.clamp(min=0)
-    starts_here = torch.ones(rows, dtype=torch.bool, device=lengths.device)
-    if rows > 1:
-        same = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
-        starts_here[1:] = ~same
-    first = torch.nonzero(starts_here).flatten()
-    ends = torch.cat([first[1:], first.new_tensor([rows])])
-    kv_len = lengths[ends - 1].cpu()
-    seq_tables = tables[first].cpu()
-    first = first.cpu()
-    pages = (kv_len + block_size - 1) // block_size
-    keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
-    indices = seq_tables[keep].to(torch.int32)
-    kv_indptr = torch.zeros(len(first) + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.cumsum(pages, 0)
-    last = (kv_len - (pages - 1) * block_size).to(torch.int32)
-    qo_indptr = torch.cat([first, first.new_tensor([rows])]).to(torch.int32)
-    return qo_indptr, kv_indptr, indices, last
+@dataclass
+class _PlanSlot:
+    """One pair of FlashInfer wrappers (made on first use) and the event after its last
+    plan's copies."""
+
+    decode: Any = None
+    prefill: Any = None
+    use_prefill: bool = False
+    copied: Any = None
+
+    @property
+    def wrapper(self) -> Any:
+        return self.prefill if self.use_prefill else self.decode
 
 
 class FlashInferPagedAttention:
@@ -71,49 +69,94 @@ class FlashInferPagedAttention:
     def __init__(self, device: torch.device) -> None:
         import flashinfer
 
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._flashinfer = flashinfer
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._slots = [_PlanSlot() for _ in range(PLAN_SLOTS)]
+        self._next_slot = 0
+        self.current: _PlanSlot | None = None
         self._key: tuple | None = None
-        self.use_prefill = False
+        self.empty_rows: torch.Tensor | None = None
 
     def plan(
-        self, tables, lengths, device, num_q_heads, num_kv_heads, head_dim, block_size, dtype, scale
-    ):
-        """Plan for tables [R, MB] and lengths [R] (see :func:`plan_sequences`)."""
-        self.empty_rows = lengths == 0
-        # read once per batch, where planning waits for the device anyway: a batch without
-        # padding rows then returns the kernel's output with no zeroing at every layer
-        self.has_empty_rows = bool(self.empty_rows.any())
-        qo_indptr, kv_indptr, indices, last = plan_sequences(tables, lengths, block_size)
-        self.use_prefill = len(qo_indptr) - 1 < len(lengths)
+        self,
+        sequences: SequencePlan,
+        lengths: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> None:
+        """Plans ``sequences`` (lengths [R] are the rows' own, on the device) on the next
+        slot's wrapper."""
+        slot = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._slots)
+        if slot.copied is not None:
+            slot.copied.synchronize()
+        slot.use_prefill = sequences.num_sequences < sequences.num_rows
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-        if self.use_prefill:
-            self.prefill.plan(
-                qo_indptr.to(device),
-                kv_indptr.to(device),
-                indices.to(device),
-                last.to(device),
-                num_q_heads,
-                num_kv_heads,
-                head_dim,
-                block_size,
+        heads = (num_q_heads, num_kv_heads, head_dim, sequences.block_size)
+        if slot.use_prefill:
+            if slot.prefill is None:
+                slot.prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD"
+                )
+            slot.prefill.plan(
+                sequences.qo_indptr,
+                sequences.kv_indptr,
+                sequences.page_indices,
+                sequences.last_page_lengths,
+                *heads,
                 causal=True,
                 **common,
             )
         else:
-            self.decode.plan(
-                kv_indptr.to(device),
-                indices.to(device),
-                last.to(device),
-                num_q_heads,
-                num_kv_heads,
-                head_dim,
-                block_size,
+            if slot.decode is None:
+                slot.decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD"
+                )
+            slot.decode.plan(
+                sequences.kv_indptr,
+                sequences.page_indices,
+                sequences.last_page_lengths,
+                *heads,
                 **common,
             )
+        slot.copied = torch.cuda.Event()
+        slot.copied.record()
+        self.current = slot
+        # a batch without padding rows returns the kernel's output with no zeroing
+        self.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
 
-    def __call__(self, q, key_cache, value_cache, block_tables, context_lengths, scale=None):
+    def _device_plan_is_current(self, key: tuple, tables, lengths) -> bool:
+        """Whether the last plan, made from the device's tables and lengths, holds for
+        these. The very tensors planned last, unmodified since (held here, so never
+        recycled), need no device comparison and its wait; a fresh tensor at a recycled
+        address is compared by content, never trusted by address."""
+        last = self._key
+        if last is None or last[0] != ("device", key):
+            return False
+        versions = tensor_versions(tables, lengths)
+        if versions is not None and last[3] is tables and last[4] is lengths:
+            if last[5] == versions:
+                return True
+        return (
+            last[1].shape == tables.shape
+            and last[2].shape == lengths.shape
+            and torch.equal(last[1], tables)
+            and torch.equal(last[2], lengths)
+        )
+
+    def __call__(
+        self,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale=None,
+        sequence_plan: SequencePlan | None = None,
+    ):
         rows, num_q_heads, head_dim = check_paged_inputs(
             q, key_cache, value_cache, block_tables, context_lengths
         )
@@ -121,50 +164,28 @@ class FlashInferPagedAttention:
             return q.new_empty((0, num_q_heads, head_dim))
         _, block_size, num_kv_heads, _ = key_cache.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        # The plan is reused only for identical contents (every layer of one traversal): a
-        # fresh tensor at a recycled address must never pick up a stale plan. Contents are
-        # compared on the device; only a new batch is copied to the host for planning.
         key = (q.dtype, num_q_heads, num_kv_heads, block_size, scale)
-        last = self._key
-        # the very tensors planned last, unmodified since (held here, so never recycled):
-        # every later layer of one traversal, without a device comparison and its sync
-        versions = tensor_versions(block_tables, context_lengths)
-        same_objects = (
-            last is not None
-            and versions is not None
-            and last[0] == key
-            and last[3] is block_tables
-            and last[4] is context_lengths
-            and last[5] == versions
-        )
-        if not same_objects and (
-            last is None
-            or last[0] != key
-            or last[1].shape != block_tables.shape
-            or last[2].shape != context_lengths.shape
-            or not (torch.equal(last[1], block_tables) and torch.equal(last[2], context_lengths))
-        ):
-            self.plan(
-                block_tables,
-                context_lengths,
-                q.device,
-                num_q_heads,
-                num_kv_heads,
-                head_dim,
-                block_size,
-                q.dtype,
-                scale,
-            )
-            self._key = (key, block_tables.clone(), context_lengths.clone())
-        self._key = (
-            *self._key[:3],
-            block_tables,
-            context_lengths,
-            versions,
-        )
-        wrapper = self.prefill if self.use_prefill else self.decode
-        out = wrapper.run(q, (key_cache, value_cache))
-        if not self.has_empty_rows:
+        shape = (num_q_heads, num_kv_heads, head_dim, q.dtype, scale)
+        if sequence_plan is not None:
+            if (sequence_plan.num_rows, sequence_plan.block_size) != (rows, block_size):
+                raise ValueError(
+                    f"sequence_plan covers {sequence_plan.num_rows} rows in pages of "
+                    f"{sequence_plan.block_size} keys; the call has {rows} rows in pages "
+                    f"of {block_size}"
+                )
+            last = self._key
+            if last is None or last[0] != ("host", key) or last[1] is not sequence_plan:
+                self.plan(sequence_plan, context_lengths, *shape)
+                self._key = (("host", key), sequence_plan)
+        elif not self._device_plan_is_current(key, block_tables, context_lengths):
+            planned = plan_sequences(block_tables, context_lengths, block_size)
+            self.plan(planned, context_lengths, *shape)
+            self._key = (("device", key), block_tables.clone(), context_lengths.clone())
+        if self._key[0][0] == "device":
+            versions = tensor_versions(block_tables, context_lengths)
+            self._key = (*self._key[:3], block_tables, context_lengths, versions)
+        out = self.current.wrapper.run(q, (key_cache, value_cache))
+        if self.empty_rows is None:
             return out
         return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
 
@@ -180,12 +201,14 @@ def paged_attention_flashinfer(
     block_tables: torch.Tensor,
     context_lengths: torch.Tensor,
     scale: float | None = None,
+    sequence_plan: SequencePlan | None = None,
 ) -> torch.Tensor:
-    """The ``PagedAttention`` contract through FlashInfer (one planner per device)."""
+    """The ``PagedAttention`` contract through FlashInfer (one planner per device);
+    ``sequence_plan``: the host's plan of the rows (``host_sequence_plan``)."""
     instance = _INSTANCES.get(q.device)
     if instance is None:
         instance = _INSTANCES[q.device] = FlashInferPagedAttention(q.device)
-    return instance(q, key_cache, value_cache, block_tables, context_lengths, scale)
+    return instance(q, key_cache, value_cache, block_tables, context_lengths, scale, sequence_plan)
 
 
 def planned_wrapper(device: torch.device) -> Any:
@@ -196,9 +219,9 @@ def planned_wrapper(device: torch.device) -> Any:
     and without zeroing padding rows, so benchmarks time FlashInfer's kernel alone.
     LookupError if no call has planned on ``device`` yet."""
     instance = _INSTANCES.get(device)
-    if instance is None or instance._key is None:
+    if instance is None or instance.current is None:
         raise LookupError(f"no paged_attention_flashinfer call has planned on {device} yet")
-    return instance.prefill if instance.use_prefill else instance.decode
+    return instance.current.wrapper
 
 
 def provider() -> KernelProvider:

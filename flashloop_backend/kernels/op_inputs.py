@@ -27,6 +27,7 @@ from flashloop_backend.kernels.op_protocols import (
 from flashloop_backend.kernels.validate import check_paired
 
 if TYPE_CHECKING:
+    from flashloop_backend.kernels.sequence_plan import SequencePlan
     from flashloop_backend.kv.levels import LevelMetadata
     from flashloop_backend.kv.store import PackedKVStore
 
@@ -41,7 +42,11 @@ class PagedInputs:
     row_spans [R] int32 (``dense_attention`` of an implementation declaring
     ``grouped_verify_rows``): rows r .. r + row_spans[r] - 1 form one verification group
     sharing row r's table, at most ``max_span`` rows; 0 for a row inside an earlier group.
-    The output is the same; the implementation may read the group's keys once."""
+    The output is the same; the implementation may read the group's keys once.
+    sequence_plan (an implementation declaring ``host_sequence_plan``): the host's
+    :class:`SequencePlan` of these rows' tables and lengths, which the implementation plans
+    from in place of reading them back from the device; the same object at every layer of
+    a traversal."""
 
     q: torch.Tensor
     key_cache: torch.Tensor
@@ -51,13 +56,17 @@ class PagedInputs:
     scale: float | None = None
     row_spans: torch.Tensor | None = None
     max_span: int = 1
+    sequence_plan: SequencePlan | None = None
 
     def call(self, fn: PagedAttention) -> torch.Tensor:
         """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
         paged = (self.q, self.key_cache, self.value_cache, self.block_tables, self.context_lengths)
-        if self.row_spans is None:
-            return fn(*paged, self.scale)
-        return fn(*paged, self.scale, row_spans=self.row_spans, max_span=self.max_span)
+        extra: dict = {}
+        if self.row_spans is not None:
+            extra |= {"row_spans": self.row_spans, "max_span": self.max_span}
+        if self.sequence_plan is not None:
+            extra["sequence_plan"] = self.sequence_plan
+        return fn(*paged, self.scale, **extra)
 
 
 @dataclass(frozen=True)

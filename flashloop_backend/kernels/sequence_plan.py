@@ -1,0 +1,130 @@
+"""Rows of a paged-attention call grouped into causal sequences, in CSR form.
+
+A run of consecutive rows that read one block table at consecutive context lengths is one
+causal sequence (a prefill chunk); any other row is a sequence of one query. Grouping
+changes no row's result: a causal sequence's row attends to exactly the keys its own
+length names. Kernels that plan on the host (FlashInfer) take this form. It is made either
+from the device's tables and lengths (:func:`plan_sequences`, which reads them back) or
+from the host's own copy of them (:func:`plan_host_sequences`, which reads nothing from
+the device, so planning never waits for kernels queued before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """S sequences over R rows, int32 tensors on the host.
+
+    qo_indptr [S + 1]: sequence s holds rows qo_indptr[s] .. qo_indptr[s + 1] - 1;
+    kv_indptr [S + 1]: its pages are page_indices[kv_indptr[s] .. kv_indptr[s + 1] - 1];
+    page_indices [kv_indptr[S]]; last_page_lengths [S]: keys in its last page (1 .. BS).
+    A row of length 0 (padding, or a row the op does not serve) is planned as one visible
+    key of block 0, so no sequence is empty; ``has_empty_rows`` says whether any exists
+    (its output must be zeroed). ``block_size`` is the pages' size BS."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    page_indices: torch.Tensor
+    last_page_lengths: torch.Tensor
+    has_empty_rows: bool
+    block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def num_sequences(self) -> int:
+        return self.qo_indptr.shape[0] - 1
+
+    def pinned(self) -> SequencePlan:
+        """The same plan in pinned host memory, so copies of it to a GPU do not wait."""
+        fields = (self.qo_indptr, self.kv_indptr, self.page_indices, self.last_page_lengths)
+        return SequencePlan(*(t.pin_memory() for t in fields), self.has_empty_rows, self.block_size)
+
+
+def _sequence_starts(same_as_previous: torch.Tensor, rows: int) -> torch.Tensor:
+    """[S] int64 first row of each sequence, given [R - 1] bool: row r + 1 continues r."""
+    starts_here = torch.ones(rows, dtype=torch.bool, device=same_as_previous.device)
+    starts_here[1:] = ~same_as_previous
+    return torch.nonzero(starts_here).flatten()
+
+
+def _csr(
+    first: torch.Tensor,
+    rows: int,
+    kv_len: torch.Tensor,
+    seq_tables: torch.Tensor,
+    block_size: int,
+    has_empty_rows: bool,
+) -> SequencePlan:
+    """The plan of sequences starting at rows ``first`` [S] with ``kv_len`` [S] keys (at
+    least 1) over ``seq_tables`` [S, MB] (entries >= 0), all on the host."""
+    pages = (kv_len + block_size - 1) // block_size
+    keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
+    indices = seq_tables[keep].to(torch.int32)
+    kv_indptr = torch.zeros(len(first) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(pages, 0)
+    last = (kv_len - (pages - 1) * block_size).to(torch.int32)
+    qo_indptr = torch.cat([first, first.new_tensor([rows])]).to(torch.int32)
+    return SequencePlan(qo_indptr, kv_indptr, indices, last, has_empty_rows, block_size)
+
+
+def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> SequencePlan:
+    """The plan of rows with tables [R, MB] int32 and lengths [R] int32 on any device: rows
+    continue a sequence when their tables are equal. The rows are grouped on the tables'
+    device, so only each sequence's table travels to the host (a 32K-row chunk would
+    otherwise copy R x MB entries), and that copy waits for the device."""
+    rows = lengths.shape[0]
+    has_empty_rows = bool((lengths == 0).any())
+    lengths = lengths.long().clamp(min=1)
+    tables = tables.clamp(min=0)
+    same = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
+    first = _sequence_starts(same, rows)
+    ends = torch.cat([first[1:], first.new_tensor([rows])])
+    kv_len = lengths[ends - 1].cpu()
+    return _csr(first.cpu(), rows, kv_len, tables[first].cpu(), block_size, has_empty_rows)
+
+
+def plan_host_sequences(
+    table_keys: torch.Tensor,
+    lengths: torch.Tensor,
+    key_tables: torch.Tensor,
+    block_size: int,
+    pin: bool = False,
+) -> SequencePlan:
+    """The plan of R rows from the host's own copy of them: table_keys [R] int64 (row r
+    reads table key_tables[table_keys[r]]), lengths [R] int32, key_tables [K, MB] int32,
+    all on the host. Rows continue a sequence when their keys are equal (and their lengths
+    continue): with one key per distinct table, the grouping :func:`plan_sequences` makes
+    from the tables themselves; keys naming equal tables (a plane carried from another)
+    may split a sequence it would join, which changes no row's result. ``pin``: in pinned
+    memory (for a kernel on a GPU)."""
+    for name, tensor in (
+        ("table_keys", table_keys),
+        ("lengths", lengths),
+        ("key_tables", key_tables),
+    ):
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"plan_host_sequences takes host tensors; {name} is on {tensor.device}"
+            )
+    if table_keys.shape != lengths.shape or lengths.dim() != 1:
+        raise ValueError(
+            f"table_keys {tuple(table_keys.shape)} and lengths {tuple(lengths.shape)} must "
+            "both be [rows]"
+        )
+    rows = lengths.shape[0]
+    has_empty_rows = bool((lengths == 0).any())
+    lengths = lengths.long().clamp(min=1)
+    same = (lengths[1:] == lengths[:-1] + 1) & (table_keys[1:] == table_keys[:-1])
+    first = _sequence_starts(same, rows)
+    ends = torch.cat([first[1:], first.new_tensor([rows])])
+    seq_tables = key_tables[table_keys[first]].clamp(min=0)
+    plan = _csr(first, rows, lengths[ends - 1], seq_tables, block_size, has_empty_rows)
+    return plan.pinned() if pin else plan
