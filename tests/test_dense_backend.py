@@ -132,3 +132,64 @@ def test_prefill_provider_that_cannot_serve_is_a_reason():
     spec = DenseBackendSpec("x", "torch_reference", 1, "test", prefill_provider="no_such")
     reasons = spec.not_supported_reasons(REQUEST, FlashLoopConfig(), registry, registry.env)
     assert any("prefill rows" in r and "no_such" in r for r in reasons), reasons
+
+
+class PlanSpy(Spy):
+    """A kernel declaring ``host_sequence_plan``: records the sequence plan it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: list = []
+
+    def __call__(self, q, kc, vc, tables, lengths, scale=None, sequence_plan=None):
+        self.plans.append((sequence_plan, tables, lengths))
+        return super().__call__(q, kc, vc, tables, lengths, scale)
+
+
+@pytest.mark.parametrize("batch", ["prefill_only", "mixed", "decode_only"])
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "not_declared"])
+def test_the_host_plans_the_rows_of_a_kernel_that_declares_host_sequence_plan(rng, batch, declared):
+    """A view from the host carries its rows on the host; a kernel declaring
+    ``host_sequence_plan`` gets their sequence plan, equal to the plan from the device's
+    tables and the lengths it is given, and the same object at every layer."""
+    from dataclasses import replace
+
+    from flashloop_backend.capabilities import Capability
+    from flashloop_backend.host.batch import RowGroup, build_batch
+    from flashloop_backend.host.kvcache import PagedKVCache
+    from flashloop_backend.kernels.sequence_plan import plan_sequences
+
+    kv = PagedKVCache(64, 1, 4, 2, 16, 3, torch.float32, "cpu")
+    for request, tokens in ((0, 30), (1, 21), (2, 9)):
+        kv.reserve(request, tokens)
+    M = RowMode
+    prompt = [RowGroup(0, M.PREFILL, 0, 8, 6), RowGroup(1, M.PREFILL, 1, 4, 5)]
+    prompt.append(RowGroup(0, M.PREFILL, 2, 2, 3))
+    decode = [RowGroup(2, M.DECODE, 1, 8, 1), RowGroup(1, M.DECODE, 0, 20, 1)]
+    groups = {"prefill_only": prompt, "mixed": decode + prompt, "decode_only": decode}[batch]
+    view = build_batch(groups, kv, "cpu", pad_to=20).view
+    spies = PlanSpy(), PlanSpy()
+    capabilities = SUPPORT.capabilities | ({Capability.HOST_SEQUENCE_PLAN} if declared else set())
+    support = replace(SUPPORT, capabilities=capabilities)
+    impl = KernelImpl(OpName.DENSE_ATTENTION, spies[0], support)
+    prefill_impl = KernelImpl(OpName.DENSE_PREFILL, spies[1], support)
+    backend = DenseBackend(impl, prefill_impl, frozenset(), SelectionInfo("t", "t", "t"))
+    kc, vc = torch.randn(2, 64, 4, 2, 16, generator=rng)
+    q = torch.randn(view.num_rows, 4, 16, generator=rng)
+    first = backend.forward(q, kc, vc, view)
+    second = backend.forward(q, kc, vc, view)  # the next layer
+    torch.testing.assert_close(first, second)
+    launched = [spy for spy in spies if spy.plans]
+    assert len(launched) == (2 if batch == "mixed" else 1)
+    for spy in launched:
+        (plan, tables, lengths), (again, *_) = spy.plans
+        if not declared:
+            assert plan is None and again is None
+            continue
+        assert again is plan
+        expected = plan_sequences(tables, lengths, 4)
+        for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
+            assert torch.equal(getattr(plan, field), getattr(expected, field)), field
+        assert plan.has_empty_rows == expected.has_empty_rows
+    if declared and batch == "prefill_only":  # three chunks of 6, 5 and 3 rows, 6 padding
+        assert spies[1].plans[0][0].qo_indptr.tolist()[:4] == [0, 6, 11, 14]

@@ -15,9 +15,11 @@ from flashloop_backend.dispatch import (
     ROUTE_CODES,
     BatchView,
     base_routes,
+    base_routes_of,
     partition_rows,
     with_references,
 )
+from flashloop_backend.kernels.sequence_plan import SequencePlan
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class PlanRouting:
     def __init__(
         self, plan: BatchPlan, states: ReferenceStates | None, config: FlashLoopConfig
     ) -> None:
+        self.plan, self.config = plan, config
         self.lengths, self.incarnations = plan.lengths, plan.incarnations
         self.target = states.target(plan.slots) if states is not None else None
         self.base_routes = plan.routes  # [R]
@@ -134,6 +137,7 @@ class PlanRouting:
         self._masks: dict = {}
         self._writes: dict = {}
         self._references: dict = {}
+        self._host_sequences: dict = {}
 
     def rows(
         self, op, n: int, layer: int, reads_lengths: bool, decode: bool
@@ -159,6 +163,23 @@ class PlanRouting:
                 masked = torch.where(mine, lengths, torch.zeros_like(lengths))
             self._masks[(op, n)] = (mine, masked)
         return self._masks[(op, n)]
+
+    def host_sequences(self, op, block_size: int) -> SequencePlan | None:
+        """The host's :class:`SequencePlan` of the rows a prefill ``op`` serves, with pages
+        of ``block_size`` keys: a prompt row's route depends only on its mode and depth, so
+        the host's copy of the rows gives it without reading the device. None where the
+        view carries no host rows or the plan gathers its rows (a mixed batch, whose
+        order the device holds)."""
+        view = self.plan.view
+        if view.host_rows is None or self.plan.order is not None:
+            return None
+        if op not in self._host_sequences:
+            host = view.host_rows
+            routes, _ = base_routes_of(host.row_modes, host.depths, self.config)
+            lengths = torch.where(routes == ROUTE_CODES[op], host.context_lengths, 0)
+            pin = view.device.type == "cuda"
+            self._host_sequences[op] = host.sequences(lengths.int(), block_size, pin)
+        return self._host_sequences[op]
 
     def references(
         self, states: ReferenceStates, op, n: int, layer: int

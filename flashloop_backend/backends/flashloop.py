@@ -250,7 +250,12 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
                 q_n, key_cache, value_cache, tables_n, masked, retention, states.k_bucket, scale
             )
         else:
-            inputs = PagedInputs(q_n, key_cache, value_cache, tables_n, masked, scale)
+            sequences = None
+            if every_row and op in prefill_ops and self._host_planned(op):
+                sequences = routing.host_sequences(op, key_cache.shape[1])
+            inputs = PagedInputs(
+                q_n, key_cache, value_cache, tables_n, masked, scale, sequence_plan=sequences
+            )
         if op in PACKED_READ_OPS:
             if self.packed is None:
                 raise RuntimeError(
@@ -261,6 +266,10 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
             if op == OpName.PACKED_DECODE and self._fallback_only(plan.view):
                 inputs = replace(inputs, few_rows=True)
         return mine, inputs
+
+    def _host_planned(self, op: OpName) -> bool:
+        """Whether ``op``'s kernel plans from the host's sequence plan of its rows."""
+        return Capability.HOST_SEQUENCE_PLAN in self.kernels[op].impl.support.capabilities
 
     def _fallback_only(self, view: BatchView) -> bool:
         """Whether the batch's packed read serves only rows a loop 3-4 correction could not

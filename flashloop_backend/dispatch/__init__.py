@@ -1,6 +1,6 @@
 """Batch views, the stable row partition and segment routing."""
 
-from flashloop_backend.dispatch.batch import BatchView, RowMode
+from flashloop_backend.dispatch.batch import BatchView, HostRows, RowMode
 from flashloop_backend.dispatch.partition import RowPartition, partition_rows, verify_spans
 from flashloop_backend.dispatch.router import (
     NOT_ROUTED,
@@ -9,6 +9,7 @@ from flashloop_backend.dispatch.router import (
     SPARSE_START_DEPTH,
     OpRequirement,
     base_routes,
+    base_routes_of,
     config_capabilities,
     decode_route_ops,
     prefill_route_ops,
@@ -24,10 +25,12 @@ __all__ = [
     "ROUTE_CODES",
     "SPARSE_START_DEPTH",
     "BatchView",
+    "HostRows",
     "OpRequirement",
     "RowMode",
     "RowPartition",
     "base_routes",
+    "base_routes_of",
     "config_capabilities",
     "decode_route_ops",
     "partition_rows",

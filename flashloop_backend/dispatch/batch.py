@@ -7,6 +7,8 @@ from enum import IntEnum
 
 import torch
 
+from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_host_sequences
+
 
 class RowMode(IntEnum):
     """What an execution row does in this traversal."""
@@ -16,6 +18,54 @@ class RowMode(IntEnum):
     PREFILL = 2  # active prefill row (recomputed this loop)
     INACTIVE = 3  # prefill row skipped this loop: keeps its previous hidden state and KV
     PAD = 4  # padding row (graph buckets); context length zero
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """The host's own copy of a view's rows, from which a backend plans kernels that plan
+    on the host without reading the device. R rows, P depth planes, O tables per plane;
+    every tensor on the host.
+
+    context_lengths:  [R] int32  as the view's
+    depths:           [R] int64  as the view's
+    row_modes:        [R] int8   as the view's
+    table_owners:     [R] int64  row r reads owner_tables[depths[r], table_owners[r]]
+    owner_tables:     [P, O, MB] int32  one block table per (plane, owner): distinct owners
+                                 of a plane hold distinct tables
+    """
+
+    context_lengths: torch.Tensor
+    depths: torch.Tensor
+    row_modes: torch.Tensor
+    table_owners: torch.Tensor
+    owner_tables: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows = self.row_modes.shape[0]
+        for name in ("context_lengths", "depths", "row_modes", "table_owners"):
+            if getattr(self, name).shape != (rows,):
+                shape = tuple(getattr(self, name).shape)
+                raise ValueError(f"host rows' {name} must be [rows={rows}]; got {shape}")
+        if self.owner_tables.dim() != 3:
+            raise ValueError(
+                f"host rows' owner_tables must be [depth_planes, owners, max_blocks]; "
+                f"got {tuple(self.owner_tables.shape)}"
+            )
+        tensors = (self.context_lengths, self.depths, self.row_modes)
+        devices = {t.device.type for t in (*tensors, self.table_owners, self.owner_tables)}
+        if devices != {"cpu"}:
+            raise ValueError(f"host rows must be on the host; got devices {sorted(devices)}")
+
+    def sequences(self, lengths: torch.Tensor, block_size: int, pin: bool) -> SequencePlan:
+        """The :class:`SequencePlan` of these rows read at ``lengths`` [R] int32 (on the
+        host: the context lengths with rows a kernel does not serve at 0), in pages of
+        ``block_size`` keys; ``pin``: in pinned memory."""
+        planes, owners, _ = self.owner_tables.shape
+        # one key per (plane, owner) table; depth clamped for padding, as the view's tables
+        keys = self.depths.clamp(0, planes - 1) * owners + self.table_owners
+        return plan_host_sequences(
+            keys, lengths, self.owner_tables.flatten(0, 1), block_size, pin=pin
+        )
 
 
 @dataclass(frozen=True)
@@ -42,6 +92,8 @@ class BatchView:
     prefill ops (None: any depth).
     verify_rows (host-known): no VERIFY group (consecutive VERIFY rows of one request and
     depth) has more rows, so a kernel may compute a group's rows together (1: none does).
+    host_rows (host-known): the host's copy of the rows' lengths, depths, modes and
+    tables (:class:`HostRows`), or None where the host keeps none.
 
     A backend plans a view once and reuses the plan for every layer (keyed by identity):
     build a new view for every submission, and for every CUDA-graph capture.
@@ -61,9 +113,14 @@ class BatchView:
     decode_depths: frozenset[int] | None = None
     prefill_depths: frozenset[int] | None = None
     verify_rows: int = 1
+    host_rows: HostRows | None = None
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
+        if self.host_rows is not None and self.host_rows.row_modes.shape != (rows,):
+            raise ValueError(
+                f"host_rows hold {self.host_rows.row_modes.shape[0]} rows; the view {rows}"
+            )
         per_row = {
             "positions": self.positions,
             "depths": self.depths,

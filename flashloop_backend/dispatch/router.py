@@ -157,8 +157,17 @@ def base_routes(
     """The layer-independent half of :func:`route_rows`: each row's route as if no decode
     row held a reference, and [R] bool the decode rows that would correct if one did
     (None without sparse decode)."""
-    modes = view.row_modes.long()
-    depth = view.depths
+    return base_routes_of(view.row_modes, view.depths, config)
+
+
+def base_routes_of(
+    row_modes: torch.Tensor, depths: torch.Tensor, config: FlashLoopConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`base_routes` of rows with modes [R] and depths [R] on any device: a prompt
+    row's route depends on its mode and depth alone, so the host's copy of them gives the
+    routes of a view without decode rows without reading the device."""
+    modes = row_modes.long()
+    depth = depths
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
     prefill = modes == RowMode.PREFILL
     routes = torch.full_like(depth, NOT_ROUTED)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.device_copy import to_device
-from flashloop_backend.dispatch import BatchView, RowMode
+from flashloop_backend.dispatch import BatchView, HostRows, RowMode
 from flashloop_backend.host.kvcache import PagedKVCache
 
 
@@ -118,10 +118,19 @@ def build_batch(
     row_owner = [owner_of[g.request_id] for g in groups for _ in range(g.count)]
     row_owner += [len(owners)] * pad  # padding rows read the all -1 table
     per_row = [positions, depths, modes, token_slots, incarnations, requests, slots, row_owner]
-    fields = to_device(torch.tensor(per_row, dtype=torch.int64), device)
+    host_fields = torch.tensor(per_row, dtype=torch.int64)
+    fields = to_device(host_fields, device)
     position_t, depth_t, mode_t, token_slot_t, incarnation_t, request_t, slot_t, owner_t = fields
     planes = to_device(per_request, device)[:, owner_t]
     lengths = torch.where(mode_t == RowMode.PAD, 0, position_t + 1).to(torch.int32)
+    host_modes = host_fields[2]
+    host_rows = HostRows(
+        context_lengths=torch.where(host_modes == RowMode.PAD, 0, host_fields[0] + 1).int(),
+        depths=host_fields[1],
+        row_modes=host_modes.to(torch.int8),
+        table_owners=host_fields[7],
+        owner_tables=per_request,
+    )
     view = BatchView(
         positions=position_t,
         depths=depth_t,
@@ -139,5 +148,6 @@ def build_batch(
         ),
         prefill_depths=frozenset(g.depth for g in groups if g.mode == RowMode.PREFILL),
         verify_rows=max([g.count for g in groups if g.mode == RowMode.VERIFY] or [1]),
+        host_rows=host_rows,
     )
     return Batch(view, slot_t, tuple(groups), real)
