@@ -30,8 +30,7 @@ class HostRows:
     depths:           [R] int64  as the view's
     row_modes:        [R] int8   as the view's
     table_owners:     [R] int64  row r reads owner_tables[depths[r], table_owners[r]]
-    owner_tables:     [P, O, MB] int32  one block table per (plane, owner): distinct owners
-                                 of a plane hold distinct tables
+    owner_tables:     [P, O, MB] int32  one block table per (plane, owner)
     """
 
     context_lengths: torch.Tensor
