@@ -146,7 +146,7 @@ class PlanSpy(Spy):
         return super().__call__(q, kc, vc, tables, lengths, scale)
 
 
-@pytest.mark.parametrize("batch", ["prefill_only", "mixed", "decode_only"])
+@pytest.mark.parametrize("batch", ["prefill_only", "mixed", "decode_only", "no_rows"])
 @pytest.mark.parametrize("declared", [True, False], ids=["declared", "not_declared"])
 def test_the_host_plans_the_rows_of_a_kernel_that_declares_host_sequence_plan(rng, batch, declared):
     """A view from the host carries its rows on the host; a kernel declaring
@@ -166,8 +166,9 @@ def test_the_host_plans_the_rows_of_a_kernel_that_declares_host_sequence_plan(rn
     prompt = [RowGroup(0, M.PREFILL, 0, 8, 6), RowGroup(1, M.PREFILL, 1, 4, 5)]
     prompt.append(RowGroup(0, M.PREFILL, 2, 2, 3))
     decode = [RowGroup(2, M.DECODE, 1, 8, 1), RowGroup(1, M.DECODE, 0, 20, 1)]
-    groups = {"prefill_only": prompt, "mixed": decode + prompt, "decode_only": decode}[batch]
-    view = build_batch(groups, kv, "cpu", pad_to=20).view
+    groups = {"prefill_only": prompt, "mixed": decode + prompt, "decode_only": decode}
+    groups = groups.get(batch, [])
+    view = build_batch(groups, kv, "cpu", pad_to=20 if groups else None).view
     spies = PlanSpy(), PlanSpy()
     capabilities = SUPPORT.capabilities | ({Capability.HOST_SEQUENCE_PLAN} if declared else set())
     support = replace(SUPPORT, capabilities=capabilities)

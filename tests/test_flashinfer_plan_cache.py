@@ -19,6 +19,7 @@ def _adapter(plans: list):
     """The adapter with a planner that records each plan's sequences (no flashinfer)."""
     adapter = object.__new__(FlashInferPagedAttention)
     adapter._key, adapter.current, adapter.empty_rows = None, None, None
+    adapter.device_plans = 0
 
     def plan(sequences, lengths, *rest):
         plans.append(sequences)
@@ -48,7 +49,7 @@ def test_plan_reused_for_the_same_tensors_and_redone_when_they_change(monkeypatc
     adapter(q, cache, cache, tables.clone(), lengths.clone())  # equal contents, new objects
     assert len(plans) == 2 and compared
     adapter(q, cache, cache, tables, torch.tensor([21, 30], dtype=torch.int32))
-    assert len(plans) == 3
+    assert len(plans) == 3 and adapter.device_plans == 3
 
 
 def test_a_host_sequence_plan_is_planned_once_per_object_without_reading_the_device(
@@ -75,7 +76,7 @@ def test_a_host_sequence_plan_is_planned_once_per_object_without_reading_the_dev
     assert bool((out[2] == 0).all()) and bool((out[:2] == 1).all())
     again = plan_host_sequences(keys, lengths, torch.tensor([[0, 1], [2, 3]]).int(), 16)
     adapter(q, cache, cache, tables, lengths, sequence_plan=again)  # a new batch's plan
-    assert plans == [sequences, again]
+    assert plans == [sequences, again] and adapter.device_plans == 0
 
 
 def test_a_host_sequence_plan_of_other_rows_or_pages_is_refused_by_name():
@@ -147,6 +148,18 @@ def test_the_host_plan_equals_the_plan_from_the_device_rows(seed):
     for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
         assert torch.equal(getattr(host_plan, field), getattr(device_plan, field)), field
     assert host_plan.has_empty_rows == device_plan.has_empty_rows
+
+
+def test_a_plan_of_no_rows_has_no_sequence():
+    tables = torch.zeros(0, 3, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    for plan in (
+        plan_sequences(tables, empty, 4),
+        plan_host_sequences(empty.long(), empty, tables, 4),
+    ):
+        assert plan.qo_indptr.tolist() == [0] and plan.kv_indptr.tolist() == [0]
+        assert plan.page_indices.numel() == 0 and plan.last_page_lengths.numel() == 0
+        assert (plan.num_rows, plan.num_sequences, plan.has_empty_rows) == (0, 0, False)
 
 
 def test_plan_host_sequences_refuses_device_tensors_and_mismatched_rows():

@@ -76,6 +76,36 @@ def test_flashinfer_from_the_host_plan_equals_the_device_plan(dtype):
         torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_flashinfer_planned_from_the_host_does_not_wait_for_queued_kernels():
+    """With a long kernel queued, ``PLAN_SLOTS`` calls planned from the host's plans all
+    return before it ends (no device read, and FlashInfer's own plan copies do not wait),
+    and each output equals the device-planned one once the device has run them."""
+    from flashloop_backend.kernels.flashinfer import PLAN_SLOTS, paged_attention_flashinfer
+    from flashloop_backend.kernels.sequence_plan import plan_host_sequences
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    batches = [_mixed_batch(gen, 16, 4, torch.bfloat16) for _ in range(PLAN_SLOTS)]
+
+    def host_plan(tables, lengths):
+        distinct, keys = torch.unique(tables.cpu(), dim=0, return_inverse=True)
+        return plan_host_sequences(keys, lengths.cpu(), distinct, 16, pin=True)
+
+    for batch in batches:  # every slot's wrappers made and planned once
+        paged_attention_flashinfer(*batch, sequence_plan=host_plan(*batch[3:]))
+    plans = [host_plan(*batch[3:]) for batch in batches]
+    torch.cuda.synchronize()
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of one SM spinning
+    queued.record()
+    outs = [
+        paged_attention_flashinfer(*b, sequence_plan=p) for b, p in zip(batches, plans, strict=True)
+    ]
+    assert not queued.query(), "planning waited for the kernel queued before it"
+    torch.cuda.synchronize()
+    for batch, out in zip(batches, outs, strict=True):
+        assert torch.equal(out, paged_attention_flashinfer(*batch))
+
+
 def test_triton_captures_into_a_cuda_graph():
     """Evidence for the triton provider's cuda_graphs claim: capture once, replay on new data."""
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton

@@ -8,13 +8,14 @@ paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.backends.base import AttentionBackend
+from flashloop_backend.backends.dense_plan import DensePlan
 from flashloop_backend.capabilities import (
     Capability,
     Environment,
@@ -22,11 +23,10 @@ from flashloop_backend.capabilities import (
     not_supported_reasons,
 )
 from flashloop_backend.config import FlashLoopConfig
-from flashloop_backend.dispatch import BatchView, RowMode, verify_spans
+from flashloop_backend.dispatch import BatchView
 from flashloop_backend.kernels.op_inputs import PagedInputs
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl
-from flashloop_backend.kernels.sequence_plan import SequencePlan
 from flashloop_backend.registry.spec import BackendSpec, SelectionInfo
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class DenseBackend(AttentionBackend):
         self.capabilities, self.info = capabilities, info
         self.config = FlashLoopConfig()
         self.dense_attention = impl.fn
-        self._plan: _DensePlan | None = None
+        self._plan: DensePlan | None = None
 
     def graph_blockers(self) -> list[str]:
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
@@ -173,7 +173,7 @@ class DenseBackend(AttentionBackend):
                 _host_planned(self.impl if one_kernel else self.prefill_impl),
                 _host_planned(self.impl),
             )
-            self._plan = _DensePlan.of(
+            self._plan = DensePlan.of(
                 view, one_kernel, grouped and not one_kernel, host_planned, key_cache.shape[1]
             )
         plan = self._plan
@@ -212,81 +212,6 @@ class DenseBackend(AttentionBackend):
 def _host_planned(impl: KernelImpl) -> bool:
     """Whether ``impl`` plans from the host's sequence plan (``host_sequence_plan``)."""
     return Capability.HOST_SEQUENCE_PLAN in impl.support.capabilities
-
-
-def _masked_lengths(
-    modes: torch.Tensor,
-    lengths: torch.Tensor,
-    decode_only: bool,
-    one_kernel: bool,
-    decode_bound: int | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(prefill kernel's lengths, decode kernel's lengths, decode rows [R] bool) of rows
-    with modes and lengths [R] on any device, as :class:`_DensePlan` describes them."""
-    if decode_only:  # DECODE, VERIFY or PAD rows: padding already has length 0
-        return (lengths, None, None) if one_kernel else (None, lengths, None)
-    modes = modes.long()
-    decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
-    prefill = modes == RowMode.PREFILL
-    zeros = torch.zeros_like(lengths)
-    if one_kernel:
-        return torch.where(decode | prefill, lengths, zeros), None, None
-    decode_lengths = None
-    if decode_bound != 0:
-        decode_lengths = torch.where(decode, lengths, zeros)
-    return torch.where(prefill, lengths, zeros), decode_lengths, decode
-
-
-@dataclass(frozen=True)
-class _DensePlan:
-    """What the dense backend derives from a view once: tables [R, MB] int32 of each row's
-    own depth plane; the lengths [R] int32 each kernel sees (rows it does not serve at 0),
-    None for a kernel not launched; decode_rows [R] bool picks the decode kernel's rows
-    where both run. With one kernel for every row, its lengths are ``prefill_lengths``.
-    row_spans [R] int32 (:func:`verify_spans`): the verification groups the decode kernel
-    computes together, when it declares ``grouped_verify_rows`` and the view may hold a
-    group of several rows (else None). prefill_sequences / decode_sequences: the host's
-    :class:`SequencePlan` of a launched kernel's rows, for a kernel declaring
-    ``host_sequence_plan`` when the view carries its host rows (else None)."""
-
-    view: BatchView
-    tables: torch.Tensor
-    prefill_lengths: torch.Tensor | None
-    decode_lengths: torch.Tensor | None
-    decode_rows: torch.Tensor | None
-    row_spans: torch.Tensor | None = None
-    prefill_sequences: SequencePlan | None = None
-    decode_sequences: SequencePlan | None = None
-
-    @staticmethod
-    def of(
-        view: BatchView,
-        one_kernel: bool,
-        grouped: bool = False,
-        host_planned: tuple[bool, bool] = (False, False),
-        block_size: int = 0,
-    ) -> _DensePlan:
-        """``host_planned``: whether the (prefill, decode) kernels take the host's
-        sequence plans, of pages of ``block_size`` keys."""
-        lengths = _masked_lengths(
-            view.row_modes, view.context_lengths, view.decode_only, one_kernel, view.decode_bound
-        )
-        plan = _DensePlan(view, view.row_block_tables(), *lengths)
-        if grouped and view.verify_rows > 1 and plan.decode_lengths is not None:
-            spans = verify_spans(view.row_modes, view.request_ids, view.depths)
-            plan = replace(plan, row_spans=spans)
-        host = view.host_rows
-        if host is None or not any(host_planned):
-            return plan
-        host_lengths = _masked_lengths(
-            host.row_modes, host.context_lengths, view.decode_only, one_kernel, view.decode_bound
-        )
-        pin = view.device.type == "cuda"
-        sequences = [
-            host.sequences(lengths, block_size, pin) if lengths is not None and planned else None
-            for lengths, planned in zip(host_lengths[:2], host_planned, strict=True)
-        ]
-        return replace(plan, prefill_sequences=sequences[0], decode_sequences=sequences[1])
 
 
 def torch_factory() -> DenseBackendSpec:

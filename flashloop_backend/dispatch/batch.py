@@ -92,7 +92,8 @@ class BatchView:
     verify_rows (host-known): no VERIFY group (consecutive VERIFY rows of one request and
     depth) has more rows, so a kernel may compute a group's rows together (1: none does).
     host_rows (host-known): the host's copy of the rows' lengths, depths, modes and
-    tables (:class:`HostRows`), or None where the host keeps none.
+    tables (:class:`HostRows`), or None where the host keeps none. A view made from
+    another with changed rows must not keep the other's host rows.
 
     A backend plans a view once and reuses the plan for every layer (keyed by identity):
     build a new view for every submission, and for every CUDA-graph capture.
@@ -116,10 +117,16 @@ class BatchView:
 
     def __post_init__(self) -> None:
         rows = self.row_modes.shape[0]
-        if self.host_rows is not None and self.host_rows.row_modes.shape != (rows,):
-            raise ValueError(
-                f"host_rows hold {self.host_rows.row_modes.shape[0]} rows; the view {rows}"
-            )
+        host = self.host_rows
+        if host is not None:
+            planes, _, width = host.owner_tables.shape
+            seen = (host.row_modes.shape[0], planes, width)
+            want = (rows, self.block_tables.shape[0], self.block_tables.shape[2])
+            if seen != want:
+                raise ValueError(
+                    f"host_rows hold {seen[0]} rows, {planes} planes, tables {width} wide; "
+                    f"the view {want[0]}, {want[1]} and {want[2]}"
+                )
         per_row = {
             "positions": self.positions,
             "depths": self.depths,

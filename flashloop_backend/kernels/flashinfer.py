@@ -2,9 +2,11 @@
 
 FlashInfer plans a batch on the host, and the plan is reused while the same rows are
 passed again (every layer of one traversal). Given the host's :class:`SequencePlan` of
-the rows (``host_sequence_plan``), planning reads nothing from the device, so it never
-waits for kernels queued before it; without one, the adapter reads the rows' tables and
-lengths back once per new batch. Either way the path is not graph-safe. Rows with no
+the rows (``host_sequence_plan``), planning reads nothing from the device, so it does not
+wait for the kernels queued before it (only for a plan slot's copy queued
+``PLAN_SLOTS`` plans earlier); without one, the adapter reads the rows' tables and
+lengths back once per new batch (counted in ``device_plans``) and waits for the device.
+Either way the path is not graph-safe. Rows with no
 context (padding) must not be mistaken for a sequence's continuation and return zeros.
 Imported lazily: a missing package or GPU is a selection reason, never a crash.
 """
@@ -42,7 +44,9 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # FlashInfer stages each plan in its wrapper's pinned buffer and copies it to the device
 # asynchronously, so a wrapper is planned again only once its last plan's copy has run:
 # plans rotate over this many wrappers, and the host waits for the oldest one's copy
-# (queued several plans ago, so it has normally run) before planning on it again.
+# (queued several plans ago, so it has normally run) before planning on it again. Each
+# slot's wrappers hold FlashInfer's 8 MiB integer workspace on the device and its pinned
+# twin; the 256 MiB float workspace is shared (runs are ordered on one stream).
 PLAN_SLOTS = 4
 
 
@@ -76,6 +80,7 @@ class FlashInferPagedAttention:
         self.current: _PlanSlot | None = None
         self._key: tuple | None = None
         self.empty_rows: torch.Tensor | None = None
+        self.device_plans = 0  # plans made by reading the rows back from the device
 
     def plan(
         self,
@@ -122,8 +127,9 @@ class FlashInferPagedAttention:
                 *heads,
                 **common,
             )
-        slot.copied = torch.cuda.Event()
-        slot.copied.record()
+        if slot.copied is None:
+            slot.copied = torch.cuda.Event()
+        slot.copied.record(torch.cuda.current_stream(self.workspace.device))
         self.current = slot
         # a batch without padding rows returns the kernel's output with no zeroing
         self.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
@@ -179,6 +185,7 @@ class FlashInferPagedAttention:
                 self._key = (("host", key), sequence_plan)
         elif not self._device_plan_is_current(key, block_tables, context_lengths):
             planned = plan_sequences(block_tables, context_lengths, block_size)
+            self.device_plans += 1
             self.plan(planned, context_lengths, *shape)
             self._key = (("device", key), block_tables.clone(), context_lengths.clone())
         if self._key[0][0] == "device":

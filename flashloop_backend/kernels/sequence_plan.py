@@ -2,8 +2,8 @@
 
 A run of consecutive rows that read one block table at consecutive context lengths is one
 causal sequence (a prefill chunk); any other row is a sequence of one query. Grouping
-changes no row's result: a causal sequence's row attends to exactly the keys its own
-length names. Kernels that plan on the host (FlashInfer) take this form. It is made either
+changes no row's keys: a causal sequence's row attends to exactly the keys its own length
+names (a kernel may still round differently for another grouping). Kernels that plan on the host (FlashInfer) take this form. It is made either
 from the device's tables and lengths (:func:`plan_sequences`, which reads them back) or
 from the host's own copy of them (:func:`plan_host_sequences`, which reads nothing from
 the device, so planning never waits for kernels queued before it).
@@ -24,8 +24,9 @@ class SequencePlan:
     kv_indptr [S + 1]: its pages are page_indices[kv_indptr[s] .. kv_indptr[s + 1] - 1];
     page_indices [kv_indptr[S]]; last_page_lengths [S]: keys in its last page (1 .. BS).
     A row of length 0 (padding, or a row the op does not serve) is planned as one visible
-    key of block 0, so no sequence is empty; ``has_empty_rows`` says whether any exists
-    (its output must be zeroed). ``block_size`` is the pages' size BS."""
+    key, the first of its table's first block (block 0 where that is -1), so no sequence
+    is empty; ``has_empty_rows`` says whether any exists (its output must be zeroed).
+    ``block_size`` is the pages' size BS. A plan of no rows has no sequence."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -46,6 +47,13 @@ class SequencePlan:
         """The same plan in pinned host memory, so copies of it to a GPU do not wait."""
         fields = (self.qo_indptr, self.kv_indptr, self.page_indices, self.last_page_lengths)
         return SequencePlan(*(t.pin_memory() for t in fields), self.has_empty_rows, self.block_size)
+
+
+def _no_rows(block_size: int) -> SequencePlan:
+    """The plan of no rows."""
+    zero = torch.zeros(1, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    return SequencePlan(zero, zero.clone(), empty, empty.clone(), False, block_size)
 
 
 def _sequence_starts(same_as_previous: torch.Tensor, rows: int) -> torch.Tensor:
@@ -81,6 +89,8 @@ def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int)
     device, so only each sequence's table travels to the host (a 32K-row chunk would
     otherwise copy R x MB entries), and that copy waits for the device."""
     rows = lengths.shape[0]
+    if rows == 0:
+        return _no_rows(block_size)
     has_empty_rows = bool((lengths == 0).any())
     lengths = lengths.long().clamp(min=1)
     tables = tables.clamp(min=0)
@@ -103,7 +113,7 @@ def plan_host_sequences(
     all on the host. Rows continue a sequence when their keys are equal (and their lengths
     continue): with one key per distinct table, the grouping :func:`plan_sequences` makes
     from the tables themselves; keys naming equal tables (a plane carried from another)
-    may split a sequence it would join, which changes no row's result. ``pin``: in pinned
+    may split a sequence it would join, which changes no row's keys. ``pin``: in pinned
     memory (for a kernel on a GPU)."""
     for name, tensor in (
         ("table_keys", table_keys),
@@ -120,6 +130,9 @@ def plan_host_sequences(
             "both be [rows]"
         )
     rows = lengths.shape[0]
+    if rows == 0:
+        plan = _no_rows(block_size)
+        return plan.pinned() if pin else plan
     has_empty_rows = bool((lengths == 0).any())
     lengths = lengths.long().clamp(min=1)
     same = (lengths[1:] == lengths[:-1] + 1) & (table_keys[1:] == table_keys[:-1])
