@@ -128,13 +128,20 @@ def serve_at_budget(
         log(
             f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
             f"(plan {planned}), {summary['throughput_tokens_s']:8.1f} tok/s, "
-            f"failed {summary['failed_requests']}"
+            f"failed {summary['failed_requests']}, ITL p50 / p99 "
+            f"{_ms(summary['itl_ms'], 'p50')} / {_ms(summary['itl_ms'], 'p99')} ms, "
+            f"TTFT p50 {_ms(summary['ttft_s'], 'p50')} s"
             + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )
         del engine, backend
         gc.collect()
     return records
+
+
+def _ms(percentiles: dict | None, which: str) -> str:
+    """One percentile for a log line ("-" where no request gave any)."""
+    return "-" if percentiles is None else f"{percentiles[which]:.2f}"
 
 
 def bench_capacity(
