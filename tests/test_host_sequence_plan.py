@@ -75,3 +75,26 @@ def test_prefill_batches_carry_the_host_plan_of_their_rows(flags):
         assert plan.has_empty_rows == expected.has_empty_rows
     # a chunk's rows form a few causal sequences, not one sequence a row
     assert any(plan.num_sequences < plan.num_rows for plan, *_ in with_plan)
+
+
+def test_host_rows_must_match_their_view_and_stay_on_the_host():
+    from dataclasses import replace
+
+    from flashloop_backend.dispatch import BatchView, RowMode
+    from flashloop_backend.host.batch import RowGroup, build_batch
+    from flashloop_backend.host.kvcache import PagedKVCache
+
+    kv = PagedKVCache(64, 1, 4, 2, 16, 3, torch.float32, "cpu")
+    kv.reserve(0, 12)
+    view = build_batch([RowGroup(0, RowMode.PREFILL, 1, 0, 6)], kv, "cpu", pad_to=8).view
+    host = view.host_rows
+    assert host.row_modes.tolist() == [RowMode.PREFILL] * 6 + [RowMode.PAD] * 2
+    assert host.context_lengths.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
+    fields = {name: getattr(view, name) for name in BatchView.__dataclass_fields__}
+    narrow = replace(host, owner_tables=host.owner_tables[:, :, :1])
+    with pytest.raises(ValueError, match=r"host_rows hold 8 rows, 3 planes, tables 1 wide; "):
+        BatchView(**{**fields, "host_rows": narrow})
+    with pytest.raises(ValueError, match=r"host rows' depths must be \[rows=8\]; got \(7,\)"):
+        replace(host, depths=host.depths[:7])
+    with pytest.raises(ValueError, match=r"host rows must be on the host; got devices"):
+        replace(host, table_owners=host.table_owners.to("meta"))
