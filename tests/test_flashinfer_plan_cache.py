@@ -196,3 +196,80 @@ def test_padding_rows_are_zeroed_and_a_batch_without_them_returns_the_kernel_out
     )
     out = adapter(q, cache, cache, tables, torch.tensor([20, 30], dtype=torch.int32))
     assert torch.equal(out, torch.ones_like(out))
+
+
+def test_plans_rotate_over_slots_and_wait_only_for_a_reused_slots_copy(monkeypatch):
+    """``plan`` with a stand-in FlashInfer module: a chunk goes to a prefill wrapper and
+    single-row sequences to a decode wrapper, each given the plan in FlashInfer's argument
+    order; plans rotate over ``PLAN_SLOTS`` slots, and planning on a slot again first waits
+    for the event recorded after its last plan (and for nothing else)."""
+    import types
+
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.waits, self.records = 0, 0
+            events.append(self)
+
+        def record(self, stream=None):
+            self.records += 1
+
+        def synchronize(self):
+            self.waits += 1
+
+    class Wrapper:
+        def __init__(self, workspace, layout):
+            assert layout == "NHD"
+            self.plans = []
+
+        def plan(self, *args, **kwargs):
+            self.plans.append((args, kwargs))
+
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=type("Prefill", (Wrapper,), {}),
+        BatchDecodeWithPagedKVCacheWrapper=type("Decode", (Wrapper,), {}),
+    )
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake)
+    adapter = FlashInferPagedAttention(torch.device("cpu"))
+    owner_tables = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32)
+    chunk = plan_host_sequences(
+        torch.tensor([0, 0, 1]), torch.tensor([5, 6, 2]).int(), owner_tables, 4
+    )
+    rows = plan_host_sequences(torch.tensor([0, 1]), torch.tensor([5, 0]).int(), owner_tables, 4)
+    adapter.plan(chunk, torch.tensor([5, 6, 2]).int(), 8, 2, 16, torch.float16, 0.25)
+    first = adapter.current
+    args, kwargs = first.prefill.plans[0]
+    assert [a.tolist() if torch.is_tensor(a) else a for a in args] == [
+        [0, 2, 3],
+        [0, 2, 3],
+        [3, 5, 1],
+        [2, 2],
+        8,
+        2,
+        16,
+        4,
+    ]
+    dtypes = dict(q_data_type=torch.float16, kv_data_type=torch.float16, sm_scale=0.25)
+    assert kwargs == dict(causal=True, **dtypes)
+    assert first.decode is None and adapter.empty_rows is None
+    adapter.plan(rows, torch.tensor([5, 0]).int(), 8, 2, 16, torch.float16, 0.25)
+    args, kwargs = adapter.current.decode.plans[0]
+    assert [a.tolist() if torch.is_tensor(a) else a for a in args] == [
+        [0, 2, 3],
+        [3, 5, 1],
+        [1, 1],
+        8,
+        2,
+        16,
+        4,
+    ]
+    assert "causal" not in kwargs and adapter.empty_rows.tolist() == [False, True]
+    for _ in range(flashinfer.PLAN_SLOTS - 2):
+        adapter.plan(rows, torch.tensor([5, 0]).int(), 8, 2, 16, torch.float16, 0.25)
+    assert [e.waits for e in events] == [0] * flashinfer.PLAN_SLOTS  # every slot new so far
+    adapter.plan(chunk, torch.tensor([5, 6, 2]).int(), 8, 2, 16, torch.float16, 0.25)
+    assert adapter.current is first and first.copied.waits == 1  # the first slot again
+    assert sum(e.waits for e in events) == 1 and len(first.prefill.plans) == 2

@@ -45,20 +45,18 @@ def _engine(model, flags, record):
         )
         impl = KernelImpl(OpName.DENSE_PREFILL, prefill, support)
         backend.kernels[OpName.DENSE_PREFILL] = dataclasses.replace(choice, impl=impl)
-    return Engine(
-        model, backend, num_blocks=240, block_size=4, prefill_chunk=16, max_batch_tokens=40,
-        pad_to_multiple=8,
-    )  # fmt: skip
+    sizes = dict(num_blocks=240, block_size=4, prefill_chunk=16, max_batch_tokens=40)
+    return Engine(model, backend, pad_to_multiple=8, **sizes)
+
+
+FEATURES = ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")
 
 
 @pytest.mark.parametrize(
     "flags",
-    [
-        {"token_sparse_prefill": False, "sparse_decode_attention": False, "kv_residual_quantization": False},
-        {"token_sparse_prefill": True, "sparse_decode_attention": True, "kv_residual_quantization": True},
-    ],
+    [dict.fromkeys(FEATURES, False), dict.fromkeys(FEATURES, True)],
     ids=["no_features", "all_on"],
-)  # fmt: skip
+)
 def test_prefill_batches_carry_the_host_plan_of_their_rows(flags):
     model = tiny_model(seed=11)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)

@@ -101,32 +101,17 @@ class FlashInferPagedAttention:
         slot.use_prefill = sequences.num_sequences < sequences.num_rows
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         heads = (num_q_heads, num_kv_heads, head_dim, sequences.block_size)
+        pages = (sequences.kv_indptr, sequences.page_indices, sequences.last_page_lengths)
         if slot.use_prefill:
             if slot.prefill is None:
-                slot.prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD"
-                )
-            slot.prefill.plan(
-                sequences.qo_indptr,
-                sequences.kv_indptr,
-                sequences.page_indices,
-                sequences.last_page_lengths,
-                *heads,
-                causal=True,
-                **common,
-            )
+                make = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
+                slot.prefill = make(self.workspace, "NHD")
+            slot.prefill.plan(sequences.qo_indptr, *pages, *heads, causal=True, **common)
         else:
             if slot.decode is None:
-                slot.decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD"
-                )
-            slot.decode.plan(
-                sequences.kv_indptr,
-                sequences.page_indices,
-                sequences.last_page_lengths,
-                *heads,
-                **common,
-            )
+                make = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper
+                slot.decode = make(self.workspace, "NHD")
+            slot.decode.plan(*pages, *heads, **common)
         if slot.copied is None:
             slot.copied = torch.cuda.Event()
         slot.copied.record(torch.cuda.current_stream(self.workspace.device))
