@@ -18,7 +18,7 @@ class _Wrapper:
 def _adapter(plans: list):
     """The adapter with a planner that records each plan's sequences (no flashinfer)."""
     adapter = object.__new__(FlashInferPagedAttention)
-    adapter._key, adapter.current, adapter.empty_rows = None, None, None
+    adapter._planned, adapter.current, adapter.empty_rows = None, None, None
     adapter.device_plans = 0
 
     def plan(sequences, lengths, *rest):

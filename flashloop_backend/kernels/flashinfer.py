@@ -65,6 +65,20 @@ class _PlanSlot:
         return self.prefill if self.use_prefill else self.decode
 
 
+@dataclass
+class _PlannedFrom:
+    """What the current plan was made from, under ``key`` (dtype, heads, block size,
+    scale): the host's plan object, or the device's rows (copies of their tables and
+    lengths to compare by content, and the tensors last passed with their versions, to
+    recognise them unmodified without a comparison)."""
+
+    key: tuple
+    host_plan: SequencePlan | None = None
+    tables: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    passed: tuple = ()
+
+
 class FlashInferPagedAttention:
     """Per-row paged attention through FlashInfer (NHD layout). Consecutive rows with the same
     block table and consecutive context lengths (a prefill chunk) are planned as one causal
@@ -78,7 +92,7 @@ class FlashInferPagedAttention:
         self._slots = [_PlanSlot() for _ in range(PLAN_SLOTS)]
         self._next_slot = 0
         self.current: _PlanSlot | None = None
-        self._key: tuple | None = None
+        self._planned: _PlannedFrom | None = None
         self.empty_rows: torch.Tensor | None = None
         self.device_plans = 0  # plans made by reading the rows back from the device
 
@@ -124,18 +138,19 @@ class FlashInferPagedAttention:
         these. The very tensors planned last, unmodified since (held here, so never
         recycled), need no device comparison and its wait; a fresh tensor at a recycled
         address is compared by content, never trusted by address."""
-        last = self._key
-        if last is None or last[0] != ("device", key):
+        last = self._planned
+        if last is None or last.key != key or last.tables is None:
             return False
         versions = tensor_versions(tables, lengths)
-        if versions is not None and last[3] is tables and last[4] is lengths:
-            if last[5] == versions:
+        if versions is not None and last.passed:
+            seen_tables, seen_lengths, seen_versions = last.passed
+            if seen_tables is tables and seen_lengths is lengths and seen_versions == versions:
                 return True
         return (
-            last[1].shape == tables.shape
-            and last[2].shape == lengths.shape
-            and torch.equal(last[1], tables)
-            and torch.equal(last[2], lengths)
+            last.tables.shape == tables.shape
+            and last.lengths.shape == lengths.shape
+            and torch.equal(last.tables, tables)
+            and torch.equal(last.lengths, lengths)
         )
 
     def __call__(
@@ -164,18 +179,19 @@ class FlashInferPagedAttention:
                     f"{sequence_plan.block_size} keys; the call has {rows} rows in pages "
                     f"of {block_size}"
                 )
-            last = self._key
-            if last is None or last[0] != ("host", key) or last[1] is not sequence_plan:
+            last = self._planned
+            if last is None or last.key != key or last.host_plan is not sequence_plan:
                 self.plan(sequence_plan, context_lengths, *shape)
-                self._key = (("host", key), sequence_plan)
-        elif not self._device_plan_is_current(key, block_tables, context_lengths):
-            planned = plan_sequences(block_tables, context_lengths, block_size)
-            self.device_plans += 1
-            self.plan(planned, context_lengths, *shape)
-            self._key = (("device", key), block_tables.clone(), context_lengths.clone())
-        if self._key[0][0] == "device":
+                self._planned = _PlannedFrom(key, host_plan=sequence_plan)
+        else:
+            if not self._device_plan_is_current(key, block_tables, context_lengths):
+                planned = plan_sequences(block_tables, context_lengths, block_size)
+                self.device_plans += 1
+                self.plan(planned, context_lengths, *shape)
+                copies = block_tables.clone(), context_lengths.clone()
+                self._planned = _PlannedFrom(key, None, *copies)
             versions = tensor_versions(block_tables, context_lengths)
-            self._key = (*self._key[:3], block_tables, context_lengths, versions)
+            self._planned.passed = (block_tables, context_lengths, versions)
         out = self.current.wrapper.run(q, (key_cache, value_cache))
         if self.empty_rows is None:
             return out
