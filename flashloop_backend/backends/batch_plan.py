@@ -177,8 +177,7 @@ class PlanRouting:
             host = view.host_rows
             routes, _ = base_routes_of(host.row_modes, host.depths, self.config)
             lengths = torch.where(routes == ROUTE_CODES[op], host.context_lengths, 0)
-            pin = view.device.type == "cuda"
-            self._host_sequences[op] = host.sequences(lengths.int(), block_size, pin)
+            self._host_sequences[op] = host.sequences(lengths.int(), block_size, view.device)
         return self._host_sequences[op]
 
     def references(

@@ -79,9 +79,10 @@ class DensePlan:
         host_lengths = masked_lengths(
             host.row_modes, host.context_lengths, view.decode_only, one_kernel, view.decode_bound
         )
-        pin = view.device.type == "cuda"
         sequences = [
-            host.sequences(lengths, block_size, pin) if lengths is not None and planned else None
+            host.sequences(lengths, block_size, view.device)
+            if lengths is not None and planned
+            else None
             for lengths, planned in zip(host_lengths[:2], host_planned, strict=True)
         ]
         return replace(plan, prefill_sequences=sequences[0], decode_sequences=sequences[1])

@@ -55,15 +55,18 @@ class HostRows:
         if devices != {"cpu"}:
             raise ValueError(f"host rows must be on the host; got devices {sorted(devices)}")
 
-    def sequences(self, lengths: torch.Tensor, block_size: int, pin: bool) -> SequencePlan:
+    def sequences(
+        self, lengths: torch.Tensor, block_size: int, device: torch.device
+    ) -> SequencePlan:
         """The :class:`SequencePlan` of these rows read at ``lengths`` [R] int32 (on the
         host: the context lengths with rows a kernel does not serve at 0), in pages of
-        ``block_size`` keys; ``pin``: in pinned memory."""
+        ``block_size`` keys, for a kernel on ``device`` (pinned for a GPU, so copying it
+        there does not wait)."""
         planes, owners, _ = self.owner_tables.shape
         # one key per (plane, owner) table; depth clamped for padding, as the view's tables
         keys = self.depths.clamp(0, planes - 1) * owners + self.table_owners
         return plan_host_sequences(
-            keys, lengths, self.owner_tables.flatten(0, 1), block_size, pin=pin
+            keys, lengths, self.owner_tables.flatten(0, 1), block_size, device.type == "cuda"
         )
 
 
