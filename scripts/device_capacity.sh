@@ -6,13 +6,14 @@
 # must still decode while the plan's other prompts prefill, one at a time, or the run
 # measures the prefill pipeline rather than the pools), CLIENTS
 # (default: three times what all on's plan holds), LAYERS (default 24), ONE_TRAVERSAL=1 (a step
-# with prompt chunks runs every row eagerly: GraphSettings.split_mixed_steps=False).
+# with prompt chunks runs every row eagerly: GraphSettings.split_mixed_steps=False), VARIANTS
+# (some of dense,kv_residual_quantization,config; default all three).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" flashloop-backend bench capacity \
   --backends triton+graphs --config configs/all_on.json --contexts "${CONTEXTS:-32768}" \
   --kv-memory-gib "${GIB:-96}" --new-tokens "${NEW:-512}" --layers "${LAYERS:-24}" \
-  ${CLIENTS:+--clients "$CLIENTS"} $([ "${ONE_TRAVERSAL:-0}" = 1 ] && echo --one-traversal-mixed-steps) --out "$OUT/bench_capacity.json" \
+  ${CLIENTS:+--clients "$CLIENTS"} ${VARIANTS:+--variants "$VARIANTS"} $([ "${ONE_TRAVERSAL:-0}" = 1 ] && echo --one-traversal-mixed-steps) --out "$OUT/bench_capacity.json" \
   > "$OUT/bench_capacity.log" 2>&1
 grep -E "capacity|Error|error" "$OUT/bench_capacity.log" | cut -c1-200 | tail -12

@@ -223,6 +223,19 @@ def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
     assert all(r["graphs"] is None and r["steps"] > 0 for r in records)
 
 
+def test_bench_capacity_runs_the_variants_named_and_refuses_others_by_name():
+    """``--variants`` picks among dense, KV quantization alone and the config, in the
+    bench's order; an unknown or empty name is refused with the allowed ones."""
+    from flashloop_backend.config import ConfigError
+    from flashloop_backend.tools.bench.capacity import capacity_variants
+
+    picked = capacity_variants(CONFIGS["all_on"], "triton", ["config", "dense"])
+    assert [(v.name, v.backend) for v in picked] == [("dense", "triton"), ("config", "flashloop")]
+    for keys in (["dense", "all_on"], ["dense", ""]):
+        with pytest.raises(ConfigError, match="dense, kv_residual_quantization, config"):
+            capacity_variants(CONFIGS["all_on"], "triton", keys)
+
+
 def test_bench_capacity_says_when_requests_end_before_the_pools_fill():
     """One new token a request: each finishes in the step after its prompt, so the run
     holds fewer than the plan, and the record and the log say so."""

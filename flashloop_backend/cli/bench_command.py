@@ -82,6 +82,7 @@ def _bench(args: argparse.Namespace) -> int:
             max_batch_tokens=args.max_batch_tokens,
             split_mixed_steps=not args.one_traversal_mixed_steps,
             sync_every_step=args.sync_every_step,
+            variant_keys=args.variants.split(",") if args.variants else None,
         )
     elif args.mode == "serving":
         from flashloop_backend.tools.bench.serving import bench_serving
@@ -193,7 +194,8 @@ def add_bench_command(sub) -> None:
         "--variants",
         help="serving: comma-separated variants to run (dense, flashloop_dense: the backend "
         "with no feature, a feature name, or feature names joined by '+'; default: dense, "
-        "flashloop_dense, each feature alone and cumulatively)",
+        "flashloop_dense, each feature alone and cumulatively); capacity: some of dense, "
+        "kv_residual_quantization, config (default: all three)",
     )
     bench.add_argument(
         "--rate", type=float, default=2.0, help="serving: fixed-arrival requests per second"

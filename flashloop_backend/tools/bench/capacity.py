@@ -27,20 +27,35 @@ from flashloop_backend.tools.bench.workload import (
 PREFILL_CHUNK = 2048
 
 
-def capacity_variants(config: FlashLoopConfig, baseline: str) -> list[Variant]:
+# The variants bench capacity can run (``--variants``), in the order it runs them.
+CAPACITY_VARIANTS = ("dense", "kv_residual_quantization", "config")
+
+
+def capacity_variants(
+    config: FlashLoopConfig, baseline: str, keys: list[str] | None = None
+) -> list[Variant]:
     """Dense on ``baseline``, KV quantization alone (when ``config`` quantizes and has
-    other features on too), and ``config``."""
+    other features on too), and ``config``; ``keys`` (names of ``CAPACITY_VARIANTS``,
+    None: all) picks among them."""
     if not config.kv_residual_quantization.enabled:
         raise ConfigError(
             "bench capacity compares what KV quantization frees: --config must enable "
             "kv_residual_quantization"
         )
-    out = [Variant("dense", baseline, FlashLoopConfig())]
+    unknown = [key for key in keys or () if key not in CAPACITY_VARIANTS]
+    if unknown or keys == []:
+        raise ConfigError(
+            f"--variants {','.join(keys or [])!r}: bench capacity runs one or more of "
+            f"{', '.join(CAPACITY_VARIANTS)}"
+        )
+    out = {"dense": Variant("dense", baseline, FlashLoopConfig())}
     alone = FlashLoopConfig(kv_residual_quantization=config.kv_residual_quantization)
     if alone != config:
-        out.append(Variant("kv_residual_quantization alone", "flashloop", alone))
-    out.append(Variant("config", "flashloop", config))
-    return out
+        out["kv_residual_quantization"] = Variant(
+            "kv_residual_quantization alone", "flashloop", alone
+        )
+    out["config"] = Variant("config", "flashloop", config)
+    return [out[key] for key in CAPACITY_VARIANTS if key in out and (keys is None or key in keys)]
 
 
 def serve_at_budget(
@@ -156,9 +171,10 @@ def bench_capacity(
     max_batch_tokens: int | None = None,
     split_mixed_steps: bool = True,
     sync_every_step: bool = False,
+    variant_keys: list[str] | None = None,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
-    of :func:`capacity_variants` under that budget, ``clients`` requests of (context -
+    of :func:`capacity_variants` (those ``variant_keys`` names) under that budget, ``clients`` requests of (context -
     new_tokens) + new_tokens (default: three times what the config's plan holds there);
     ``max_batch_tokens`` as :func:`serve_at_budget`'s; ``split_mixed_steps`` as
     ``GraphSettings``' (refused without a graphed baseline); ``sync_every_step``: wait for
@@ -169,7 +185,7 @@ def bench_capacity(
     from flashloop_backend.tools.bench.bench_models import graph_variant, random_ouro
     from flashloop_backend.tools.bench.timing import environment_record
 
-    variants_named = capacity_variants(config, baseline)
+    variants_named = capacity_variants(config, baseline, variant_keys)
     for context in contexts:  # refused before any GPU work
         if not 0 < new_tokens < context:
             raise ConfigError(f"--new-tokens {new_tokens} must lie in [1, context {context})")
