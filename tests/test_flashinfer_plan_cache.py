@@ -2,6 +2,8 @@
 a plan is reused for the same unmodified tensors or equal contents, never for changed ones;
 given the host's sequence plan, it plans once per plan object and reads no device tensor."""
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -18,13 +20,17 @@ class _Wrapper:
 def _adapter(plans: list):
     """The adapter with a planner that records each plan's sequences (no flashinfer)."""
     adapter = object.__new__(FlashInferPagedAttention)
-    adapter._planned, adapter.current, adapter.empty_rows = None, None, None
+    adapter._slots = [_PlanSlot() for _ in range(flashinfer.PLAN_SLOTS)]
+    adapter._next_slot, adapter.current, adapter._last_device_slot = 0, None, None
     adapter.device_plans = 0
 
     def plan(sequences, lengths, *rest):
         plans.append(sequences)
-        adapter.current = _PlanSlot(decode=_Wrapper())
-        adapter.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
+        slot = adapter._slots[adapter._next_slot]
+        adapter._next_slot = (adapter._next_slot + 1) % len(adapter._slots)
+        slot.decode, slot.use_prefill, slot.planned = _Wrapper(), False, None
+        slot.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
+        adapter.current = slot
 
     adapter.plan = plan
     return adapter
@@ -90,7 +96,7 @@ def test_a_host_sequence_plan_of_other_rows_or_pages_is_refused_by_name():
     )
     with pytest.raises(ValueError, match="covers 3 rows in pages of 16 keys; the call has 2"):
         adapter(q, cache, cache, tables, lengths, sequence_plan=three)
-    eight = plan_host_sequences(torch.tensor([0, 1]), lengths, owner_tables, 8)
+    eight = plan_host_sequences(torch.tensor([0, 1]), torch.tensor([10, 16]).int(), owner_tables, 8)
     with pytest.raises(ValueError, match="pages of 8 keys; the call has 2 rows in pages of 16"):
         adapter(q, cache, cache, tables, lengths, sequence_plan=eight)
 
@@ -198,42 +204,54 @@ def test_padding_rows_are_zeroed_and_a_batch_without_them_returns_the_kernel_out
     assert torch.equal(out, torch.ones_like(out))
 
 
+class _Event:
+    """A stand-in CUDA event that counts its records and the host's waits on it."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self):
+        self.waits, self.records = 0, 0
+        _Event.made.append(self)
+
+    def record(self, stream=None):
+        self.records += 1
+
+    def synchronize(self):
+        self.waits += 1
+
+
+class _PlannedWrapper:
+    """A stand-in FlashInfer wrapper that records its plans' arguments."""
+
+    def __init__(self, workspace, layout):
+        assert layout == "NHD"
+        self.plans = []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append((args, kwargs))
+
+
+def _stand_in_adapter(monkeypatch) -> tuple[FlashInferPagedAttention, list]:
+    """The real adapter over a stand-in FlashInfer module and CUDA events (its events)."""
+    import types
+
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=type("Prefill", (_PlannedWrapper,), {}),
+        BatchDecodeWithPagedKVCacheWrapper=type("Decode", (_PlannedWrapper,), {}),
+    )
+    monkeypatch.setattr(_Event, "made", [])
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake)
+    return FlashInferPagedAttention(torch.device("cpu")), _Event.made
+
+
 def test_plans_rotate_over_slots_and_wait_only_for_a_reused_slots_copy(monkeypatch):
     """``plan`` with a stand-in FlashInfer module: a chunk goes to a prefill wrapper and
     single-row sequences to a decode wrapper, each given the plan in FlashInfer's argument
     order; plans rotate over ``PLAN_SLOTS`` slots, and planning on a slot again first waits
     for the event recorded after its last plan (and for nothing else)."""
-    import types
-
-    events = []
-
-    class Event:
-        def __init__(self):
-            self.waits, self.records = 0, 0
-            events.append(self)
-
-        def record(self, stream=None):
-            self.records += 1
-
-        def synchronize(self):
-            self.waits += 1
-
-    class Wrapper:
-        def __init__(self, workspace, layout):
-            assert layout == "NHD"
-            self.plans = []
-
-        def plan(self, *args, **kwargs):
-            self.plans.append((args, kwargs))
-
-    fake = types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=type("Prefill", (Wrapper,), {}),
-        BatchDecodeWithPagedKVCacheWrapper=type("Decode", (Wrapper,), {}),
-    )
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake)
-    adapter = FlashInferPagedAttention(torch.device("cpu"))
+    adapter, events = _stand_in_adapter(monkeypatch)
     owner_tables = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32)
     chunk = plan_host_sequences(
         torch.tensor([0, 0, 1]), torch.tensor([5, 6, 2]).int(), owner_tables, 4
@@ -254,7 +272,7 @@ def test_plans_rotate_over_slots_and_wait_only_for_a_reused_slots_copy(monkeypat
     ]
     dtypes = dict(q_data_type=torch.float16, kv_data_type=torch.float16, sm_scale=0.25)
     assert kwargs == dict(causal=True, **dtypes)
-    assert first.decode is None and adapter.empty_rows is None
+    assert first.decode is None and first.empty_rows is None
     adapter.plan(rows, torch.tensor([5, 0]).int(), 8, 2, 16, torch.float16, 0.25)
     args, kwargs = adapter.current.decode.plans[0]
     assert [a.tolist() if torch.is_tensor(a) else a for a in args] == [
@@ -266,10 +284,75 @@ def test_plans_rotate_over_slots_and_wait_only_for_a_reused_slots_copy(monkeypat
         16,
         4,
     ]
-    assert "causal" not in kwargs and adapter.empty_rows.tolist() == [False, True]
+    assert "causal" not in kwargs and adapter.current.empty_rows.tolist() == [False, True]
     for _ in range(flashinfer.PLAN_SLOTS - 2):
         adapter.plan(rows, torch.tensor([5, 0]).int(), 8, 2, 16, torch.float16, 0.25)
     assert [e.waits for e in events] == [0] * flashinfer.PLAN_SLOTS  # every slot new so far
     adapter.plan(chunk, torch.tensor([5, 6, 2]).int(), 8, 2, 16, torch.float16, 0.25)
     assert adapter.current is first and first.copied.waits == 1  # the first slot again
     assert sum(e.waits for e in events) == 1 and len(first.prefill.plans) == 2
+
+
+def test_calls_alternating_between_row_sets_keep_their_plans(monkeypatch):
+    """One layer's prefill rows, then its decode rows, layer after layer: each host plan
+    and each unmodified pair of device tensors is planned once, not at every call."""
+    plans = []
+    adapter = _adapter(plans)
+    q, cache = torch.randn(2, 2, 16), torch.randn(4, 16, 2, 16)
+    owner_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    tables = owner_tables.clone()
+    prefill_lengths = torch.tensor([17, 18], dtype=torch.int32)
+    decode_lengths = torch.tensor([20, 30], dtype=torch.int32)
+    keys = torch.tensor([0, 0])
+    prefill = plan_host_sequences(keys, prefill_lengths, owner_tables, 16)
+    decode = plan_host_sequences(torch.tensor([0, 1]), decode_lengths, owner_tables, 16)
+    for _ in range(3):
+        adapter(q, cache, cache, tables, prefill_lengths, sequence_plan=prefill)
+        adapter(q, cache, cache, tables, decode_lengths, sequence_plan=decode)
+    assert plans == [prefill, decode]
+    other_tables, other_lengths = tables.clone(), torch.tensor([5, 0], dtype=torch.int32)
+    for _ in range(3):  # device rows: the same tensors, unmodified
+        adapter(q, cache, cache, tables, decode_lengths)
+        adapter(q, cache, cache, other_tables, other_lengths)
+    assert len(plans) == 4 and adapter.device_plans == 2
+
+
+def test_single_row_sequences_at_a_ratio_the_decode_kernel_lacks_take_the_prefill_wrapper(
+    monkeypatch,
+):
+    """FlashInfer's decode kernel serves 1, 2, 3, 4 or 8 query heads per KV head; at 5 the
+    same rows are planned on the prefill wrapper (one causal sequence a row)."""
+    adapter, _ = _stand_in_adapter(monkeypatch)
+    owner_tables = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32)
+    lengths = torch.tensor([5, 2]).int()
+    rows = plan_host_sequences(torch.tensor([0, 1]), lengths, owner_tables, 4)
+    adapter.plan(rows, lengths, 8, 2, 16, torch.float16, 0.25)
+    assert adapter.current.decode is not None and not adapter.current.use_prefill
+    adapter.plan(rows, lengths, 10, 2, 16, torch.float16, 0.25)
+    assert adapter.current.use_prefill and adapter.current.decode is None
+    args, kwargs = adapter.current.prefill.plans[0]
+    assert args[0].tolist() == [0, 1, 2] and kwargs["causal"]
+
+
+def test_more_sequences_than_flashinfers_prefill_plans_are_refused_by_count(monkeypatch):
+    adapter, events = _stand_in_adapter(monkeypatch)
+    monkeypatch.setattr(flashinfer, "PREFILL_MAX_SEQUENCES", 1)
+    owner_tables = torch.tensor([[3, 5], [1, 2]], dtype=torch.int32)
+    lengths = torch.tensor([5, 6, 2]).int()
+    chunk = plan_host_sequences(torch.tensor([0, 0, 1]), lengths, owner_tables, 4)
+    with pytest.raises(ValueError, match="at most 1 sequences; this call's 3 rows form 2"):
+        adapter.plan(chunk, lengths, 8, 2, 16, torch.float16, 0.25)
+    assert adapter.current is None and not events  # refused before any slot was touched
+
+
+def test_a_sequence_longer_than_its_table_is_refused():
+    """A length that needs more pages than the row's table holds is refused, not planned
+    over the table's pages alone."""
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    lengths = torch.tensor([9], dtype=torch.int32)
+    for plan in (
+        lambda: plan_sequences(tables, lengths, 4),
+        lambda: plan_host_sequences(torch.tensor([0]), lengths, tables, 4),
+    ):
+        with pytest.raises(ValueError, match="9 keys need 3 pages of 4; its table holds 2"):
+            plan()

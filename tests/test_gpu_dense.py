@@ -15,14 +15,14 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def _mixed_batch(gen, hq, hkv, dtype, block=16, dim=128):
+def _mixed_batch(gen, hq, hkv, dtype, block=16, dim=128, decode_lengths=(1, 16, 17, 33, 100)):
     """Decode rows, a prefill chunk (consecutive rows, one table), page-boundary positions,
     fragmented pages and a padding row, over per-layer strided views of one pool."""
     pool = torch.randn(64, 2, block, hkv, dim, generator=gen, device="cuda").to(dtype)
     kc, vc = pool[:, 0], pool[:, 1]
     perm = torch.randperm(64, generator=gen, device="cuda").int()
     tables, lengths = [], []
-    for length in (1, 16, 17, 33, 100):  # decode rows, incl. page boundaries
+    for length in decode_lengths:  # decode rows, incl. page boundaries
         tables.append(perm[:8])
         lengths.append(length)
         perm = perm.roll(5)
@@ -56,18 +56,24 @@ def test_dense_backends_match_reference(backend, dtype, hq, hkv):
 def test_flashinfer_from_the_host_plan_equals_the_device_plan(dtype):
     """The same rows planned from the host's copy (distinct keys per table) and from the
     device's tables give the same plan, hence the same output bit for bit; across more
-    calls than the adapter has plan slots, each call's output stays its own."""
+    calls than the adapter has plan slots, each with its own lengths, planned while a long
+    kernel is still queued (so a slot's copies are pending when it is planned again), each
+    call's output stays its own."""
     from flashloop_backend.kernels.flashinfer import PLAN_SLOTS, paged_attention_flashinfer
     from flashloop_backend.kernels.sequence_plan import plan_host_sequences
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     batches = []
-    for _ in range(PLAN_SLOTS + 2):
-        q, kc, vc, tables, lengths = _mixed_batch(gen, 16, 4, dtype)
+    for i in range(PLAN_SLOTS + 2):
+        decode_lengths = (1 + i, 16 + 3 * i, 17, 33 + i, 100 - 7 * i)
+        q, kc, vc, tables, lengths = _mixed_batch(gen, 16, 4, dtype, decode_lengths=decode_lengths)
         # every row's table is one of a few distinct tables: give each its own key
         distinct, keys = torch.unique(tables.cpu(), dim=0, return_inverse=True)
         plan = plan_host_sequences(keys, lengths.cpu(), distinct, 16, pin=True)
         batches.append((q, kc, vc, tables, lengths, plan))
+    paged_attention_flashinfer(*batches[0][:5], sequence_plan=batches[0][5])  # compiled
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
     # host plans queued back to back, each call's output compared after all have run
     outs = [paged_attention_flashinfer(*b[:5], sequence_plan=b[5]) for b in batches]
     for (q, kc, vc, tables, lengths, _), out in zip(batches, outs, strict=True):
@@ -77,14 +83,20 @@ def test_flashinfer_from_the_host_plan_equals_the_device_plan(dtype):
 
 
 def test_flashinfer_planned_from_the_host_does_not_wait_for_queued_kernels():
-    """With a long kernel queued, ``PLAN_SLOTS`` calls planned from the host's plans all
-    return before it ends (no device read, and FlashInfer's own plan copies do not wait),
-    and each output equals the device-planned one once the device has run them."""
+    """With a long kernel queued, ``PLAN_SLOTS`` calls planned from the host's plans (the
+    prefill wrapper's mixed batches and the decode wrapper's decode-only ones) all return
+    before it ends (no device read, and FlashInfer's own plan copies do not wait), and each
+    output equals the device-planned one once the device has run them."""
     from flashloop_backend.kernels.flashinfer import PLAN_SLOTS, paged_attention_flashinfer
     from flashloop_backend.kernels.sequence_plan import plan_host_sequences
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    batches = [_mixed_batch(gen, 16, 4, torch.bfloat16) for _ in range(PLAN_SLOTS)]
+    batches = []
+    for i in range(PLAN_SLOTS):
+        q, kc, vc, tables, lengths = _mixed_batch(gen, 16, 4, torch.bfloat16)
+        if i % 2:  # the decode rows alone: the decode wrapper's plan
+            q, tables, lengths = q[:5], tables[:5], lengths[:5]
+        batches.append((q, kc, vc, tables, lengths))
 
     def host_plan(tables, lengths):
         distinct, keys = torch.unique(tables.cpu(), dim=0, return_inverse=True)
@@ -95,7 +107,7 @@ def test_flashinfer_planned_from_the_host_does_not_wait_for_queued_kernels():
     plans = [host_plan(*batch[3:]) for batch in batches]
     torch.cuda.synchronize()
     queued = torch.cuda.Event()
-    torch.cuda._sleep(1_000_000_000)  # about half a second of one SM spinning
+    torch.cuda._sleep(4_000_000_000)  # about two seconds of one SM spinning
     queued.record()
     outs = [
         paged_attention_flashinfer(*b, sequence_plan=p) for b, p in zip(batches, plans, strict=True)

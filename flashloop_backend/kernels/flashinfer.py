@@ -1,7 +1,8 @@
 """FlashInfer adapter for dense paged attention (optional extra ``flashinfer``).
 
-FlashInfer plans a batch on the host, and the plan is reused while the same rows are
-passed again (every layer of one traversal). Given the host's :class:`SequencePlan` of
+FlashInfer plans a batch on the host, and a plan is reused while the same rows are
+passed again (every layer of one traversal; plans rotate over ``PLAN_SLOTS`` slots, so
+calls alternating between a few row sets keep theirs). Given the host's :class:`SequencePlan` of
 the rows (``host_sequence_plan``), planning reads nothing from the device, so it does not
 wait for the kernels queued before it (only for a plan slot's copy queued
 ``PLAN_SLOTS`` plans earlier); without one, the adapter reads the rows' tables and
@@ -48,29 +49,20 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # slot's wrappers hold FlashInfer's 8 MiB integer workspace on the device and its pinned
 # twin; the 256 MiB float workspace is shared (runs are ordered on one stream).
 PLAN_SLOTS = 4
-
-
-@dataclass
-class _PlanSlot:
-    """One pair of FlashInfer wrappers (made on first use) and the event after its last
-    plan's copies."""
-
-    decode: Any = None
-    prefill: Any = None
-    use_prefill: bool = False
-    copied: Any = None
-
-    @property
-    def wrapper(self) -> Any:
-        return self.prefill if self.use_prefill else self.decode
+# Query heads per KV head that FlashInfer's decode kernel (CUDA cores) serves; a batch of
+# single-row sequences at another ratio goes to the prefill wrapper (any ratio, the same
+# attention).
+DECODE_GROUP_SIZES = frozenset({1, 2, 3, 4, 8})
+# Sequences FlashInfer's prefill wrapper plans at most (its key-length buffer's entries).
+PREFILL_MAX_SEQUENCES = 32768
 
 
 @dataclass
 class _PlannedFrom:
-    """What the current plan was made from, under ``key`` (dtype, heads, block size,
-    scale): the host's plan object, or the device's rows (copies of their tables and
-    lengths to compare by content, and the tensors last passed with their versions, to
-    recognise them unmodified without a comparison)."""
+    """What a slot's plan was made from, under ``key`` (dtype, heads, block size, scale):
+    the host's plan object, or the device's rows (copies of their tables and lengths to
+    compare by content, and the tensors last passed with their versions, to recognise them
+    unmodified without a comparison)."""
 
     key: tuple
     host_plan: SequencePlan | None = None
@@ -79,10 +71,30 @@ class _PlannedFrom:
     passed: tuple = ()
 
 
+@dataclass
+class _PlanSlot:
+    """One pair of FlashInfer wrappers (made on first use), the event after its last
+    plan's copies, what that plan was made from, and its rows to zero ([R] bool; None:
+    no padding row)."""
+
+    decode: Any = None
+    prefill: Any = None
+    use_prefill: bool = False
+    copied: Any = None
+    planned: _PlannedFrom | None = None
+    empty_rows: torch.Tensor | None = None
+
+    @property
+    def wrapper(self) -> Any:
+        return self.prefill if self.use_prefill else self.decode
+
+
 class FlashInferPagedAttention:
     """Per-row paged attention through FlashInfer (NHD layout). Consecutive rows with the same
     block table and consecutive context lengths (a prefill chunk) are planned as one causal
-    prefill sequence; a batch of single-row sequences uses the decode kernel."""
+    prefill sequence; a batch of single-row sequences uses the decode kernel. Each slot
+    keeps its plan until it is planned again, so calls that alternate between row sets
+    (one layer's prefill rows, then its decode rows) reuse their plans."""
 
     def __init__(self, device: torch.device) -> None:
         import flashinfer
@@ -92,8 +104,7 @@ class FlashInferPagedAttention:
         self._slots = [_PlanSlot() for _ in range(PLAN_SLOTS)]
         self._next_slot = 0
         self.current: _PlanSlot | None = None
-        self._planned: _PlannedFrom | None = None
-        self.empty_rows: torch.Tensor | None = None
+        self._last_device_slot: _PlanSlot | None = None
         self.device_plans = 0  # plans made by reading the rows back from the device
 
     def plan(
@@ -107,12 +118,20 @@ class FlashInferPagedAttention:
         scale: float,
     ) -> None:
         """Plans ``sequences`` (lengths [R] are the rows' own, on the device) on the next
-        slot's wrapper."""
+        slot's wrapper, which becomes ``current``; the caller records what it was made from
+        in the slot's ``planned``."""
+        decode_ratio = num_q_heads // num_kv_heads in DECODE_GROUP_SIZES
+        use_prefill = sequences.num_sequences < sequences.num_rows or not decode_ratio
+        if use_prefill and sequences.num_sequences > PREFILL_MAX_SEQUENCES:
+            raise ValueError(
+                f"FlashInfer's prefill plans at most {PREFILL_MAX_SEQUENCES} sequences; this "
+                f"call's {sequences.num_rows} rows form {sequences.num_sequences}"
+            )
         slot = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
         if slot.copied is not None:
             slot.copied.synchronize()
-        slot.use_prefill = sequences.num_sequences < sequences.num_rows
+        slot.use_prefill, slot.planned = use_prefill, None
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         heads = (num_q_heads, num_kv_heads, head_dim, sequences.block_size)
         pages = (sequences.kv_indptr, sequences.page_indices, sequences.last_page_lengths)
@@ -131,27 +150,42 @@ class FlashInferPagedAttention:
         slot.copied.record(torch.cuda.current_stream(self.workspace.device))
         self.current = slot
         # a batch without padding rows returns the kernel's output with no zeroing
-        self.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
+        slot.empty_rows = (lengths == 0) if sequences.has_empty_rows else None
 
-    def _device_plan_is_current(self, key: tuple, tables, lengths) -> bool:
-        """Whether the last plan, made from the device's tables and lengths, holds for
-        these. The very tensors planned last, unmodified since (held here, so never
-        recycled), need no device comparison and its wait; a fresh tensor at a recycled
-        address is compared by content, never trusted by address."""
-        last = self._planned
-        if last is None or last.key != key or last.tables is None:
-            return False
+    def _host_planned_slot(self, key: tuple, plan: SequencePlan) -> _PlanSlot | None:
+        """The slot already planned from this very host plan object under ``key``."""
+        for slot in self._slots:
+            planned = slot.planned
+            if planned is not None and planned.key == key and planned.host_plan is plan:
+                return slot
+        return None
+
+    def _device_planned_slot(self, key: tuple, tables, lengths) -> _PlanSlot | None:
+        """The slot whose plan, made from the device's tables and lengths, holds for these.
+        The very tensors planned or passed before, unmodified since (held here, so never
+        recycled), need no device comparison and its wait; otherwise only the last
+        device-planned slot is compared by content (a fresh tensor at a recycled address is
+        never trusted by address)."""
         versions = tensor_versions(tables, lengths)
-        if versions is not None and last.passed:
-            seen_tables, seen_lengths, seen_versions = last.passed
-            if seen_tables is tables and seen_lengths is lengths and seen_versions == versions:
-                return True
-        return (
+        for slot in self._slots:
+            planned = slot.planned
+            if planned is None or planned.key != key or planned.tables is None:
+                continue
+            if versions is not None and planned.passed:
+                seen_tables, seen_lengths, seen_versions = planned.passed
+                if seen_tables is tables and seen_lengths is lengths and seen_versions == versions:
+                    return slot
+        slot = self._last_device_slot
+        last = None if slot is None else slot.planned
+        if last is None or last.key != key or last.tables is None:
+            return None
+        same = (
             last.tables.shape == tables.shape
             and last.lengths.shape == lengths.shape
             and torch.equal(last.tables, tables)
             and torch.equal(last.lengths, lengths)
         )
+        return slot if same else None
 
     def __call__(
         self,
@@ -179,23 +213,30 @@ class FlashInferPagedAttention:
                     f"{sequence_plan.block_size} keys; the call has {rows} rows in pages "
                     f"of {block_size}"
                 )
-            last = self._planned
-            if last is None or last.key != key or last.host_plan is not sequence_plan:
+            slot = self._host_planned_slot(key, sequence_plan)
+            if slot is None:
                 self.plan(sequence_plan, context_lengths, *shape)
-                self._planned = _PlannedFrom(key, host_plan=sequence_plan)
+                self.current.planned = _PlannedFrom(key, host_plan=sequence_plan)
+            else:
+                self.current = slot
         else:
-            if not self._device_plan_is_current(key, block_tables, context_lengths):
+            slot = self._device_planned_slot(key, block_tables, context_lengths)
+            if slot is None:
                 planned = plan_sequences(block_tables, context_lengths, block_size)
                 self.device_plans += 1
                 self.plan(planned, context_lengths, *shape)
                 copies = block_tables.clone(), context_lengths.clone()
-                self._planned = _PlannedFrom(key, None, *copies)
+                self.current.planned = _PlannedFrom(key, None, *copies)
+                self._last_device_slot = self.current
+            else:
+                self.current = slot
             versions = tensor_versions(block_tables, context_lengths)
-            self._planned.passed = (block_tables, context_lengths, versions)
+            self.current.planned.passed = (block_tables, context_lengths, versions)
         out = self.current.wrapper.run(q, (key_cache, value_cache))
-        if self.empty_rows is None:
+        empty_rows = self.current.empty_rows
+        if empty_rows is None:
             return out
-        return torch.where(self.empty_rows[:, None, None], torch.zeros_like(out), out)
+        return torch.where(empty_rows[:, None, None], torch.zeros_like(out), out)
 
 
 # one planner per device (benchmarks reach the planned wrapper through planned_wrapper)

@@ -74,6 +74,14 @@ def _csr(
     """The plan of sequences starting at rows ``first`` [S] with ``kv_len`` [S] keys (at
     least 1) over ``seq_tables`` [S, MB] (entries >= 0), all on the host."""
     pages = (kv_len + block_size - 1) // block_size
+    width = seq_tables.shape[1]
+    over = torch.nonzero(pages > width).flatten()
+    if over.numel():
+        s = int(over[0])
+        raise ValueError(
+            f"sequence {s}: {int(kv_len[s])} keys need {int(pages[s])} pages of {block_size}; "
+            f"its table holds {width}"
+        )
     keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
     indices = seq_tables[keep].to(torch.int32)
     kv_indptr = torch.zeros(len(first) + 1, dtype=torch.int32)
