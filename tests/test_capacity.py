@@ -225,15 +225,19 @@ def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
 
 def test_bench_capacity_runs_the_variants_named_and_refuses_others_by_name():
     """``--variants`` picks among dense, KV quantization alone and the config, in the
-    bench's order; an unknown or empty name is refused with the allowed ones."""
+    bench's order; an unknown or empty name is refused by name with the allowed ones, and
+    KV quantization alone where the config is that variant itself."""
     from flashloop_backend.config import ConfigError
     from flashloop_backend.tools.bench.capacity import capacity_variants
 
     picked = capacity_variants(CONFIGS["all_on"], "triton", ["config", "dense"])
     assert [(v.name, v.backend) for v in picked] == [("dense", "triton"), ("config", "flashloop")]
-    for keys in (["dense", "all_on"], ["dense", ""]):
-        with pytest.raises(ConfigError, match="dense, kv_residual_quantization, config"):
+    for keys, named in ((["dense", "all_on"], "'all_on'"), (["dense", ""], "''")):
+        with pytest.raises(ConfigError, match=f"names {named}: .* dense, kv_residual_q"):
             capacity_variants(CONFIGS["all_on"], "triton", keys)
+    alone = FlashLoopConfig(kv_residual_quantization={"enabled": True})
+    with pytest.raises(ConfigError, match="is KV quantization alone; name config instead"):
+        capacity_variants(alone, "triton", ["kv_residual_quantization"])
 
 
 def test_bench_capacity_says_when_requests_end_before_the_pools_fill():

@@ -342,7 +342,9 @@ def test_more_sequences_than_flashinfers_prefill_plans_are_refused_by_count(monk
     chunk = plan_host_sequences(torch.tensor([0, 0, 1]), lengths, owner_tables, 4)
     with pytest.raises(ValueError, match="at most 1 sequences; this call's 3 rows form 2"):
         adapter.plan(chunk, lengths, 8, 2, 16, torch.float16, 0.25)
-    assert adapter.current is None and not events  # refused before any slot was touched
+    # refused before any slot was picked, waited on or given a wrapper
+    assert adapter.current is None and not events and adapter._next_slot == 0
+    assert all(slot.prefill is None and slot.decode is None for slot in adapter._slots)
 
 
 def test_a_sequence_longer_than_its_table_is_refused():
@@ -354,5 +356,5 @@ def test_a_sequence_longer_than_its_table_is_refused():
         lambda: plan_sequences(tables, lengths, 4),
         lambda: plan_host_sequences(torch.tensor([0]), lengths, tables, 4),
     ):
-        with pytest.raises(ValueError, match="9 keys need 3 pages of 4; its table holds 2"):
+        with pytest.raises(ValueError, match="row 0: 9 keys need 3 pages of 4; its table holds 2"):
             plan()

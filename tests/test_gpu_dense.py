@@ -118,6 +118,29 @@ def test_flashinfer_planned_from_the_host_does_not_wait_for_queued_kernels():
         assert torch.equal(out, paged_attention_flashinfer(*batch))
 
 
+@pytest.mark.parametrize("hq, hkv", [(20, 4), (32, 2)])
+def test_flashinfer_decode_rows_at_a_ratio_its_decode_kernel_lacks(hq, hkv):
+    """Single-row sequences at 5 or 16 query heads per KV head go to FlashInfer's prefill
+    wrapper (its decode kernel serves 1, 2, 3, 4 and 8): the reference's output, padding
+    rows zeroed, from the device's rows and from the host's plan alike."""
+    from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
+    from flashloop_backend.kernels.sequence_plan import plan_host_sequences
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, kc, vc, tables, lengths = _mixed_batch(gen, hq, hkv, torch.bfloat16)
+    rows = [0, 1, 2, 3, 4, len(lengths) - 1]  # the decode rows and the padding row
+    q, tables, lengths = q[rows].contiguous(), tables[rows].contiguous(), lengths[rows]
+    distinct, keys = torch.unique(tables.cpu(), dim=0, return_inverse=True)
+    plan = plan_host_sequences(keys, lengths.cpu(), distinct, 16, pin=True)
+    ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
+    for out in (
+        paged_attention_flashinfer(q, kc, vc, tables, lengths),
+        paged_attention_flashinfer(q, kc, vc, tables, lengths, sequence_plan=plan),
+    ):
+        torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=2e-2)
+        assert bool((out[-1] == 0).all())
+
+
 def test_triton_captures_into_a_cuda_graph():
     """Evidence for the triton provider's cuda_graphs claim: capture once, replay on new data."""
     from flashloop_backend.kernels.triton.paged_decode import paged_attention_triton

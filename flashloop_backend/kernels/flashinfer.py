@@ -59,7 +59,8 @@ PREFILL_MAX_SEQUENCES = 32768
 
 @dataclass
 class _PlannedFrom:
-    """What a slot's plan was made from, under ``key`` (dtype, heads, block size, scale):
+    """What a slot's plan was made from, under ``key`` (dtype, heads, head size, block
+    size, scale):
     the host's plan object, or the device's rows (copies of their tables and lengths to
     compare by content, and the tensors last passed with their versions, to recognise them
     unmodified without a comparison)."""
@@ -204,7 +205,7 @@ class FlashInferPagedAttention:
             return q.new_empty((0, num_q_heads, head_dim))
         _, block_size, num_kv_heads, _ = key_cache.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        key = (q.dtype, num_q_heads, num_kv_heads, block_size, scale)
+        key = (q.dtype, num_q_heads, num_kv_heads, head_dim, block_size, scale)
         shape = (num_q_heads, num_kv_heads, head_dim, q.dtype, scale)
         if sequence_plan is not None:
             if (sequence_plan.num_rows, sequence_plan.block_size) != (rows, block_size):
@@ -223,8 +224,8 @@ class FlashInferPagedAttention:
             slot = self._device_planned_slot(key, block_tables, context_lengths)
             if slot is None:
                 planned = plan_sequences(block_tables, context_lengths, block_size)
-                self.device_plans += 1
                 self.plan(planned, context_lengths, *shape)
+                self.device_plans += 1
                 copies = block_tables.clone(), context_lengths.clone()
                 self.current.planned = _PlannedFrom(key, None, *copies)
                 self._last_device_slot = self.current

@@ -79,8 +79,8 @@ def _csr(
     if over.numel():
         s = int(over[0])
         raise ValueError(
-            f"sequence {s}: {int(kv_len[s])} keys need {int(pages[s])} pages of {block_size}; "
-            f"its table holds {width}"
+            f"row {int(first[s])}: {int(kv_len[s])} keys need {int(pages[s])} pages of "
+            f"{block_size}; its table holds {width}"
         )
     keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
     indices = seq_tables[keep].to(torch.int32)

@@ -44,8 +44,9 @@ def capacity_variants(
         )
     unknown = [key for key in keys or () if key not in CAPACITY_VARIANTS]
     if unknown or keys == []:
+        named = ", ".join(repr(key) for key in unknown) if unknown else "none"
         raise ConfigError(
-            f"--variants {','.join(keys or [])!r}: bench capacity runs one or more of "
+            f"--variants names {named}: bench capacity runs one or more of "
             f"{', '.join(CAPACITY_VARIANTS)}"
         )
     out = {"dense": Variant("dense", baseline, FlashLoopConfig())}
@@ -53,6 +54,11 @@ def capacity_variants(
     if alone != config:
         out["kv_residual_quantization"] = Variant(
             "kv_residual_quantization alone", "flashloop", alone
+        )
+    elif keys is not None and "kv_residual_quantization" in keys:
+        raise ConfigError(
+            "--variants kv_residual_quantization: this --config is KV quantization alone; "
+            "name config instead"
         )
     out["config"] = Variant("config", "flashloop", config)
     return [out[key] for key in CAPACITY_VARIANTS if key in out and (keys is None or key in keys)]
