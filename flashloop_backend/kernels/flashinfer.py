@@ -59,11 +59,10 @@ PREFILL_MAX_SEQUENCES = 32768
 
 @dataclass
 class _PlannedFrom:
-    """What a slot's plan was made from, under ``key`` (dtype, heads, head size, block
-    size, scale):
-    the host's plan object, or the device's rows (copies of their tables and lengths to
-    compare by content, and the tensors last passed with their versions, to recognise them
-    unmodified without a comparison)."""
+    """What a slot's plan was made from, under ``key`` (heads, head size, dtype, scale,
+    block size): the host's plan object, or the device's rows (copies of their tables and
+    lengths to compare by content, and the tensors last passed with their versions, to
+    recognise them unmodified without a comparison)."""
 
     key: tuple
     host_plan: SequencePlan | None = None
@@ -161,13 +160,12 @@ class FlashInferPagedAttention:
                 return slot
         return None
 
-    def _device_planned_slot(self, key: tuple, tables, lengths) -> _PlanSlot | None:
+    def _device_planned_slot(self, key: tuple, tables, lengths, versions) -> _PlanSlot | None:
         """The slot whose plan, made from the device's tables and lengths, holds for these.
         The very tensors planned or passed before, unmodified since (held here, so never
         recycled), need no device comparison and its wait; otherwise only the last
         device-planned slot is compared by content (a fresh tensor at a recycled address is
-        never trusted by address)."""
-        versions = tensor_versions(tables, lengths)
+        never trusted by address). ``versions``: the tensors' versions (None: unknown)."""
         for slot in self._slots:
             planned = slot.planned
             if planned is None or planned.key != key or planned.tables is None:
@@ -205,8 +203,8 @@ class FlashInferPagedAttention:
             return q.new_empty((0, num_q_heads, head_dim))
         _, block_size, num_kv_heads, _ = key_cache.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        key = (q.dtype, num_q_heads, num_kv_heads, head_dim, block_size, scale)
         shape = (num_q_heads, num_kv_heads, head_dim, q.dtype, scale)
+        key = (*shape, block_size)
         if sequence_plan is not None:
             if (sequence_plan.num_rows, sequence_plan.block_size) != (rows, block_size):
                 raise ValueError(
@@ -221,7 +219,8 @@ class FlashInferPagedAttention:
             else:
                 self.current = slot
         else:
-            slot = self._device_planned_slot(key, block_tables, context_lengths)
+            versions = tensor_versions(block_tables, context_lengths)
+            slot = self._device_planned_slot(key, block_tables, context_lengths, versions)
             if slot is None:
                 planned = plan_sequences(block_tables, context_lengths, block_size)
                 self.plan(planned, context_lengths, *shape)
@@ -231,7 +230,6 @@ class FlashInferPagedAttention:
                 self._last_device_slot = self.current
             else:
                 self.current = slot
-            versions = tensor_versions(block_tables, context_lengths)
             self.current.planned.passed = (block_tables, context_lengths, versions)
         out = self.current.wrapper.run(q, (key_cache, value_cache))
         empty_rows = self.current.empty_rows

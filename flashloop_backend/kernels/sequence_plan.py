@@ -56,11 +56,18 @@ def _no_rows(block_size: int) -> SequencePlan:
     return SequencePlan(zero, zero.clone(), empty, empty.clone(), False, block_size)
 
 
-def _sequence_starts(same_as_previous: torch.Tensor, rows: int) -> torch.Tensor:
-    """[S] int64 first row of each sequence, given [R - 1] bool: row r + 1 continues r."""
-    starts_here = torch.ones(rows, dtype=torch.bool, device=same_as_previous.device)
-    starts_here[1:] = ~same_as_previous
-    return torch.nonzero(starts_here).flatten()
+def _sequence_bounds(
+    lengths: torch.Tensor, same_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([S] first row, [S] row after the last) of each sequence of rows with lengths [R]
+    int64 (at least 1), given [R - 1] bool: row r + 1 reads row r's table. A row continues
+    the one before when it reads the same table at the next length."""
+    rows = lengths.shape[0]
+    continues = (lengths[1:] == lengths[:-1] + 1) & same_table
+    starts_here = torch.ones(rows, dtype=torch.bool, device=lengths.device)
+    starts_here[1:] = ~continues
+    first = torch.nonzero(starts_here).flatten()
+    return first, torch.cat([first[1:], first.new_tensor([rows])])
 
 
 def _csr(
@@ -102,9 +109,7 @@ def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int)
     has_empty_rows = bool((lengths == 0).any())
     lengths = lengths.long().clamp(min=1)
     tables = tables.clamp(min=0)
-    same = (lengths[1:] == lengths[:-1] + 1) & (tables[1:] == tables[:-1]).all(dim=1)
-    first = _sequence_starts(same, rows)
-    ends = torch.cat([first[1:], first.new_tensor([rows])])
+    first, ends = _sequence_bounds(lengths, (tables[1:] == tables[:-1]).all(dim=1))
     kv_len = lengths[ends - 1].cpu()
     return _csr(first.cpu(), rows, kv_len, tables[first].cpu(), block_size, has_empty_rows)
 
@@ -143,9 +148,7 @@ def plan_host_sequences(
         return plan.pinned() if pin else plan
     has_empty_rows = bool((lengths == 0).any())
     lengths = lengths.long().clamp(min=1)
-    same = (lengths[1:] == lengths[:-1] + 1) & (table_keys[1:] == table_keys[:-1])
-    first = _sequence_starts(same, rows)
-    ends = torch.cat([first[1:], first.new_tensor([rows])])
+    first, ends = _sequence_bounds(lengths, table_keys[1:] == table_keys[:-1])
     seq_tables = key_tables[table_keys[first]].clamp(min=0)
     plan = _csr(first, rows, lengths[ends - 1], seq_tables, block_size, has_empty_rows)
     return plan.pinned() if pin else plan
