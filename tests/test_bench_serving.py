@@ -73,6 +73,10 @@ def test_workloads_complete_every_request_with_one_time_per_token(model, concurr
     assert 0 < held["tokens_at_peak"] <= sum(a.prompt_len + a.output_len for a in arrivals)
     assert held["peak_bytes"] >= held["tokens_at_peak"] * per_token  # whole blocks held
     assert held["bytes_per_token_at_peak"] == held["peak_bytes"] / held["tokens_at_peak"]
+    steps = s["step_ms"]  # every step counted once, by whether it computed prompt rows
+    assert steps["with_prompt_rows"]["steps"] >= 1 and steps["decode_only"]["steps"] >= 1
+    assert steps["with_prompt_rows"]["steps"] + steps["decode_only"]["steps"] == engine.steps
+    assert 0 < steps["decode_only"]["p50"] <= steps["decode_only"]["p99"]
 
 
 def test_a_refused_request_fails_alone(model):

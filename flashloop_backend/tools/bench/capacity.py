@@ -146,12 +146,15 @@ def serve_at_budget(
             graphs=_graph_counts(engine),
         )
         records.append(summary)
+        steps = {k: v if v["steps"] else None for k, v in summary["step_ms"].items()}
         log(
             f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
             f"(plan {planned}), {summary['throughput_tokens_s']:8.1f} tok/s, "
             f"failed {summary['failed_requests']}, ITL p50 / p99 "
             f"{_ms(summary['itl_ms'], 'p50')} / {_ms(summary['itl_ms'], 'p99')} ms, "
-            f"TTFT p50 {_ms(summary['ttft_s'], 'p50')} s"
+            f"TTFT p50 {_ms(summary['ttft_s'], 'p50')} s, step p99 with prompt rows / "
+            f"decode only {_ms(steps['with_prompt_rows'], 'p99')} / "
+            f"{_ms(steps['decode_only'], 'p99')} ms"
             + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )

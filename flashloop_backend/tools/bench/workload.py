@@ -139,7 +139,9 @@ def run_workload(
     clock. ``shared_prefix``: every prompt starts with the same that
     many tokens (the rest random). ``prompt_rows`` counts the prompt rows computed (every
     loop) and, with the engine's prefix cache on, ``prefix`` its lookups, hits, misses and
-    reused positions over the workload."""
+    reused positions over the workload. ``step_ms``: the host's time per step (to its return,
+    which for a step that samples waits for the device), apart for steps that computed
+    prompt rows and steps that only decoded."""
     from flashloop_backend.host.engine import SamplingParams
 
     rng = random.Random(seed)
@@ -150,6 +152,7 @@ def run_workload(
     most_held = 0  # the most requests admitted and not done after any step
     prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     counted = engine.counters()
+    step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -174,13 +177,18 @@ def run_workload(
             if pending and concurrency is None:  # idle until the next arrival
                 time.sleep(max(0.0, pending[0].at_s - (clock() - start)))
             continue
+        rows_before = engine.counters()["prefill_rows"]
+        began = clock()
         finished = engine.step()
         sync()
         now = clock() - start
         probe = clock()
+        seen = engine.counters()
+        kind = "with_prompt_rows" if seen["prefill_rows"] > rows_before else "decode_only"
+        step_ms[kind].append(1e3 * (probe - began))
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
-        most_held = max(most_held, engine.counters()["requests_held"])
+        most_held = max(most_held, seen["requests_held"])
         start += clock() - probe
         for rid, entry in live.items():
             produced = engine.output_count(rid)
@@ -203,6 +211,9 @@ def run_workload(
     now = engine.counters()
     summary["prompt_rows"] = now["prefill_rows"] - counted["prefill_rows"]
     summary["most_requests_held"] = most_held
+    summary["step_ms"] = {
+        kind: {"steps": len(ms), **(_percentiles(ms) or {})} for kind, ms in step_ms.items()
+    }
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
         summary["prefix"] = {
