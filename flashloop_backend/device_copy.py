@@ -19,5 +19,20 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()
-    return staged.to(device, non_blocking=True)
+    return _staged(tensor).to(device, non_blocking=True)
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[...] = source`` for a ``source`` on the host: into a GPU ``target`` through
+    a pinned copy and an asynchronous copy on the current stream (the caller may change
+    ``source`` at once), elsewhere a plain copy."""
+    if target.device.type != "cuda" or source.device.type != "cpu":
+        target.copy_(source)
+        return
+    target.copy_(_staged(source.to(target.dtype)), non_blocking=True)
+
+
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of host ``tensor`` that nothing else writes: the caching host allocator
+    keeps it until the copies queued from it have run."""
+    return tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()

@@ -53,8 +53,10 @@ def window_budgets(eligible: torch.Tensor, ratio: float, window_size: int) -> to
     prev = torch.zeros(count, dtype=torch.long, device=eligible.device).scatter_add_(
         0, windows, eligible.long()
     )
-    sizes = torch.full((count,), window_size, dtype=torch.long, device=eligible.device)
-    sizes[-1] = length - (count - 1) * window_size
+    # the last window may be short; computed on the device, as a Python scalar written
+    # into a GPU tensor is a blocking copy
+    starts = torch.arange(count, dtype=torch.long, device=eligible.device) * window_size
+    sizes = (length - starts).clamp(max=window_size)
     wanted = torch.ceil(torch.round(sizes.double() * ratio, decimals=6)).long().clamp(min=1)
     return torch.minimum(prev, wanted)
 

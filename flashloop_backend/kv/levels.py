@@ -10,7 +10,7 @@ from enum import IntEnum
 
 import torch
 
-from flashloop_backend.device_copy import to_device
+from flashloop_backend.device_copy import copy_into, to_device
 from flashloop_backend.kv.store import PackedKVStore, SequenceLevels
 
 
@@ -135,15 +135,16 @@ def write_row_levels(
     entry: SequenceLevels | None, tables: torch.Tensor, maps: torch.Tensor, levels: int
 ) -> None:
     """Write one row's page ids ``tables`` [Lv, P] and compact maps ``maps`` [Lv, Tp] (any
-    device; -1 where absent) for its sequence's first ``levels`` levels."""
+    device; -1 where absent) for its sequence's first ``levels`` levels. Into a GPU's
+    buffers the copies are asynchronous, so writing them does not wait for the device."""
     if entry is None:
         return
     for level in range(min(levels, len(entry.pages), tables.shape[0])):
         if entry.pages[level]:
             pages = torch.tensor(entry.pages[level], dtype=torch.int32)
-            tables[level, : len(entry.pages[level])] = pages
+            copy_into(tables[level, : len(entry.pages[level])], pages)
         if entry.host_maps[level] is not None:
-            maps[level, : entry.rows] = entry.host_maps[level]
+            copy_into(maps[level, : entry.rows], entry.host_maps[level])
 
 
 def row_kinds(entry: SequenceLevels | None, depth: int, levels: int) -> list[int]:
