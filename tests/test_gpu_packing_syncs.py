@@ -81,3 +81,39 @@ def test_an_eager_decode_steps_packed_metadata_reaches_the_device_without_a_wait
     torch.cuda.synchronize()
     assert all(len(r.output_token_ids) == 6 for r in out)
     assert max(decode_rows) == 2  # steps planned both prompts' packed rows
+
+
+def test_graph_steps_and_a_depths_selection_are_planned_without_waiting_for_the_device():
+    """A graphed decode step writes a row's packed page tables and maps into the graph's
+    buffers when the row's sequence changed (requests joining and leaving), and a prompt's
+    last row of a depth queues the next depth's token selection; neither may wait for
+    the steps already queued (the selection reaches the host by an asynchronous copy)."""
+    from flashloop_backend.host import prompt_schedule
+    from flashloop_backend.host.graphs import GraphSettings
+    from flashloop_backend.registry import Registry
+
+    config = FlashLoopConfig.from_dict(json.loads(ALL_ON.read_text()))
+    model = load_model(embedded_model_path(), "cuda", torch.bfloat16)
+    request = SupportRequest("cuda", torch.bfloat16, 128, 16, 2, 2)
+    backend = Registry.discover().create("flashloop", request, config)
+    graphs = GraphSettings(buckets=(1, 2, 4), max_context=1024)
+    engine = Engine(
+        model, backend, num_blocks=2048, prefill_chunk=256, max_context=1024, cuda_graphs=graphs
+    )
+    calls: list[str] = []
+    packed = backend.packed
+    packed.plan_graph_step = _without_syncs(packed.plan_graph_step, calls)
+    schedule = prompt_schedule.PromptSchedule
+    finish = schedule.finish_depth
+    checked_finish = _without_syncs(finish, calls)
+    schedule.finish_depth = lambda self, *a: checked_finish(self, *a)
+    try:
+        prompts = [[(3 * i + 2) % 200 for i in range(n)] for n in (700, 260, 500)]
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        out = engine.generate(prompts, params)
+    finally:
+        schedule.finish_depth = finish
+    torch.cuda.synchronize()
+    assert all(len(r.output_token_ids) == 8 for r in out)
+    assert {"plan_graph_step", "finish_depth"} <= set(calls)
+    assert engine.graphs is not None and engine.graphs.replays > 0

@@ -97,12 +97,16 @@ def test_schedule_drops_tokens_like_early_exits():
     h0, h1 = torch.ones(8, 2), torch.ones(8, 2)
     schedule.finish_depth(0, h0, kv, 0)
     h1[:, 0] = torch.tensor([1.0, 9, 1, 9, 1, 9, 1, 9])  # odd positions change, even do not
-    schedule.finish_depth(1, h1, kv, 0)  # selection before loop 3
+    schedule.finish_depth(1, h1, kv, 0)  # selection before loop 3, queued
+    block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
+    assert kv.key_pool[block, 0, offset].tolist() == [[3.0, 3.0]]  # nothing retired yet
+    assert len(schedule.active_history) == 2 and schedule.active_counts == [8, 8]
+    assert schedule.ready()  # the selection taken on the host
+    assert schedule.active_counts == [8, 8, 4] and len(schedule.active_history) == 3
     assert schedule.positions == [1, 3, 5, 7]
     assert schedule.chunk(0, 4) == (1, (1, 3, 5, 7))
     assert schedule.chunk(1, 1) == (3, ())
     assert schedule.rows(1, 2).tolist() == [3, 5]
-    block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
     assert kv.key_pool[block, 0, offset].tolist() == [[1.0, 1.0]]  # depth-1 K inherited by plane 3
 
 
@@ -158,6 +162,44 @@ def test_windows_split_over_submissions_equal_atomic_and_batching_is_invisible()
         for p in prompts
     ]
     assert alone == atomic
+
+
+def test_a_selection_still_on_its_way_holds_only_its_own_prompt(monkeypatch):
+    """A selection whose copy to the host has not run leaves its prompt out of the steps
+    (the others run meanwhile, and nothing waits while they can) and is taken once it
+    arrives: the same tokens as selections that arrive at once."""
+    from flashloop_backend.host import prompt_schedule
+
+    model = tiny_model(seed=3)
+    prompts = [PROMPT[5:30], PROMPT, PROMPT[::-1]]
+    params = SamplingParams(max_new_tokens=6)
+    at_once = [r.output_token_ids for r in _engine(model, _sparse(16)).generate(prompts, params)]
+    pending = prompt_schedule._PendingSelection
+    made, arrived, real_ready = [], pending.arrived, prompt_schedule.PromptSchedule.ready
+
+    def late(self):  # each selection arrives at its third look
+        self.looks = getattr(self, "looks", 0) + 1
+        if self not in made:
+            made.append(self)
+        return self.looks > 2 and arrived(self)
+
+    waited = []
+
+    def ready(self, wait=False):
+        if wait and self._pending is not None:
+            waited.append(self._pending)
+        return real_ready(self, wait)
+
+    monkeypatch.setattr(pending, "arrived", late)
+    monkeypatch.setattr(prompt_schedule.PromptSchedule, "ready", ready)
+    engine = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
+    late_tokens = [r.output_token_ids for r in engine.generate(prompts, params)]
+    assert late_tokens == at_once
+    assert len(made) == 2 * len(prompts)  # before loops 3 and 4 of each prompt
+    assert waited == []  # each was taken while other rows ran
+    alone = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
+    assert alone.generate([PROMPT], params)[0].output_token_ids == at_once[1]
+    assert len(waited) == 2  # nothing else to run: the engine waited for each
 
 
 def test_full_retention_is_dense():

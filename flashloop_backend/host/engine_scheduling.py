@@ -94,6 +94,12 @@ class StepScheduling:
 
     def _schedule(self) -> list[RowGroup]:
         budget, groups = self.max_batch_tokens, []
+        prompts = [r for r in self._requests.values() if r.phase == "prefill"]
+        unknown = {r.id for r in prompts if not r.schedule.ready()}
+        if unknown and len(unknown) == len(prompts) and not self._decoding():
+            for r in prompts:  # nothing else would run: wait for the selections
+                r.schedule.ready(wait=True)
+            unknown = set()
         lockstep = None
         if self.align_decode_depths:
             decoding = [r for r in self._requests.values() if r.phase == "decode"]
@@ -118,13 +124,16 @@ class StepScheduling:
                     break
                 groups.append(group)
                 budget -= group.count
-            elif r.phase == "prefill":
+            elif r.phase == "prefill" and r.id not in unknown:  # its rows known
                 count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
                 first, span = r.schedule.chunk(r.chunk_start, count)
                 groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, first, count, span=span))
                 budget -= count
                 self.prefill_rows_run += count
         return groups
+
+    def _decoding(self) -> bool:
+        return any(r.phase == "decode" for r in self._requests.values())
 
     def _decode_rows(self, r: Request) -> int:
         """Rows a decode request runs in its next step: its token, or its speculation

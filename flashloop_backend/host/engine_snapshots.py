@@ -75,7 +75,7 @@ class RequestSnapshots:
         if r.generator is not None:
             tensors["rng"] = r.generator.get_state()
         if r.schedule is not None and r.schedule.sparsity is not None:
-            tensors["prompt_active"] = torch.stack(r.schedule.active_history).cpu()
+            tensors["prompt_active"] = r.schedule.history()
         if r.logprobs:
             tensors["logprobs"] = torch.stack(r.logprobs).cpu()
         request = {  # copies: the running request's later tokens must not reach the manifest

@@ -28,7 +28,8 @@ class PromptSchedule:
     ) -> None:
         """``reused``: leading positions whose KV at every depth comes from a published
         prefix (whole selection windows); they run no depth here. ``reused_active``
-        [num_loops, reused] bool: which of them ran each depth (token-sparse prefill)."""
+        [num_loops, reused] bool on the host: which of them ran each depth (token-sparse
+        prefill)."""
         self.sparsity = sparsity if sparsity is not None and sparsity.enabled else None
         self.num_loops = num_loops
         self.reused, self.reused_active = reused, reused_active
@@ -52,6 +53,7 @@ class PromptSchedule:
         # (device mask, its host copy): packing reads the masks on the host at every
         # append, and a device read there would wait for the queued steps
         self._host_copies = [(self.active, torch.ones(length, dtype=torch.bool))]
+        self._pending: _PendingSelection | None = None  # a selection not yet on the host
 
     def _selects_before(self, depth: int) -> bool:
         return (
@@ -64,29 +66,52 @@ class PromptSchedule:
         self, depth: int, hidden: torch.Tensor, kv: PagedKVCache, request_id: int
     ) -> None:
         """Every scheduled row of ``depth`` ran; ``hidden`` [T, hidden] is the state after it.
-        Selects the next depth's active rows and retires the dropped ones."""
+        Queues the next depth's selection on the device and its copy to the host; the
+        schedule takes it (and retires the dropped rows) once :meth:`ready`."""
         nxt = depth + 1
         if self._selects_before(nxt):
             scores = token_change_scores(hidden, self.prev_hidden)
             chosen = select_in_windows(
                 scores, self.active, self.sparsity.retention[nxt], self.sparsity.window_size
             )
-            dropped = self.active & ~chosen
-            if self.reused:  # the prefix's windows chose before (their KV is final)
-                chosen[: self.reused] = self.reused_active[nxt].to(chosen.device)
-                dropped[: self.reused] = False
-            # The compact host schedules on the CPU: reading the selection here is its
-            # planning step.
-            kv.finalize_exits(request_id, dropped.nonzero().flatten().tolist(), depth)
-            self.active = chosen
-            self.index = chosen[self.reused :].nonzero().flatten() + self.reused
-            self.positions = self.index.tolist()
+            self._pending = _PendingSelection(depth, chosen, kv, request_id)
+        else:
+            self._next_depth(nxt)
+        if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
+            self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+
+    def ready(self, wait: bool = False) -> bool:
+        """Whether the current depth's rows are known: a selection still on its way to the
+        host is taken once its copy has run (``wait``: waiting for it). The compact host
+        schedules on the CPU, so reading the selection is its planning step; taken a step
+        or two later, it holds no step's host behind the device."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if not wait and not pending.arrived():
+            return False
+        self._pending = None
+        chosen = pending.host_copy()
+        dropped = self.active_on_host(pending.depth) & ~chosen
+        if self.reused:  # the prefix's windows chose before (their KV is final)
+            chosen[: self.reused] = self.reused_active[pending.depth + 1]
+            dropped[: self.reused] = False
+        pending.kv.finalize_exits(
+            pending.request_id, dropped.nonzero().flatten().tolist(), pending.depth
+        )
+        self.active = to_device(chosen, self.active.device)
+        self._host_copies.append((self.active, chosen))
+        positions = chosen[self.reused :].nonzero().flatten() + self.reused
+        self.index = to_device(positions, self.active.device)
+        self.positions = positions.tolist()
+        self._next_depth(pending.depth + 1)
+        return True
+
+    def _next_depth(self, nxt: int) -> None:
         self.active_counts.append(len(self.positions))
         if nxt < self.num_loops:
             self.active_history.append(self.active)
-            self.active_on_host(nxt)  # the selection above already waited for the device
-        if any(self._selects_before(d) for d in range(nxt + 1, self.num_loops)):
-            self.prev_hidden = hidden.clone()  # two aliases could not give a change score
+            self.active_on_host(nxt)
 
     def restore_history(self, host_masks: list[torch.Tensor]) -> None:
         """The rows that ran each depth, from a snapshot's host masks [T] bool (their host
@@ -106,11 +131,11 @@ class PromptSchedule:
         return host_mask
 
     def history(self) -> torch.Tensor | None:
-        """[depths, T] bool: the rows that ran each depth (the prefix's as published);
-        None without token-sparse prefill (every row ran every depth)."""
+        """[depths, T] bool on the host: the rows that ran each depth (the prefix's as
+        published); None without token-sparse prefill (every row ran every depth)."""
         if self.sparsity is None:
             return None
-        return torch.stack(self.active_history)
+        return torch.stack([self.active_on_host(d) for d in range(len(self.active_history))])
 
     def final_rows(self, done: int) -> int:
         """At the last depth, once its first ``done`` scheduled rows ran: how many leading
@@ -137,3 +162,27 @@ class PromptSchedule:
             return slice(first, first + count)
         assert self.index is not None  # positions skip rows only after a selection
         return self.index[start : start + count]
+
+
+class _PendingSelection:
+    """The next depth's selection ``chosen`` [T] bool on the device, copied to pinned host
+    memory behind an event: the host reads it once the copy has run, never waiting for
+    the steps queued after it."""
+
+    def __init__(self, depth: int, chosen: torch.Tensor, kv: PagedKVCache, request_id: int):
+        self.depth, self.kv, self.request_id = depth, kv, request_id
+        cuda = chosen.device.type == "cuda"
+        self._host = torch.empty(chosen.shape, dtype=torch.bool, pin_memory=cuda)
+        self._host.copy_(chosen, non_blocking=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(chosen.device))
+
+    def arrived(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def host_copy(self) -> torch.Tensor:
+        """[T] bool on the host (waits for the copy if it has not run)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.clone()
