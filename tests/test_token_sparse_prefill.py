@@ -101,7 +101,9 @@ def test_schedule_drops_tokens_like_early_exits():
     block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
     assert kv.key_pool[block, 0, offset].tolist() == [[3.0, 3.0]]  # nothing retired yet
     assert len(schedule.active_history) == 2 and schedule.active_counts == [8, 8]
-    assert schedule.ready()  # the selection taken on the host
+    assert not schedule.ready()  # the step after the selection runs without this prompt
+    assert len(schedule.active_history) == 2
+    assert schedule.ready()  # the second takes the selection on the host
     assert schedule.active_counts == [8, 8, 4] and len(schedule.active_history) == 3
     assert schedule.positions == [1, 3, 5, 7]
     assert schedule.chunk(0, 4) == (1, (1, 3, 5, 7))
@@ -164,42 +166,43 @@ def test_windows_split_over_submissions_equal_atomic_and_batching_is_invisible()
     assert alone == atomic
 
 
-def test_a_selection_still_on_its_way_holds_only_its_own_prompt(monkeypatch):
-    """A selection whose copy to the host has not run leaves its prompt out of the steps
-    (the others run meanwhile, and nothing waits while they can) and is taken once it
-    arrives: the same tokens as selections that arrive at once."""
+def test_a_queued_selection_holds_its_prompt_out_of_one_step_while_others_run(monkeypatch):
+    """A depth's selection is taken at the second step after it was queued (the first
+    runs the other rows without its prompt), or at once when nothing else would run; the
+    tokens are those of each prompt alone."""
     from flashloop_backend.host import prompt_schedule
 
     model = tiny_model(seed=3)
     prompts = [PROMPT[5:30], PROMPT, PROMPT[::-1]]
     params = SamplingParams(max_new_tokens=6)
-    at_once = [r.output_token_ids for r in _engine(model, _sparse(16)).generate(prompts, params)]
-    pending = prompt_schedule._PendingSelection
-    made, arrived, real_ready = [], pending.arrived, prompt_schedule.PromptSchedule.ready
-
-    def late(self):  # each selection arrives at its third look
-        self.looks = getattr(self, "looks", 0) + 1
-        if self not in made:
-            made.append(self)
-        return self.looks > 2 and arrived(self)
-
-    waited = []
+    real_ready = prompt_schedule.PromptSchedule.ready
+    asked: list[tuple[object, bool, bool]] = []  # (selection, wait, taken)
 
     def ready(self, wait=False):
-        if wait and self._pending is not None:
-            waited.append(self._pending)
-        return real_ready(self, wait)
+        pending = self._pending
+        taken = real_ready(self, wait)
+        if pending is not None:
+            asked.append((pending, wait, taken))
+        return taken
 
-    monkeypatch.setattr(pending, "arrived", late)
     monkeypatch.setattr(prompt_schedule.PromptSchedule, "ready", ready)
+
+    def looks() -> list[list[tuple[bool, bool]]]:
+        selections = list(dict.fromkeys(p for p, _, _ in asked))
+        return [[(w, t) for p, w, t in asked if p is s] for s in selections]
+
     engine = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
-    late_tokens = [r.output_token_ids for r in engine.generate(prompts, params)]
-    assert late_tokens == at_once
-    assert len(made) == 2 * len(prompts)  # before loops 3 and 4 of each prompt
-    assert waited == []  # each was taken while other rows ran
-    alone = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
-    assert alone.generate([PROMPT], params)[0].output_token_ids == at_once[1]
-    assert len(waited) == 2  # nothing else to run: the engine waited for each
+    together = [r.output_token_ids for r in engine.generate(prompts, params)]
+    assert looks() == [[(False, False), (False, True)]] * 2 * len(prompts)  # loops 3 and 4
+    asked.clear()
+    alone = [
+        _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
+        .generate([p], params)[0]
+        .output_token_ids
+        for p in prompts
+    ]
+    assert looks() == [[(False, False), (True, True)]] * 2 * len(prompts)  # none to wait behind
+    assert together == alone
 
 
 def test_full_retention_is_dense():

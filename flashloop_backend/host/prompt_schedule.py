@@ -81,14 +81,16 @@ class PromptSchedule:
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
 
     def ready(self, wait: bool = False) -> bool:
-        """Whether the current depth's rows are known: a selection still on its way to the
-        host is taken once its copy has run (``wait``: waiting for it). The compact host
-        schedules on the CPU, so reading the selection is its planning step; taken a step
-        or two later, it holds no step's host behind the device."""
+        """Whether the current depth's rows are known, asked once per step. The compact
+        host schedules on the CPU, so reading the selection is its planning step: a queued
+        selection is taken at the second step that asks (``wait``: at once), so its read
+        waits for the step that queued it while the device has the next one to run, and
+        which step a prompt's rows join never depends on timing."""
         pending = self._pending
         if pending is None:
             return True
-        if not wait and not pending.arrived():
+        pending.asked += 1
+        if not wait and pending.asked < 2:
             return False
         self._pending = None
         chosen = pending.host_copy()
@@ -166,20 +168,18 @@ class PromptSchedule:
 
 class _PendingSelection:
     """The next depth's selection ``chosen`` [T] bool on the device, copied to pinned host
-    memory behind an event: the host reads it once the copy has run, never waiting for
-    the steps queued after it."""
+    memory behind an event: reading it waits for that copy, not for the steps queued
+    after it."""
 
     def __init__(self, depth: int, chosen: torch.Tensor, kv: PagedKVCache, request_id: int):
         self.depth, self.kv, self.request_id = depth, kv, request_id
+        self.asked = 0  # steps that asked for the rows since it was queued
         cuda = chosen.device.type == "cuda"
         self._host = torch.empty(chosen.shape, dtype=torch.bool, pin_memory=cuda)
         self._host.copy_(chosen, non_blocking=cuda)
         self._copied = torch.cuda.Event() if cuda else None
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(chosen.device))
-
-    def arrived(self) -> bool:
-        return self._copied is None or self._copied.query()
 
     def host_copy(self) -> torch.Tensor:
         """[T] bool on the host (waits for the copy if it has not run)."""
