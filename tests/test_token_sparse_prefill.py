@@ -101,9 +101,10 @@ def test_schedule_drops_tokens_like_early_exits():
     block, offset = divmod(kv.slots(0, 3, [0])[0], 4)
     assert kv.key_pool[block, 0, offset].tolist() == [[3.0, 3.0]]  # nothing retired yet
     assert len(schedule.active_history) == 2 and schedule.active_counts == [8, 8]
-    assert not schedule.ready()  # the step after the selection runs without this prompt
+    assert not schedule.ready()  # the host has not read from the device since
     assert len(schedule.active_history) == 2
-    assert schedule.ready()  # the second takes the selection on the host
+    schedule.device_read()  # a step's tokens read: the selection's copy has run
+    assert schedule.ready()
     assert schedule.active_counts == [8, 8, 4] and len(schedule.active_history) == 3
     assert schedule.positions == [1, 3, 5, 7]
     assert schedule.chunk(0, 4) == (1, (1, 3, 5, 7))
@@ -166,34 +167,44 @@ def test_windows_split_over_submissions_equal_atomic_and_batching_is_invisible()
     assert alone == atomic
 
 
-def test_a_queued_selection_holds_its_prompt_out_of_one_step_while_others_run(monkeypatch):
-    """A depth's selection is taken at the second step after it was queued (the first
-    runs the other rows without its prompt), or at once when nothing else would run; the
-    tokens are those of each prompt alone."""
+def test_a_queued_selection_is_taken_after_a_device_read_or_a_tokens_loops(monkeypatch):
+    """A depth's selection is taken at the first schedule after the host read the step's
+    tokens (which waited for its copy); without such a read, at the fourth step that asks
+    (a token's loops), and at once when nothing else would run. Its prompt sits out the
+    steps before while the other rows run, and the tokens are those of each prompt
+    alone."""
     from flashloop_backend.host import prompt_schedule
 
     model = tiny_model(seed=3)
     prompts = [PROMPT[5:30], PROMPT, PROMPT[::-1]]
     params = SamplingParams(max_new_tokens=6)
     real_ready = prompt_schedule.PromptSchedule.ready
-    asked: list[tuple[object, bool, bool]] = []  # (selection, wait, taken)
+    asked: list[tuple[object, bool, bool, bool]] = []  # (selection, arrived, wait, taken)
 
     def ready(self, wait=False):
         pending = self._pending
+        arrived = pending is not None and pending.arrived
         taken = real_ready(self, wait)
         if pending is not None:
-            asked.append((pending, wait, taken))
+            asked.append((pending, arrived, wait, taken))
         return taken
 
     monkeypatch.setattr(prompt_schedule.PromptSchedule, "ready", ready)
 
-    def looks() -> list[list[tuple[bool, bool]]]:
-        selections = list(dict.fromkeys(p for p, _, _ in asked))
-        return [[(w, t) for p, w, t in asked if p is s] for s in selections]
+    def looks() -> list[list[tuple[bool, bool, bool]]]:
+        selections = list(dict.fromkeys(entry[0] for entry in asked))
+        return [[entry[1:] for entry in asked if entry[0] is s] for s in selections]
 
+    not_yet = (False, False, False)
     engine = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
     together = [r.output_token_ids for r in engine.generate(prompts, params)]
-    assert looks() == [[(False, False), (False, True)]] * 2 * len(prompts)  # loops 3 and 4
+    assert len(looks()) == 2 * len(prompts)  # before loops 3 and 4 of each prompt
+    for seen in looks():
+        assert len(seen) <= 4 and all(look == not_yet for look in seen[:-1])
+        assert seen[-1][2]  # taken
+    ends = {seen[-1] for seen in looks()}
+    assert (True, False, True) in ends  # after the tokens' read (other prompts decoding)
+    assert [not_yet] * 3 + [(False, False, True)] in looks()  # no read: the fourth ask
     asked.clear()
     alone = [
         _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=20)
@@ -201,7 +212,8 @@ def test_a_queued_selection_holds_its_prompt_out_of_one_step_while_others_run(mo
         .output_token_ids
         for p in prompts
     ]
-    assert looks() == [[(False, False), (True, True)]] * 2 * len(prompts)  # none to wait behind
+    for seen in looks():  # nothing else to run: the engine waits for it
+        assert seen == [not_yet, (False, True, True)]
     assert together == alone
 
 

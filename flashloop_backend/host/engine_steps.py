@@ -109,6 +109,8 @@ class StepExecution:
         # exit hazards of every decode row that may still exit early: one host read
         gated = [i for i, g in enumerate(groups) if self._may_exit_early(g)]
         lams = self.model.exit_lambda(out[[starts[i] for i in gated]]).tolist() if gated else []
+        if gated:
+            self._device_read()
         hazard = dict(zip(gated, lams, strict=True))
         emits: list[tuple[Request, torch.Tensor]] = []
         packing: list[tuple[Request, int]] = []  # final prompt rows packed after sampling
@@ -179,6 +181,7 @@ class StepExecution:
             return
         requests = [r for r, _ in emits]
         tokens = choose_tokens(self.model, requests, torch.stack([h for _, h in emits]))
+        self._device_read()
         going = []
         self.tokens_generated += len(requests)
         for r, token in zip(requests, tokens, strict=True):
@@ -194,6 +197,13 @@ class StepExecution:
         for r, hidden in zip(going, self.model.prelude(ids), strict=True):
             r.phase, r.depth, r.remaining, r.hidden = "decode", 0, 1.0, hidden
             self._start_token(r)
+
+    def _device_read(self) -> None:
+        """The host just read from the device (the step's tokens or exit hazards), so the
+        token selections queued before are on the host; prompts take them when scheduled."""
+        for r in self._requests.values():
+            if r.phase == "prefill":
+                r.schedule.device_read()
 
     def _collect(self) -> list[GenerationResult]:
         return [self._retire(r) for r in list(self._requests.values()) if r.phase == "done"]

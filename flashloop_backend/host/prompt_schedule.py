@@ -83,14 +83,17 @@ class PromptSchedule:
     def ready(self, wait: bool = False) -> bool:
         """Whether the current depth's rows are known, asked once per step. The compact
         host schedules on the CPU, so reading the selection is its planning step: a queued
-        selection is taken at the second step that asks (``wait``: at once), so its read
-        waits for the step that queued it while the device has the next one to run, and
-        which step a prompt's rows join never depends on timing."""
+        selection is taken once the host has read from the device after queuing it
+        (:meth:`device_read`: that read waited for its copy), so reading it holds the
+        host behind no kernel. While requests decode, a token's loops bring such a read;
+        where none comes, it is taken at the ``num_loops``-th step that asks, and at once
+        with ``wait``. Which step a prompt's rows join depends only on the steps before
+        it, never on timing."""
         pending = self._pending
         if pending is None:
             return True
         pending.asked += 1
-        if not wait and pending.asked < 2:
+        if not (wait or pending.arrived or pending.asked >= self.num_loops):
             return False
         self._pending = None
         chosen = pending.host_copy()
@@ -108,6 +111,12 @@ class PromptSchedule:
         self.positions = positions.tolist()
         self._next_depth(pending.depth + 1)
         return True
+
+    def device_read(self) -> None:
+        """The host read from the device, which waited for every kernel and copy queued
+        before: a selection queued before is on the host."""
+        if self._pending is not None:
+            self._pending.arrived = True
 
     def _next_depth(self, nxt: int) -> None:
         self.active_counts.append(len(self.positions))
@@ -173,7 +182,8 @@ class _PendingSelection:
 
     def __init__(self, depth: int, chosen: torch.Tensor, kv: PagedKVCache, request_id: int):
         self.depth, self.kv, self.request_id = depth, kv, request_id
-        self.asked = 0  # steps that asked for the rows since it was queued
+        self.arrived = False  # the host read from the device after queuing it
+        self.asked = 0  # steps that asked for the rows since
         cuda = chosen.device.type == "cuda"
         self._host = torch.empty(chosen.shape, dtype=torch.bool, pin_memory=cuda)
         self._host.copy_(chosen, non_blocking=cuda)
