@@ -217,6 +217,40 @@ def test_a_queued_selection_is_taken_after_a_device_read_or_a_tokens_loops(monke
     assert together == alone
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_selection_is_taken_after_the_reads_of_requests_decoding_meanwhile(
+    monkeypatch, speculate
+):
+    """A prompt that arrives while another request decodes (plainly, or drafting and
+    verifying blocks) takes each of its selections after a host read of that request's
+    tokens, drafts or acceptances, never at the fallback ask."""
+    from flashloop_backend.host import prompt_schedule
+    from flashloop_backend.host.speculation import SpeculationSettings
+
+    model = tiny_model(seed=3)
+    taken: list[bool] = []  # per selection: whether a device read came before it
+    real_ready = prompt_schedule.PromptSchedule.ready
+
+    def ready(self, wait=False):
+        pending = self._pending
+        done = real_ready(self, wait)
+        if pending is not None and done:
+            taken.append(pending.arrived)
+        return done
+
+    monkeypatch.setattr(prompt_schedule.PromptSchedule, "ready", ready)
+    extra = {"speculation": SpeculationSettings(block_size=2)} if speculate else {}
+    engine = _engine(model, _sparse(16), prefill_chunk=16, max_batch_tokens=24, **extra)
+    engine.add_request(PROMPT[:16], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    for _ in range(12):  # the first request is decoding before the second arrives
+        engine.step()
+    engine.add_request(PROMPT, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    # the first prompt's two alone (nothing to read from: waited for), then the second's
+    assert taken == [False, False, True, True]
+
+
 def test_full_retention_is_dense():
     model = tiny_model(seed=4)
     keep_all = FlashLoopConfig(

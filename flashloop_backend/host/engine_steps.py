@@ -141,7 +141,10 @@ class StepExecution:
                         emits.append((r, last))
                 continue
             if r.block is not None:
+                reads = self.speculation.device_reads
                 tokens = self.speculation.advance(r, h)
+                if self.speculation.device_reads != reads:
+                    self._device_read()
                 if tokens is not None:
                     self._emit_block(r, tokens)
                 continue
@@ -199,8 +202,9 @@ class StepExecution:
             self._start_token(r)
 
     def _device_read(self) -> None:
-        """The host just read from the device (the step's tokens or exit hazards), so the
-        token selections queued before are on the host; prompts take them when scheduled."""
+        """The host just read from the device (the step's tokens, exit hazards, a draft or
+        a block's acceptance), so the token selections queued before are on the host;
+        prompts take them when scheduled."""
         for r in self._requests.values():
             if r.phase == "prefill":
                 r.schedule.device_read()

@@ -96,6 +96,7 @@ class Speculation:
             )
         self.settings, self.model, self.loops = settings, model, loops
         self.blocks = self.drafted = self.accepted = self.rows_run = self.stopped = 0
+        self.device_reads = 0  # advances that read a draft or an acceptance on the host
 
     def counters(self) -> dict[str, int | float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
@@ -156,6 +157,7 @@ class Speculation:
         ):
             r.depth, r.hidden = r.depth + 1, out if block.verifying else out[0]
             return None
+        self.device_reads += 1  # the draft or the acceptance below is read on the host
         if not block.verifying:  # the row's draft state guesses the next token
             block.drafted.append(out[0])
             draft, probability = self._draft(r, self.model.coda(out[:1])[0])
