@@ -35,4 +35,6 @@ def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
 def _staged(tensor: torch.Tensor) -> torch.Tensor:
     """A pinned copy of host ``tensor`` that nothing else writes: the caching host allocator
     keeps it until the copies queued from it have run."""
-    return tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()
+    if tensor.is_pinned():
+        return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+    return tensor.pin_memory()

@@ -83,11 +83,14 @@ def test_an_eager_decode_steps_packed_metadata_reaches_the_device_without_a_wait
     assert max(decode_rows) == 2  # steps planned both prompts' packed rows
 
 
-def test_graph_steps_and_a_depths_selection_are_planned_without_waiting_for_the_device():
+def test_graph_steps_and_a_depths_selection_are_planned_without_waiting_for_the_device(
+    monkeypatch,
+):
     """A graphed decode step writes a row's packed page tables and maps into the graph's
     buffers when the row's sequence changed (requests joining and leaving), and a prompt's
     last row of a depth queues the next depth's token selection; neither may wait for
-    the steps already queued (the selection reaches the host by an asynchronous copy)."""
+    the steps already queued (the selection reaches the host by an asynchronous copy).
+    A selection taken after a read of the device finds its copy already run."""
     from flashloop_backend.host import prompt_schedule
     from flashloop_backend.host.graphs import GraphSettings
     from flashloop_backend.registry import Registry
@@ -104,16 +107,29 @@ def test_graph_steps_and_a_depths_selection_are_planned_without_waiting_for_the_
     packed = backend.packed
     packed.plan_graph_step = _without_syncs(packed.plan_graph_step, calls)
     schedule = prompt_schedule.PromptSchedule
-    finish = schedule.finish_depth
-    checked_finish = _without_syncs(finish, calls)
-    schedule.finish_depth = lambda self, *a: checked_finish(self, *a)
-    try:
-        prompts = [[(3 * i + 2) % 200 for i in range(n)] for n in (700, 260, 500)]
-        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-        out = engine.generate(prompts, params)
-    finally:
-        schedule.finish_depth = finish
+    checked_finish = _without_syncs(schedule.finish_depth, calls)
+    monkeypatch.setattr(schedule, "finish_depth", lambda self, *a: checked_finish(self, *a))
+    pending = prompt_schedule._PendingSelection
+    made, already_copied = [], []
+    real_init, real_copy = pending.__init__, pending.host_copy
+
+    def init(self, *args):
+        real_init(self, *args)
+        made.append(self)
+
+    def host_copy(self):
+        if self.arrived:  # taken after a device read: its event has fired
+            already_copied.append(self._copied.query())
+        return real_copy(self)
+
+    monkeypatch.setattr(pending, "__init__", init)
+    monkeypatch.setattr(pending, "host_copy", host_copy)
+    prompts = [[(3 * i + 2) % 200 for i in range(n)] for n in (700, 260, 500)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = engine.generate(prompts, params)
     torch.cuda.synchronize()
     assert all(len(r.output_token_ids) == 8 for r in out)
     assert {"plan_graph_step", "finish_depth"} <= set(calls)
+    assert len(made) == len(prompts)  # all on selects before loop 4 only
+    assert all(already_copied), already_copied
     assert engine.graphs is not None and engine.graphs.replays > 0
