@@ -81,9 +81,10 @@ class PromptSchedule:
             self.prev_hidden = hidden.clone()  # two aliases could not give a change score
 
     def ready(self, wait: bool = False) -> bool:
-        """Whether the current depth's rows are known, asked once per step. The compact
-        host schedules on the CPU, so reading the selection is its planning step: a queued
-        selection is taken once the host has read from the device after queuing it
+        """Whether the current depth's rows are known, asked once per step (and again
+        with ``wait`` where the step would run nothing else). The compact host schedules
+        on the CPU, so reading the selection is its planning step: a queued selection is
+        taken once the host has read from the device after queuing it
         (:meth:`device_read`: that read waited for its copy), so reading it holds the
         host behind no kernel. While requests decode, a token's loops bring such a read;
         where none comes, it is taken at the ``num_loops``-th step that asks, and at once
