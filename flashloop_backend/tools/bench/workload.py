@@ -153,6 +153,7 @@ def run_workload(
     prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     counted = engine.counters()
     step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
+    rows_before = counted["prefill_rows"]  # prompt rows computed before the next step
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -177,7 +178,6 @@ def run_workload(
             if pending and concurrency is None:  # idle until the next arrival
                 time.sleep(max(0.0, pending[0].at_s - (clock() - start)))
             continue
-        rows_before = engine.counters()["prefill_rows"]
         began = clock()
         finished = engine.step()
         sync()
@@ -186,6 +186,7 @@ def run_workload(
         seen = engine.counters()
         kind = "with_prompt_rows" if seen["prefill_rows"] > rows_before else "decode_only"
         step_ms[kind].append(1e3 * (probe - began))
+        rows_before = seen["prefill_rows"]
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
         most_held = max(most_held, seen["requests_held"])
