@@ -25,6 +25,7 @@ import torch
 
 from flashloop_backend import FlashLoopConfig
 from flashloop_backend.tools.bench import capacity
+from flashloop_backend.tools.bench.workload import percentiles
 
 PACKAGE = "flashloop_backend"
 
@@ -107,11 +108,11 @@ def main() -> None:
     )
     kinds = {}
     for kind, entry in sorted(census.items()):
-        ms = sorted(entry["host_ms"])
+        host = percentiles(entry["host_ms"])
         kinds[kind] = {
             "steps": entry["steps"],
-            "host_ms_p50": ms[len(ms) // 2],
-            "host_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "host_ms_p50": host["p50"],
+            "host_ms_p99": host["p99"],
             "syncs_per_step": sum(entry["syncs"].values()) / max(1, entry["steps"]),
             "sites": dict(entry["syncs"].most_common()),
         }

@@ -68,7 +68,7 @@ class RequestTimes:
     error: str | None = None
 
 
-def _percentiles(values: list[float]) -> dict[str, float] | None:
+def percentiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -95,10 +95,10 @@ def summarize(times: list[RequestTimes], wall_s: float) -> dict:
         "completed": len(ok),
         "failed_requests": len(times) - len(ok),
         "errors": sorted({t.error for t in times if t.error}),
-        "ttft_s": _percentiles(ttft),
-        "tpot_ms": _percentiles(tpot),
-        "itl_ms": _percentiles(itl),
-        "latency_s": _percentiles([t.finished_s - t.arrival_s for t in ok]),
+        "ttft_s": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "latency_s": percentiles([t.finished_s - t.arrival_s for t in ok]),
         "output_tokens": tokens,
         "throughput_tokens_s": tokens / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
@@ -111,7 +111,7 @@ def first_and_later_ttft(times: list[RequestTimes]) -> dict:
     first (None where a side has no request that made a token)."""
     ok = [t for t in times if t.error is None and t.token_s]
     first = ok[0].token_s[0] - ok[0].arrival_s if ok else None
-    later = _percentiles([t.token_s[0] - t.arrival_s for t in ok[1:]])
+    later = percentiles([t.token_s[0] - t.arrival_s for t in ok[1:]])
     return {
         "first_s": first,
         "later_s": later,
@@ -213,7 +213,7 @@ def run_workload(
     summary["prompt_rows"] = now["prefill_rows"] - counted["prefill_rows"]
     summary["most_requests_held"] = most_held
     summary["step_ms"] = {
-        kind: {"steps": len(ms), **(_percentiles(ms) or {})} for kind, ms in step_ms.items()
+        kind: {"steps": len(ms), **(percentiles(ms) or {})} for kind, ms in step_ms.items()
     }
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
