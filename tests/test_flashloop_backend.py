@@ -189,7 +189,7 @@ def test_prefill_steps_launch_only_the_prefill_op_of_their_depths(rng):
     (every prefill op launched); padding rows stay zero."""
     from dataclasses import replace
 
-    from flashloop_backend.dispatch import prefill_route_ops
+    from flashloop_backend.dispatch import ROUTE_CODES, prefill_route_ops, route_rows
     from flashloop_backend.kernels.op_protocols import OpName
 
     config = FlashLoopConfig(token_sparse_prefill={"enabled": True})
@@ -197,6 +197,25 @@ def test_prefill_steps_launch_only_the_prefill_op_of_their_depths(rng):
     assert prefill_route_ops(config, {2, 3}) == {OpName.SPARSE_PREFILL}
     assert prefill_route_ops(FlashLoopConfig(), {3}) == {OpName.DENSE_PREFILL}
     assert prefill_route_ops(config, set()) == frozenset()
+    # a sparse loop that keeps every token reads consecutive rows: the dense prefill op
+    full_loop_3 = FlashLoopConfig(
+        token_sparse_prefill={"enabled": True, "retention": [1, 1, 1, 0.75]}
+    )
+    assert prefill_route_ops(full_loop_3, {2}) == {OpName.DENSE_PREFILL}
+    assert prefill_route_ops(full_loop_3, {3}) == {OpName.SPARSE_PREFILL}
+    assert prefill_route_ops(full_loop_3) == {OpName.DENSE_PREFILL, OpName.SPARSE_PREFILL}
+    every_token = FlashLoopConfig(token_sparse_prefill={"enabled": True, "retention": [1, 1, 1, 1]})
+    assert prefill_route_ops(every_token) == {OpName.DENSE_PREFILL}
+    view = _view(
+        [RowMode.PREFILL] * 4, [0, 1, 2, 3], [1, 2, 3, 4], torch.zeros(4, 4, 1, dtype=torch.int32)
+    )
+    codes = {code: op for op, code in ROUTE_CODES.items()}
+    assert [codes[int(c)] for c in route_rows(view, full_loop_3)] == [
+        OpName.DENSE_PREFILL,
+        OpName.DENSE_PREFILL,
+        OpName.DENSE_PREFILL,
+        OpName.SPARSE_PREFILL,
+    ]
     backend = Registry.discover().create("flashloop", REQUEST, config)
     calls = []
     originals = {}

@@ -16,6 +16,7 @@ from flashloop_backend.dispatch.router import (
     required_ops,
     routable_ops,
     route_rows,
+    sparse_prefill_depth,
     with_references,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "required_ops",
     "routable_ops",
     "route_rows",
+    "sparse_prefill_depth",
     "verify_spans",
     "with_references",
 ]

@@ -97,17 +97,28 @@ def decode_route_ops(
     return frozenset(ops)
 
 
+def sparse_prefill_depth(config: FlashLoopConfig) -> int:
+    """The first zero-based depth whose prompt rows are a subset (token-sparse retention
+    below 1.0), ``num_loops`` when none is. Rows of a loop that keeps every token are
+    consecutive, so the dense prefill op serves them (the same attention, by the kernel
+    made for consecutive rows)."""
+    sparse = config.token_sparse_prefill
+    if not sparse.enabled:
+        return config.num_loops
+    subsets = [d for d, ratio in enumerate(sparse.retention) if ratio < 1.0]
+    return max(SPARSE_START_DEPTH, subsets[0]) if subsets else config.num_loops
+
+
 def prefill_route_ops(
     config: FlashLoopConfig, depths: Iterable[int] | None = None
 ) -> frozenset[OpName]:
     """Ops :func:`route_rows` can give an active prefill row at one of ``depths`` (None: at
     any depth)."""
-    sparse = config.token_sparse_prefill.enabled
+    first_sparse = sparse_prefill_depth(config)
     if depths is None:
-        depths = range(SPARSE_START_DEPTH + 1)
+        depths = range(config.num_loops)
     return frozenset(
-        OpName.SPARSE_PREFILL if sparse and depth >= SPARSE_START_DEPTH else OpName.DENSE_PREFILL
-        for depth in depths
+        OpName.SPARSE_PREFILL if depth >= first_sparse else OpName.DENSE_PREFILL for depth in depths
     )
 
 
@@ -173,8 +184,9 @@ def base_routes_of(
     routes = torch.full_like(depth, NOT_ROUTED)
     routes = torch.where(decode, ROUTE_CODES[decode_op(config, OpName.DENSE_ATTENTION)], routes)
     routes = torch.where(prefill, ROUTE_CODES[OpName.DENSE_PREFILL], routes)
-    if config.token_sparse_prefill.enabled:
-        sparse_rows = prefill & (depth >= SPARSE_START_DEPTH)
+    first_sparse = sparse_prefill_depth(config)
+    if first_sparse < config.num_loops:
+        sparse_rows = prefill & (depth >= first_sparse)
         routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)
     if not config.sparse_decode_attention.enabled:
         return routes, None
