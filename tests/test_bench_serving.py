@@ -77,6 +77,37 @@ def test_workloads_complete_every_request_with_one_time_per_token(model, concurr
     assert steps["with_prompt_rows"]["steps"] >= 1 and steps["decode_only"]["steps"] >= 1
     assert steps["with_prompt_rows"]["steps"] + steps["decode_only"]["steps"] == engine.steps
     assert 0 < steps["decode_only"]["p50"] <= steps["decode_only"]["p99"]
+    by_loop = {k: v["steps"] for k, v in steps.items() if k.startswith("prompt_loop")}
+    assert set(by_loop) == {f"prompt_loop{d}" for d in range(1, model.config.total_ut_steps + 1)}
+    assert sum(by_loop.values()) == steps["with_prompt_rows"]["steps"]  # one deepest loop each
+
+
+class _Marker:
+    """A device marker on the host's clock: the step count when it was recorded."""
+
+    made = 0
+
+    def __init__(self):
+        _Marker.made += 1
+        self.at = _Marker.made
+
+    def elapsed_time(self, other: "_Marker") -> float:
+        return float(other.at - self.at)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_device_markers_time_every_step_by_kind(model):
+    backend = Registry.discover().create("torch", _request(model), FlashLoopConfig())
+    engine = Engine(model, backend, num_blocks=256, block_size=16)
+    _Marker.made = 0
+    arrivals = fixed_arrival_schedule(3, 50.0, [20], [4], seed=2)
+    s = run_workload(engine, arrivals, model.config.vocab_size, 2, device_marker=_Marker)
+    host, device = s["step_ms"], s["step_device_ms"]
+    assert {k: v["steps"] for k, v in device.items()} == {k: v["steps"] for k, v in host.items()}
+    assert all(v["p50"] == v["p99"] == 1.0 for v in device.values())  # after - before
+    assert _Marker.made == 2 * engine.steps
 
 
 def test_a_refused_request_fails_alone(model):

@@ -149,6 +149,7 @@ class Engine(
         self._next_id = 0
         self.steps = 0
         self.prefill_rows_run = 0  # prompt rows computed, every loop counted
+        self.prefill_rows_by_loop = [0] * cfg.total_ut_steps
         self.tokens_generated = 0
         # One token-state slot per live decode token (one per running request here).
         self.max_slots = max_slots
@@ -286,13 +287,14 @@ class Engine(
         }
 
     def counters(self) -> dict[str, int]:
-        """Work so far, for progress displays: prompt rows computed (every loop counted),
-        requests admitted and not done (holding KV), tokens generated, and requests whose
-        prompt is still waiting or prefilling."""
+        """Work so far, for progress displays: prompt rows computed (every loop counted, and
+        per loop as ``prefill_rows_loop1``...), requests admitted and not done (holding KV),
+        tokens generated, and requests whose prompt is still waiting or prefilling."""
         prompts = sum(r.phase in ("waiting", "prefill") for r in self._requests.values())
         held = sum(r.phase in ("prefill", "decode") for r in self._requests.values())
         return {
             "prefill_rows": self.prefill_rows_run,
+            **{f"prefill_rows_loop{d + 1}": n for d, n in enumerate(self.prefill_rows_by_loop)},
             "requests_held": held,
             "tokens_generated": self.tokens_generated,
             "prompts_running": prompts,

@@ -130,6 +130,7 @@ class StepScheduling:
                 groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, first, count, span=span))
                 budget -= count
                 self.prefill_rows_run += count
+                self.prefill_rows_by_loop[r.depth] += count
         return groups
 
     def _decoding(self) -> bool:

@@ -80,6 +80,7 @@ def serve_at_budget(
     prefill_chunk: int = PREFILL_CHUNK,
     max_batch_tokens: int | None = None,
     step_sync: Callable[[], None] = lambda: None,
+    device_marker: Callable[[], object] | None = None,
 ) -> list[dict]:
     """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
     ``new_tokens`` (one prefilling at a time), an untimed warm-up (``Engine.warm_up``,
@@ -90,7 +91,8 @@ def serve_at_budget(
     132 tokens). A step holds one prompt chunk of ``prefill_chunk`` rows beside every
     client's decode row unless ``max_batch_tokens`` says otherwise (``bench e2e``'s chunk:
     a 32K prompt in 16 steps a loop, not 128). ``sync`` runs after the warm-up,
-    ``step_sync`` after every timed step (default none: see ``bench_capacity``)."""
+    ``step_sync`` after every timed step (default none: see ``bench_capacity``);
+    ``device_marker`` as :func:`run_workload`'s (each step's span on the device)."""
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -129,7 +131,9 @@ def serve_at_budget(
             sync()
             start_up_s = time.perf_counter() - started
         steps = engine.steps
-        summary = run_workload(engine, arrivals, vocab, clients, step_sync)
+        summary = run_workload(
+            engine, arrivals, vocab, clients, step_sync, device_marker=device_marker
+        )
         summary.update(
             start_up_s=start_up_s,
             # fewer held than planned: requests finished before the pools filled (one
@@ -156,11 +160,26 @@ def serve_at_budget(
             f"decode only {_ms(steps['with_prompt_rows'], 'p99')} / "
             f"{_ms(steps['decode_only'], 'p99')} ms"
             + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
+            + _by_loop(summary)
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )
         del engine, backend
         gc.collect()
     return records
+
+
+def _by_loop(summary: dict) -> str:
+    """Prompt steps' p99 by their deepest loop, host and device (where timed), for a log
+    line."""
+    device = summary.get("step_device_ms", {})
+    parts = [
+        f"{kind.removeprefix('prompt_')} {_ms(ms, 'p99')}"
+        + (f" / {_ms(device[kind], 'p99')}" if kind in device else "")
+        for kind, ms in summary["step_ms"].items()
+        if kind.startswith("prompt_loop")
+    ]
+    what = "host / device" if device else "host"
+    return f"; prompt step p99 ms ({what}) " + ", ".join(parts) if parts else ""
 
 
 def _ms(percentiles: dict | None, which: str) -> str:
@@ -234,6 +253,7 @@ def bench_capacity(
                 graphs=graphs,
                 max_batch_tokens=tokens,
                 step_sync=step_wait(sync_every_step),
+                device_marker=_recorded_event,
             )
             run = {"kv_memory_bytes": budget, "context": context, "clients": n}
             run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
@@ -250,6 +270,15 @@ def bench_capacity(
         "sync_every_step": sync_every_step,
         "runs": runs,
     }
+
+
+def _recorded_event():
+    """A timing event recorded on the current stream now (``run_workload``'s marker)."""
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _graph_counts(engine) -> dict | None:

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def step_wait(sync_every_step: bool) -> Callable[[], None]:
@@ -105,6 +106,28 @@ def summarize(times: list[RequestTimes], wall_s: float) -> dict:
     }
 
 
+def step_kinds(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]:
+    """The kinds a step counts under, from the engine's counters before and after it:
+    ``decode_only``, or ``with_prompt_rows`` and ``prompt_loopN`` of the deepest loop N
+    whose prompt rows it computed."""
+    if after["prefill_rows"] == before["prefill_rows"]:
+        return ("decode_only",)
+    loops = [
+        int(key.removeprefix("prefill_rows_loop"))
+        for key, rows in after.items()
+        if key.startswith("prefill_rows_loop") and rows > before.get(key, 0)
+    ]
+    return ("with_prompt_rows", *([f"prompt_loop{max(loops)}"] if loops else []))
+
+
+def step_percentiles(step_ms: dict[str, list[float]]) -> dict[str, dict]:
+    """Steps and percentiles per kind; the per-loop kinds in loop order."""
+    return {
+        kind: {"steps": len(ms), **(percentiles(ms) or {})}
+        for kind, ms in sorted(step_ms.items(), key=lambda item: item[0].startswith("prompt_"))
+    }
+
+
 def first_and_later_ttft(times: list[RequestTimes]) -> dict:
     """With a shared prefix: the first request's TTFT (it computes the prefix), the later
     requests' TTFT percentiles (they reuse it), and the ratio of the later mean to the
@@ -128,6 +151,7 @@ def run_workload(
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
     shared_prefix: int = 0,
+    device_marker: Callable[[], Any] | None = None,
 ) -> dict:
     """Drive ``engine`` with ``arrivals``. ``concurrency`` None: open loop (each request
     enters at its arrival time); an int: closed loop (arrival times ignored, at most that
@@ -141,7 +165,11 @@ def run_workload(
     loop) and, with the engine's prefix cache on, ``prefix`` its lookups, hits, misses and
     reused positions over the workload. ``step_ms``: the host's time per step (to its return,
     which for a step that samples waits for the device), apart for steps that computed
-    prompt rows and steps that only decoded."""
+    prompt rows and steps that only decoded, and the prompt steps again by the deepest loop
+    whose rows they computed (``prompt_loop1``...). ``device_marker``: records a marker on
+    the device's stream and returns it (``torch.cuda.Event(enable_timing=True)`` recorded);
+    given, ``step_device_ms`` has the same kinds, each step's span on the device from the
+    marker before it to the one after it, read once the run is over so no step waits."""
     from flashloop_backend.host.engine import SamplingParams
 
     rng = random.Random(seed)
@@ -153,7 +181,8 @@ def run_workload(
     prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     counted = engine.counters()
     step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
-    rows_before = counted["prefill_rows"]  # prompt rows computed before the next step
+    marks: list[tuple[tuple[str, ...], Any, Any]] = []  # (kinds, before, after) per step
+    rows_before = counted  # prompt rows computed before the next step
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -178,15 +207,20 @@ def run_workload(
             if pending and concurrency is None:  # idle until the next arrival
                 time.sleep(max(0.0, pending[0].at_s - (clock() - start)))
             continue
+        before = device_marker() if device_marker is not None else None
         began = clock()
         finished = engine.step()
         sync()
         now = clock() - start
         probe = clock()
+        after = device_marker() if device_marker is not None else None
         seen = engine.counters()
-        kind = "with_prompt_rows" if seen["prefill_rows"] > rows_before else "decode_only"
-        step_ms[kind].append(1e3 * (probe - began))
-        rows_before = seen["prefill_rows"]
+        kinds = step_kinds(rows_before, seen)
+        for kind in kinds:
+            step_ms.setdefault(kind, []).append(1e3 * (probe - began))
+        if before is not None:
+            marks.append((kinds, before, after))
+        rows_before = seen
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
         most_held = max(most_held, seen["requests_held"])
@@ -212,9 +246,14 @@ def run_workload(
     now = engine.counters()
     summary["prompt_rows"] = now["prefill_rows"] - counted["prefill_rows"]
     summary["most_requests_held"] = most_held
-    summary["step_ms"] = {
-        kind: {"steps": len(ms), **(percentiles(ms) or {})} for kind, ms in step_ms.items()
-    }
+    summary["step_ms"] = step_percentiles(step_ms)
+    if marks:
+        marks[-1][2].synchronize()
+        device_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
+        for kinds, before, after in marks:
+            for kind in kinds:
+                device_ms.setdefault(kind, []).append(before.elapsed_time(after))
+        summary["step_device_ms"] = step_percentiles(device_ms)
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
         summary["prefix"] = {
