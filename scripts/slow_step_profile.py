@@ -1,0 +1,147 @@
+"""What the slowest prompt steps of a serving run do: ``bench capacity``'s workload for one
+variant (Ouro-1.4B shapes, random weights, CUDA graphs, split mixed steps), where every
+step that runs prompt rows at one of ``--depths`` (zero-based loop depths) starts on an
+idle device and runs under torch.profiler. Per such step it records the host time, the
+GPU kernels' summed time and each kernel's and each host op's share; it prints the
+slowest steps by host time and by kernel time with their prompt chunks.
+
+    python3 scripts/slow_step_profile.py --variant config --config configs/all_on.json \
+        --context 32768 --gib 16 --layers 4 --new-tokens 1024 --clients 24 --depths 3 \
+        --json slow_steps.json
+
+A profiled step's host time runs to the step's return (a step that samples waits for
+the device there) and includes the profiler's own overhead; the wait before the step
+removes the device's lag behind the host. Compare profiled steps with each other, not
+with a capacity record's step times."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashloop_backend import FlashLoopConfig
+from flashloop_backend.tools.bench import capacity
+
+
+def _chunks(engine, depths: set[int]) -> list[dict]:
+    """The prompts at ``depths`` before a step: request, depth, next chunk start, length."""
+    return [
+        {"request": r.id, "depth": r.depth, "chunk_start": r.chunk_start, "prompt": len(r.prompt)}
+        for r in engine._requests.values()
+        if r.phase == "prefill" and r.depth in depths
+    ]
+
+
+def _top(events, key: str, rows: int) -> list[tuple[str, float, int]]:
+    """(name, ms, calls) of the ``rows`` events with the most ``key`` time."""
+    ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
+    return [(e.key[:90], getattr(e, key) / 1e3, e.count) for e in ranked if getattr(e, key) > 0]
+
+
+def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_ms: float):
+    """``run_workload`` with each step at ``depths`` profiled from an idle device; a step
+    over ``slow_ms`` of host or kernel time is reported at once."""
+    original = capacity.run_workload
+
+    def run(engine, *args, **kwargs):
+        step = engine.step
+
+        def profiled_step():
+            chunks = _chunks(engine, depths)
+            if not chunks:
+                return step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                began = time.perf_counter()
+                out = step()
+                host_ms = 1e3 * (time.perf_counter() - began)
+                torch.cuda.synchronize()  # the step's kernels all end inside the profile
+            events = prof.key_averages()
+            kernels = [
+                e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"
+            ]
+            kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+            if host_ms > slow_ms or kernel_ms > slow_ms:  # shown as it happens
+                print(f"step {engine.steps}: host {host_ms:.2f} ms, kernels {kernel_ms:.2f} ms")
+            steps.append(
+                {
+                    "index": engine.steps,
+                    "chunks": chunks,
+                    "host_ms": host_ms,
+                    "kernel_ms": kernel_ms,
+                    "kernels": _top(kernels, "self_device_time_total", rows),
+                    "host_ops": _top(events, "self_cpu_time_total", rows),
+                }
+            )
+            return out
+
+        engine.step = profiled_step
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            del engine.step
+
+    return run
+
+
+def _show(title: str, steps: list[dict], key: str, count: int) -> None:
+    print(title)
+    for s in sorted(steps, key=lambda s: s[key], reverse=True)[:count]:
+        print(
+            f"  step {s['index']}: host {s['host_ms']:.2f} ms, kernels {s['kernel_ms']:.2f} ms, "
+            f"chunks {s['chunks']}"
+        )
+        for name, ms, calls in s["kernels"]:
+            print(f"      gpu  {ms:8.3f} ms {calls:5d}x  {name}")
+        for name, ms, calls in s["host_ops"]:
+            print(f"      host {ms:8.3f} ms {calls:5d}x  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", default="config", choices=capacity.CAPACITY_VARIANTS)
+    parser.add_argument("--config", default="configs/all_on.json")
+    parser.add_argument("--baseline", default="triton+graphs")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--gib", type=float, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--clients", type=int, default=24)
+    parser.add_argument("--depths", default="3", help="zero-based loop depths, comma-separated")
+    parser.add_argument("--show", type=int, default=5, help="slowest steps printed per ranking")
+    parser.add_argument("--rows", type=int, default=8, help="kernels and host ops per step")
+    parser.add_argument("--slow-ms", type=float, default=25.0, help="steps reported at once")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = FlashLoopConfig.from_dict(json.loads(Path(args.config).read_text()))
+    depths = {int(d) for d in args.depths.split(",")}
+    steps: list[dict] = []
+    capacity.run_workload = profiled_run_workload(steps, depths, args.rows, args.slow_ms)
+    capacity.bench_capacity(
+        config,
+        args.baseline,
+        contexts=[args.context],
+        new_tokens=args.new_tokens,
+        kv_memory_gib=[args.gib],
+        layers=args.layers,
+        clients=args.clients,
+        variant_keys=[args.variant],
+    )
+    host = sorted(s["host_ms"] for s in steps)
+    gpu = sorted(s["kernel_ms"] for s in steps)
+    if steps:
+        print(
+            f"{len(steps)} profiled steps: host ms median {host[len(host) // 2]:.2f}, max "
+            f"{host[-1]:.2f}; kernel ms median {gpu[len(gpu) // 2]:.2f}, max {gpu[-1]:.2f}"
+        )
+    _show("slowest by host time:", steps, "host_ms", args.show)
+    _show("slowest by kernel time:", steps, "kernel_ms", args.show)
+    if args.json:
+        args.json.write_text(json.dumps({"depths": sorted(depths), "steps": steps}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
