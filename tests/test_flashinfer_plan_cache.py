@@ -123,6 +123,36 @@ def test_plan_sequences_groups_a_prefill_chunk_and_keeps_decode_rows_apart():
     assert host.has_empty_rows
 
 
+def test_empty_rows_beside_a_chunk_are_planned_as_runs_of_causal_sequences():
+    """Hand-worked, block size 4, EMPTY_RUN 64: a 2-row chunk (table [3, 5], positions
+    4-5), rows 2..69 of length 0 (some padding, some of the chunk's table), a decode row
+    (table [1, 2], position 7) and a 2-row empty run. The empty rows form runs cut at row
+    64, each one causal sequence over as many keys, every page its first row's first block
+    (block 0 for padding); without a chunk, each empty row stays a sequence of its own."""
+    from flashloop_backend.kernels.sequence_plan import EMPTY_RUN
+
+    assert EMPTY_RUN == 64
+    chunk, decode, pad = [3, 5], [1, 2], [-1, -1]
+    rows = (
+        [chunk, chunk] + [chunk if r % 3 == 1 else pad for r in range(2, 70)] + [decode, pad, pad]
+    )
+    lengths = [5, 6] + [0] * 68 + [8, 0, 0]
+    tables = torch.tensor(rows, dtype=torch.int32)
+    plan = plan_sequences(tables, torch.tensor(lengths, dtype=torch.int32), 4)
+    assert plan.qo_indptr.tolist() == [0, 2, 64, 70, 71, 73]
+    assert plan.kv_indptr.tolist() == [0, 2, 18, 20, 22, 23]  # 62 keys: 16 pages, 6: 2, ...
+    # row 2 is padding (block 0), row 64 reads the chunk's table (block 3)
+    assert plan.page_indices.tolist() == [3, 5] + [0] * 16 + [3, 3] + [1, 2] + [0]
+    assert plan.last_page_lengths.tolist() == [2, 2, 2, 4, 2]  # 62 keys, 6, 8, 2
+    keys = torch.tensor([{(3, 5): 0, (1, 2): 1, (-1, -1): 2}[tuple(r)] for r in rows])
+    host = plan_host_sequences(keys, torch.tensor(lengths, dtype=torch.int32),
+                               torch.tensor([chunk, decode, pad], dtype=torch.int32), 4)  # fmt: skip
+    for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
+        assert torch.equal(getattr(host, field), getattr(plan, field)), field
+    decode_only = plan_sequences(tables[70:], torch.tensor(lengths[70:], dtype=torch.int32), 4)
+    assert decode_only.qo_indptr.tolist() == [0, 1, 2, 3]  # no chunk: one row a sequence
+
+
 def test_plan_sequences_splits_rows_whose_lengths_do_not_continue():
     tables = torch.tensor([[3, 5], [3, 5]], dtype=torch.int32)
     plan = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)

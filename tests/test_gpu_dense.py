@@ -15,9 +15,12 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def _mixed_batch(gen, hq, hkv, dtype, block=16, dim=128, decode_lengths=(1, 16, 17, 33, 100)):
+def _mixed_batch(
+    gen, hq, hkv, dtype, block=16, dim=128, decode_lengths=(1, 16, 17, 33, 100), empty_rows=1
+):
     """Decode rows, a prefill chunk (consecutive rows, one table), page-boundary positions,
-    fragmented pages and a padding row, over per-layer strided views of one pool."""
+    fragmented pages and ``empty_rows`` rows of length 0 (padding, and rows of the chunk's
+    table that another op serves, alternating), over per-layer strided views of one pool."""
     pool = torch.randn(64, 2, block, hkv, dim, generator=gen, device="cuda").to(dtype)
     kc, vc = pool[:, 0], pool[:, 1]
     perm = torch.randperm(64, generator=gen, device="cuda").int()
@@ -30,8 +33,10 @@ def _mixed_batch(gen, hq, hkv, dtype, block=16, dim=128, decode_lengths=(1, 16, 
     for position in range(40, 52):  # a prefill chunk: positions 40..51 of one sequence
         tables.append(chunk_table)
         lengths.append(position + 1)
-    tables.append(torch.full((8,), -1, dtype=torch.int32, device="cuda"))
-    lengths.append(0)
+    padding = torch.full((8,), -1, dtype=torch.int32, device="cuda")
+    for row in range(empty_rows):
+        tables.append(padding if row % 2 == 0 else chunk_table)
+        lengths.append(0)
     tables = torch.stack(tables)
     lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lengths), hq, dim, generator=gen, device="cuda").to(dtype)
@@ -41,15 +46,18 @@ def _mixed_batch(gen, hq, hkv, dtype, block=16, dim=128, decode_lengths=(1, 16, 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv"), [(16, 16), (16, 4)])
-def test_dense_backends_match_reference(backend, dtype, hq, hkv):
+@pytest.mark.parametrize("empty_rows", [1, 150])
+def test_dense_backends_match_reference(backend, dtype, hq, hkv, empty_rows):
+    """150 rows of length 0 beside the chunk: FlashInfer plans them as runs of causal
+    sequences (``EMPTY_RUN``), and they still return zeros."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, kc, vc, tables, lengths = _mixed_batch(gen, hq, hkv, dtype)
+    q, kc, vc, tables, lengths = _mixed_batch(gen, hq, hkv, dtype, empty_rows=empty_rows)
     request = SupportRequest("cuda", dtype, 128, 16, hq, hkv)
     fn = Registry.discover().create(backend, request, FlashLoopConfig())
     out = fn(q, kc, vc, tables, lengths)
     ref = paged_attention(q.float(), kc.float(), vc.float(), tables, lengths)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert torch.equal(out[-empty_rows:], torch.zeros_like(out[-empty_rows:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

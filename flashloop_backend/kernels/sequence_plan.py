@@ -1,7 +1,11 @@
 """Rows of a paged-attention call grouped into causal sequences, in CSR form.
 
 A run of consecutive rows that read one block table at consecutive context lengths is one
-causal sequence (a prefill chunk); any other row is a sequence of one query. Grouping
+causal sequence (a prefill chunk); any other row is a sequence of one query. Where a plan
+has a chunk (so a kernel runs it as prefill), consecutive rows of length 0 (rows the
+kernel does not serve: another op's prompt rows, decode rows, padding) join in causal
+sequences of up to ``EMPTY_RUN`` rows, so a step whose other op serves thousands of rows
+plans a few sequences, not one per row. Grouping
 changes no row's keys: a causal sequence's row attends to exactly the keys its own length
 names (a kernel may still round differently for another grouping). Kernels that plan on the host (FlashInfer) take this form. It is made either
 from the device's tables and lengths (:func:`plan_sequences`, which reads them back) or
@@ -25,7 +29,10 @@ class SequencePlan:
     page_indices [kv_indptr[S]]; last_page_lengths [S]: keys in its last page (1 .. BS).
     A row of length 0 (padding, or a row the op does not serve) is planned as one visible
     key, the first of its table's first block (block 0 where that is -1), so no sequence
-    is empty; ``has_empty_rows`` says whether any exists (its output must be zeroed).
+    is empty; where the plan has a chunk, up to ``EMPTY_RUN`` consecutive such rows (each
+    run starting at a multiple of it) are one causal sequence over that many keys, every
+    page that block. ``has_empty_rows`` says whether any exists (its output must be
+    zeroed).
     ``block_size`` is the pages' size BS. A plan of no rows has no sequence."""
 
     qo_indptr: torch.Tensor
@@ -49,6 +56,11 @@ class SequencePlan:
         return SequencePlan(*(t.pin_memory() for t in fields), self.has_empty_rows, self.block_size)
 
 
+# Rows of length 0 one causal sequence holds at most where a plan has a chunk: a run this
+# long costs a prefill kernel one small tile of queries over as many keys.
+EMPTY_RUN = 64
+
+
 def _no_rows(block_size: int) -> SequencePlan:
     """The plan of no rows."""
     zero = torch.zeros(1, dtype=torch.int32)
@@ -56,18 +68,35 @@ def _no_rows(block_size: int) -> SequencePlan:
     return SequencePlan(zero, zero.clone(), empty, empty.clone(), False, block_size)
 
 
-def _sequence_bounds(
-    lengths: torch.Tensor, same_table: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([S] first row, [S] row after the last) of each sequence of rows with lengths [R]
-    int64 (at least 1), given [R - 1] bool: row r + 1 reads row r's table. A row continues
-    the one before when it reads the same table at the next length."""
-    rows = lengths.shape[0]
-    continues = (lengths[1:] == lengths[:-1] + 1) & same_table
-    starts_here = torch.ones(rows, dtype=torch.bool, device=lengths.device)
+def _bounds(continues: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([S] first row, [S] row after the last) given [R - 1] bool: row r + 1 continues
+    row r's sequence."""
+    starts_here = torch.ones(rows, dtype=torch.bool, device=continues.device)
     starts_here[1:] = ~continues
     first = torch.nonzero(starts_here).flatten()
     return first, torch.cat([first[1:], first.new_tensor([rows])])
+
+
+def _sequence_bounds(
+    lengths: torch.Tensor, same_table: torch.Tensor, empty: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([S] first row, [S] row after the last, [S] bool: a run of empty rows) of each
+    sequence of rows with lengths [R] int64 (at least 1), given [R - 1] bool: row r + 1
+    reads row r's table, and [R] bool: the row is empty (length 0 before the clamp). A
+    row continues the one before when it reads the same table at the next length; where
+    some sequence then has several rows, an empty row continues only an empty row, within
+    blocks of ``EMPTY_RUN`` rows."""
+    rows = lengths.shape[0]
+    continues = (lengths[1:] == lengths[:-1] + 1) & same_table
+    first, ends = _bounds(continues, rows)
+    runs = torch.zeros_like(first, dtype=torch.bool)
+    if bool(((ends - first) > 1).any()):
+        index = torch.arange(1, rows, device=lengths.device)
+        joined = empty[1:] & empty[:-1] & (index % EMPTY_RUN != 0)
+        # a row after an empty one starts a sequence: a run holds nothing but empty rows
+        first, ends = _bounds((continues & ~empty[:-1]) | joined, rows)
+        runs = empty[first] & (ends - first > 1)
+    return first, ends, runs
 
 
 def _csr(
@@ -77,20 +106,24 @@ def _csr(
     seq_tables: torch.Tensor,
     block_size: int,
     has_empty_rows: bool,
+    runs: torch.Tensor,
 ) -> SequencePlan:
     """The plan of sequences starting at rows ``first`` [S] with ``kv_len`` [S] keys (at
-    least 1) over ``seq_tables`` [S, MB] (entries >= 0), all on the host."""
+    least 1) over ``seq_tables`` [S, MB] (entries >= 0), all on the host; a run of empty
+    rows (``runs`` [S] bool) reads its table's first block for every page."""
     pages = (kv_len + block_size - 1) // block_size
     width = seq_tables.shape[1]
-    over = torch.nonzero(pages > width).flatten()
+    over = torch.nonzero((pages > width) & ~runs).flatten()
     if over.numel():
         s = int(over[0])
         raise ValueError(
             f"row {int(first[s])}: {int(kv_len[s])} keys need {int(pages[s])} pages of "
             f"{block_size}; its table holds {width}"
         )
-    keep = torch.arange(seq_tables.shape[1])[None, :] < pages[:, None]
-    indices = seq_tables[keep].to(torch.int32)
+    columns = torch.arange(max(width, int(pages.max())))[None, :]
+    keep = columns < pages[:, None]
+    read = torch.where(runs[:, None], 0, columns.clamp(max=width - 1))
+    indices = seq_tables.gather(1, read.expand(len(first), -1))[keep].to(torch.int32)
     kv_indptr = torch.zeros(len(first) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.cumsum(pages, 0)
     last = (kv_len - (pages - 1) * block_size).to(torch.int32)
@@ -106,12 +139,14 @@ def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int)
     rows = lengths.shape[0]
     if rows == 0:
         return _no_rows(block_size)
-    has_empty_rows = bool((lengths == 0).any())
+    empty = lengths == 0
+    has_empty_rows = bool(empty.any())
     lengths = lengths.long().clamp(min=1)
     tables = tables.clamp(min=0)
-    first, ends = _sequence_bounds(lengths, (tables[1:] == tables[:-1]).all(dim=1))
-    kv_len = lengths[ends - 1].cpu()
-    return _csr(first.cpu(), rows, kv_len, tables[first].cpu(), block_size, has_empty_rows)
+    first, ends, runs = _sequence_bounds(lengths, (tables[1:] == tables[:-1]).all(dim=1), empty)
+    kv_len = torch.where(runs, ends - first, lengths[ends - 1]).cpu()
+    seq_tables = tables[first].cpu()
+    return _csr(first.cpu(), rows, kv_len, seq_tables, block_size, has_empty_rows, runs.cpu())
 
 
 def plan_host_sequences(
@@ -146,9 +181,11 @@ def plan_host_sequences(
     if rows == 0:
         plan = _no_rows(block_size)
         return plan.pinned() if pin else plan
-    has_empty_rows = bool((lengths == 0).any())
+    empty = lengths == 0
+    has_empty_rows = bool(empty.any())
     lengths = lengths.long().clamp(min=1)
-    first, ends = _sequence_bounds(lengths, table_keys[1:] == table_keys[:-1])
+    first, ends, runs = _sequence_bounds(lengths, table_keys[1:] == table_keys[:-1], empty)
     seq_tables = key_tables[table_keys[first]].clamp(min=0)
-    plan = _csr(first, rows, lengths[ends - 1], seq_tables, block_size, has_empty_rows)
+    kv_len = torch.where(runs, ends - first, lengths[ends - 1])
+    plan = _csr(first, rows, kv_len, seq_tables, block_size, has_empty_rows, runs)
     return plan.pinned() if pin else plan
