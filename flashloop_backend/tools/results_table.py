@@ -177,7 +177,7 @@ def _planned_capacity(results: Path) -> str:
 
 
 # bench capacity on one budget, every variant in one run (the README's served capacity).
-CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_5f2cac6.json"
+CAPACITY_RECORD = "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_a43de11.json"
 
 
 def _served_capacity(results: Path) -> str:
