@@ -2,7 +2,8 @@
 variant (Ouro-1.4B shapes, random weights, CUDA graphs, split mixed steps), where every
 step that runs prompt rows at one of ``--depths`` (zero-based loop depths) starts on an
 idle device and runs under torch.profiler. Per such step it records the host time, the
-GPU kernels' summed time and each kernel's and each host op's share; it prints the
+GPU kernels' summed time, each kernel's and each host op's share, and the pauses no torch
+op shows (garbage collector passes, Triton compiles or cache loads); it prints the
 slowest steps by host time and by kernel time with their prompt chunks.
 
     python3 scripts/slow_step_profile.py --variant config --config configs/all_on.json \
@@ -15,6 +16,7 @@ removes the device's lag behind the host. Compare profiled steps with each other
 with a capacity record's step times."""
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -41,6 +43,42 @@ def _top(events, key: str, rows: int) -> list[tuple[str, float, int]]:
     return [(e.key[:90], getattr(e, key) / 1e3, e.count) for e in ranked if getattr(e, key) > 0]
 
 
+class _Pauses:
+    """While entered: the garbage collector's passes (count and host ms) and Triton's
+    in-memory cache misses (a compile or a load from its disk cache, by kernel name), the
+    pauses no torch op shows."""
+
+    def __init__(self) -> None:
+        self.gc_ms, self.collections, self.triton_loads = 0.0, 0, []
+        self._started: float | None = None
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.gc_ms += 1e3 * (time.perf_counter() - self._started)
+            self.collections += 1
+            self._started = None
+
+    def _loaded(self, **hook) -> bool:
+        self.triton_loads.append(hook["fn"].name)
+        return False  # compile as usual
+
+    def __enter__(self) -> "_Pauses":
+        from triton import knobs
+
+        gc.callbacks.append(self._collected)
+        self._saved_hook = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._loaded
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        gc.callbacks.remove(self._collected)
+        knobs.runtime.jit_cache_hook = self._saved_hook
+
+
 def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_ms: float):
     """``run_workload`` with each step at ``depths`` profiled from an idle device; a step
     over ``slow_ms`` of host or kernel time is reported at once."""
@@ -54,7 +92,10 @@ def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_m
             if not chunks:
                 return step()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with (
+                profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+                _Pauses() as pauses,
+            ):
                 began = time.perf_counter()
                 out = step()
                 host_ms = 1e3 * (time.perf_counter() - began)
@@ -65,7 +106,11 @@ def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_m
             ]
             kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
             if host_ms > slow_ms or kernel_ms > slow_ms:  # shown as it happens
-                print(f"step {engine.steps}: host {host_ms:.2f} ms, kernels {kernel_ms:.2f} ms")
+                print(
+                    f"step {engine.steps}: host {host_ms:.2f} ms, kernels {kernel_ms:.2f} ms, "
+                    f"gc {pauses.collections} passes {pauses.gc_ms:.2f} ms, "
+                    f"Triton loads {pauses.triton_loads}"
+                )
             steps.append(
                 {
                     "index": engine.steps,
@@ -74,6 +119,9 @@ def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_m
                     "kernel_ms": kernel_ms,
                     "kernels": _top(kernels, "self_device_time_total", rows),
                     "host_ops": _top(events, "self_cpu_time_total", rows),
+                    "gc_passes": pauses.collections,
+                    "gc_ms": pauses.gc_ms,
+                    "triton_loads": pauses.triton_loads,
                 }
             )
             return out
@@ -92,7 +140,7 @@ def _show(title: str, steps: list[dict], key: str, count: int) -> None:
     for s in sorted(steps, key=lambda s: s[key], reverse=True)[:count]:
         print(
             f"  step {s['index']}: host {s['host_ms']:.2f} ms, kernels {s['kernel_ms']:.2f} ms, "
-            f"chunks {s['chunks']}"
+            f"gc {s['gc_ms']:.2f} ms, Triton loads {s['triton_loads']}, chunks {s['chunks']}"
         )
         for name, ms, calls in s["kernels"]:
             print(f"      gpu  {ms:8.3f} ms {calls:5d}x  {name}")
