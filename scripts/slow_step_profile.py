@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashloop_backend import FlashLoopConfig
 from flashloop_backend.tools.bench import capacity
 
 
@@ -79,15 +78,12 @@ class _Pauses:
         knobs.runtime.jit_cache_hook = self._saved_hook
 
 
-def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_ms: float):
-    """``run_workload`` with each step at ``depths`` profiled from an idle device; a step
-    over ``slow_ms`` of host or kernel time is reported at once."""
-    original = capacity.run_workload
+def profiled_step(steps: list[dict], depths: set[int], rows: int, slow_ms: float):
+    """``wrap_step`` for ``bench capacity``: each step at ``depths`` profiled from an idle
+    device; a step over ``slow_ms`` of host or kernel time is reported at once."""
 
-    def run(engine, *args, **kwargs):
-        step = engine.step
-
-        def profiled_step():
+    def wrap(engine, step):
+        def profiled():
             chunks = _chunks(engine, depths)
             if not chunks:
                 return step()
@@ -126,13 +122,9 @@ def profiled_run_workload(steps: list[dict], depths: set[int], rows: int, slow_m
             )
             return out
 
-        engine.step = profiled_step
-        try:
-            return original(engine, *args, **kwargs)
-        finally:
-            del engine.step
+        return profiled
 
-    return run
+    return wrap
 
 
 def _show(title: str, steps: list[dict], key: str, count: int) -> None:
@@ -150,34 +142,16 @@ def _show(title: str, steps: list[dict], key: str, count: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", default="config", choices=capacity.CAPACITY_VARIANTS)
-    parser.add_argument("--config", default="configs/all_on.json")
-    parser.add_argument("--baseline", default="triton+graphs")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--gib", type=float, default=16)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=1024)
-    parser.add_argument("--clients", type=int, default=24)
+    capacity.add_workload_arguments(parser, new_tokens=1024, clients=24)
     parser.add_argument("--depths", default="3", help="zero-based loop depths, comma-separated")
     parser.add_argument("--show", type=int, default=5, help="slowest steps printed per ranking")
     parser.add_argument("--rows", type=int, default=8, help="kernels and host ops per step")
     parser.add_argument("--slow-ms", type=float, default=25.0, help="steps reported at once")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    config = FlashLoopConfig.from_dict(json.loads(Path(args.config).read_text()))
     depths = {int(d) for d in args.depths.split(",")}
     steps: list[dict] = []
-    capacity.run_workload = profiled_run_workload(steps, depths, args.rows, args.slow_ms)
-    capacity.bench_capacity(
-        config,
-        args.baseline,
-        contexts=[args.context],
-        new_tokens=args.new_tokens,
-        kv_memory_gib=[args.gib],
-        layers=args.layers,
-        clients=args.clients,
-        variant_keys=[args.variant],
-    )
+    capacity.bench_variant(args, profiled_step(steps, depths, args.rows, args.slow_ms))
     host = sorted(s["host_ms"] for s in steps)
     gpu = sorted(s["kernel_ms"] for s in steps)
     if steps:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from flashloop_backend import FlashLoopConfig
 from flashloop_backend.tools.bench import capacity
 from flashloop_backend.tools.bench.workload import percentiles
 
@@ -42,13 +41,11 @@ def _kind(engine) -> str:
     return "prompt depths " + ",".join(map(str, depths)) if depths else "decode only"
 
 
-def census_run_workload(census: dict, frames: int):
-    """``run_workload`` with each engine step under the sync debug mode's warnings."""
-    original = capacity.run_workload
+def census_step(census: dict, frames: int):
+    """``wrap_step`` for ``bench capacity``: each engine step under the sync debug mode's
+    warnings, counted by kind of step."""
 
-    def run(engine, *args, **kwargs):
-        step = engine.step
-
+    def wrap(engine, step):
         def counted_step():
             entry = census.setdefault(
                 _kind(engine), {"steps": 0, "host_ms": [], "syncs": collections.Counter()}
@@ -71,41 +68,19 @@ def census_run_workload(census: dict, frames: int):
                     entry["steps"] += 1
                     entry["host_ms"].append(1e3 * (time.perf_counter() - began))
 
-        engine.step = counted_step
-        try:
-            return original(engine, *args, **kwargs)
-        finally:
-            del engine.step
+        return counted_step
 
-    return run
+    return wrap
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", default="config", choices=capacity.CAPACITY_VARIANTS)
-    parser.add_argument("--config", default="configs/all_on.json")
-    parser.add_argument("--baseline", default="triton+graphs")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--gib", type=float, default=16)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--clients", type=int, default=16)
+    capacity.add_workload_arguments(parser, new_tokens=256, clients=16)
     parser.add_argument("--frames", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    config = FlashLoopConfig.from_dict(json.loads(Path(args.config).read_text()))
     census: dict = {}
-    capacity.run_workload = census_run_workload(census, args.frames)
-    record = capacity.bench_capacity(
-        config,
-        args.baseline,
-        contexts=[args.context],
-        new_tokens=args.new_tokens,
-        kv_memory_gib=[args.gib],
-        layers=args.layers,
-        clients=args.clients,
-        variant_keys=[args.variant],
-    )
+    record = capacity.bench_variant(args, census_step(census, args.frames))
     kinds = {}
     for kind, entry in sorted(census.items()):
         host = percentiles(entry["host_ms"])

@@ -279,6 +279,32 @@ def test_bench_capacity_waits_for_the_device_after_a_step_only_when_asked():
     assert calls == {"sync": 0, "step_sync": record["steps"]}
 
 
+def test_bench_capacity_calls_a_step_wrapper_for_every_timed_step_and_removes_it():
+    """``wrap_step`` (the diagnostic scripts' hook) wraps each timed step, not the
+    warm-up's, and the engine's own ``step`` is back afterwards."""
+    from flashloop_backend.tools.bench.capacity import capacity_variants, serve_at_budget
+
+    config = capacity_variants(CONFIGS["all_on"], "flashloop")[-1]
+    wrapped, engines = [], []
+
+    def wrap(engine, step):
+        engines.append(engine)
+
+        def counted():
+            wrapped.append(engine.steps)
+            return step()
+
+        return counted
+
+    (record,) = serve_at_budget(
+        tiny_model(max_position_embeddings=256), REQUEST, [config], 1_200_000, 80, 4, 3,
+        block_size=4, log=lambda _: None, warm=True, wrap_step=wrap,
+    )  # fmt: skip
+    assert record["completed"] == 3 and len(engines) == 1
+    assert len(wrapped) == record["steps"]  # every timed step, none of the warm-up's
+    assert "step" not in vars(engines[0])  # the class's method again
+
+
 def test_bench_capacity_records_the_start_up_it_warms():
     """With the warm-up (the engine's, then the workload's batch sizes), the record states
     the seconds it took; without it, None."""

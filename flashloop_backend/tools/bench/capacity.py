@@ -81,6 +81,7 @@ def serve_at_budget(
     max_batch_tokens: int | None = None,
     step_sync: Callable[[], None] = lambda: None,
     device_marker: Callable[[], object] | None = None,
+    wrap_step: Callable[[object, Callable], Callable] | None = None,
 ) -> list[dict]:
     """Per variant: an engine planned from ``budget_bytes`` for requests of ``prompt`` +
     ``new_tokens`` (one prefilling at a time), an untimed warm-up (``Engine.warm_up``,
@@ -92,7 +93,9 @@ def serve_at_budget(
     client's decode row unless ``max_batch_tokens`` says otherwise (``bench e2e``'s chunk:
     a 32K prompt in 16 steps a loop, not 128). ``sync`` runs after the warm-up,
     ``step_sync`` after every timed step (default none: see ``bench_capacity``);
-    ``device_marker`` as :func:`run_workload`'s (each step's span on the device)."""
+    ``device_marker`` as :func:`run_workload`'s (each step's span on the device);
+    ``wrap_step(engine, step)`` returns what the timed workload calls in place of each
+    ``engine.step()`` (diagnostics: ``scripts/sync_census.py``, ``scripts/slow_step_profile.py``)."""
     from flashloop_backend.capabilities import Capability
     from flashloop_backend.host.engine import Engine
     from flashloop_backend.registry import Registry, resolve
@@ -131,9 +134,15 @@ def serve_at_budget(
             sync()
             start_up_s = time.perf_counter() - started
         steps = engine.steps
-        summary = run_workload(
-            engine, arrivals, vocab, clients, step_sync, device_marker=device_marker
-        )
+        if wrap_step is not None:
+            engine.step = wrap_step(engine, engine.step)
+        try:
+            summary = run_workload(
+                engine, arrivals, vocab, clients, step_sync, device_marker=device_marker
+            )
+        finally:
+            if wrap_step is not None:
+                del engine.step
         summary.update(
             start_up_s=start_up_s,
             # fewer held than planned: requests finished before the pools filled (one
@@ -200,6 +209,7 @@ def bench_capacity(
     split_mixed_steps: bool = True,
     sync_every_step: bool = False,
     variant_keys: list[str] | None = None,
+    wrap_step: Callable[[object, Callable], Callable] | None = None,
 ) -> dict:
     """The GPU record: for each budget of ``kv_memory_gib`` and each context, every variant
     of :func:`capacity_variants` (those ``variant_keys`` names) under that budget, ``clients`` requests of (context -
@@ -207,7 +217,8 @@ def bench_capacity(
     ``max_batch_tokens`` as :func:`serve_at_budget`'s; ``split_mixed_steps`` as
     ``GraphSettings``' (refused without a graphed baseline); ``sync_every_step``: wait for
     the device after every timed step (the records before it existed all did; by default
-    a token's time is taken when the step that sampled it returns)."""
+    a token's time is taken when the step that sampled it returns); ``wrap_step`` as
+    :func:`serve_at_budget`'s."""
     import torch
 
     from flashloop_backend.tools.bench.bench_models import graph_variant, random_ouro
@@ -254,6 +265,7 @@ def bench_capacity(
                 max_batch_tokens=tokens,
                 step_sync=step_wait(sync_every_step),
                 device_marker=_recorded_event,
+                wrap_step=wrap_step,
             )
             run = {"kv_memory_bytes": budget, "context": context, "clients": n}
             run |= {"prefill_chunk": PREFILL_CHUNK, "max_batch_tokens": tokens}
@@ -270,6 +282,41 @@ def bench_capacity(
         "sync_every_step": sync_every_step,
         "runs": runs,
     }
+
+
+def add_workload_arguments(parser, new_tokens: int, clients: int) -> None:
+    """The arguments of one variant's capacity workload, for diagnostic scripts that run it
+    (:func:`bench_variant`): variant, config, baseline, context, budget, layers, new tokens
+    and clients."""
+    from pathlib import Path
+
+    parser.add_argument("--variant", default="config", choices=CAPACITY_VARIANTS)
+    parser.add_argument("--config", type=Path, default=Path("configs/all_on.json"))
+    parser.add_argument("--baseline", default="triton+graphs")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--gib", type=float, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--clients", type=int, default=clients)
+
+
+def bench_variant(args, wrap_step: Callable[[object, Callable], Callable]) -> dict:
+    """:func:`bench_capacity` for the one variant and workload of ``args``
+    (:func:`add_workload_arguments`), each timed step through ``wrap_step``."""
+    import json
+
+    config = FlashLoopConfig.from_dict(json.loads(args.config.read_text()))
+    return bench_capacity(
+        config,
+        args.baseline,
+        contexts=[args.context],
+        new_tokens=args.new_tokens,
+        kv_memory_gib=[args.gib],
+        layers=args.layers,
+        clients=args.clients,
+        variant_keys=[args.variant],
+        wrap_step=wrap_step,
+    )
 
 
 def _recorded_event():
