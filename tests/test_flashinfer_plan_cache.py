@@ -153,6 +153,27 @@ def test_empty_rows_beside_a_chunk_are_planned_as_runs_of_causal_sequences():
     assert decode_only.qo_indptr.tolist() == [0, 1, 2, 3]  # no chunk: one row a sequence
 
 
+def test_an_empty_row_before_a_decode_row_makes_no_runs():
+    """A row of length 0 continued by a row of its table at length 2 is one sequence with a
+    single served row, not a chunk: the empty rows after it stay sequences of their own
+    (every served row alone, as the decode kernel needs where nothing else joins)."""
+    tables = torch.tensor([[5, 6], [5, 6], [-1, -1], [-1, -1], [7, 8]], dtype=torch.int32)
+    plan = plan_sequences(tables, torch.tensor([0, 2, 0, 0, 7], dtype=torch.int32), 4)
+    assert plan.qo_indptr.tolist() == [0, 2, 3, 4, 5]
+
+
+def test_the_device_plan_tells_a_table_with_block_0_from_padding():
+    """Tables [0, -1] and [-1, -1] are different tables (equal only once clamped): the plan
+    from the device's rows keeps them apart, as the host's keys do."""
+    tables = torch.tensor([[0, -1], [-1, -1], [5, 6]], dtype=torch.int32)
+    keys = torch.tensor([0, 1, 0, 1, 1, 2])
+    lengths = torch.tensor([0, 0, 2, 0, 0, 7], dtype=torch.int32)
+    device_plan = plan_sequences(tables[keys], lengths, 4)
+    host_plan = plan_host_sequences(keys, lengths, tables, 4)
+    for field in ("qo_indptr", "kv_indptr", "page_indices", "last_page_lengths"):
+        assert torch.equal(getattr(host_plan, field), getattr(device_plan, field)), field
+
+
 def test_plan_sequences_splits_rows_whose_lengths_do_not_continue():
     tables = torch.tensor([[3, 5], [3, 5]], dtype=torch.int32)
     plan = plan_sequences(tables, torch.tensor([6, 6], dtype=torch.int32), 4)

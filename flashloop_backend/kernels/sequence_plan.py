@@ -2,12 +2,13 @@
 
 A run of consecutive rows that read one block table at consecutive context lengths is one
 causal sequence (a prefill chunk); any other row is a sequence of one query. Where a plan
-has a chunk (so a kernel runs it as prefill), consecutive rows of length 0 (rows the
-kernel does not serve: another op's prompt rows, decode rows, padding) join in causal
-sequences of up to ``EMPTY_RUN`` rows, so a step whose other op serves thousands of rows
-plans a few sequences, not one per row. Grouping
-changes no row's keys: a causal sequence's row attends to exactly the keys its own length
-names (a kernel may still round differently for another grouping). Kernels that plan on the host (FlashInfer) take this form. It is made either
+has a chunk (a sequence of several rows of nonzero length, so a kernel runs it as
+prefill), consecutive rows of length 0 (rows the kernel does not serve: another op's
+prompt rows, decode rows, padding) join in causal sequences cut at every ``EMPTY_RUN``-th
+row, so a step whose other op serves thousands of rows plans a few sequences, not one per
+row. Grouping
+changes no served row's keys: a causal sequence's row attends to exactly the keys its own
+length names (a kernel may still round differently for another grouping). Kernels that plan on the host (FlashInfer) take this form. It is made either
 from the device's tables and lengths (:func:`plan_sequences`, which reads them back) or
 from the host's own copy of them (:func:`plan_host_sequences`, which reads nothing from
 the device, so planning never waits for kernels queued before it).
@@ -29,9 +30,9 @@ class SequencePlan:
     page_indices [kv_indptr[S]]; last_page_lengths [S]: keys in its last page (1 .. BS).
     A row of length 0 (padding, or a row the op does not serve) is planned as one visible
     key, the first of its table's first block (block 0 where that is -1), so no sequence
-    is empty; where the plan has a chunk, up to ``EMPTY_RUN`` consecutive such rows (each
-    run starting at a multiple of it) are one causal sequence over that many keys, every
-    page that block. ``has_empty_rows`` says whether any exists (its output must be
+    is empty; where the plan has a chunk, consecutive such rows (runs cut at every
+    multiple of ``EMPTY_RUN``) are one causal sequence over as many keys, every page its
+    first row's block. ``has_empty_rows`` says whether any exists (its output must be
     zeroed).
     ``block_size`` is the pages' size BS. A plan of no rows has no sequence."""
 
@@ -84,13 +85,14 @@ def _sequence_bounds(
     sequence of rows with lengths [R] int64 (at least 1), given [R - 1] bool: row r + 1
     reads row r's table, and [R] bool: the row is empty (length 0 before the clamp). A
     row continues the one before when it reads the same table at the next length; where
-    some sequence then has several rows, an empty row continues only an empty row, within
-    blocks of ``EMPTY_RUN`` rows."""
+    some sequence then has several rows of nonzero length (only a sequence's first row can
+    be empty), an empty row continues only an empty row, within blocks of ``EMPTY_RUN``
+    rows."""
     rows = lengths.shape[0]
     continues = (lengths[1:] == lengths[:-1] + 1) & same_table
     first, ends = _bounds(continues, rows)
     runs = torch.zeros_like(first, dtype=torch.bool)
-    if bool(((ends - first) > 1).any()):
+    if bool(((ends - first - empty[first].long()) > 1).any()):
         index = torch.arange(1, rows, device=lengths.device)
         joined = empty[1:] & empty[:-1] & (index % EMPTY_RUN != 0)
         # a row after an empty one starts a sequence: a run holds nothing but empty rows
@@ -142,8 +144,9 @@ def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int)
     empty = lengths == 0
     has_empty_rows = bool(empty.any())
     lengths = lengths.long().clamp(min=1)
+    same_table = (tables[1:] == tables[:-1]).all(dim=1)  # before the clamp, as the host's keys
     tables = tables.clamp(min=0)
-    first, ends, runs = _sequence_bounds(lengths, (tables[1:] == tables[:-1]).all(dim=1), empty)
+    first, ends, runs = _sequence_bounds(lengths, same_table, empty)
     kv_len = torch.where(runs, ends - first, lengths[ends - 1]).cpu()
     seq_tables = tables[first].cpu()
     return _csr(first.cpu(), rows, kv_len, seq_tables, block_size, has_empty_rows, runs.cpu())

@@ -121,10 +121,15 @@ def step_kinds(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]
 
 
 def step_percentiles(step_ms: dict[str, list[float]]) -> dict[str, dict]:
-    """Steps and percentiles per kind; the per-loop kinds in loop order."""
+    """Steps and percentiles per kind: the other kinds as given, then ``prompt_loopN`` by N."""
+
+    def order(kind: str) -> tuple[bool, int]:
+        loop = kind.startswith("prompt_loop")
+        return loop, int(kind.removeprefix("prompt_loop")) if loop else 0
+
     return {
-        kind: {"steps": len(ms), **(percentiles(ms) or {})}
-        for kind, ms in sorted(step_ms.items(), key=lambda item: item[0].startswith("prompt_"))
+        kind: {"steps": len(step_ms[kind]), **(percentiles(step_ms[kind]) or {})}
+        for kind in sorted(step_ms, key=order)
     }
 
 
