@@ -93,6 +93,9 @@ def test_a_mixed_workload_after_warm_up_compiles_builds_and_captures_nothing():
                 [rng.randrange(vocab) for _ in range(rng.randint(30, 300))] for _ in range(size)
             ]
             engine.generate(prompts, SamplingParams(max_new_tokens=9, ignore_eos=True))
+        # a long prompt alone: its chunks' few query tiles split their keys over programs
+        long_prompt = [rng.randrange(vocab) for _ in range(480)]
+        engine.generate([long_prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
         torch.cuda.synchronize()
     assert not loads.variants, (
         f"Triton variants loaded while serving (argument: (warm-up's, new)): "

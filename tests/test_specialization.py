@@ -126,8 +126,8 @@ class _LaunchOnlyCapture:
 def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_on_cpu, graphed):
     """``Engine.warm_up`` meets every Triton specialization a later mixed workload needs
     (all on, every op the Triton provider implements, the embedded model): prompts of 30
-    to 300 tokens decoding together add no key, so a GPU would compile nothing while
-    serving them. With graphs (buckets 1, 2, 4, as ``tests/test_gpu_compiles.py``),
+    to 300 tokens decoding together, then a prompt of 480 alone, add no key, so a GPU
+    would compile nothing while serving them. With graphs (buckets 1, 2, 4, as ``tests/test_gpu_compiles.py``),
     decode steps replay and only mixed steps launch, at block-table widths the warm-up's
     captures did not use."""
     import random
@@ -162,6 +162,9 @@ def test_a_mixed_workload_after_the_engine_warm_up_compiles_nothing_new(triton_o
                 [rng.randrange(vocab) for _ in range(rng.randint(30, 300))] for _ in range(size)
             ]
             engine.generate(prompts, SamplingParams(max_new_tokens=9, ignore_eos=True))
+        # a long prompt alone: its chunks' few query tiles split their keys over programs
+        long_prompt = [rng.randrange(vocab) for _ in range(480)]
+        engine.generate([long_prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
     new = {
         name: varying_arguments([*warmed.get(name, ()), *(set(keys) - warmed.get(name, set()))])
         for name, keys in census.items()

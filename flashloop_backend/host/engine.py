@@ -12,7 +12,6 @@ of either; a request that does not fit waits, one that can never fit is refused.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,6 +25,7 @@ from flashloop_backend.host.engine_scheduling import StepScheduling
 from flashloop_backend.host.engine_snapshots import RequestSnapshots
 from flashloop_backend.host.engine_speculation import SpeculativeDecoding
 from flashloop_backend.host.engine_steps import StepExecution
+from flashloop_backend.host.engine_warm_up import WarmUp
 from flashloop_backend.host.features import token_sparsity
 from flashloop_backend.host.graphs import DecodeGraphs, GraphSettings
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
@@ -47,6 +47,7 @@ class Engine(
     RequestLifecycle,
     RequestSnapshots,
     SpeculativeDecoding,
+    WarmUp,
 ):
     def __init__(
         self,
@@ -327,34 +328,6 @@ class Engine(
         return tokens, held
 
     # ------------------------------------------------------------ convenience
-    def warm_up(self, sizes: list[int] | None = None) -> float:
-        """Run synthetic requests through the paths serving takes, so that kernels compile
-        and graphs are captured before any real request: for each batch size in ``sizes``
-        (default: every graph bucket up to ``max_slots``, else 1, 2 and 3), that many
-        requests at once, prompts alternately short (under one 64-row group) and long
-        (two groups and part of a third, a compact level where token-sparse prefill keeps
-        one), each generating 3 tokens through every loop; then, with graphs, every graph
-        key a decode step of up to ``max_slots`` requests can meet (``DecodeGraphs.
-        prepare_every_key``). Needs an idle engine; returns the seconds it took."""
-        if self.has_unfinished():
-            raise RuntimeError("warm_up needs an idle engine: requests are still running")
-        if sizes is None:
-            buckets = self.graphs.settings.buckets if self.graphs is not None else (1, 2, 3)
-            sizes = [b for b in buckets if b <= self.max_slots] or [1]
-        started = time.perf_counter()
-        vocab, longest = self.cfg.vocab_size, max(2, self.max_context - 3)
-        lengths = (min(7, longest), min(2 * 64 + 21, longest))
-        for size in sizes:
-            prompts = [
-                [(13 * i + 5 * t) % vocab for t in range(lengths[i % 2])] for i in range(size)
-            ]
-            self.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
-        if self.graphs is not None:
-            rows = self.max_slots * self.graphs.verify_rows
-            loops = self.cfg.total_ut_steps
-            self.graphs.prepare_every_key(rows, loops, self.align_decode_depths)
-        return time.perf_counter() - started
-
     def generate(
         self,
         prompts: list[list[int]],
