@@ -6,10 +6,10 @@ has a chunk (a sequence of several rows of nonzero length, so a kernel runs it a
 prefill), consecutive rows of length 0 (rows the kernel does not serve: another op's
 prompt rows, decode rows, padding) join in causal sequences cut at every ``EMPTY_RUN``-th
 row, so a step whose other op serves thousands of rows plans a few sequences, not one per
-row. Grouping
-changes no served row's keys: a causal sequence's row attends to exactly the keys its own
-length names (a kernel may still round differently for another grouping). Kernels that plan on the host (FlashInfer) take this form. It is made either
-from the device's tables and lengths (:func:`plan_sequences`, which reads them back) or
+row. Grouping changes no served row's keys: a causal sequence's row attends to exactly the
+keys its own length names (a kernel may still round differently for another grouping).
+Kernels that plan on the host (FlashInfer) take this form. It is made either from the
+device's tables and lengths (:func:`plan_sequences`, which reads them back) or
 from the host's own copy of them (:func:`plan_host_sequences`, which reads nothing from
 the device, so planning never waits for kernels queued before it).
 """
@@ -81,9 +81,10 @@ def _bounds(continues: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
 def _sequence_bounds(
     lengths: torch.Tensor, same_table: torch.Tensor, empty: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([S] first row, [S] row after the last, [S] bool: a run of empty rows) of each
-    sequence of rows with lengths [R] int64 (at least 1), given [R - 1] bool: row r + 1
-    reads row r's table, and [R] bool: the row is empty (length 0 before the clamp). A
+    """([S] first row, [S] keys, [S] bool: a run of empty rows) of each sequence of rows
+    with lengths [R] int64 (at least 1), given [R - 1] bool: row r + 1 reads row r's
+    table, and [R] bool: the row is empty (length 0 before the clamp). A sequence's keys
+    are its last row's length, a run's its row count. A
     row continues the one before when it reads the same table at the next length; where
     some sequence then has several rows of nonzero length (only a sequence's first row can
     be empty), an empty row continues only an empty row, within blocks of ``EMPTY_RUN``
@@ -98,7 +99,7 @@ def _sequence_bounds(
         # a row after an empty one starts a sequence: a run holds nothing but empty rows
         first, ends = _bounds((continues & ~empty[:-1]) | joined, rows)
         runs = empty[first] & (ends - first > 1)
-    return first, ends, runs
+    return first, torch.where(runs, ends - first, lengths[ends - 1]), runs
 
 
 def _csr(
@@ -146,10 +147,9 @@ def plan_sequences(tables: torch.Tensor, lengths: torch.Tensor, block_size: int)
     lengths = lengths.long().clamp(min=1)
     same_table = (tables[1:] == tables[:-1]).all(dim=1)  # before the clamp, as the host's keys
     tables = tables.clamp(min=0)
-    first, ends, runs = _sequence_bounds(lengths, same_table, empty)
-    kv_len = torch.where(runs, ends - first, lengths[ends - 1]).cpu()
+    first, kv_len, runs = _sequence_bounds(lengths, same_table, empty)
     seq_tables = tables[first].cpu()
-    return _csr(first.cpu(), rows, kv_len, seq_tables, block_size, has_empty_rows, runs.cpu())
+    return _csr(first.cpu(), rows, kv_len.cpu(), seq_tables, block_size, has_empty_rows, runs.cpu())
 
 
 def plan_host_sequences(
@@ -187,8 +187,7 @@ def plan_host_sequences(
     empty = lengths == 0
     has_empty_rows = bool(empty.any())
     lengths = lengths.long().clamp(min=1)
-    first, ends, runs = _sequence_bounds(lengths, table_keys[1:] == table_keys[:-1], empty)
+    first, kv_len, runs = _sequence_bounds(lengths, table_keys[1:] == table_keys[:-1], empty)
     seq_tables = key_tables[table_keys[first]].clamp(min=0)
-    kv_len = torch.where(runs, ends - first, lengths[ends - 1])
     plan = _csr(first, rows, kv_len, seq_tables, block_size, has_empty_rows, runs)
     return plan.pinned() if pin else plan

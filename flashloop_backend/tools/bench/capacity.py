@@ -14,7 +14,7 @@ import gc
 import time
 from collections.abc import Callable
 
-from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.config import ConfigError, FlashLoopConfig, load_config
 from flashloop_backend.tools.bench.serving import Variant, memory_breakdown, warm_up
 from flashloop_backend.tools.bench.workload import (
     fixed_arrival_schedule,
@@ -159,15 +159,15 @@ def serve_at_budget(
             graphs=_graph_counts(engine),
         )
         records.append(summary)
-        steps = {k: v if v["steps"] else None for k, v in summary["step_ms"].items()}
+        step_ms = {k: v if v["steps"] else None for k, v in summary["step_ms"].items()}
         log(
             f"  capacity {variant.name:<32} held {summary['most_requests_held']:3d} at once "
             f"(plan {planned}), {summary['throughput_tokens_s']:8.1f} tok/s, "
             f"failed {summary['failed_requests']}, ITL p50 / p99 "
             f"{_ms(summary['itl_ms'], 'p50')} / {_ms(summary['itl_ms'], 'p99')} ms, "
             f"TTFT p50 {_ms(summary['ttft_s'], 'p50')} s, step p99 with prompt rows / "
-            f"decode only {_ms(steps['with_prompt_rows'], 'p99')} / "
-            f"{_ms(steps['decode_only'], 'p99')} ms"
+            f"decode only {_ms(step_ms['with_prompt_rows'], 'p99')} / "
+            f"{_ms(step_ms['decode_only'], 'p99')} ms"
             + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
             + _by_loop(summary)
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
@@ -303,11 +303,8 @@ def add_workload_arguments(parser, new_tokens: int, clients: int) -> None:
 def bench_variant(args, wrap_step: Callable[[object, Callable], Callable]) -> dict:
     """:func:`bench_capacity` for the one variant and workload of ``args``
     (:func:`add_workload_arguments`), each timed step through ``wrap_step``."""
-    import json
-
-    config = FlashLoopConfig.from_dict(json.loads(args.config.read_text()))
     return bench_capacity(
-        config,
+        load_config(args.config),
         args.baseline,
         contexts=[args.context],
         new_tokens=args.new_tokens,

@@ -187,7 +187,7 @@ def run_workload(
     counted = engine.counters()
     step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
     marks: list[tuple[tuple[str, ...], Any, Any]] = []  # (kinds, before, after) per step
-    rows_before = counted  # prompt rows computed before the next step
+    counted_before = counted  # the engine's counters before the next step
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -220,12 +220,12 @@ def run_workload(
         probe = clock()
         after = device_marker() if device_marker is not None else None
         seen = engine.counters()
-        kinds = step_kinds(rows_before, seen)
+        kinds = step_kinds(counted_before, seen)
         for kind in kinds:
             step_ms.setdefault(kind, []).append(1e3 * (probe - began))
         if before is not None:
             marks.append((kinds, before, after))
-        rows_before = seen
+        counted_before = seen
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
         most_held = max(most_held, seen["requests_held"])
