@@ -80,6 +80,13 @@ def test_workloads_complete_every_request_with_one_time_per_token(model, concurr
     by_loop = {k: v["steps"] for k, v in steps.items() if k.startswith("prompt_loop")}
     assert set(by_loop) == {f"prompt_loop{d}" for d in range(1, model.config.total_ut_steps + 1)}
     assert sum(by_loop.values()) == steps["with_prompt_rows"]["steps"]  # one deepest loop each
+    traced = s["prompt_steps"]  # each prompt step: its rows per loop, host time, no device
+    rows = [dict(zip(traced["columns"], row, strict=True)) for row in traced["rows"]]
+    assert len(rows) == steps["with_prompt_rows"]["steps"]
+    assert sum(sum(r["rows_by_loop"]) for r in rows) == s["prompt_rows"]
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
+    assert all(r["host_ms"] > 0 and r["device_ms"] is None for r in rows)
+    assert all(len(r["rows_by_loop"]) == model.config.total_ut_steps for r in rows)
 
 
 class _Marker:
@@ -107,6 +114,9 @@ def test_device_markers_time_every_step_by_kind(model):
     host, device = s["step_ms"], s["step_device_ms"]
     assert {k: v["steps"] for k, v in device.items()} == {k: v["steps"] for k, v in host.items()}
     assert all(v["p50"] == v["p99"] == 1.0 for v in device.values())  # after - before
+    assert [row[2] for row in s["prompt_steps"]["rows"]] == [1.0] * host["with_prompt_rows"][
+        "steps"
+    ]
     assert _Marker.made == 2 * engine.steps
 
 

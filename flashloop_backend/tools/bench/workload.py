@@ -120,6 +120,29 @@ def step_kinds(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]
     return ("with_prompt_rows", *([f"prompt_loop{max(loops)}"] if loops else []))
 
 
+# One row of ``run_workload``'s ``prompt_steps`` per step that computed prompt rows: the
+# workload's step index, host and device ms (None untimed), prompt rows per loop, decode
+# rows' tokens made, requests held after it.
+PROMPT_STEP_COLUMNS = ("step", "host_ms", "device_ms", "rows_by_loop", "tokens", "held")
+
+
+def _prompt_step(index: int, host_ms: float, before: dict, after: dict) -> list:
+    """A ``prompt_steps`` row from the engine's counters before and after the step."""
+    loops = sorted(
+        (int(key.removeprefix("prefill_rows_loop")), rows - before.get(key, 0))
+        for key, rows in after.items()
+        if key.startswith("prefill_rows_loop")
+    )
+    return [
+        index,
+        round(host_ms, 3),
+        None,
+        [rows for _, rows in loops],
+        after["tokens_generated"] - before["tokens_generated"],
+        after["requests_held"],
+    ]
+
+
 def step_percentiles(step_ms: dict[str, list[float]]) -> dict[str, dict]:
     """Steps and percentiles per kind: the other kinds as given, then ``prompt_loopN`` by N."""
 
@@ -187,6 +210,8 @@ def run_workload(
     counted = engine.counters()
     step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
     marks: list[tuple[tuple[str, ...], Any, Any]] = []  # (kinds, before, after) per step
+    prompt_steps: list[list] = []  # PROMPT_STEP_COLUMNS of each step with prompt rows
+    steps_run = 0
     counted_before = counted  # the engine's counters before the next step
     start = clock()
     while pending or engine.has_unfinished():
@@ -223,8 +248,13 @@ def run_workload(
         kinds = step_kinds(counted_before, seen)
         for kind in kinds:
             step_ms.setdefault(kind, []).append(1e3 * (probe - began))
+        if kinds[0] == "with_prompt_rows":
+            prompt_steps.append(
+                _prompt_step(steps_run, 1e3 * (probe - began), counted_before, seen)
+            )
         if before is not None:
             marks.append((kinds, before, after))
+        steps_run += 1
         counted_before = seen
         tokens, held_bytes = engine.kv_held()
         held = max(held, (tokens, held_bytes), key=lambda h: h[1])
@@ -259,6 +289,10 @@ def run_workload(
             for kind in kinds:
                 device_ms.setdefault(kind, []).append(before.elapsed_time(after))
         summary["step_device_ms"] = step_percentiles(device_ms)
+        for entry in prompt_steps:
+            _, before, after = marks[entry[0]]
+            entry[2] = round(before.elapsed_time(after), 3)
+    summary["prompt_steps"] = {"columns": list(PROMPT_STEP_COLUMNS), "rows": prompt_steps}
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
         summary["prefix"] = {
