@@ -78,18 +78,30 @@ class _Pauses:
         knobs.runtime.jit_cache_hook = self._saved_hook
 
 
-def profiled_step(steps: list[dict], depths: set[int], rows: int, slow_ms: float):
-    """``wrap_step`` for ``bench capacity``: each step at ``depths`` profiled from an idle
-    device; a step over ``slow_ms`` of host or kernel time is reported at once."""
+def profiled_step(
+    steps: list[dict],
+    depths: set[int],
+    rows: int,
+    slow_ms: float,
+    together: bool = False,
+    python: bool = False,
+):
+    """``wrap_step`` for ``bench capacity``: each step at ``depths`` (with ``together``,
+    only a step with prompt rows at every one of them) profiled from an idle device; a
+    step over ``slow_ms`` of host or kernel time is reported at once. ``python``: the
+    profiler also traces Python calls, and each step keeps the package's functions with
+    the most host time (their callees' included)."""
 
     def wrap(engine, step):
         def profiled():
             chunks = _chunks(engine, depths)
-            if not chunks:
+            if not chunks or (together and {c["depth"] for c in chunks} != depths):
                 return step()
             torch.cuda.synchronize()
             with (
-                profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+                profile(
+                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=python
+                ) as prof,
                 _Pauses() as pauses,
             ):
                 began = time.perf_counter()
@@ -118,6 +130,7 @@ def profiled_step(steps: list[dict], depths: set[int], rows: int, slow_ms: float
                     "gc_passes": pauses.collections,
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,
+                    **({"python": _package_calls(events, rows)} if python else {}),
                 }
             )
             return out
@@ -125,6 +138,17 @@ def profiled_step(steps: list[dict], depths: set[int], rows: int, slow_ms: float
         return profiled
 
     return wrap
+
+
+def _package_calls(events, rows: int) -> list[tuple[str, float, int]]:
+    """(function, host ms with its callees, calls) of the package's ``rows`` Python
+    functions with the most host time in a step traced with its Python calls."""
+    ours = [e for e in events if "flashloop_backend/" in e.key and "(" in e.key]
+    ranked = sorted(ours, key=lambda e: e.cpu_time_total, reverse=True)[:rows]
+    return [
+        (e.key[e.key.index("flashloop_backend/") + 18 :], e.cpu_time_total / 1e3, e.count)
+        for e in ranked
+    ]
 
 
 def _show(title: str, steps: list[dict], key: str, count: int) -> None:
@@ -138,6 +162,8 @@ def _show(title: str, steps: list[dict], key: str, count: int) -> None:
             print(f"      gpu  {ms:8.3f} ms {calls:5d}x  {name}")
         for name, ms, calls in s["host_ops"]:
             print(f"      host {ms:8.3f} ms {calls:5d}x  {name}")
+        for name, ms, calls in s.get("python", []):
+            print(f"      py   {ms:8.3f} ms {calls:5d}x  {name}")
 
 
 def main() -> None:
@@ -147,11 +173,18 @@ def main() -> None:
     parser.add_argument("--show", type=int, default=5, help="slowest steps printed per ranking")
     parser.add_argument("--rows", type=int, default=8, help="kernels and host ops per step")
     parser.add_argument("--slow-ms", type=float, default=25.0, help="steps reported at once")
+    parser.add_argument(
+        "--together", action="store_true", help="only steps with prompt rows at every depth"
+    )
+    parser.add_argument(
+        "--python", action="store_true", help="trace Python calls: the package's slowest"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     depths = {int(d) for d in args.depths.split(",")}
     steps: list[dict] = []
-    capacity.bench_variant(args, profiled_step(steps, depths, args.rows, args.slow_ms))
+    wrap = profiled_step(steps, depths, args.rows, args.slow_ms, args.together, args.python)
+    capacity.bench_variant(args, wrap)
     host = sorted(s["host_ms"] for s in steps)
     gpu = sorted(s["kernel_ms"] for s in steps)
     if steps:
