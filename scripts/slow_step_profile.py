@@ -85,10 +85,12 @@ def profiled_step(
     slow_ms: float,
     together: bool = False,
     python: bool = False,
+    starts: set[int] | None = None,
 ):
     """``wrap_step`` for ``bench capacity``: each step at ``depths`` (with ``together``,
     only a step with prompt rows at every one of them) profiled from an idle device; a
-    step over ``slow_ms`` of host or kernel time is reported at once. ``python``: the
+    step over ``slow_ms`` of host or kernel time is reported at once. ``starts``: only
+    steps where such a chunk starts at one of these prompt rows (None: any). ``python``: the
     profiler also traces Python calls, and each step keeps the package's functions with
     the most host time (their callees' included)."""
 
@@ -96,6 +98,8 @@ def profiled_step(
         def profiled():
             chunks = _chunks(engine, depths)
             if not chunks or (together and {c["depth"] for c in chunks} != depths):
+                return step()
+            if starts is not None and not any(c["chunk_start"] in starts for c in chunks):
                 return step()
             torch.cuda.synchronize()
             with (
@@ -179,11 +183,15 @@ def main() -> None:
     parser.add_argument(
         "--python", action="store_true", help="trace Python calls: the package's slowest"
     )
+    parser.add_argument(
+        "--starts", help="only steps with a chunk starting at one of these rows, comma-separated"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    starts = {int(r) for r in args.starts.split(",")} if args.starts else None
     depths = {int(d) for d in args.depths.split(",")}
     steps: list[dict] = []
-    wrap = profiled_step(steps, depths, args.rows, args.slow_ms, args.together, args.python)
+    wrap = profiled_step(steps, depths, args.rows, args.slow_ms, args.together, args.python, starts)
     capacity.bench_variant(args, wrap)
     host = sorted(s["host_ms"] for s in steps)
     gpu = sorted(s["kernel_ms"] for s in steps)
