@@ -1,0 +1,79 @@
+"""One loop-4 prompt chunk's attention per layer call on the GPU, the ways it could run:
+the Triton tile kernel over the chunk's retained rows (2,048 rows of a 0.75 windowed
+subset) with its keys split as the wrapper chooses and unsplit, FlashInfer's causal
+prefill over the chunk's whole span of positions (retained and dropped rows: each
+retained row sees exactly its own keys, the dropped rows' outputs are thrown away), and
+FlashInfer over 2,048 consecutive rows at the same place (a loop-1 chunk) for scale.
+Chunks at the start, middle and end of a 32K prompt; CUDA-event medians, eager, with the
+largest difference of each retained row's output from the Triton kernel's.
+
+    python3 scripts/probe_loop4_chunk.py [context] [--json out.json]
+"""
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import torch
+
+from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
+from flashloop_backend.kernels.triton.sparse_prefill import DEFAULT_PREFILL, sparse_prefill_triton
+from flashloop_backend.tools.bench.prefill import BLOCK_SIZE, HEAD_DIM, HEADS, windowed_subset
+from flashloop_backend.tools.bench.timing import eager_ms
+
+CHUNK = 2048
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("context", type=int, nargs="?", default=32768)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = math.ceil(args.context / BLOCK_SIZE)
+    shape = (pages, BLOCK_SIZE, HEADS, HEAD_DIM)
+    kc = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(pages, device="cuda", generator=gen).int()
+    q_all = torch.randn(args.context, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    subset = windowed_subset(args.context, 0.75, gen)
+    chunks = len(subset) // CHUNK
+    unsplit = replace(DEFAULT_PREFILL, programs_per_sm=1)
+    records = []
+    for index in (0, chunks // 2, chunks - 1):
+        rows = subset[index * CHUNK : (index + 1) * CHUNK]
+        span = torch.arange(int(rows[0]), int(rows[-1]) + 1, device="cuda")
+        loop1 = torch.arange(int(rows[-1]) + 1 - CHUNK, int(rows[-1]) + 1, device="cuda")
+
+        def call(positions, kernel, tuning=DEFAULT_PREFILL):
+            q, n = q_all[positions], (positions + 1).int()
+            t = table[None, :].expand(len(positions), -1)
+            if kernel == "triton":
+                return lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning)
+            return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
+
+        base = call(rows, "triton")().float()
+        padded = call(span, "flashinfer")()[rows - span[0]].float()
+        direct = call(rows, "triton", unsplit)().float()
+        record = {
+            "chunk": index,
+            "first_position": int(rows[0]),
+            "last_position": int(rows[-1]),
+            "span_rows": len(span),
+            "triton_split_ms": eager_ms(call(rows, "triton"), 10, 3),
+            "triton_unsplit_ms": eager_ms(call(rows, "triton", unsplit), 10, 3),
+            "flashinfer_span_ms": eager_ms(call(span, "flashinfer"), 10, 3),
+            "flashinfer_loop1_chunk_ms": eager_ms(call(loop1, "flashinfer"), 10, 3),
+            "flashinfer_span_max_abs_diff": (padded - base).abs().max().item(),
+            "triton_unsplit_max_abs_diff": (direct - base).abs().max().item(),
+        }
+        records.append(record)
+        print(json.dumps(record), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"context": args.context, "chunk_rows": CHUNK, "records": records}, f)
+
+
+if __name__ == "__main__":
+    main()
