@@ -78,6 +78,10 @@ class _Pauses:
         knobs.runtime.jit_cache_hook = self._saved_hook
 
 
+class Enough(Exception):
+    """Raised after a step once the profile holds the steps asked for."""
+
+
 def profiled_step(
     steps: list[dict],
     depths: set[int],
@@ -86,11 +90,13 @@ def profiled_step(
     together: bool = False,
     python: bool = False,
     starts: set[int] | None = None,
+    stop_after: int | None = None,
 ):
     """``wrap_step`` for ``bench capacity``: each step at ``depths`` (with ``together``,
     only a step with prompt rows at every one of them) profiled from an idle device; a
     step over ``slow_ms`` of host or kernel time is reported at once. ``starts``: only
-    steps where such a chunk starts at one of these prompt rows (None: any). ``python``: the
+    steps where such a chunk starts at one of these prompt rows (None: any); ``stop_after``:
+    the workload ends (:class:`Enough`) once that many steps are profiled. ``python``: the
     profiler also traces Python calls, and each step keeps the package's functions with
     the most host time (their callees' included)."""
 
@@ -137,6 +143,8 @@ def profiled_step(
                     **({"python": _package_calls(events, rows)} if python else {}),
                 }
             )
+            if stop_after is not None and len(steps) >= stop_after:
+                raise Enough
             return out
 
         return profiled
@@ -186,13 +194,19 @@ def main() -> None:
     parser.add_argument(
         "--starts", help="only steps with a chunk starting at one of these rows, comma-separated"
     )
+    parser.add_argument("--stop-after", type=int, help="end the run after this many profiled steps")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     starts = {int(r) for r in args.starts.split(",")} if args.starts else None
     depths = {int(d) for d in args.depths.split(",")}
     steps: list[dict] = []
-    wrap = profiled_step(steps, depths, args.rows, args.slow_ms, args.together, args.python, starts)
-    capacity.bench_variant(args, wrap)
+    wrap = profiled_step(
+        steps, depths, args.rows, args.slow_ms, args.together, args.python, starts, args.stop_after
+    )
+    try:
+        capacity.bench_variant(args, wrap)
+    except Enough:
+        print(f"stopped after {len(steps)} profiled steps")
     host = sorted(s["host_ms"] for s in steps)
     gpu = sorted(s["kernel_ms"] for s in steps)
     if steps:
