@@ -226,3 +226,25 @@ def test_the_capacity_plot_draws_each_variant_against_the_budget(tmp_path):
         (results / "capacity" / name).write_text(json.dumps(record))
     written = make_plots(results, tmp_path / "out", log=lambda m: None)
     assert [p.name for p in written] == ["capacity_vs_budget.png"]
+
+
+def test_the_capacity_plot_draws_the_readme_s_record_where_records_share_a_point(tmp_path):
+    """Record names are not in time order: the README's quoted record
+    (``CAPACITY_RECORD``) is taken last, so its points replace any later-named record's
+    and the figure shows the run the README's sentence quotes; history folders are left
+    out."""
+    from flashloop_backend.tools.capacity_plot import capacity_series, drawn_in_order
+    from flashloop_backend.tools.results_table import CAPACITY_RECORD
+
+    results = tmp_path / "results"
+    quoted = results / CAPACITY_RECORD
+    later = quoted.parent / "bench_capacity_zz_later_name.json"
+    old = quoted.parent / "history" / "bench_capacity_zzz.json"
+    for path, rate in ((quoted, 20.0), (later, 99.0), (old, 7.0)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            json.dumps(_capacity_record("H100", [(16, 32768, "config", 12, rate, True)]))
+        )
+    assert drawn_in_order(results) == [later, quoted]
+    records = [json.loads(p.read_text()) for p in drawn_in_order(results)]
+    assert capacity_series(records) == {(32768, "config"): [(16.0, 12, 20.0, True)]}

@@ -2,7 +2,8 @@
 and the output tokens/s against the KV memory budget, from ``bench capacity`` records
 (``bench_capacity*.json`` anywhere under the results but in a ``history`` folder, where
 the records of superseded designs stay). Where two records measured the same point, the
-later by file name is drawn."""
+one the README quotes (``results_table.CAPACITY_RECORD``) is drawn, else the later by file
+name, so the figure and the README's sentence show the same run."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def capacity_series(records: list[dict]) -> dict[tuple[int, str], list[Point]]:
     return {key: [by_gib[g] for g in sorted(by_gib)] for key, by_gib in points.items()}
 
 
+def drawn_in_order(results: Path) -> list[Path]:
+    """The capacity records under ``results`` but in ``history`` folders, in the order
+    their points are taken (a later one replaces an earlier one's point): by file name,
+    the README's quoted record last."""
+    from flashloop_backend.tools.results_table import CAPACITY_RECORD
+
+    quoted = results / CAPACITY_RECORD
+    found = (p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts)
+    return sorted(found, key=lambda p: (p == quoted, p.name))
+
+
 def _context_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
@@ -55,7 +67,7 @@ def variant_label(variant: str, records: list[dict]) -> str:
 def draw_capacity(results: Path, plt):
     """Two panels against the budget: requests held at once and output tokens/s; an x
     marks a run whose requests ended before the pools filled (``pools_filled`` false)."""
-    paths = sorted(p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts)
+    paths = drawn_in_order(results)
     if not paths:
         return None
     records = [json.loads(p.read_text()) for p in paths]
