@@ -197,7 +197,10 @@ def run_workload(
     whose rows they computed (``prompt_loop1``...). ``device_marker``: records a marker on
     the device's stream and returns it (``torch.cuda.Event(enable_timing=True)`` recorded);
     given, ``step_device_ms`` has the same kinds, each step's span on the device from the
-    marker before it to the one after it, read once the run is over so no step waits."""
+    marker before it to the one after it, read once the run is over so no step waits.
+    ``prompt_steps``: each step that computed prompt rows as a row of
+    ``PROMPT_STEP_COLUMNS`` (its device ms where markers timed it), so a record says which
+    prompt steps were slow and at which loops."""
     from flashloop_backend.host.engine import SamplingParams
 
     rng = random.Random(seed)
