@@ -3,19 +3,21 @@
 # answers matter, each step under its own limit so a cut keeps what came before:
 #   1. a prompt's first loop-1 and loop-4 steps and a later one of each, profiled from an
 #      idle device with the package's Python calls traced (which call issues the host
-#      time of a first loop-4 step), stopping after STOP (default 16) profiled steps;
+#      time of a first loop-4 step), stopping after STOP (default 48: about twelve
+#      prompts, four steps each; in the twenty-third session's profile the slow first
+#      loop-4 steps came from the seventh prompt on);
 #   2. one loop-4 chunk's attention: the Triton tile kernel split and unsplit, and
 #      FlashInfer's prefill over the chunk's whole span (scripts/probe_loop4_chunk.py);
 #   3. with CAPACITY=1, bench capacity for dense and all on at 32K, 16 GiB, 4 layers,
 #      1,024 new tokens, 24 clients, then its prompt steps by loop and in four-step windows.
-# Nothing else may run on the GPU beside it (timed runs after a cut test shared the GPU
-# in the twenty-third session). Records and logs under $OUT.
+# Nothing else may run on the GPU beside it (in the twenty-third session a capacity run
+# after a cut test most likely shared the GPU with its workers). Records and logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-170}" python3 scripts/slow_step_profile.py \
   --variant config --config configs/all_on.json --context 32768 --gib 16 --layers 4 \
-  --new-tokens 256 --clients 20 --depths 0,3 --starts 0,4096 --stop-after "${STOP:-16}" \
+  --new-tokens 256 --clients 20 --depths 0,3 --starts 0,4096 --stop-after "${STOP:-48}" \
   --python --show 8 --rows 16 --slow-ms 0 --json "$OUT/slow_steps_first_chunks.json" \
   > "$OUT/slow_steps_first_chunks.log" 2>&1
 tail -3 "$OUT/slow_steps_first_chunks.log" | cut -c1-200

@@ -98,7 +98,8 @@ def profiled_step(
     steps where such a chunk starts at one of these prompt rows (None: any); ``stop_after``:
     the workload ends (:class:`Enough`) once that many steps are profiled. ``python``: the
     profiler also traces Python calls, and each step keeps the package's functions with
-    the most host time (their callees' included)."""
+    the most host time (their callees' included); the tracing adds to every step's host
+    time, so compare traced steps with each other only."""
 
     def wrap(engine, step):
         def profiled():
@@ -123,6 +124,7 @@ def profiled_step(
                 e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"
             ]
             kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+            ops = [e for e in events if ".py(" not in e.key]  # torch ops, not Python frames
             if host_ms > slow_ms or kernel_ms > slow_ms:  # shown as it happens
                 print(
                     f"step {engine.steps}: host {host_ms:.2f} ms, kernels {kernel_ms:.2f} ms, "
@@ -136,7 +138,7 @@ def profiled_step(
                     "host_ms": host_ms,
                     "kernel_ms": kernel_ms,
                     "kernels": _top(kernels, "self_device_time_total", rows),
-                    "host_ops": _top(events, "self_cpu_time_total", rows),
+                    "host_ops": _top(ops, "self_cpu_time_total", rows),
                     "gc_passes": pauses.collections,
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,

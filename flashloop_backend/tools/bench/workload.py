@@ -213,7 +213,8 @@ def run_workload(
     counted = engine.counters()
     step_ms: dict[str, list[float]] = {"with_prompt_rows": [], "decode_only": []}
     marks: list[tuple[tuple[str, ...], Any, Any]] = []  # (kinds, before, after) per step
-    prompt_steps: list[list] = []  # PROMPT_STEP_COLUMNS of each step with prompt rows
+    # each step with prompt rows: its PROMPT_STEP_COLUMNS row and its device markers
+    prompt_steps: list[tuple[list, Any, Any]] = []
     steps_run = 0
     counted_before = counted  # the engine's counters before the next step
     start = clock()
@@ -252,9 +253,8 @@ def run_workload(
         for kind in kinds:
             step_ms.setdefault(kind, []).append(1e3 * (probe - began))
         if kinds[0] == "with_prompt_rows":
-            prompt_steps.append(
-                _prompt_step(steps_run, 1e3 * (probe - began), counted_before, seen)
-            )
+            row = _prompt_step(steps_run, 1e3 * (probe - began), counted_before, seen)
+            prompt_steps.append((row, before, after))
         if before is not None:
             marks.append((kinds, before, after))
         steps_run += 1
@@ -292,10 +292,12 @@ def run_workload(
             for kind in kinds:
                 device_ms.setdefault(kind, []).append(before.elapsed_time(after))
         summary["step_device_ms"] = step_percentiles(device_ms)
-        for entry in prompt_steps:
-            _, before, after = marks[entry[0]]
-            entry[2] = round(before.elapsed_time(after), 3)
-    summary["prompt_steps"] = {"columns": list(PROMPT_STEP_COLUMNS), "rows": prompt_steps}
+        for row, before, after in prompt_steps:
+            row[2] = round(before.elapsed_time(after), 3)
+    summary["prompt_steps"] = {
+        "columns": list(PROMPT_STEP_COLUMNS),
+        "rows": [row for row, _, _ in prompt_steps],
+    }
     if "prefix_lookups" in now:
         seen = {k: now[k] - counted[k] for k in ("prefix_lookups", "prefix_hits")}
         summary["prefix"] = {
