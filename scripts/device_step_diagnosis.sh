@@ -4,14 +4,13 @@
 #   1. a prompt's first loop-1 and loop-4 steps and a later one of each, profiled from an
 #      idle device with the package's Python calls traced (which call issues the host
 #      time of a first loop-4 step), stopping after STOP (default 48: about twelve
-#      prompts, four steps each; in the twenty-third session's profile the slow first
-#      loop-4 steps came from the seventh prompt on);
+#      prompts, four steps each, so prompts admitted once the pools are full are among them);
 #   2. one loop-4 chunk's attention: the Triton tile kernel split and unsplit, and
 #      FlashInfer's prefill over the chunk's whole span (scripts/probe_loop4_chunk.py);
 #   3. with CAPACITY=1, bench capacity for dense and all on at 32K, 16 GiB, 4 layers,
 #      1,024 new tokens, 24 clients, then its prompt steps by loop and in four-step windows.
-# Nothing else may run on the GPU beside it (in the twenty-third session a capacity run
-# after a cut test most likely shared the GPU with its workers). Records and logs under $OUT.
+# Nothing else may run on the GPU beside it (a test command cut by its time limit can
+# leave its workers running). Records and logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
