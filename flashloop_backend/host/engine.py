@@ -233,13 +233,12 @@ class Engine(
         params = checked_params(prompt, params, forced, self.cfg.vocab_size, self.max_context)
         self._check_speculative_request(forced, keep_logprobs)
         total = len(prompt) + params.max_new_tokens
-        blocks = self.kv.blocks_needed(total, self._carried_rows(len(prompt)))
+        blocks, pages, pool = self._footprint(len(prompt), params.max_new_tokens)
         if blocks > self.kv.num_blocks:
             raise OutOfBlocksError(
                 f"a request of {total} tokens needs {blocks} KV blocks but the whole pool has "
                 f"{self.kv.num_blocks}; raise num_blocks or shorten the request"
             )
-        pages, pool = self.backend.pages_needed(len(prompt), params.max_new_tokens)
         if pages > pool:
             raise OutOfBlocksError(
                 f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens needs "
@@ -256,6 +255,13 @@ class Engine(
         self._requests[request.id] = request
         self._next_id += 1
         return request.id
+
+    def _footprint(self, prompt_rows: int, new_tokens: int) -> tuple[int, int, int]:
+        """(BF16 blocks, packed pages, the packed pool's pages) a request of ``prompt_rows``
+        + ``new_tokens`` needs at most: what admission compares with the whole pools."""
+        total = prompt_rows + new_tokens
+        blocks = self.kv.blocks_needed(total, self._carried_rows(prompt_rows))
+        return (blocks, *self.backend.pages_needed(prompt_rows, new_tokens))
 
     def has_unfinished(self) -> bool:
         return any(r.phase != "done" for r in self._requests.values())

@@ -58,9 +58,7 @@ class WarmUp:
         """``rows``, halved until a prompt of that many rows (and the warm-up's new tokens)
         fits the BF16 pool and the packed pool; ``floor`` if none above it does."""
         while rows > floor:
-            total = rows + WARM_NEW_TOKENS
-            blocks = self.kv.blocks_needed(total, self._carried_rows(rows))
-            pages, pool = self.backend.pages_needed(rows, WARM_NEW_TOKENS)
+            blocks, pages, pool = self._footprint(rows, WARM_NEW_TOKENS)
             if blocks <= self.kv.num_blocks and pages <= pool:
                 return rows
             rows //= 2

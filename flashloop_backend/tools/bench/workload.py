@@ -112,12 +112,19 @@ def step_kinds(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]
     whose prompt rows it computed."""
     if after["prefill_rows"] == before["prefill_rows"]:
         return ("decode_only",)
-    loops = [
-        int(key.removeprefix("prefill_rows_loop"))
-        for key, rows in after.items()
-        if key.startswith("prefill_rows_loop") and rows > before.get(key, 0)
-    ]
+    loops = [loop for loop, rows in enumerate(rows_by_loop(before, after), 1) if rows]
     return ("with_prompt_rows", *([f"prompt_loop{max(loops)}"] if loops else []))
+
+
+def rows_by_loop(before: dict[str, int], after: dict[str, int]) -> list[int]:
+    """Prompt rows a step computed at each loop, in loop order, from the engine's counters
+    (``prefill_rows_loopN``) before and after it."""
+    loops = sorted(
+        (int(key.removeprefix("prefill_rows_loop")), rows - before.get(key, 0))
+        for key, rows in after.items()
+        if key.startswith("prefill_rows_loop")
+    )
+    return [rows for _, rows in loops]
 
 
 # One row of ``run_workload``'s ``prompt_steps`` per step that computed prompt rows: the
@@ -128,16 +135,11 @@ PROMPT_STEP_COLUMNS = ("step", "host_ms", "device_ms", "rows_by_loop", "tokens",
 
 def _prompt_step(index: int, host_ms: float, before: dict, after: dict) -> list:
     """A ``prompt_steps`` row from the engine's counters before and after the step."""
-    loops = sorted(
-        (int(key.removeprefix("prefill_rows_loop")), rows - before.get(key, 0))
-        for key, rows in after.items()
-        if key.startswith("prefill_rows_loop")
-    )
     return [
         index,
         round(host_ms, 3),
         None,
-        [rows for _, rows in loops],
+        rows_by_loop(before, after),
         after["tokens_generated"] - before["tokens_generated"],
         after["requests_held"],
     ]
