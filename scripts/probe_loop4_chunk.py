@@ -1,13 +1,14 @@
 """One loop-4 prompt chunk's attention per layer call on the GPU, the ways it could run:
-the Triton tile kernel over the chunk's retained rows (2,048 rows of a 0.75 windowed
-subset) with its keys split as the wrapper chooses and unsplit, FlashInfer's causal
+the Triton tile kernel over the chunk's retained rows (``--rows`` of a 0.75 windowed
+subset, default 2,048 and 1,536) with its keys split as the wrapper's rule chooses
+(``key_splits``, recorded) and in two splits, FlashInfer's causal
 prefill over the chunk's whole span of positions (retained and dropped rows: each
 retained row sees exactly its own keys, the dropped rows' outputs are thrown away), and
-FlashInfer over 2,048 consecutive rows at the same place (a loop-1 chunk) for scale.
+FlashInfer over as many consecutive rows at the same place (a loop-1 chunk) for scale.
 Chunks at the start, middle and end of a 32K prompt; CUDA-event medians, eager, with the
 largest difference of each retained row's output from the Triton kernel's.
 
-    python3 scripts/probe_loop4_chunk.py [context] [--json out.json]
+    python3 scripts/probe_loop4_chunk.py [context] [--rows 2048,1536] [--json out.json]
 """
 
 import argparse
@@ -18,16 +19,22 @@ from dataclasses import replace
 import torch
 
 from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
-from flashloop_backend.kernels.triton.sparse_prefill import DEFAULT_PREFILL, sparse_prefill_triton
+from flashloop_backend.kernels.triton.paged_decode import sm_count
+from flashloop_backend.kernels.triton.sparse_prefill import (
+    DEFAULT_PREFILL,
+    key_splits,
+    sparse_prefill_triton,
+)
 from flashloop_backend.tools.bench.prefill import BLOCK_SIZE, HEAD_DIM, HEADS, windowed_subset
 from flashloop_backend.tools.bench.timing import eager_ms
-
-CHUNK = 2048
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=int, nargs="?", default=32768)
+    parser.add_argument(
+        "--rows", default="2048,1536", help="retained rows a chunk, comma-separated"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -38,41 +45,51 @@ def main() -> None:
     table = torch.randperm(pages, device="cuda", generator=gen).int()
     q_all = torch.randn(args.context, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     subset = windowed_subset(args.context, 0.75, gen)
-    chunks = len(subset) // CHUNK
-    unsplit = replace(DEFAULT_PREFILL, programs_per_sm=1)
+    # two splits wherever the rule would take one: the same wave budget, doubled
+    two_splits = replace(DEFAULT_PREFILL, programs_per_sm=2 * DEFAULT_PREFILL.programs_per_sm)
     records = []
-    for index in (0, chunks // 2, chunks - 1):
-        rows = subset[index * CHUNK : (index + 1) * CHUNK]
-        span = torch.arange(int(rows[0]), int(rows[-1]) + 1, device="cuda")
-        loop1 = torch.arange(int(rows[-1]) + 1 - CHUNK, int(rows[-1]) + 1, device="cuda")
+    for chunk_rows in (int(r) for r in args.rows.split(",")):
+        chunks = len(subset) // chunk_rows
+        for index in (0, chunks // 2, chunks - 1):
+            rows = subset[index * chunk_rows : (index + 1) * chunk_rows]
+            span = torch.arange(int(rows[0]), int(rows[-1]) + 1, device="cuda")
+            loop1 = torch.arange(int(rows[-1]) + 1 - chunk_rows, int(rows[-1]) + 1, device="cuda")
 
-        def call(positions, kernel, tuning=DEFAULT_PREFILL):
-            q, n = q_all[positions], (positions + 1).int()
-            t = table[None, :].expand(len(positions), -1)
-            if kernel == "triton":
-                return lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning)
-            return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
+            def call(positions, kernel, tuning=DEFAULT_PREFILL):
+                q, n = q_all[positions], (positions + 1).int()
+                t = table[None, :].expand(len(positions), -1)
+                if kernel == "triton":
+                    return lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning)
+                return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
 
-        base = call(rows, "triton")().float()
-        padded = call(span, "flashinfer")()[rows - span[0]].float()
-        direct = call(rows, "triton", unsplit)().float()
-        record = {
-            "chunk": index,
-            "first_position": int(rows[0]),
-            "last_position": int(rows[-1]),
-            "span_rows": len(span),
-            "triton_split_ms": eager_ms(call(rows, "triton"), 10, 3),
-            "triton_unsplit_ms": eager_ms(call(rows, "triton", unsplit), 10, 3),
-            "flashinfer_span_ms": eager_ms(call(span, "flashinfer"), 10, 3),
-            "flashinfer_loop1_chunk_ms": eager_ms(call(loop1, "flashinfer"), 10, 3),
-            "flashinfer_span_max_abs_diff": (padded - base).abs().max().item(),
-            "triton_unsplit_max_abs_diff": (direct - base).abs().max().item(),
-        }
-        records.append(record)
-        print(json.dumps(record), flush=True)
+            tiles = math.ceil(chunk_rows / DEFAULT_PREFILL.block_m)
+            splits = [
+                key_splits(tiles, HEADS, pages * BLOCK_SIZE, sm_count(kc.device), tuning)
+                for tuning in (DEFAULT_PREFILL, two_splits)
+            ]
+            base = call(rows, "triton")().float()
+            padded = call(span, "flashinfer")()[rows - span[0]].float()
+            split = call(rows, "triton", two_splits)().float()
+            record = {
+                "chunk_rows": chunk_rows,
+                "chunk": index,
+                "first_position": int(rows[0]),
+                "last_position": int(rows[-1]),
+                "span_rows": len(span),
+                "rule_splits": splits[0],
+                "triton_rule_ms": eager_ms(call(rows, "triton"), 10, 3),
+                "two_splits": splits[1],
+                "triton_two_splits_ms": eager_ms(call(rows, "triton", two_splits), 10, 3),
+                "flashinfer_span_ms": eager_ms(call(span, "flashinfer"), 10, 3),
+                "flashinfer_loop1_chunk_ms": eager_ms(call(loop1, "flashinfer"), 10, 3),
+                "flashinfer_span_max_abs_diff": (padded - base).abs().max().item(),
+                "two_splits_max_abs_diff": (split - base).abs().max().item(),
+            }
+            records.append(record)
+            print(json.dumps(record), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"context": args.context, "chunk_rows": CHUNK, "records": records}, f)
+            json.dump({"context": args.context, "records": records}, f)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def profiled_step(
                     "gc_passes": pauses.collections,
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,
-                    **({"python": _package_calls(events, rows)} if python else {}),
+                    **({"python": _package_calls(prof, rows)} if python else {}),
                 }
             )
             if stop_after is not None and len(steps) >= stop_after:
@@ -154,15 +154,26 @@ def profiled_step(
     return wrap
 
 
-def _package_calls(events, rows: int) -> list[tuple[str, float, int]]:
-    """(function, host ms with its callees, calls) of the package's ``rows`` Python
-    functions with the most host time in a step traced with its Python calls."""
-    ours = [e for e in events if "flashloop_backend/" in e.key and "(" in e.key]
-    ranked = sorted(ours, key=lambda e: e.cpu_time_total, reverse=True)[:rows]
-    return [
-        (e.key[e.key.index("flashloop_backend/") + 18 :], e.cpu_time_total / 1e3, e.count)
-        for e in ranked
-    ]
+def _package_calls(prof, rows: int) -> list[tuple[str, float, int]]:
+    """(torch op <- the package's two innermost functions above it, host ms, calls) of
+    the ``rows`` sites with the most self host time in a step traced with its Python calls:
+    which line of the package issued a slow op (the op's parents in the event tree)."""
+    sites: dict[str, list[float]] = {}
+    for event in prof.events():
+        if ".py(" in event.name or event.name.startswith("<built-in"):
+            continue  # a Python frame itself
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < 2:  # the two innermost package frames
+            if "flashloop_backend/" in parent.name:
+                frames.append(parent.name[parent.name.index("flashloop_backend/") + 18 :])
+            parent = parent.cpu_parent
+        if not frames:
+            continue
+        site = sites.setdefault(f"{event.name[:40]} <- {' <- '.join(frames)}", [0.0, 0])
+        site[0] += event.self_cpu_time_total / 1e3
+        site[1] += 1
+    ranked = sorted(sites.items(), key=lambda item: item[1][0], reverse=True)[:rows]
+    return [(name, ms, int(calls)) for name, (ms, calls) in ranked]
 
 
 def _show(title: str, steps: list[dict], key: str, count: int) -> None:
