@@ -9,6 +9,7 @@ import torch
 from flashloop_backend.kernels.torch_ref.paged import paged_attention
 from flashloop_backend.kernels.triton.sparse_prefill import (
     PrefillTuning,
+    key_splits,
     sparse_prefill_triton,
     tile_starts,
 )
@@ -130,3 +131,14 @@ def test_tile_starts_are_planned_once_per_tables_tensor(monkeypatch):
         for _ in range(2):
             assert sparse_prefill.planned_tile_starts(frozen, 2)[1].tolist() == [2]
     assert len(calls) == 6
+
+
+def test_a_launch_that_fills_a_wave_unsplit_does_not_split_its_keys():
+    tuning = PrefillTuning()  # two programs an SM
+    # a 2,048-row chunk over 16 heads: 256 programs of 264 slots on 132 SMs
+    assert key_splits(16, 16, 32768, 132, tuning) == 1
+    assert key_splits(12, 16, 32768, 132, tuning) == 1
+    # one tile: as many splits as fill the slots, each at least min_keys_per_split keys
+    assert key_splits(1, 16, 32768, 132, tuning) == 16
+    assert key_splits(1, 16, 1024, 132, tuning) == 1024 // tuning.min_keys_per_split
+    assert key_splits(4, 16, 32768, 132, tuning) == 4

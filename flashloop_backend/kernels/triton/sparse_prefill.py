@@ -19,8 +19,8 @@ class PrefillTuning:
     """Launch shape: the best of the 32K sweep (``scripts/sweep_sparse_prefill.py``,
     results/README.md); ``max_registers`` caps registers per thread (ptxas spills past
     it; None: no cap), so that two CTAs can share an SM. A launch of few tiles splits each
-    tile's keys (at least ``min_keys_per_split`` a split) until it has about
-    ``programs_per_sm`` programs per SM."""
+    tile's keys (at least ``min_keys_per_split`` a split) into as many splits as keep it
+    within ``programs_per_sm`` programs per SM (:func:`key_splits`)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -32,6 +32,15 @@ class PrefillTuning:
 
 
 DEFAULT_PREFILL = PrefillTuning()
+
+
+def key_splits(tiles: int, heads: int, span: int, sms: int, tuning: PrefillTuning) -> int:
+    """Key splits of a launch of ``tiles`` x ``heads`` programs over keys spanning ``span``
+    positions: the most that keep it within one wave of ``programs_per_sm`` programs per SM
+    (a launch that fills the wave unsplit is not split: a second wave and the merge cost
+    more than they save), each split at least ``min_keys_per_split`` keys."""
+    fit = tuning.programs_per_sm * sms // max(1, tiles * heads)
+    return max(1, min(fit, math.ceil(span / tuning.min_keys_per_split)))
 
 
 def tile_starts(block_tables: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +119,7 @@ def sparse_prefill_triton(
     # tiles (a chunk of sparse rows) split their keys so the launch still fills the GPU.
     programs = math.ceil(rows / tuning.block_m)
     span = block_tables.shape[1] * block_size
-    want = math.ceil(tuning.programs_per_sm * sm_count(q.device) / (programs * num_q_heads))
-    splits = max(1, min(want, math.ceil(span / tuning.min_keys_per_split)))
+    splits = key_splits(programs, num_q_heads, span, sm_count(q.device), tuning)
     # one split writes its output itself; several leave partial states for merge_splits
     direct = splits == 1
     part_out, part_max, part_sum = split_buffers(
