@@ -229,15 +229,15 @@ def test_the_capacity_plot_draws_each_variant_against_the_budget(tmp_path):
 
 
 def test_the_capacity_plot_draws_the_readme_s_record_where_records_share_a_point(tmp_path):
-    """Record names are not in time order: the README's quoted record
-    (``CAPACITY_RECORD``) is taken last, so its points replace any later-named record's
-    and the figure shows the run the README's sentence quotes; history folders are left
+    """Record names are not in time order: the README's first quoted record
+    (``CAPACITY_RECORDS``) is taken last, so its points replace any later-named record's
+    and the figure shows a run the README's sentence quotes; history folders are left
     out."""
     from flashloop_backend.tools.capacity_plot import capacity_series, drawn_in_order
-    from flashloop_backend.tools.results_table import CAPACITY_RECORD
+    from flashloop_backend.tools.results_table import CAPACITY_RECORDS
 
     results = tmp_path / "results"
-    quoted = results / CAPACITY_RECORD
+    quoted = results / CAPACITY_RECORDS[0]
     later = quoted.parent / "bench_capacity_zz_later_name.json"
     old = quoted.parent / "history" / "bench_capacity_zzz.json"
     for path, rate in ((quoted, 20.0), (later, 99.0), (old, 7.0)):

@@ -2,8 +2,8 @@
 and the output tokens/s against the KV memory budget, from ``bench capacity`` records
 (``bench_capacity*.json`` anywhere under the results but in a ``history`` folder, where
 the records of superseded designs stay). Where two records measured the same point, the
-one the README quotes (``results_table.CAPACITY_RECORD``) is drawn, else the later by file
-name, so the figure and the README's sentence show the same run."""
+first run the README quotes (``results_table.CAPACITY_RECORDS``) is drawn, else the later
+by file name, so the figure shows a run of the README's sentence."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def capacity_series(records: list[dict]) -> dict[tuple[int, str], list[Point]]:
 def drawn_in_order(results: Path) -> list[Path]:
     """The capacity records under ``results`` but in ``history`` folders, in the order
     their points are taken (a later one replaces an earlier one's point): by file name,
-    the README's quoted record last."""
-    from flashloop_backend.tools.results_table import CAPACITY_RECORD
+    the README's first quoted record last."""
+    from flashloop_backend.tools.results_table import CAPACITY_RECORDS
 
-    quoted = results / CAPACITY_RECORD
+    quoted = results / CAPACITY_RECORDS[0]
     found = (p for p in results.glob("**/bench_capacity*.json") if "history" not in p.parts)
     return sorted(found, key=lambda p: (p == quoted, p.name))
 
