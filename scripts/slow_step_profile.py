@@ -91,6 +91,7 @@ def profiled_step(
     python: bool = False,
     starts: set[int] | None = None,
     stop_after: int | None = None,
+    shapes: set[str] | None = None,
 ):
     """``wrap_step`` for ``bench capacity``: each step at ``depths`` (with ``together``,
     only a step with prompt rows at every one of them) profiled from an idle device; a
@@ -99,7 +100,9 @@ def profiled_step(
     the workload ends (:class:`Enough`) once that many steps are profiled. ``python``: the
     profiler also traces Python calls, and each step keeps the package's functions with
     the most host time (their callees' included); the tracing adds to every step's host
-    time, so compare traced steps with each other only."""
+    time, so compare traced steps with each other only. ``shapes``: torch op names whose
+    every call keeps its input shapes and self host ms (which tensors a slow op touched,
+    without the Python tracing's delay)."""
 
     def wrap(engine, step):
         def profiled():
@@ -111,7 +114,9 @@ def profiled_step(
             torch.cuda.synchronize()
             with (
                 profile(
-                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=python
+                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                    with_stack=python,
+                    record_shapes=bool(shapes),
                 ) as prof,
                 _Pauses() as pauses,
             ):
@@ -143,6 +148,7 @@ def profiled_step(
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,
                     **({"python": _package_calls(prof, rows)} if python else {}),
+                    **({"shapes": _op_shapes(prof, shapes)} if shapes else {}),
                 }
             )
             if stop_after is not None and len(steps) >= stop_after:
@@ -176,6 +182,16 @@ def _package_calls(prof, rows: int) -> list[tuple[str, float, int]]:
     return [(name, ms, int(calls)) for name, (ms, calls) in ranked]
 
 
+def _op_shapes(prof, names: set[str]) -> list[tuple[str, float, str]]:
+    """(op, self host ms, input shapes) of every call of the ops ``names``, slowest first."""
+    calls = [
+        (e.name, e.self_cpu_time_total / 1e3, str(e.input_shapes)[:160])
+        for e in prof.events()
+        if e.name in names
+    ]
+    return sorted(calls, key=lambda call: call[1], reverse=True)
+
+
 def _show(title: str, steps: list[dict], key: str, count: int) -> None:
     print(title)
     for s in sorted(steps, key=lambda s: s[key], reverse=True)[:count]:
@@ -189,6 +205,8 @@ def _show(title: str, steps: list[dict], key: str, count: int) -> None:
             print(f"      host {ms:8.3f} ms {calls:5d}x  {name}")
         for name, ms, calls in s.get("python", []):
             print(f"      py   {ms:8.3f} ms {calls:5d}x  {name}")
+        for name, ms, shapes in s.get("shapes", []):
+            print(f"      call {ms:8.3f} ms  {name} {shapes}")
 
 
 def main() -> None:
@@ -207,6 +225,9 @@ def main() -> None:
     parser.add_argument(
         "--starts", help="only steps with a chunk starting at one of these rows, comma-separated"
     )
+    parser.add_argument(
+        "--shapes", help="torch ops whose calls keep their input shapes, comma-separated"
+    )
     parser.add_argument("--stop-after", type=int, help="end the run after this many profiled steps")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -214,7 +235,15 @@ def main() -> None:
     depths = {int(d) for d in args.depths.split(",")}
     steps: list[dict] = []
     wrap = profiled_step(
-        steps, depths, args.rows, args.slow_ms, args.together, args.python, starts, args.stop_after
+        steps,
+        depths,
+        args.rows,
+        args.slow_ms,
+        args.together,
+        args.python,
+        starts,
+        args.stop_after,
+        set(args.shapes.split(",")) if args.shapes else None,
     )
     try:
         capacity.bench_variant(args, wrap)
