@@ -2,9 +2,9 @@
 # One device call on why all on's prompt steps set its ITL p99 (issue 44), in the order the
 # answers matter, each step under its own limit so a cut keeps what came before:
 #   1. a prompt's first loop-4 steps, profiled from an idle device with the input shapes
-#      of each call of the torch ops that could hold the host there (tracing Python calls
-#      instead delays the host enough to hide the wait), stopping after STOP (default 12:
-#      prompts admitted once the pools are full are among them);
+#      of each call of the torch ops that could hold the host there and the caching
+#      allocator's retries, stopping after STOP (default 16: one step a prompt, so prompts
+#      admitted once the pools are full are among them);
 #   2. one loop-4 chunk's attention: the Triton tile kernel under the wrapper's split rule
 #      and in two splits, and FlashInfer's prefill over the chunk's whole span
 #      (scripts/probe_loop4_chunk.py);
@@ -15,13 +15,13 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-150}" python3 scripts/slow_step_profile.py \
+PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-170}" python3 scripts/slow_step_profile.py \
   --variant config --config configs/all_on.json --context 32768 --gib 16 --layers 4 \
-  --new-tokens 256 --clients 20 --depths 3 --starts 0 --stop-after "${STOP:-12}" \
+  --new-tokens 256 --clients 20 --depths 3 --starts 0 --stop-after "${STOP:-16}" \
   --shapes aten::index,aten::nonzero,aten::_index_put_impl_,aten::_pin_memory,aten::copy_ \
   --show 4 --rows 10 --slow-ms 1000 --json "$OUT/slow_steps_first_loop4.json" \
   > "$OUT/slow_steps_first_loop4.log" 2>&1
-grep -E "^  step|call " "$OUT/slow_steps_first_loop4.log" | head -40 | cut -c1-200
+grep -E "^  step|allocator|call " "$OUT/slow_steps_first_loop4.log" | head -60 | cut -c1-200
 PYTHONUNBUFFERED=1 timeout "${PROBE_S:-90}" python3 scripts/probe_loop4_chunk.py \
   --json "$OUT/probe_loop4_chunk.json" > "$OUT/probe_loop4_chunk.log" 2>&1
 tail -6 "$OUT/probe_loop4_chunk.log" | cut -c1-300

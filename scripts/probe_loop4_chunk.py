@@ -4,7 +4,8 @@ subset, default 2,048 and 1,536) with its keys split as the wrapper's rule choos
 (``key_splits``, recorded) and in two splits, FlashInfer's causal
 prefill over the chunk's whole span of positions (retained and dropped rows: each
 retained row sees exactly its own keys, the dropped rows' outputs are thrown away), and
-FlashInfer over as many consecutive rows at the same place (a loop-1 chunk) for scale.
+FlashInfer over as many consecutive rows ending at the same place (a dense chunk of that
+many rows) for scale.
 Chunks at the start, middle and end of a 32K prompt; CUDA-event medians, eager, with the
 largest difference of each retained row's output from the Triton kernel's.
 
@@ -45,15 +46,17 @@ def main() -> None:
     table = torch.randperm(pages, device="cuda", generator=gen).int()
     q_all = torch.randn(args.context, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     subset = windowed_subset(args.context, 0.75, gen)
-    # two splits wherever the rule would take one: the same wave budget, doubled
-    two_splits = replace(DEFAULT_PREFILL, programs_per_sm=2 * DEFAULT_PREFILL.programs_per_sm)
     records = []
     for chunk_rows in (int(r) for r in args.rows.split(",")):
+        # exactly two splits: the least wave budget under which the rule takes two
+        tiles = math.ceil(chunk_rows / DEFAULT_PREFILL.block_m)
+        per_sm = math.ceil(2 * tiles * HEADS / sm_count(kc.device))
+        two_splits = replace(DEFAULT_PREFILL, programs_per_sm=per_sm)
         chunks = len(subset) // chunk_rows
         for index in (0, chunks // 2, chunks - 1):
             rows = subset[index * chunk_rows : (index + 1) * chunk_rows]
             span = torch.arange(int(rows[0]), int(rows[-1]) + 1, device="cuda")
-            loop1 = torch.arange(int(rows[-1]) + 1 - chunk_rows, int(rows[-1]) + 1, device="cuda")
+            dense = torch.arange(int(rows[-1]) + 1 - chunk_rows, int(rows[-1]) + 1, device="cuda")
 
             def call(positions, kernel, tuning=DEFAULT_PREFILL):
                 q, n = q_all[positions], (positions + 1).int()
@@ -62,11 +65,12 @@ def main() -> None:
                     return lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning)
                 return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
 
-            tiles = math.ceil(chunk_rows / DEFAULT_PREFILL.block_m)
             splits = [
                 key_splits(tiles, HEADS, pages * BLOCK_SIZE, sm_count(kc.device), tuning)
                 for tuning in (DEFAULT_PREFILL, two_splits)
             ]
+            if splits[1] != 2:  # a chunk under one wave's programs: no budget gives two
+                raise SystemExit(f"--rows {chunk_rows}: no wave budget gives two key splits")
             base = call(rows, "triton")().float()
             padded = call(span, "flashinfer")()[rows - span[0]].float()
             split = call(rows, "triton", two_splits)().float()
@@ -81,7 +85,7 @@ def main() -> None:
                 "two_splits": splits[1],
                 "triton_two_splits_ms": eager_ms(call(rows, "triton", two_splits), 10, 3),
                 "flashinfer_span_ms": eager_ms(call(span, "flashinfer"), 10, 3),
-                "flashinfer_loop1_chunk_ms": eager_ms(call(loop1, "flashinfer"), 10, 3),
+                "flashinfer_loop1_chunk_ms": eager_ms(call(dense, "flashinfer"), 10, 3),
                 "flashinfer_span_max_abs_diff": (padded - base).abs().max().item(),
                 "two_splits_max_abs_diff": (split - base).abs().max().item(),
             }

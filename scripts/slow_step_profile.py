@@ -3,8 +3,9 @@ variant (Ouro-1.4B shapes, random weights, CUDA graphs, split mixed steps), wher
 step that runs prompt rows at one of ``--depths`` (zero-based loop depths) starts on an
 idle device and runs under torch.profiler. Per such step it records the host time, the
 GPU kernels' summed time, each kernel's and each host op's share, and the pauses no torch
-op shows (garbage collector passes, Triton compiles or cache loads); it prints the
-slowest steps by host time and by kernel time with their prompt chunks.
+op shows (garbage collector passes, Triton compiles or cache loads, the caching
+allocator's retries and device mallocs and frees); it prints the slowest steps by host
+time and by kernel time with their prompt chunks.
 
     python3 scripts/slow_step_profile.py --variant config --config configs/all_on.json \
         --context 32768 --gib 16 --layers 4 --new-tokens 1024 --clients 24 --depths 3 \
@@ -88,7 +89,6 @@ def profiled_step(
     rows: int,
     slow_ms: float,
     together: bool = False,
-    python: bool = False,
     starts: set[int] | None = None,
     stop_after: int | None = None,
     shapes: set[str] | None = None,
@@ -97,12 +97,10 @@ def profiled_step(
     only a step with prompt rows at every one of them) profiled from an idle device; a
     step over ``slow_ms`` of host or kernel time is reported at once. ``starts``: only
     steps where such a chunk starts at one of these prompt rows (None: any); ``stop_after``:
-    the workload ends (:class:`Enough`) once that many steps are profiled. ``python``: the
-    profiler also traces Python calls, and each step keeps the package's functions with
-    the most host time (their callees' included); the tracing adds to every step's host
-    time, so compare traced steps with each other only. ``shapes``: torch op names whose
-    every call keeps its input shapes and self host ms (which tensors a slow op touched,
-    without the Python tracing's delay)."""
+    the workload ends (:class:`Enough`) once that many steps are profiled. ``shapes``: torch
+    op names whose every call keeps its input shapes and self host ms (which tensors a slow
+    op touched). Each step also keeps the CUDA caching allocator's counters over it (its
+    retries free cached blocks and synchronise the device, inside whichever op allocates)."""
 
     def wrap(engine, step):
         def profiled():
@@ -115,15 +113,16 @@ def profiled_step(
             with (
                 profile(
                     activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                    with_stack=python,
                     record_shapes=bool(shapes),
                 ) as prof,
                 _Pauses() as pauses,
             ):
+                before = _allocator_counts()
                 began = time.perf_counter()
                 out = step()
                 host_ms = 1e3 * (time.perf_counter() - began)
                 torch.cuda.synchronize()  # the step's kernels all end inside the profile
+                after = _allocator_counts()
             events = prof.key_averages()
             kernels = [
                 e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"
@@ -147,7 +146,7 @@ def profiled_step(
                     "gc_passes": pauses.collections,
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,
-                    **({"python": _package_calls(prof, rows)} if python else {}),
+                    "allocator": {k: after[k] - before[k] for k in after},
                     **({"shapes": _op_shapes(prof, shapes)} if shapes else {}),
                 }
             )
@@ -160,26 +159,12 @@ def profiled_step(
     return wrap
 
 
-def _package_calls(prof, rows: int) -> list[tuple[str, float, int]]:
-    """(torch op <- the package's two innermost functions above it, host ms, calls) of
-    the ``rows`` sites with the most self host time in a step traced with its Python calls:
-    which line of the package issued a slow op (the op's parents in the event tree)."""
-    sites: dict[str, list[float]] = {}
-    for event in prof.events():
-        if ".py(" in event.name or event.name.startswith("<built-in"):
-            continue  # a Python frame itself
-        frames, parent = [], event.cpu_parent
-        while parent is not None and len(frames) < 2:  # the two innermost package frames
-            if "flashloop_backend/" in parent.name:
-                frames.append(parent.name[parent.name.index("flashloop_backend/") + 18 :])
-            parent = parent.cpu_parent
-        if not frames:
-            continue
-        site = sites.setdefault(f"{event.name[:40]} <- {' <- '.join(frames)}", [0.0, 0])
-        site[0] += event.self_cpu_time_total / 1e3
-        site[1] += 1
-    ranked = sorted(sites.items(), key=lambda item: item[1][0], reverse=True)[:rows]
-    return [(name, ms, int(calls)) for name, (ms, calls) in ranked]
+def _allocator_counts() -> dict[str, int]:
+    """The caching allocator's retry, device malloc and device free counts so far."""
+    stats = torch.cuda.memory_stats()
+    return {
+        k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    }
 
 
 def _op_shapes(prof, names: set[str]) -> list[tuple[str, float, str]]:
@@ -203,9 +188,8 @@ def _show(title: str, steps: list[dict], key: str, count: int) -> None:
             print(f"      gpu  {ms:8.3f} ms {calls:5d}x  {name}")
         for name, ms, calls in s["host_ops"]:
             print(f"      host {ms:8.3f} ms {calls:5d}x  {name}")
-        for name, ms, calls in s.get("python", []):
-            print(f"      py   {ms:8.3f} ms {calls:5d}x  {name}")
-        for name, ms, shapes in s.get("shapes", []):
+        print(f"      allocator {s['allocator']}")
+        for name, ms, shapes in s.get("shapes", [])[:12]:  # the slowest calls
             print(f"      call {ms:8.3f} ms  {name} {shapes}")
 
 
@@ -218,9 +202,6 @@ def main() -> None:
     parser.add_argument("--slow-ms", type=float, default=25.0, help="steps reported at once")
     parser.add_argument(
         "--together", action="store_true", help="only steps with prompt rows at every depth"
-    )
-    parser.add_argument(
-        "--python", action="store_true", help="trace Python calls: the package's slowest"
     )
     parser.add_argument(
         "--starts", help="only steps with a chunk starting at one of these rows, comma-separated"
@@ -240,7 +221,6 @@ def main() -> None:
         args.rows,
         args.slow_ms,
         args.together,
-        args.python,
         starts,
         args.stop_after,
         set(args.shapes.split(",")) if args.shapes else None,
