@@ -142,3 +142,5 @@ def test_a_launch_that_fills_a_wave_unsplit_does_not_split_its_keys():
     assert key_splits(1, 16, 32768, 132, tuning) == 16
     assert key_splits(1, 16, 1024, 132, tuning) == 1024 // tuning.min_keys_per_split
     assert key_splits(4, 16, 32768, 132, tuning) == 4
+    # more programs than one wave holds: one split, never zero
+    assert key_splits(40, 16, 32768, 132, tuning) == 1

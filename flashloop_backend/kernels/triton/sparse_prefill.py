@@ -116,7 +116,7 @@ def sparse_prefill_triton(
     starts, num_tiles = planned_tile_starts(block_tables, tuning.block_m)
     # one program per tile of a single segment; tiles added by segment starts are taken
     # in turn by the same programs (the tile count is only known on the device). Few
-    # tiles (a chunk of sparse rows) split their keys so the launch still fills the GPU.
+    # tiles (a chunk of sparse rows) split their keys over the slots one wave leaves.
     programs = math.ceil(rows / tuning.block_m)
     span = block_tables.shape[1] * block_size
     splits = key_splits(programs, num_q_heads, span, sm_count(q.device), tuning)
