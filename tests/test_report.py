@@ -248,3 +248,11 @@ def test_the_capacity_plot_draws_the_readme_s_record_where_records_share_a_point
     assert drawn_in_order(results) == [later, quoted]
     records = [json.loads(p.read_text()) for p in drawn_in_order(results)]
     assert capacity_series(records) == {(32768, "config"): [(16.0, 12, 20.0, True)]}
+
+
+def test_a_range_of_ratios_is_one_figure_where_the_runs_agree():
+    from flashloop_backend.tools.results_table import _span
+
+    assert _span([1.161, 1.29], "x") == "1.16-1.29x"
+    assert _span([2.001, 1.998], "x") == "2.00x"
+    assert _span([0.91], "x") == "0.91x"

@@ -185,34 +185,37 @@ CAPACITY_RECORDS = (
 
 
 def _span(values: list[float], unit: str) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.2f}{unit}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}{unit}"
+    """``values`` to two decimals as one figure where they agree, else as ``low-high``."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
 def _served_capacity(results: Path) -> str:
     """One sentence on what :data:`CAPACITY_RECORDS` measured: requests held at once,
-    output tokens/s and ITL p99 of all on against dense, as the range over the runs."""
-    runs, held, rates, itl = [], set(), [], []
+    output tokens/s and ITL p99 of all on against dense, as the range over the runs (which
+    must share their GPU, context, budget, model and clients)."""
+    setups, held, dense_held, rates, itl = set(), set(), set(), [], []
     for name in CAPACITY_RECORDS:
         record = _record(results, name)
         run = record["runs"][0]
         by_name = {r["variant"]: r for r in run["records"]}
         dense, mine = by_name["dense"], by_name["config"]
-        held.add((mine["most_requests_held"], dense["most_requests_held"]))
+        held.add(mine["most_requests_held"])
+        dense_held.add(dense["most_requests_held"])
         rates.append(mine["throughput_tokens_s"] / dense["throughput_tokens_s"])
         itl.append(mine["itl_ms"]["p99"] / dense["itl_ms"]["p99"])
-        runs.append((record, run))
-    record, run = runs[0]
-    device = _gpu(record)
-    layers = record["model"].rsplit(", ", 1)[-1]
-    mine_held = "/".join(str(h[0]) for h in sorted(held))
-    dense_held = "/".join(str(h[1]) for h in sorted(held))
+        layers = record["model"].rsplit(", ", 1)[-1]
+        setups.add((_gpu(record), run["context"], run["kv_memory_bytes"], layers, run["clients"]))
+    if len(setups) != 1:
+        raise ValueError(f"CAPACITY_RECORDS measured different setups: {sorted(setups)}")
+    ((device, context, budget, layers, clients),) = setups
+    runs = f"{len(CAPACITY_RECORDS)} run{'s' if len(CAPACITY_RECORDS) > 1 else ''}"
     return (
-        f"Served by `bench capacity` on an {device} ({run['context'] // 1024}K requests, "
-        f"{run['kv_memory_bytes'] / 2**30:g} GiB of KV memory, {layers}, {run['clients']} "
-        f"clients, {len(runs)} runs): all on held {mine_held} requests at once against "
-        f"dense's {dense_held} and gave **{_span(rates, 'x')}** dense's output tokens/s, "
-        f"with an inter-token latency p99 {_span(itl, 'x')} dense's."
+        f"Served by `bench capacity` on an {device} ({context // 1024}K requests, "
+        f"{budget / 2**30:g} GiB of KV memory, {layers}, {clients} clients, {runs}): all on "
+        f"held {'/'.join(map(str, sorted(held)))} requests at once against dense's "
+        f"{'/'.join(map(str, sorted(dense_held)))} and gave **{_span(rates, 'x')}** dense's "
+        f"output tokens/s, with an inter-token latency p99 {_span(itl, 'x')} dense's."
     )
 
 
