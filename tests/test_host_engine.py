@@ -235,3 +235,11 @@ def test_kv_held_counts_packed_bytes_and_freed_blocks():
     per_token_bf16 = engine.kv.bytes_per_token()
     assert held["dense"] >= per_token_bf16  # whole blocks on every plane
     assert held["quant"] < held["dense"] / 3, held
+
+
+def test_token_ids_reach_a_tensor_as_torch_tensor_makes_them():
+    from flashloop_backend.host.engine_scheduling import token_tensor
+
+    for tokens in ([5, 0, 2**40, 61], (3, 1), [7], []):
+        got, want = token_tensor(tokens), torch.tensor(tokens, dtype=torch.int64)
+        assert got.dtype == torch.int64 and torch.equal(got, want)

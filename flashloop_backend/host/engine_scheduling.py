@@ -4,6 +4,9 @@ blocks and pages reserved, prefix-cache sharing and eviction) and choosing the s
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
+
 import torch
 
 from flashloop_backend.backends.base import OutOfPackedPagesError
@@ -14,6 +17,14 @@ from flashloop_backend.host.decode_depths import lockstep_depth
 from flashloop_backend.host.kvcache import OutOfBlocksError
 from flashloop_backend.host.prompt_schedule import PromptSchedule
 from flashloop_backend.host.requests import Request
+
+
+def token_tensor(tokens: Sequence[int]) -> torch.Tensor:
+    """[T] int64 on the host from token ids: through a typed buffer, several times faster
+    than ``torch.tensor`` over a long Python list (admission runs inside a step)."""
+    if not tokens:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", tokens), dtype=torch.int64)
 
 
 class StepScheduling:
@@ -33,7 +44,7 @@ class StepScheduling:
             if schedule is None:
                 break  # first-come first-served: later requests wait behind it
             self._take_slots(request)
-            ids = to_device(torch.tensor(request.prompt), self.device)
+            ids = to_device(token_tensor(request.prompt), self.device)
             with torch.no_grad():
                 request.prompt_hidden = self.model.prelude(ids)
             request.schedule = schedule
