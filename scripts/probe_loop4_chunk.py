@@ -52,6 +52,12 @@ def main() -> None:
         tiles = math.ceil(chunk_rows / DEFAULT_PREFILL.block_m)
         per_sm = math.ceil(2 * tiles * HEADS / sm_count(kc.device))
         two_splits = replace(DEFAULT_PREFILL, programs_per_sm=per_sm)
+        splits = [
+            key_splits(tiles, HEADS, pages * BLOCK_SIZE, sm_count(kc.device), tuning)
+            for tuning in (DEFAULT_PREFILL, two_splits)
+        ]
+        if splits[1] != 2:  # a chunk under one wave's programs: no budget gives two
+            raise SystemExit(f"--rows {chunk_rows}: no wave budget gives two key splits")
         chunks = len(subset) // chunk_rows
         for index in (0, chunks // 2, chunks - 1):
             rows = subset[index * chunk_rows : (index + 1) * chunk_rows]
@@ -65,12 +71,6 @@ def main() -> None:
                     return lambda: sparse_prefill_triton(q, kc, vc, t, n, tuning=tuning)
                 return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
 
-            splits = [
-                key_splits(tiles, HEADS, pages * BLOCK_SIZE, sm_count(kc.device), tuning)
-                for tuning in (DEFAULT_PREFILL, two_splits)
-            ]
-            if splits[1] != 2:  # a chunk under one wave's programs: no budget gives two
-                raise SystemExit(f"--rows {chunk_rows}: no wave budget gives two key splits")
             base = call(rows, "triton")().float()
             padded = call(span, "flashinfer")()[rows - span[0]].float()
             split = call(rows, "triton", two_splits)().float()

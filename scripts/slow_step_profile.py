@@ -128,7 +128,6 @@ def profiled_step(
                 e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"
             ]
             kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3
-            ops = [e for e in events if ".py(" not in e.key]  # torch ops, not Python frames
             if host_ms > slow_ms or kernel_ms > slow_ms:  # shown as it happens
                 print(
                     f"step {engine.steps}: host {host_ms:.2f} ms, kernels {kernel_ms:.2f} ms, "
@@ -142,7 +141,7 @@ def profiled_step(
                     "host_ms": host_ms,
                     "kernel_ms": kernel_ms,
                     "kernels": _top(kernels, "self_device_time_total", rows),
-                    "host_ops": _top(ops, "self_cpu_time_total", rows),
+                    "host_ops": _top(events, "self_cpu_time_total", rows),
                     "gc_passes": pauses.collections,
                     "gc_ms": pauses.gc_ms,
                     "triton_loads": pauses.triton_loads,
