@@ -256,3 +256,23 @@ def test_a_range_of_ratios_is_one_figure_where_the_runs_agree():
     assert _span([1.161, 1.29], "x") == "1.16-1.29x"
     assert _span([2.001, 1.998], "x") == "2.00x"
     assert _span([0.91], "x") == "0.91x"
+
+
+def test_the_served_capacity_sentence_refuses_runs_of_different_setups(tmp_path, monkeypatch):
+    """The README's range over several capacity runs holds only for one setup: records
+    that differ (here the context) are refused by name, not quoted as one range."""
+    from flashloop_backend.tools import results_table
+
+    names = ("capacity/bench_capacity_a.json", "capacity/bench_capacity_b.json")
+    monkeypatch.setattr(results_table, "CAPACITY_RECORDS", names)
+    results = tmp_path / "results"
+    for name, context in zip(names, (32768, 8192), strict=True):
+        record = _capacity_record("H100", [(16, context, "dense", 4, 10.0, True),
+                                           (16, context, "config", 12, 22.0, True)])  # fmt: skip
+        for entry, p99 in zip(record["runs"][0]["records"], (40.0, 48.0), strict=True):
+            entry["itl_ms"] = {"p99": p99}
+        record["model"] = "Ouro-1.4B shapes, 4 layers"
+        (results / name).parent.mkdir(parents=True, exist_ok=True)
+        (results / name).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="CAPACITY_RECORDS measured different setups"):
+        results_table._served_capacity(results)
