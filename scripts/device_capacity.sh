@@ -7,12 +7,13 @@
 # measures the prefill pipeline rather than the pools), CLIENTS
 # (default: three times what all on's plan holds), LAYERS (default 24), ONE_TRAVERSAL=1 (a step
 # with prompt chunks runs every row eagerly: GraphSettings.split_mixed_steps=False), VARIANTS
-# (some of dense,kv_residual_quantization,config; default all three).
+# (some of dense,kv_residual_quantization,config; default all three), CONFIG (default
+# configs/all_on.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PYTHONUNBUFFERED=1 timeout "${LIMIT_S:-560}" flashloop-backend bench capacity \
-  --backends triton+graphs --config configs/all_on.json --contexts "${CONTEXTS:-32768}" \
+  --backends triton+graphs --config "${CONFIG:-configs/all_on.json}" --contexts "${CONTEXTS:-32768}" \
   --kv-memory-gib "${GIB:-96}" --new-tokens "${NEW:-512}" --layers "${LAYERS:-24}" \
   ${CLIENTS:+--clients "$CLIENTS"} ${VARIANTS:+--variants "$VARIANTS"} $([ "${ONE_TRAVERSAL:-0}" = 1 ] && echo --one-traversal-mixed-steps) --out "$OUT/bench_capacity.json" \
   > "$OUT/bench_capacity.log" 2>&1

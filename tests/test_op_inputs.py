@@ -84,19 +84,20 @@ def test_inputs_call_the_implementation_in_the_protocols_order(cls):
     expected = [named[name] for name in _argument_names(PROTOCOL[cls].__call__)]
     assert list(seen[0]) == expected
     # verification groups and a correction's base travel by keyword, to a kernel declaring
-    # grouped_verify_rows, correction_into_base or host_sequence_plan only
+    # grouped_verify_rows, correction_into_base, host_sequence_plan or span_prefill only
     by_keyword = {
         PagedInputs: {
             "row_spans": "<row_spans>",
             "max_span": "<max_span>",
             "sequence_plan": "<sequence_plan>",
+            "span_plan": "<span_plan>",
         },
         CorrectionInputs: {"base": "<base>", "serves": "<serves>"},
         PackedCorrectionInputs: {"base": "<base>", "serves": "<serves>"},
     }
     assert keywords[0] == by_keyword.get(cls, {})
     if cls is PagedInputs:
-        dataclasses.replace(inputs, row_spans=None, sequence_plan=None).call(fn)
+        dataclasses.replace(inputs, row_spans=None, sequence_plan=None, span_plan=None).call(fn)
         assert keywords[1] == {} and list(seen[1]) == expected
         dataclasses.replace(inputs, row_spans=None).call(fn)
         assert keywords[2] == {"sequence_plan": "<sequence_plan>"}

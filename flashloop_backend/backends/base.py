@@ -202,6 +202,12 @@ class AttentionBackend(ABC):
         them) until :meth:`prompt_done`."""
         return None
 
+    def prefill_chunks_by_positions(self) -> bool:
+        """Whether the host bounds a token-sparse prompt chunk by the positions its rows
+        span (``prefill_chunk`` positions) rather than by its rows: True where the kernel
+        serving those rows computes every position of their span."""
+        return False
+
     def carried_prompt_rows(self, prompt_length: int) -> int:
         """Leading rows of a prompt of this length that the backend stores itself one
         depth at a time (:meth:`store_prompt_depth`) once a loop but the last ran over the

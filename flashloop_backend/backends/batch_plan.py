@@ -20,6 +20,7 @@ from flashloop_backend.dispatch import (
     with_references,
 )
 from flashloop_backend.kernels.sequence_plan import SequencePlan
+from flashloop_backend.kernels.span_plan import SpanPlan
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class PlanRouting:
         self._writes: dict = {}
         self._references: dict = {}
         self._host_sequences: dict = {}
+        self._host_spans: dict = {}
 
     def rows(
         self, op, n: int, layer: int, reads_lengths: bool, decode: bool
@@ -174,11 +176,28 @@ class PlanRouting:
         if view.host_rows is None or self.plan.order is not None:
             return None
         if op not in self._host_sequences:
-            host = view.host_rows
-            routes, _ = base_routes_of(host.row_modes, host.depths, self.config)
-            lengths = torch.where(routes == ROUTE_CODES[op], host.context_lengths, 0)
-            self._host_sequences[op] = host.sequences(lengths.int(), block_size, view.device)
+            lengths = self._host_lengths(op)
+            self._host_sequences[op] = view.host_rows.sequences(lengths, block_size, view.device)
         return self._host_sequences[op]
+
+    def host_spans(self, op, block_size: int) -> SpanPlan | None:
+        """The host's :class:`SpanPlan` of the rows a prefill ``op`` serves, as
+        :meth:`host_sequences`."""
+        view = self.plan.view
+        if view.host_rows is None or self.plan.order is not None:
+            return None
+        if op not in self._host_spans:
+            self._host_spans[op] = view.host_rows.spans(
+                self._host_lengths(op), block_size, view.device
+            )
+        return self._host_spans[op]
+
+    def _host_lengths(self, op) -> torch.Tensor:
+        """[R] int32 on the host: the context lengths of the rows a prefill ``op`` serves,
+        0 for the others (a prompt row's route depends only on its mode and depth)."""
+        host = self.plan.view.host_rows
+        routes, _ = base_routes_of(host.row_modes, host.depths, self.config)
+        return torch.where(routes == ROUTE_CODES[op], host.context_lengths, 0).int()
 
     def references(
         self, states: ReferenceStates, op, n: int, layer: int

@@ -250,11 +250,20 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
                 q_n, key_cache, value_cache, tables_n, masked, retention, states.k_bucket, scale
             )
         else:
-            sequences = None
-            if every_row and op in prefill_ops and self._host_planned(op):
+            sequences = spans = None
+            if every_row and op in prefill_ops and self._declares(op, Capability.SPAN_PREFILL):
+                spans = routing.host_spans(op, key_cache.shape[1])
+            elif every_row and op in prefill_ops and self._host_planned(op):
                 sequences = routing.host_sequences(op, key_cache.shape[1])
             inputs = PagedInputs(
-                q_n, key_cache, value_cache, tables_n, masked, scale, sequence_plan=sequences
+                q_n,
+                key_cache,
+                value_cache,
+                tables_n,
+                masked,
+                scale,
+                sequence_plan=sequences,
+                span_plan=spans,
             )
         if op in PACKED_READ_OPS:
             if self.packed is None:
@@ -269,7 +278,17 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
 
     def _host_planned(self, op: OpName) -> bool:
         """Whether ``op``'s kernel plans from the host's sequence plan of its rows."""
-        return Capability.HOST_SEQUENCE_PLAN in self.kernels[op].impl.support.capabilities
+        return self._declares(op, Capability.HOST_SEQUENCE_PLAN)
+
+    def _declares(self, op: OpName, capability: Capability) -> bool:
+        """Whether ``op``'s kernel declares ``capability``."""
+        return capability in self.kernels[op].impl.support.capabilities
+
+    def prefill_chunks_by_positions(self) -> bool:
+        """Whether a token-sparse chunk's cost follows the positions its rows span, not
+        its rows (its kernel computes every position of the span)."""
+        op = OpName.SPARSE_PREFILL
+        return op in self.kernels and self._declares(op, Capability.SPAN_PREFILL)
 
     def _fallback_only(self, view: BatchView) -> bool:
         """Whether the batch's packed read serves only rows a loop 3-4 correction could not

@@ -17,7 +17,12 @@ from flashloop_backend._version import __version__
 from flashloop_backend.backends.flashloop import FlashLoopBackend
 from flashloop_backend.capabilities import Capability, Environment, SupportRequest
 from flashloop_backend.config import FlashLoopConfig, UnservableError
-from flashloop_backend.dispatch import config_capabilities, decode_route_ops, required_ops
+from flashloop_backend.dispatch import (
+    config_capabilities,
+    decode_route_ops,
+    required_ops,
+    sparse_prefill_retention,
+)
 from flashloop_backend.kernels.op_inputs import OP_INPUTS, PACKED_VERSION
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kv.encoding import encoding_descriptor
@@ -39,6 +44,8 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.DEVICE_POSITIONS: None,
     # the backend hands prompt rows' host plans to the dense prefill kernel alone
     Capability.HOST_SEQUENCE_PLAN: (OpName.DENSE_PREFILL,),
+    # and span plans to a sparse prefill kernel that computes its rows' spans
+    Capability.SPAN_PREFILL: (OpName.SPARSE_PREFILL,),
     Capability.PACKED_PREFILL: None,
     # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
     # so their kernels may plan on the host
@@ -93,6 +100,9 @@ class FlashLoopSpec(BackendSpec):
                 )
                 continue
             op_request = replace(request, required=caps)
+            if op == OpName.SPARSE_PREFILL:
+                retention = sparse_prefill_retention(config)
+                op_request = replace(op_request, prefill_retention=retention)
             try:
                 override = config.kernel_overrides.get(op.value)
                 choices[op] = registry.select_kernel(op, op_request, override)

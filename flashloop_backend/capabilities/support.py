@@ -56,6 +56,8 @@ class SupportRequest:
     num_q_heads: int = 16
     num_kv_heads: int = 16
     required: frozenset[Capability] = frozenset()
+    # the least fraction of a prompt's rows a token-sparse loop keeps (1.0: none drops)
+    prefill_retention: float = 1.0
 
     @staticmethod
     def default(env: Environment | None = None) -> SupportRequest:
@@ -66,15 +68,7 @@ class SupportRequest:
         return SupportRequest()
 
     def with_required(self, extra: Iterable[Capability]) -> SupportRequest:
-        return SupportRequest(
-            self.device,
-            self.dtype,
-            self.head_dim,
-            self.block_size,
-            self.num_q_heads,
-            self.num_kv_heads,
-            self.required | frozenset(extra),
-        )
+        return replace(self, required=self.required | frozenset(extra))
 
     def describe(self) -> dict[str, object]:
         return {
@@ -85,6 +79,7 @@ class SupportRequest:
             "num_q_heads": self.num_q_heads,
             "num_kv_heads": self.num_kv_heads,
             "required": sorted(c.value for c in self.required),
+            "prefill_retention": self.prefill_retention,
         }
 
 
@@ -100,6 +95,8 @@ class Support:
     block_sizes: frozenset[int] | None = None
     min_compute_capability: tuple[int, int] | None = None
     python_modules: tuple[str, ...] = ()
+    # the least token-sparse retention served (None: any)
+    min_prefill_retention: float | None = None
     # capabilities that only hold on these devices (e.g. cuda_graphs only on cuda)
     device_capabilities: dict[str, frozenset[Capability]] = field(default_factory=dict)
 
@@ -173,6 +170,12 @@ def not_supported_reasons(
         reasons.append(
             f"num_q_heads={request.num_q_heads} is not a positive multiple of "
             f"num_kv_heads={request.num_kv_heads}"
+        )
+    least = support.min_prefill_retention
+    if least is not None and request.prefill_retention < least:
+        reasons.append(
+            f"token-sparse prefill retention {request.prefill_retention} is below "
+            f"{least}, the least this implementation serves"
         )
     missing = request.required - support.capabilities_on(request.device)
     if missing:

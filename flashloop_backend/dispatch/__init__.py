@@ -17,6 +17,7 @@ from flashloop_backend.dispatch.router import (
     routable_ops,
     route_rows,
     sparse_prefill_depth,
+    sparse_prefill_retention,
     with_references,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "routable_ops",
     "route_rows",
     "sparse_prefill_depth",
+    "sparse_prefill_retention",
     "verify_spans",
     "with_references",
 ]

@@ -8,6 +8,7 @@ from enum import IntEnum
 import torch
 
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_host_sequences
+from flashloop_backend.kernels.span_plan import SpanPlan, plan_host_spans
 
 
 class RowMode(IntEnum):
@@ -62,12 +63,21 @@ class HostRows:
         host: the context lengths with rows a kernel does not serve at 0), in pages of
         ``block_size`` keys, for a kernel on ``device`` (pinned for a GPU, so copying it
         there does not wait)."""
+        keys, tables = self._table_keys()
+        return plan_host_sequences(keys, lengths, tables, block_size, device.type == "cuda")
+
+    def spans(self, lengths: torch.Tensor, block_size: int, device: torch.device) -> SpanPlan:
+        """The :class:`SpanPlan` of these rows read at ``lengths`` [R] int32, as
+        :meth:`sequences`."""
+        keys, tables = self._table_keys()
+        return plan_host_spans(keys, lengths, tables, block_size, device.type == "cuda")
+
+    def _table_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R] each row's table key, [P * O, MB] the tables by key)."""
         planes, owners, _ = self.owner_tables.shape
         # one key per (plane, owner) table; depth clamped for padding, as the view's tables
         keys = self.depths.clamp(0, planes - 1) * owners + self.table_owners
-        return plan_host_sequences(
-            keys, lengths, self.owner_tables.flatten(0, 1), block_size, device.type == "cuda"
-        )
+        return keys, self.owner_tables.flatten(0, 1)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,14 @@ def sparse_prefill_depth(config: FlashLoopConfig) -> int:
     return max(SPARSE_START_DEPTH, subsets[0]) if subsets else config.num_loops
 
 
+def sparse_prefill_retention(config: FlashLoopConfig) -> float:
+    """The least fraction of a prompt's rows any loop the sparse prefill op serves keeps
+    (1.0 where it serves none)."""
+    first_sparse = sparse_prefill_depth(config)
+    kept = config.token_sparse_prefill.retention[first_sparse : config.num_loops]
+    return min(kept, default=1.0)
+
+
 def prefill_route_ops(
     config: FlashLoopConfig, depths: Iterable[int] | None = None
 ) -> frozenset[OpName]:

@@ -157,6 +157,9 @@ class Engine(
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._incarnations = 0
         self.sparsity = token_sparsity(backend, prefill_chunk)
+        self.chunks_by_positions = (
+            self.sparsity is not None and backend.prefill_chunks_by_positions()
+        )
         self.prefix_cache = None
         if prefix_cache:
             window = self.sparsity.window_size if self.sparsity is not None else None

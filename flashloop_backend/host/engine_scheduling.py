@@ -137,6 +137,8 @@ class StepScheduling:
                 budget -= group.count
             elif r.phase == "prefill" and r.id not in unknown:  # its rows known
                 count = min(self.prefill_chunk, len(r.schedule.positions) - r.chunk_start, budget)
+                if self.chunks_by_positions:
+                    count = r.schedule.rows_within(r.chunk_start, count, self.prefill_chunk)
                 first, span = r.schedule.chunk(r.chunk_start, count)
                 groups.append(RowGroup(r.id, RowMode.PREFILL, r.depth, first, count, span=span))
                 budget -= count

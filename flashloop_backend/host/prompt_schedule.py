@@ -7,6 +7,8 @@ LAST_EXITED history)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 
 from flashloop_backend.algorithms import token_change_scores
@@ -164,6 +166,12 @@ class PromptSchedule:
         if chunk[-1] - chunk[0] == count - 1:  # strictly increasing: consecutive
             return chunk[0], ()
         return chunk[0], tuple(chunk)
+
+    def rows_within(self, start: int, count: int, span: int) -> int:
+        """How many of scheduled rows [start, start+count) lie within ``span`` positions
+        of the first (at least one)."""
+        end = bisect_left(self.positions, self.positions[start] + span, start, start + count)
+        return max(1, end - start)
 
     def rows(self, start: int, count: int) -> slice | torch.Tensor:
         """Where scheduled rows [start, start+count) sit in the prompt's hidden states

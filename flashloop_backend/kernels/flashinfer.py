@@ -15,7 +15,7 @@ Imported lazily: a missing package or GPU is a selection reason, never a crash.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_sequences
+from flashloop_backend.kernels.span_plan import SpanPlan
+from flashloop_backend.kernels.span_prefill import span_prefill
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(
@@ -40,6 +42,16 @@ SUPPORT = Support(
             Capability.HOST_SEQUENCE_PLAN,
         }
     ),
+)
+# Over spans, a chunk computes 1 / retention positions per served row at FlashInfer's rate
+# per row; the nonconsecutive-query Triton kernel serves each row at a lower rate, and
+# below this retention the span's extra rows cost more than that difference
+# (docs/flashloop.md, "Token-sparse prefill over spans").
+SPAN_MIN_RETENTION = 0.75
+SPAN_SUPPORT = replace(
+    SUPPORT,
+    capabilities=SUPPORT.capabilities | {Capability.SPAN_PREFILL},
+    min_prefill_retention=SPAN_MIN_RETENTION,
 )
 WORKSPACE_BYTES = 256 * 1024 * 1024
 # FlashInfer stages each plan in its wrapper's pinned buffer and copies it to the device
@@ -106,18 +118,20 @@ class FlashInferPagedAttention:
         self.current: _PlanSlot | None = None
         self._last_device_slot: _PlanSlot | None = None
         self.device_plans = 0  # plans made by reading the rows back from the device
+        self._span_rows: tuple | None = None  # (host span plan, its rows on the device)
 
     def plan(
         self,
         sequences: SequencePlan,
-        lengths: torch.Tensor,
+        lengths: torch.Tensor | None,
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         scale: float,
     ) -> None:
-        """Plans ``sequences`` (lengths [R] are the rows' own, on the device) on the next
+        """Plans ``sequences`` (lengths [R] are the rows' own, on the device; None for a plan
+        with no empty row) on the next
         slot's wrapper, which becomes ``current``; the caller records what it was made from
         in the slot's ``planned``."""
         decode_ratio = num_q_heads // num_kv_heads in DECODE_GROUP_SIZES
@@ -186,6 +200,35 @@ class FlashInferPagedAttention:
         )
         return slot if same else None
 
+    def run_host_planned(
+        self, q, key_cache, value_cache, sequence_plan: SequencePlan, scale: float | None
+    ) -> torch.Tensor:
+        """Attention of q [S, Hq, D] over the host's ``sequence_plan`` of its rows, which
+        has no row of length 0 (a span plan's sequences), planned once per plan object."""
+        if sequence_plan.has_empty_rows or sequence_plan.num_rows != q.shape[0]:
+            raise ValueError(
+                f"a host-planned run takes a plan of its {q.shape[0]} rows with no empty row; "
+                f"got {sequence_plan.num_rows} rows, empty rows {sequence_plan.has_empty_rows}"
+            )
+        num_q_heads, head_dim = q.shape[1:]
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        shape = (num_q_heads, key_cache.shape[2], head_dim, q.dtype, scale)
+        key = (*shape, key_cache.shape[1])
+        slot = self._host_planned_slot(key, sequence_plan)
+        if slot is None:
+            self.plan(sequence_plan, None, *shape)
+            self.current.planned = _PlannedFrom(key, host_plan=sequence_plan)
+        else:
+            self.current = slot
+        return self.current.wrapper.run(q, (key_cache, value_cache))
+
+    def span_rows(self, plan: SpanPlan, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(rows, slots) of a host span plan on ``device``, copied once per plan object."""
+        if self._span_rows is None or self._span_rows[0] is not plan:
+            copies = tuple(t.to(device, non_blocking=True) for t in (plan.rows, plan.slots))
+            self._span_rows = (plan, copies)
+        return self._span_rows[1]
+
     def __call__(
         self,
         q,
@@ -253,10 +296,43 @@ def paged_attention_flashinfer(
 ) -> torch.Tensor:
     """The ``PagedAttention`` contract through FlashInfer (one planner per device);
     ``sequence_plan``: the host's plan of the rows (``host_sequence_plan``)."""
-    instance = _INSTANCES.get(q.device)
+    return _instance(q.device)(
+        q, key_cache, value_cache, block_tables, context_lengths, scale, sequence_plan
+    )
+
+
+def _instance(device: torch.device) -> FlashInferPagedAttention:
+    instance = _INSTANCES.get(device)
     if instance is None:
-        instance = _INSTANCES[q.device] = FlashInferPagedAttention(q.device)
-    return instance(q, key_cache, value_cache, block_tables, context_lengths, scale, sequence_plan)
+        instance = _INSTANCES[device] = FlashInferPagedAttention(device)
+    return instance
+
+
+def sparse_prefill_flashinfer(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lengths: torch.Tensor,
+    scale: float | None = None,
+    span_plan: SpanPlan | None = None,
+) -> torch.Tensor:
+    """``sparse_prefill`` as FlashInfer's causal prefill over the rows' spans
+    (``kernels/span_prefill.py``); ``span_plan``: the host's plan of the rows (None:
+    planned from the device's rows, which waits for the device)."""
+    instance = _instance(q.device)
+    device_plan = None if span_plan is None else instance.span_rows(span_plan, q.device)
+    return span_prefill(
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lengths,
+        scale,
+        span_plan,
+        instance.run_host_planned,
+        device_plan,
+    )
 
 
 def planned_wrapper(device: torch.device) -> Any:
@@ -279,13 +355,15 @@ def provider() -> KernelProvider:
         fi_version = version("flashinfer-python")
     except Exception:
         fi_version = "not installed"
-    # Not offered for ``sparse_prefill``: the planner makes every nonconsecutive query row a
-    # sequence of its own, which is correct but re-reads the context once per row.
-    # ``dense_prefill`` too: its planner makes each run of consecutive rows one causal sequence.
+    # ``dense_prefill``: its planner makes each run of consecutive rows one causal sequence;
+    # ``sparse_prefill``: over its rows' spans, where every sparse loop keeps enough rows
     impl = {
         op: KernelImpl(op, paged_attention_flashinfer, SUPPORT)
         for op in (OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL)
     }
+    impl[OpName.SPARSE_PREFILL] = KernelImpl(
+        OpName.SPARSE_PREFILL, sparse_prefill_flashinfer, SPAN_SUPPORT
+    )
     return KernelProvider(
         name="flashinfer",
         version=f"{__version__} (flashinfer {fi_version})",

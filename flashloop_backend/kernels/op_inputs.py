@@ -28,6 +28,7 @@ from flashloop_backend.kernels.validate import check_paired
 
 if TYPE_CHECKING:
     from flashloop_backend.kernels.sequence_plan import SequencePlan
+    from flashloop_backend.kernels.span_plan import SpanPlan
     from flashloop_backend.kv.levels import LevelMetadata
     from flashloop_backend.kv.store import PackedKVStore
 
@@ -46,7 +47,8 @@ class PagedInputs:
     sequence_plan (an implementation declaring ``host_sequence_plan``): the host's
     :class:`SequencePlan` of these rows' tables and lengths, which the implementation plans
     from in place of reading them back from the device; the same object at every layer of
-    a traversal."""
+    a traversal. span_plan (a ``sparse_prefill`` implementation declaring
+    ``span_prefill``): the host's :class:`SpanPlan` of the rows, likewise."""
 
     q: torch.Tensor
     key_cache: torch.Tensor
@@ -57,6 +59,7 @@ class PagedInputs:
     row_spans: torch.Tensor | None = None
     max_span: int = 1
     sequence_plan: SequencePlan | None = None
+    span_plan: SpanPlan | None = None
 
     def call(self, fn: PagedAttention) -> torch.Tensor:
         """``fn`` on these inputs, in the protocol's argument order: [R, Hq, D]."""
@@ -66,6 +69,8 @@ class PagedInputs:
             extra |= {"row_spans": self.row_spans, "max_span": self.max_span}
         if self.sequence_plan is not None:
             extra["sequence_plan"] = self.sequence_plan
+        if self.span_plan is not None:
+            extra["span_plan"] = self.span_plan
         return fn(*paged, self.scale, **extra)
 
 
