@@ -99,8 +99,10 @@ def test_inputs_call_the_implementation_in_the_protocols_order(cls):
     if cls is PagedInputs:
         dataclasses.replace(inputs, row_spans=None, sequence_plan=None, span_plan=None).call(fn)
         assert keywords[1] == {} and list(seen[1]) == expected
-        dataclasses.replace(inputs, row_spans=None).call(fn)
+        dataclasses.replace(inputs, row_spans=None, span_plan=None).call(fn)
         assert keywords[2] == {"sequence_plan": "<sequence_plan>"}
+        dataclasses.replace(inputs, row_spans=None, sequence_plan=None).call(fn)
+        assert keywords[3] == {"span_plan": "<span_plan>"}
     if cls is CorrectionInputs:
         dataclasses.replace(inputs, base=None, serves=None).call(fn)
         assert keywords[1] == {} and list(seen[1]) == expected
