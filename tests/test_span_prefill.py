@@ -125,14 +125,15 @@ def test_a_plan_of_other_rows_is_refused(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and FlashInfer")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# Ouro-1.4B's heads and dtype, whose FlashInfer prefill kernel the dense prefill builds
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("host_plan", [True, False], ids=["host_plan", "device_plan"])
 def test_flashinfer_over_spans_equals_the_per_row_reference(dtype, host_plan, rng):
     pytest.importorskip("flashinfer")
     from flashloop_backend.kernels.flashinfer import sparse_prefill_flashinfer
 
     q, (cache_k, cache_v), tables, lengths, keys, key_tables = _sparse_chunk(
-        rng, dtype, "cuda", hq=16, hkv=4, dim=128
+        rng, dtype, "cuda", hq=16, hkv=16, dim=128
     )
     plan = plan_host_spans(keys, lengths.cpu(), key_tables, BLOCK, pin=True) if host_plan else None
     for _ in range(2):  # the second call reuses the plan
