@@ -252,3 +252,19 @@ def test_a_span_kernel_serves_only_configs_whose_sparse_loops_keep_enough_rows()
     why = backend.kernels[OpName.SPARSE_PREFILL].reason
     assert "span_test: token-sparse prefill retention 0.1 is below 0.75" in why
     assert not backend.prefill_chunks_by_positions()
+
+
+def test_a_device_plan_is_read_once_while_the_same_tensors_come_unmodified():
+    from flashloop_backend.kernels.span_plan import DeviceSpanPlans
+
+    plans = DeviceSpanPlans()
+    tables = torch.tensor([[3, 0], [3, 0], [2, 5]], dtype=torch.int32)
+    lengths = torch.tensor([4, 6, 3], dtype=torch.int32)
+    first = plans.plan(tables, lengths, BLOCK)
+    assert plans.plan(tables, lengths, BLOCK) is first and plans.reads == 1
+    lengths[2] = 0  # modified in place: planned again
+    again = plans.plan(tables, lengths, BLOCK)
+    assert again is not first and plans.reads == 2 and again.rows.tolist() == [0, 1]
+    # equal values in other tensors are planned again (never trusted by address)
+    assert plans.plan(tables.clone(), lengths.clone(), BLOCK) is not again
+    assert plans.reads == 3

@@ -25,7 +25,7 @@ from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_sequences
-from flashloop_backend.kernels.span_plan import SpanPlan
+from flashloop_backend.kernels.span_plan import DeviceSpanPlans, SpanPlan
 from flashloop_backend.kernels.span_prefill import span_prefill
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
@@ -119,6 +119,7 @@ class FlashInferPagedAttention:
         self._last_device_slot: _PlanSlot | None = None
         self.device_plans = 0  # plans made by reading the rows back from the device
         self._span_rows: tuple | None = None  # (host span plan, its rows on the device)
+        self.device_spans = DeviceSpanPlans()
 
     def plan(
         self,
@@ -319,9 +320,13 @@ def sparse_prefill_flashinfer(
 ) -> torch.Tensor:
     """``sparse_prefill`` as FlashInfer's causal prefill over the rows' spans
     (``kernels/span_prefill.py``); ``span_plan``: the host's plan of the rows (None:
-    planned from the device's rows, which waits for the device)."""
+    planned from the device's rows, which waits for the device, once while the same
+    tensors come again unmodified)."""
     instance = _instance(q.device)
-    device_plan = None if span_plan is None else instance.span_rows(span_plan, q.device)
+    if span_plan is None:
+        block_size = key_cache.shape[1]
+        span_plan = instance.device_spans.plan(block_tables, context_lengths, block_size)
+    device_plan = instance.span_rows(span_plan, q.device)
     return span_prefill(
         q,
         key_cache,

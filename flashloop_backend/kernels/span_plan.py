@@ -8,7 +8,8 @@ the nonconsecutive-query kernel; the dropped positions' keys are in the plane al
 (copy-on-exit). A span continues while rows read one table at increasing lengths with
 gaps of at most ``MAX_GAP`` positions, so the positions computed for nothing stay bounded
 by the rows served. Made from the host's copy of the rows (:func:`plan_host_spans`, no
-device read) or from the device's (:func:`plan_spans`, which reads them back).
+device read) or from the device's (:func:`plan_spans`, which reads them back;
+:class:`DeviceSpanPlans` once per traversal).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_host_sequences
+from flashloop_backend.kernels.validate import tensor_versions
 
 # Positions one step between consecutive served rows of a span may skip; a larger gap
 # starts a new span (a new causal sequence), so a span computes at most MAX_GAP - 1
@@ -107,3 +109,27 @@ def plan_spans(tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> 
     # one key per distinct table, numbered in order of first appearance
     distinct, keys = torch.unique(tables, dim=0, return_inverse=True)
     return plan_host_spans(keys, lengths, distinct.clamp(min=0), block_size)
+
+
+class DeviceSpanPlans:
+    """The span plan of rows on the device, read back once while the very tables and
+    lengths tensors come again unmodified (every layer of a traversal passes its plan's
+    own tensors); held here, so a tensor is never mistaken for another at its address."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (tables, lengths, versions, plan)
+        self.reads = 0  # plans made by reading the device
+
+    def plan(self, tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> SpanPlan:
+        """:func:`plan_spans` of tables [R, MB] and lengths [R], pinned for a GPU."""
+        versions = tensor_versions(tables, lengths)
+        last = self._last
+        if last is not None and versions is not None:
+            seen_tables, seen_lengths, seen_versions, plan = last
+            if seen_tables is tables and seen_lengths is lengths and seen_versions == versions:
+                return plan
+        plan = plan_spans(tables, lengths, block_size)
+        plan = plan.pinned() if tables.device.type == "cuda" else plan
+        self.reads += 1
+        self._last = (tables, lengths, versions, plan)
+        return plan
