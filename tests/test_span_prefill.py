@@ -130,7 +130,7 @@ def test_a_plan_of_other_rows_is_refused(rng):
 @pytest.mark.parametrize("host_plan", [True, False], ids=["host_plan", "device_plan"])
 def test_flashinfer_over_spans_equals_the_per_row_reference(dtype, host_plan, rng):
     pytest.importorskip("flashinfer")
-    from flashloop_backend.kernels.flashinfer import sparse_prefill_flashinfer
+    from flashloop_backend.kernels.flashinfer_span import sparse_prefill_flashinfer
 
     q, (cache_k, cache_v), tables, lengths, keys, key_tables = _sparse_chunk(
         rng, dtype, "cuda", hq=16, hkv=16, dim=128
@@ -142,6 +142,15 @@ def test_flashinfer_over_spans_equals_the_per_row_reference(dtype, host_plan, rn
         tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
         assert not got[lengths == 0].any()
+    # two rows of one table more than MAX_GAP apart: two spans of one row (still the
+    # prefill wrapper)
+    apart = torch.zeros_like(lengths)
+    apart[3], apart[4] = 21, 21 + MAX_GAP + 1
+    plan = plan_host_spans(keys, apart.cpu(), key_tables, BLOCK, pin=True) if host_plan else None
+    assert plan is None or plan.spans.num_sequences == plan.span_rows == 2
+    got = sparse_prefill_flashinfer(q, cache_k, cache_v, tables, apart, None, span_plan=plan)
+    expected = paged_prefill(q.float(), cache_k.float(), cache_v.float(), tables, apart)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def _span_engine(flags, record, prefill_chunk=16):
@@ -268,3 +277,29 @@ def test_a_device_plan_is_read_once_while_the_same_tensors_come_unmodified():
     # equal values in other tensors are planned again (never trusted by address)
     assert plans.plan(tables.clone(), lengths.clone(), BLOCK) is not again
     assert plans.reads == 3
+
+
+def test_a_device_plan_of_inference_tensors_is_reused_by_content():
+    from flashloop_backend.kernels.span_plan import DeviceSpanPlans
+
+    plans = DeviceSpanPlans()
+    with torch.inference_mode():
+        tables = torch.tensor([[3, 0], [3, 0]], dtype=torch.int32)
+        lengths = torch.tensor([4, 6], dtype=torch.int32)
+        first = plans.plan(tables, lengths, BLOCK)
+        assert plans.plan(tables.clone(), lengths.clone(), BLOCK) is first
+        lengths[1] = 5  # no version counter: the content tells
+        assert plans.plan(tables, lengths, BLOCK) is not first and plans.reads == 2
+
+
+def test_the_span_provider_is_opt_in_below_the_tile_kernel():
+    from flashloop_backend.kernels import flashinfer_span, triton
+
+    span, tile = flashinfer_span.provider(), triton.provider()
+    assert span.priority < tile.priority
+    assert list(span.impls) == [OpName.SPARSE_PREFILL]
+    support = span.impls[OpName.SPARSE_PREFILL].support
+    assert Capability.SPAN_PREFILL in support.capabilities
+    assert Capability.HOST_SEQUENCE_PLAN not in support.capabilities
+    assert support.min_prefill_retention == flashinfer_span.SPAN_MIN_RETENTION
+    assert "flashinfer_span" in Registry.discover().kernel_names()

@@ -1,4 +1,5 @@
-"""FlashInfer adapter for dense paged attention (optional extra ``flashinfer``).
+"""FlashInfer adapter for paged attention (optional extra ``flashinfer``): dense decode
+and prefill here, ``sparse_prefill`` over spans in ``flashinfer_span.py``.
 
 FlashInfer plans a batch on the host, and a plan is reused while the same rows are
 passed again (every layer of one traversal; plans rotate over ``PLAN_SLOTS`` slots, so
@@ -15,7 +16,7 @@ Imported lazily: a missing package or GPU is a selection reason, never a crash.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_sequences
 from flashloop_backend.kernels.span_plan import DeviceSpanPlans, SpanPlan
-from flashloop_backend.kernels.span_prefill import span_prefill
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(
@@ -42,16 +42,6 @@ SUPPORT = Support(
             Capability.HOST_SEQUENCE_PLAN,
         }
     ),
-)
-# Over spans, a chunk computes 1 / retention positions per served row at FlashInfer's rate
-# per row; the nonconsecutive-query Triton kernel serves each row at a lower rate, and
-# below this retention the span's extra rows cost more than that difference
-# (docs/flashloop.md, "Token-sparse prefill over spans").
-SPAN_MIN_RETENTION = 0.75
-SPAN_SUPPORT = replace(
-    SUPPORT,
-    capabilities=SUPPORT.capabilities | {Capability.SPAN_PREFILL},
-    min_prefill_retention=SPAN_MIN_RETENTION,
 )
 WORKSPACE_BYTES = 256 * 1024 * 1024
 # FlashInfer stages each plan in its wrapper's pinned buffer and copies it to the device
@@ -130,13 +120,15 @@ class FlashInferPagedAttention:
         head_dim: int,
         dtype: torch.dtype,
         scale: float,
+        prefill: bool = False,
     ) -> None:
         """Plans ``sequences`` (lengths [R] are the rows' own, on the device; None for a plan
-        with no empty row) on the next
-        slot's wrapper, which becomes ``current``; the caller records what it was made from
-        in the slot's ``planned``."""
+        with no empty row) on the next slot's wrapper, which becomes ``current``; the caller
+        records what it was made from in the slot's ``planned``. ``prefill``: on the prefill
+        wrapper even where every sequence is one row."""
         decode_ratio = num_q_heads // num_kv_heads in DECODE_GROUP_SIZES
-        use_prefill = sequences.num_sequences < sequences.num_rows or not decode_ratio
+        chunked = sequences.num_sequences < sequences.num_rows
+        use_prefill = prefill or chunked or not decode_ratio
         if use_prefill and sequences.num_sequences > PREFILL_MAX_SEQUENCES:
             raise ValueError(
                 f"FlashInfer's prefill plans at most {PREFILL_MAX_SEQUENCES} sequences; this "
@@ -205,11 +197,18 @@ class FlashInferPagedAttention:
         self, q, key_cache, value_cache, sequence_plan: SequencePlan, scale: float | None
     ) -> torch.Tensor:
         """Attention of q [S, Hq, D] over the host's ``sequence_plan`` of its rows, which
-        has no row of length 0 (a span plan's sequences), planned once per plan object."""
+        has no row of length 0 (a span plan's sequences), in caches [NB, BS, Hkv, D] of its
+        page size; planned once per plan object, always on the prefill wrapper (one kernel
+        for every span, whatever its rows)."""
         if sequence_plan.has_empty_rows or sequence_plan.num_rows != q.shape[0]:
             raise ValueError(
                 f"a host-planned run takes a plan of its {q.shape[0]} rows with no empty row; "
                 f"got {sequence_plan.num_rows} rows, empty rows {sequence_plan.has_empty_rows}"
+            )
+        if sequence_plan.block_size != key_cache.shape[1]:
+            raise ValueError(
+                f"the plan's pages hold {sequence_plan.block_size} keys; the cache's "
+                f"{key_cache.shape[1]}"
             )
         num_q_heads, head_dim = q.shape[1:]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -217,7 +216,7 @@ class FlashInferPagedAttention:
         key = (*shape, key_cache.shape[1])
         slot = self._host_planned_slot(key, sequence_plan)
         if slot is None:
-            self.plan(sequence_plan, None, *shape)
+            self.plan(sequence_plan, None, *shape, prefill=True)
             self.current.planned = _PlannedFrom(key, host_plan=sequence_plan)
         else:
             self.current = slot
@@ -297,47 +296,17 @@ def paged_attention_flashinfer(
 ) -> torch.Tensor:
     """The ``PagedAttention`` contract through FlashInfer (one planner per device);
     ``sequence_plan``: the host's plan of the rows (``host_sequence_plan``)."""
-    return _instance(q.device)(
+    return instance_on(q.device)(
         q, key_cache, value_cache, block_tables, context_lengths, scale, sequence_plan
     )
 
 
-def _instance(device: torch.device) -> FlashInferPagedAttention:
+def instance_on(device: torch.device) -> FlashInferPagedAttention:
+    """The one planner of ``device`` (made on first use)."""
     instance = _INSTANCES.get(device)
     if instance is None:
         instance = _INSTANCES[device] = FlashInferPagedAttention(device)
     return instance
-
-
-def sparse_prefill_flashinfer(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lengths: torch.Tensor,
-    scale: float | None = None,
-    span_plan: SpanPlan | None = None,
-) -> torch.Tensor:
-    """``sparse_prefill`` as FlashInfer's causal prefill over the rows' spans
-    (``kernels/span_prefill.py``); ``span_plan``: the host's plan of the rows (None:
-    planned from the device's rows, which waits for the device, once while the same
-    tensors come again unmodified)."""
-    instance = _instance(q.device)
-    if span_plan is None:
-        block_size = key_cache.shape[1]
-        span_plan = instance.device_spans.plan(block_tables, context_lengths, block_size)
-    device_plan = instance.span_rows(span_plan, q.device)
-    return span_prefill(
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lengths,
-        scale,
-        span_plan,
-        instance.run_host_planned,
-        device_plan,
-    )
 
 
 def planned_wrapper(device: torch.device) -> Any:
@@ -361,14 +330,11 @@ def provider() -> KernelProvider:
     except Exception:
         fi_version = "not installed"
     # ``dense_prefill``: its planner makes each run of consecutive rows one causal sequence;
-    # ``sparse_prefill``: over its rows' spans, where every sparse loop keeps enough rows
+    # ``sparse_prefill`` over its rows' spans is the ``flashinfer_span`` provider's
     impl = {
         op: KernelImpl(op, paged_attention_flashinfer, SUPPORT)
         for op in (OpName.DENSE_ATTENTION, OpName.DENSE_PREFILL)
     }
-    impl[OpName.SPARSE_PREFILL] = KernelImpl(
-        OpName.SPARSE_PREFILL, sparse_prefill_flashinfer, SPAN_SUPPORT
-    )
     return KernelProvider(
         name="flashinfer",
         version=f"{__version__} (flashinfer {fi_version})",

@@ -14,6 +14,7 @@ device read) or from the device's (:func:`plan_spans`, which reads them back;
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -98,38 +99,45 @@ def plan_host_spans(
 
 def plan_spans(tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> SpanPlan:
     """The span plan of rows with tables [R, MB] int32 and lengths [R] int32 on any
-    device (rows read one table when their tables are equal); reads them back, so it
-    waits for the device."""
-    tables, lengths = tables.cpu(), lengths.cpu()
-    rows = tables.shape[0]
-    if rows == 0:
-        return plan_host_spans(
-            torch.zeros(0, dtype=torch.int64), lengths, tables.clamp(min=0), block_size
-        )
-    # one key per distinct table, numbered in order of first appearance
-    distinct, keys = torch.unique(tables, dim=0, return_inverse=True)
-    return plan_host_spans(keys, lengths, distinct.clamp(min=0), block_size)
+    device: a row reads the table of the row before when their tables are equal. The rows
+    are grouped on the tables' device, so only each run's table travels to the host; the
+    copy waits for the device."""
+    rows = lengths.shape[0]
+    starts = torch.ones(rows, dtype=torch.bool, device=tables.device)
+    if rows > 1:
+        starts[1:] = ~(tables[1:] == tables[:-1]).all(dim=1)
+    keys = torch.cumsum(starts.long(), 0) - 1
+    key_tables = tables[torch.nonzero(starts).flatten()].clamp(min=0)
+    return plan_host_spans(keys.cpu(), lengths.cpu(), key_tables.cpu(), block_size)
 
 
 class DeviceSpanPlans:
-    """The span plan of rows on the device, read back once while the very tables and
-    lengths tensors come again unmodified (every layer of a traversal passes its plan's
-    own tensors); held here, so a tensor is never mistaken for another at its address."""
+    """The span plan of rows on the device, read back once while a traversal passes the
+    same tables and lengths again (every layer passes its plan's own tensors): the very
+    tensors, unmodified (held weakly, so a tensor at a freed one's address never passes
+    for it), or for inference tensors, which keep no version, equal ones by content."""
 
     def __init__(self) -> None:
-        self._last: tuple | None = None  # (tables, lengths, versions, plan)
+        self._last: tuple | None = None  # (tables ref, lengths ref, versions, copies, plan)
         self.reads = 0  # plans made by reading the device
 
     def plan(self, tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> SpanPlan:
         """:func:`plan_spans` of tables [R, MB] and lengths [R], pinned for a GPU."""
         versions = tensor_versions(tables, lengths)
-        last = self._last
-        if last is not None and versions is not None:
-            seen_tables, seen_lengths, seen_versions, plan = last
-            if seen_tables is tables and seen_lengths is lengths and seen_versions == versions:
+        if self._last is not None:
+            tables_ref, lengths_ref, seen, copies, plan = self._last
+            if versions is not None:
+                same = tables_ref() is tables and lengths_ref() is lengths and seen == versions
+            else:
+                same = bool(copies) and all(
+                    a.shape == b.shape and torch.equal(a, b)
+                    for a, b in zip(copies, (tables, lengths), strict=True)
+                )
+            if same and plan.spans.block_size == block_size:
                 return plan
         plan = plan_spans(tables, lengths, block_size)
         plan = plan.pinned() if tables.device.type == "cuda" else plan
         self.reads += 1
-        self._last = (tables, lengths, versions, plan)
+        copies = () if versions is not None else (tables.clone(), lengths.clone())
+        self._last = (weakref.ref(tables), weakref.ref(lengths), versions, copies, plan)
         return plan
