@@ -5,7 +5,8 @@ subset, default 2,048 and 1,536) with its keys split as the wrapper's rule choos
 prefill over the chunk's whole span of positions (retained and dropped rows: each
 retained row sees exactly its own keys, the dropped rows' outputs are thrown away), and
 FlashInfer over as many consecutive rows ending at the same place (a dense chunk of that
-many rows) for scale.
+many rows) for scale, and the ``flashinfer_span`` op itself (the same prefill with its
+scatter, gather and host span plan, planned once as every layer after a traversal's first).
 Chunks at the start, middle and end of a 32K prompt; CUDA-event medians, eager, with the
 largest difference of each retained row's output from the Triton kernel's.
 
@@ -20,6 +21,8 @@ from dataclasses import replace
 import torch
 
 from flashloop_backend.kernels.flashinfer import paged_attention_flashinfer
+from flashloop_backend.kernels.flashinfer_span import sparse_prefill_flashinfer
+from flashloop_backend.kernels.span_plan import plan_host_spans
 from flashloop_backend.kernels.triton.paged_decode import sm_count
 from flashloop_backend.kernels.triton.sparse_prefill import (
     DEFAULT_PREFILL,
@@ -72,6 +75,20 @@ def main() -> None:
                 return lambda: paged_attention_flashinfer(q, kc, vc, t, n)
 
             base = call(rows, "triton")().float()
+            lengths = (rows + 1).int()
+            host_plan = plan_host_spans(
+                torch.zeros(len(rows), dtype=torch.int64),
+                lengths.cpu(),
+                table[None, :].cpu(),
+                BLOCK_SIZE,
+                pin=True,
+            )
+            span_inputs = (q_all[rows], kc, vc, table[None, :].expand(len(rows), -1), lengths)
+
+            def span_op(inputs=span_inputs, plan=host_plan):
+                return sparse_prefill_flashinfer(*inputs, span_plan=plan)
+
+            op_out = span_op().float()
             padded = call(span, "flashinfer")()[rows - span[0]].float()
             split = call(rows, "triton", two_splits)().float()
             record = {
@@ -87,6 +104,9 @@ def main() -> None:
                 "flashinfer_span_ms": eager_ms(call(span, "flashinfer"), 10, 3),
                 "flashinfer_loop1_chunk_ms": eager_ms(call(dense, "flashinfer"), 10, 3),
                 "flashinfer_span_max_abs_diff": (padded - base).abs().max().item(),
+                "span_op_ms": eager_ms(span_op, 10, 3),
+                "span_op_spans": host_plan.spans.num_sequences,
+                "span_op_max_abs_diff": (op_out - base).abs().max().item(),
                 "two_splits_max_abs_diff": (split - base).abs().max().item(),
             }
             records.append(record)
