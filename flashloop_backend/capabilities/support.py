@@ -56,7 +56,8 @@ class SupportRequest:
     num_q_heads: int = 16
     num_kv_heads: int = 16
     required: frozenset[Capability] = frozenset()
-    # the least fraction of a prompt's rows a token-sparse loop keeps (1.0: none drops)
+    # the least fraction of a prompt's rows a token-sparse loop keeps (1.0: none drops);
+    # a backend sets it per op from its config, so ``describe`` leaves it out
     prefill_retention: float = 1.0
 
     @staticmethod
@@ -79,7 +80,6 @@ class SupportRequest:
             "num_q_heads": self.num_q_heads,
             "num_kv_heads": self.num_kv_heads,
             "required": sorted(c.value for c in self.required),
-            "prefill_retention": self.prefill_retention,
         }
 
 
