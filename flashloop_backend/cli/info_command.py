@@ -165,6 +165,8 @@ def _kernel_rows(registry) -> dict[str, object]:
                 ),
             }
             ops[op.value]["usable_here"] = not ops[op.value]["unavailable_here"]
+            if impl.support.min_prefill_retention is not None:
+                ops[op.value]["min_prefill_retention"] = impl.support.min_prefill_retention
         rows[name] = {
             "loaded": True,
             "version": provider.version,
