@@ -322,13 +322,18 @@ def planned_wrapper(device: torch.device) -> Any:
     return instance.current.wrapper
 
 
-def provider() -> KernelProvider:
+def flashinfer_version() -> str:
+    """The installed flashinfer-python's version, or "not installed"."""
     try:
         from importlib.metadata import version
 
-        fi_version = version("flashinfer-python")
+        return version("flashinfer-python")
     except Exception:
-        fi_version = "not installed"
+        return "not installed"
+
+
+def provider() -> KernelProvider:
+    fi_version = flashinfer_version()
     # ``dense_prefill``: its planner makes each run of consecutive rows one causal sequence;
     # ``sparse_prefill`` over its rows' spans is the ``flashinfer_span`` provider's
     impl = {

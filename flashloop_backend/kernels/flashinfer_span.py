@@ -15,7 +15,7 @@ import torch
 
 from flashloop_backend._version import __version__
 from flashloop_backend.capabilities import Capability
-from flashloop_backend.kernels.flashinfer import SUPPORT, instance_on
+from flashloop_backend.kernels.flashinfer import SUPPORT, flashinfer_version, instance_on
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.span_plan import SpanPlan
@@ -66,12 +66,7 @@ def sparse_prefill_flashinfer(
 
 
 def provider() -> KernelProvider:
-    try:
-        from importlib.metadata import version
-
-        fi_version = version("flashinfer-python")
-    except Exception:
-        fi_version = "not installed"
+    fi_version = flashinfer_version()
     impl = KernelImpl(OpName.SPARSE_PREFILL, sparse_prefill_flashinfer, SPAN_SUPPORT)
     return KernelProvider(
         name="flashinfer_span",
