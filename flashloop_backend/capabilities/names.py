@@ -21,8 +21,8 @@ class Capability(str, Enum):
     # plans from the host's sequence plan of its rows (sequence_plan), never reading the
     # device's tables and lengths back
     HOST_SEQUENCE_PLAN = "host_sequence_plan"
-    # a nonconsecutive-query prefill computes every position of its rows' span (it plans
-    # from the host's span plan, span_plan), so the host bounds such chunks by positions
+    # a nonconsecutive-query prefill computes the positions its rows span (taking the
+    # host's span plan, span_plan, where given), so the host bounds such chunks by positions
     SPAN_PREFILL = "span_prefill"
     # vllm-rlt's existing BackendCapabilities flags
     PACKED_PREFILL = "packed_prefill"
