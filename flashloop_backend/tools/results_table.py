@@ -181,7 +181,7 @@ def _planned_capacity(results: Path) -> str:
 CAPACITY_RECORDS = (
     "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_182e0ba_a.json",
     "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_h100_182e0ba_b.json",
-    "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_span_h100_a3cdc91_a.json",
+    "decode_v3/bench_capacity_32k_16gib_4l_1024new_24clients_span_h100_7e33258_a.json",
 )
 
 
