@@ -221,6 +221,11 @@ def test_bench_capacity_holds_more_requests_at_once_on_one_budget():
     aligned = {r["variant"]: r["align_decode_depths"] for r in records}
     assert aligned == {"dense": False, "kv_residual_quantization alone": True, "config": True}
     assert all(r["graphs"] is None and r["steps"] > 0 for r in records)
+    # an idle witness process ran beside each run and woke every few ms
+    assert all(r["host_noise"]["wakeups"] > 0 for r in records)
+    assert all(
+        r["host_noise"]["late_ms"]["max"] >= r["host_noise"]["late_ms"]["p50"] for r in records
+    )
 
 
 def test_bench_capacity_runs_the_variants_named_and_refuses_others_by_name():
@@ -346,3 +351,18 @@ def test_bench_capacity_refuses_new_tokens_beyond_a_context_before_any_gpu_work(
 
     with pytest.raises(ConfigError, match=r"--new-tokens 2048 must lie in \[1, context 1024\)"):
         bench_capacity(CONFIGS["all_on"], "triton", [4096, 1024], 2048, [64.0], 1)
+
+
+def test_the_host_noise_witness_counts_late_wake_ups_and_refuses_bad_periods():
+    import time
+
+    from flashloop_backend.tools.bench.host_noise import HostNoise
+
+    with HostNoise(period_ms=1.0, stall_ms=1000.0) as witness:
+        time.sleep(0.3)
+    noise = witness.summary
+    assert noise["wakeups"] > 10 and noise["stalls_over_ms"] == 1000.0
+    assert 0 <= noise["late_ms"]["p50"] <= noise["late_ms"]["p99"] <= noise["late_ms"]["max"]
+    assert len(noise["worst"]) == 5 and noise["worst"][0]["late_ms"] == noise["late_ms"]["max"]
+    with pytest.raises(ValueError, match=r"period_ms=0 and stall_ms=5\.0 must both be positive"):
+        HostNoise(period_ms=0)

@@ -2,7 +2,8 @@
 alone, the config), engines whose pools are planned from it (``Engine(kv_memory_bytes=...)``),
 and a closed loop of more clients than dense can hold: the most requests each variant
 held at once, output tokens/s, TTFT and inter-token latency percentiles, refusals and
-peak memory, one process.
+peak memory, one process; beside each run, how late an idle witness process woke
+(``host_noise``), which tells a machine's stalls from the process's own.
 
 The functions take any model, so the same code runs a tiny model on CPU (tests) and
 Ouro-1.4B shapes on the GPU."""
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from flashloop_backend.config import ConfigError, FlashLoopConfig, load_config
+from flashloop_backend.tools.bench.host_noise import HostNoise
 from flashloop_backend.tools.bench.serving import Variant, memory_breakdown, warm_up
 from flashloop_backend.tools.bench.workload import (
     fixed_arrival_schedule,
@@ -137,9 +139,10 @@ def serve_at_budget(
         if wrap_step is not None:
             engine.step = wrap_step(engine, engine.step)
         try:
-            summary = run_workload(
-                engine, arrivals, vocab, clients, step_sync, device_marker=device_marker
-            )
+            with HostNoise() as witness:
+                summary = run_workload(
+                    engine, arrivals, vocab, clients, step_sync, device_marker=device_marker
+                )
         finally:
             if wrap_step is not None:
                 del engine.step
@@ -157,6 +160,7 @@ def serve_at_budget(
             align_decode_depths=engine.align_decode_depths,
             steps=engine.steps - steps,  # the workload's, not the warm-up's
             graphs=_graph_counts(engine),
+            host_noise=witness.summary,
         )
         records.append(summary)
         step_ms = {k: v if v["steps"] else None for k, v in summary["step_ms"].items()}
@@ -170,6 +174,7 @@ def serve_at_budget(
             f"{_ms(step_ms['decode_only'], 'p99')} ms"
             + ("" if start_up_s is None else f", start-up {start_up_s:.1f} s")
             + _by_loop(summary)
+            + _witness(witness.summary)
             + ("" if summary["pools_filled"] else "; requests ended before the pools filled")
         )
         del engine, backend
@@ -189,6 +194,17 @@ def _by_loop(summary: dict) -> str:
     ]
     what = "host / device" if device else "host"
     return f"; prompt step p99 ms ({what}) " + ", ".join(parts) if parts else ""
+
+
+def _witness(noise: dict | None) -> str:
+    """The idle witness process's late wake-ups, for a log line."""
+    if noise is None or not noise["wakeups"]:
+        return ""
+    late = noise["late_ms"]
+    return (
+        f"; a witness process woke late p99 / max {late['p99']:.2f} / {late['max']:.2f} ms "
+        f"({noise['stalls']} over {noise['stalls_over_ms']:g} ms)"
+    )
 
 
 def _ms(percentiles: dict | None, which: str) -> str:
