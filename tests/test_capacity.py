@@ -364,5 +364,10 @@ def test_the_host_noise_witness_counts_late_wake_ups_and_refuses_bad_periods():
     assert noise["wakeups"] > 10 and noise["stalls_over_ms"] == 1000.0
     assert 0 <= noise["late_ms"]["p50"] <= noise["late_ms"]["p99"] <= noise["late_ms"]["max"]
     assert len(noise["worst"]) == 5 and noise["worst"][0]["late_ms"] == noise["late_ms"]["max"]
+    assert all(0 <= w["at_s"] < 5 for w in noise["worst"]) and noise["started_unix_s"] > 0
     with pytest.raises(ValueError, match=r"period_ms=0 and stall_ms=5\.0 must both be positive"):
         HostNoise(period_ms=0)
+    # a run that raises still stops its witness and keeps the witness's record
+    with pytest.raises(RuntimeError, match="the run failed"), HostNoise() as failed:
+        raise RuntimeError("the run failed")
+    assert failed.summary is not None and failed._process.returncode == 0

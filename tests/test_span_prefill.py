@@ -110,6 +110,17 @@ def test_the_device_plan_groups_rows_by_their_tables_values():
     plan = plan_spans(tables, lengths, BLOCK)
     assert plan.spans.qo_indptr.tolist() == [0, 3, 4, 5]
     assert plan.slots.tolist() == [0, 2, 3, 4]
+    # a row the call does not serve, of another table, between two served rows of one
+    # table does not cut their span: as the host plans it
+    tables = torch.tensor([[3, 0], [2, 5], [3, 0]], dtype=torch.int32)
+    lengths = torch.tensor([4, 0, 6], dtype=torch.int32)
+    device = plan_spans(tables, lengths, BLOCK)
+    host = plan_host_spans(torch.tensor([0, 1, 0]), lengths, tables[:2], BLOCK)
+    assert device.spans.qo_indptr.tolist() == host.spans.qo_indptr.tolist() == [0, 3]
+    assert device.rows.tolist() == host.rows.tolist() == [0, 2]
+    assert device.slots.tolist() == host.slots.tolist() == [0, 2]
+    nothing = plan_spans(tables, torch.zeros(3, dtype=torch.int32), BLOCK)
+    assert nothing.span_rows == 0 and nothing.num_rows == 3
 
 
 def test_a_plan_of_other_rows_is_refused(rng):
@@ -293,10 +304,13 @@ def test_a_device_plan_of_inference_tensors_is_reused_by_content():
 
 
 def test_the_span_provider_is_opt_in_below_the_tile_kernel():
-    from flashloop_backend.kernels import flashinfer_span, triton
+    from flashloop_backend.kernels import flashinfer_span, torch_ref, triton
 
     span, tile = flashinfer_span.provider(), triton.provider()
-    assert span.priority < tile.priority
+    # below every built-in provider: automatic selection never reaches it
+    assert span.priority < min(tile.priority, torch_ref.provider().priority)
+    registry = Registry.discover()
+    assert registry._kernel_priority(OpName.SPARSE_PREFILL)[-1] == "flashinfer_span"
     assert list(span.impls) == [OpName.SPARSE_PREFILL]
     support = span.impls[OpName.SPARSE_PREFILL].support
     assert Capability.SPAN_PREFILL in support.capabilities

@@ -3,8 +3,8 @@ prefill over the span of positions a token-sparse chunk's rows cover
 (``kernels/span_prefill.py``), planned on the planner of ``kernels/flashinfer.py``.
 
 Opt in with ``kernel_overrides: {"sparse_prefill": "flashinfer_span"}``: its priority is
-below the Triton tile kernel's until its GPU test has passed (docs/flashloop.md,
-"Token-sparse prefill over spans").
+below every built-in provider's, so automatic selection never picks it (docs/flashloop.md,
+"Token-sparse prefill over spans", says when to name it).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def sparse_prefill_flashinfer(
     """The ``PagedAttention`` contract for nonconsecutive rows (q [R, Hq, D], caches
     [NB, BS, Hkv, D], block_tables [R, MB] int32, context_lengths [R] int32 -> [R, Hq, D])
     by FlashInfer's causal prefill over the rows' spans; ``span_plan``: the host's plan of
-    the rows (None: planned from the device's rows, which waits for the device, once while
-    the same tensors come again unmodified)."""
+    the rows (None: planned from the device's rows, which waits for the device; a plan is
+    reused while the same tensors come again, see ``DeviceSpanPlans``)."""
     planner = instance_on(q.device)
     if span_plan is None:
         block_size = key_cache.shape[1]
@@ -71,7 +71,7 @@ def provider() -> KernelProvider:
     return KernelProvider(
         name="flashinfer_span",
         version=f"{__version__} (flashinfer {fi_version})",
-        priority=10,
+        priority=-10,
         description="FlashInfer causal prefill over a token-sparse chunk's span (opt in)",
         impls={OpName.SPARSE_PREFILL: impl},
     )

@@ -99,15 +99,20 @@ def plan_host_spans(
 
 def plan_spans(tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> SpanPlan:
     """The span plan of rows with tables [R, MB] int32 and lengths [R] int32 on any
-    device: a row reads the table of the row before when their tables are equal. The rows
-    are grouped on the tables' device, so only each run's table travels to the host; the
-    copy waits for the device."""
-    rows = lengths.shape[0]
-    starts = torch.ones(rows, dtype=torch.bool, device=tables.device)
-    if rows > 1:
-        starts[1:] = ~(tables[1:] == tables[:-1]).all(dim=1)
-    keys = torch.cumsum(starts.long(), 0) - 1
-    key_tables = tables[torch.nonzero(starts).flatten()].clamp(min=0)
+    device: a served row reads the table of the served row before it when their tables
+    are equal (rows the call does not serve, length 0, between them change nothing). The
+    rows are grouped on the tables' device, so only each run's table travels to the host;
+    the copy waits for the device."""
+    served = torch.nonzero(lengths > 0).flatten()
+    starts = torch.ones(served.shape[0], dtype=torch.bool, device=tables.device)
+    mine = tables[served]
+    if served.shape[0] > 1:
+        starts[1:] = ~(mine[1:] == mine[:-1]).all(dim=1)
+    keys = torch.zeros(lengths.shape[0], dtype=torch.int64, device=tables.device)
+    keys[served] = torch.cumsum(starts.long(), 0) - 1
+    key_tables = mine[torch.nonzero(starts).flatten()].clamp(min=0)
+    if key_tables.shape[0] == 0:  # no row served: one table so that every key is valid
+        key_tables = tables.new_zeros((1, tables.shape[1]))
     return plan_host_spans(keys.cpu(), lengths.cpu(), key_tables.cpu(), block_size)
 
 
@@ -115,7 +120,8 @@ class DeviceSpanPlans:
     """The span plan of rows on the device, read back once while a traversal passes the
     same tables and lengths again (every layer passes its plan's own tensors): the very
     tensors, unmodified (held weakly, so a tensor at a freed one's address never passes
-    for it), or for inference tensors, which keep no version, equal ones by content."""
+    for it), or for inference tensors, which keep no version, equal ones by content (a
+    comparison on the device, which waits for it at every call, but copies nothing back)."""
 
     def __init__(self) -> None:
         self._last: tuple | None = None  # (tables ref, lengths ref, versions, copies, plan)
