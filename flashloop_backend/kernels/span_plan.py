@@ -22,9 +22,9 @@ import torch
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_host_sequences
 from flashloop_backend.kernels.validate import tensor_versions
 
-# Positions one step between consecutive served rows of a span may skip; a larger gap
-# starts a new span (a new causal sequence), so a span computes at most MAX_GAP - 1
-# unserved positions per served row.
+# The largest step in position from one served row of a span to the next (so at most
+# MAX_GAP - 1 unserved positions between them); a larger step starts a new span (a new
+# causal sequence), so a span computes at most that many positions for nothing per row.
 MAX_GAP = 16
 
 
