@@ -251,10 +251,11 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
             )
         else:
             sequences = spans = None
-            if every_row and op in prefill_ops and self._declares(op, Capability.SPAN_PREFILL):
-                spans = routing.host_spans(op, key_cache.shape[1])
-            elif every_row and op in prefill_ops and self._host_planned(op):
-                sequences = routing.host_sequences(op, key_cache.shape[1])
+            if every_row and op in prefill_ops:
+                if self._declares(op, Capability.SPAN_PREFILL):
+                    spans = routing.host_spans(op, key_cache.shape[1])
+                elif self._host_planned(op):
+                    sequences = routing.host_sequences(op, key_cache.shape[1])
             inputs = PagedInputs(
                 q_n,
                 key_cache,
