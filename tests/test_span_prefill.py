@@ -10,6 +10,7 @@ from flashloop_backend.capabilities import Capability, SupportRequest
 from flashloop_backend.host import Engine, SamplingParams
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl
+from flashloop_backend.kernels.sequence_plan import plan_host_sequences
 from flashloop_backend.kernels.span_plan import MAX_GAP, plan_host_spans, plan_spans
 from flashloop_backend.kernels.span_prefill import span_prefill_reference
 from flashloop_backend.kernels.torch_ref.paged import paged_prefill
@@ -317,3 +318,29 @@ def test_the_span_provider_is_opt_in_below_the_tile_kernel():
     assert Capability.HOST_SEQUENCE_PLAN not in support.capabilities
     assert support.min_prefill_retention == flashinfer_span.SPAN_MIN_RETENTION
     assert "flashinfer_span" in Registry.discover().kernel_names()
+
+
+def test_a_span_plan_of_another_page_size_or_with_empty_rows_is_refused(rng):
+    from flashloop_backend.kernels.span_plan import check_span_sequences
+
+    q, (cache_k, cache_v), tables, lengths, keys, key_tables = _sparse_chunk(
+        rng, torch.float32, "cpu"
+    )
+    plan = plan_host_spans(keys, lengths, key_tables, BLOCK * 2)
+    with pytest.raises(
+        ValueError, match=f"the plan's pages hold {BLOCK * 2} keys; the cache's {BLOCK}"
+    ):
+        span_prefill_reference(q, cache_k, cache_v, tables, lengths, None, plan)
+    plan = plan_host_spans(keys, lengths, key_tables, BLOCK)
+    with pytest.raises(
+        ValueError, match=f"a span run takes a plan of its {plan.span_rows + 1} rows"
+    ):
+        check_span_sequences(plan.spans, plan.span_rows + 1, BLOCK)
+    padded = plan_host_sequences(
+        torch.zeros(2, dtype=torch.int64),
+        torch.tensor([0, 3], dtype=torch.int32),
+        key_tables,
+        BLOCK,
+    )
+    with pytest.raises(ValueError, match="with no empty row; got 2 rows, empty rows True"):
+        check_span_sequences(padded, 2, BLOCK)

@@ -26,7 +26,7 @@ from flashloop_backend.capabilities import Capability, Support
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 from flashloop_backend.kernels.sequence_plan import SequencePlan, plan_sequences
-from flashloop_backend.kernels.span_plan import DeviceSpanPlans, SpanPlan
+from flashloop_backend.kernels.span_plan import DeviceSpanPlans, SpanPlan, check_span_sequences
 from flashloop_backend.kernels.validate import check_paged_inputs, tensor_versions
 
 SUPPORT = Support(
@@ -200,16 +200,7 @@ class FlashInferPagedAttention:
         has no row of length 0 (a span plan's sequences), in caches [NB, BS, Hkv, D] of its
         page size; planned once per plan object, always on the prefill wrapper (one kernel
         for every span, whatever its rows)."""
-        if sequence_plan.has_empty_rows or sequence_plan.num_rows != q.shape[0]:
-            raise ValueError(
-                f"a host-planned run takes a plan of its {q.shape[0]} rows with no empty row; "
-                f"got {sequence_plan.num_rows} rows, empty rows {sequence_plan.has_empty_rows}"
-            )
-        if sequence_plan.block_size != key_cache.shape[1]:
-            raise ValueError(
-                f"the plan's pages hold {sequence_plan.block_size} keys; the cache's "
-                f"{key_cache.shape[1]}"
-            )
+        check_span_sequences(sequence_plan, q.shape[0], key_cache.shape[1])
         num_q_heads, head_dim = q.shape[1:]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         shape = (num_q_heads, key_cache.shape[2], head_dim, q.dtype, scale)

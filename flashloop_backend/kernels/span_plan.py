@@ -54,6 +54,19 @@ class SpanPlan:
         )
 
 
+def check_span_sequences(spans: SequencePlan, rows: int, block_size: int) -> None:
+    """Refuses a span plan's ``spans`` that a causal kernel could not run over a span
+    buffer of ``rows`` rows in pages of ``block_size`` keys: another row count, a row of
+    length 0, or another page size (ValueError naming both)."""
+    if spans.has_empty_rows or spans.num_rows != rows:
+        raise ValueError(
+            f"a span run takes a plan of its {rows} rows with no empty row; got "
+            f"{spans.num_rows} rows, empty rows {spans.has_empty_rows}"
+        )
+    if spans.block_size != block_size:
+        raise ValueError(f"the plan's pages hold {spans.block_size} keys; the cache's {block_size}")
+
+
 def plan_host_spans(
     table_keys: torch.Tensor,
     lengths: torch.Tensor,

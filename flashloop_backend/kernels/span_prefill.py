@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from flashloop_backend.kernels.sequence_plan import SequencePlan
-from flashloop_backend.kernels.span_plan import SpanPlan, plan_spans
+from flashloop_backend.kernels.span_plan import SpanPlan, check_span_sequences, plan_spans
 from flashloop_backend.kernels.torch_ref.paged import paged_prefill
 from flashloop_backend.kernels.validate import check_paged_inputs
 
@@ -56,6 +56,7 @@ def span_prefill(
             span_plan.slots.to(q.device, non_blocking=True),
         )
     served, slots = device_plan
+    check_span_sequences(span_plan.spans, span_plan.span_rows, key_cache.shape[1])
     span_q = q.new_zeros((span_plan.span_rows, num_q_heads, head_dim))
     span_q.index_copy_(0, slots, q.index_select(0, served))
     span_out = causal(span_q, key_cache, value_cache, span_plan.spans, scale)
