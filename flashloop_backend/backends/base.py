@@ -105,10 +105,13 @@ class RequestKV(Protocol):
 class GraphStep:
     """A decode step's plan into a backend's graph buffers: ``variant`` is the part of the
     graph key the backend's kernels add (e.g. the packed reader's level count), ``reason``
-    why these rows cannot run from a graph (None: they can)."""
+    why these rows cannot run from a graph (None: they can), ``references_ready`` whether
+    the host knows every row that reads a loop-2 reference holds its own (the step's ops:
+    :meth:`AttentionBackend.decode_ops`)."""
 
     variant: int = 1
     reason: str | None = None
+    references_ready: bool = False
 
 
 class AttentionBackend(ABC):
@@ -251,10 +254,17 @@ class AttentionBackend(ABC):
         return None
 
     # ------------------------------------------------------------ steps
-    def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
-        """Host planning step of a batch after it is built: ``request_ids[i]`` and
-        ``depths[i]`` of its i-th decode row, in batch order (the view's ``decode_bound``
-        rows; prefill and padding rows are not listed)."""
+    def plan(
+        self,
+        view: BatchView,
+        request_ids: list[int],
+        depths: list[int],
+        tokens: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Host planning step of a batch after it is built: ``request_ids[i]``,
+        ``depths[i]`` and ``tokens[i]`` (its token-state slot and incarnation; None: not
+        known) of its i-th decode row, in batch order (the view's ``decode_bound`` rows;
+        prefill and padding rows are not listed)."""
         return None
 
     def speculation_blockers(self) -> list[str]:
@@ -274,8 +284,9 @@ class AttentionBackend(ABC):
         """Why a CUDA graph cannot capture this backend's decode traversal (none: it can)."""
         return []
 
-    def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
-        """The ops a decode-only step with rows at ``depths`` launches (a graph key part)."""
+    def decode_ops(self, depths: frozenset[int], references_ready: bool = False) -> tuple[str, ...]:
+        """The ops a decode-only step with rows at ``depths`` launches (a graph key part),
+        when ``references_ready`` (:class:`GraphStep`) or not."""
         return ("dense_attention",)
 
     def graph_variants(self, depths: frozenset[int]) -> tuple[int, ...]:
@@ -283,14 +294,24 @@ class AttentionBackend(ABC):
         keys a warm-up captures ahead of serving)."""
         return (1,)
 
+    def reference_variants(self, depths: frozenset[int]) -> tuple[bool, ...]:
+        """Every ``GraphStep.references_ready`` a decode step with rows at ``depths`` can
+        plan that changes its ops (the keys a warm-up captures ahead of serving)."""
+        return (False,)
+
     def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
         """Allocate fixed-address inputs for graphs of up to ``rows`` rows whose histories
         reach ``max_context`` positions."""
         return None
 
-    def plan_graph_step(self, request_ids: list[int | None], depths: list[int]) -> GraphStep:
-        """Plan a decode step's rows (``request_ids`` padded with None to the bucket) into
-        the fixed inputs."""
+    def plan_graph_step(
+        self,
+        request_ids: list[int | None],
+        depths: list[int],
+        tokens: list[tuple[int, int]] | None = None,
+    ) -> GraphStep:
+        """Plan a decode step's rows (``request_ids`` padded with None to the bucket, and
+        their ``tokens`` as :meth:`plan`'s, padded with (-1, -1)) into the fixed inputs."""
         return GraphStep()
 
     def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:

@@ -3,7 +3,9 @@
 With every feature off it is the dense path (DESIGN §4). Its registry entry (what it can
 claim on a machine, the kernels it needs) is ``flashloop_spec``; its request lifecycle
 (stores, admission, packing, release, saved state) is the ``flashloop_requests`` mixin,
-and what it refuses to graph, speculate or split over ranks the ``flashloop_support`` one.
+its decode steps' host plans (graph keys, packed levels, the references it vouches for)
+the ``flashloop_steps`` one, and what it refuses to graph, speculate or split over ranks
+the ``flashloop_support`` one.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashloop_backend.backends.base import AttentionBackend, GraphStep
+from flashloop_backend.backends.base import AttentionBackend
 from flashloop_backend.backends.batch_plan import BatchPlan, PlanRouting
 from flashloop_backend.backends.flashloop_requests import FlashLoopRequests
+from flashloop_backend.backends.flashloop_steps import FlashLoopSteps
 from flashloop_backend.backends.flashloop_support import FlashLoopSupport
 from flashloop_backend.backends.packed_state import PackedState
-from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
+from flashloop_backend.backends.sparse_state import ReferenceStates
 from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import (
-    SPARSE_START_DEPTH,
     BatchView,
     prefill_route_ops,
     routable_ops,
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from flashloop_backend.registry import KernelChoice
 
 
-class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
+class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, AttentionBackend):
     """The callable backend. ``__call__`` is vllm-rlt's dense surface; ``forward`` takes a
     :class:`~flashloop_backend.dispatch.BatchView` and dispatches segments."""
 
@@ -67,54 +69,9 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
         self._plan: BatchPlan | None = None
         self._routing: PlanRouting | None = None
         self._prefill_ops = prefill_route_ops(config)  # the config is immutable
-
-    def decode_ops(self, depths: frozenset[int]) -> tuple[str, ...]:
-        """The ops a decode-only step with rows at ``depths`` launches (a graph key part);
-        the packed read marked ``:few_rows`` where it carries that launch hint (a graph
-        captured with it must not serve a step that reads real rows)."""
-        ops = sorted(op.value for op in routable_ops(self.config, True, depths))
-        if self._fallback_depths(depths):
-            hinted = OpName.PACKED_DECODE.value
-            ops = [f"{op}:few_rows" if op == hinted else op for op in ops]
-        return tuple(ops)
-
-    # ------------------------------------------------------------ steps and graphs
-    def plan(self, view: BatchView, request_ids: list[int], depths: list[int]) -> None:
-        """Which decode rows read which packed levels (KV quantization; see ``PackedState``)."""
-        if self.packed is not None:
-            self.packed.plan(view, request_ids, depths)
-
-    def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
-        states = self.states
-        # graph rows read tables of ``max_context`` positions; the runner reserves its
-        # inputs when it is built, before any step has written a reference
-        if states is not None:
-            span = self.reader_span(max_context)
-            key_retention = self.config.sparse_decode_attention.key_retention
-            if key_bucket(key_retention, span) > states.k_bucket:
-                heads, head_dim = states.output.shape[-2:]
-                device = states.indices.device
-                self.reserve_state(
-                    states.num_slots, states.num_layers, heads, head_dim, span, device
-                )
-        if self.packed is not None:
-            self.packed.reserve_graph_inputs(rows, max_context, self.config.num_loops)
-
-    def graph_variants(self, depths: frozenset[int]) -> tuple[int, ...]:
-        if self.packed is None:
-            return (1,)
-        # the packed reader's levels: the deepest row whose sequence has packed pages, + 1
-        # (1 when none has: a prompt shorter than one group packs nothing)
-        return tuple(sorted({1, *(depth + 1 for depth in depths)}))
-
-    def plan_graph_step(self, request_ids: list[int | None], depths: list[int]) -> GraphStep:
-        if self.packed is None:
-            return GraphStep()
-        return self.packed.plan_graph_step(request_ids, depths)
-
-    def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:
-        if self.packed is not None:
-            self.packed.bind_graph_step(view, step)
+        self._ready_view: BatchView | None = None  # whose references the host vouches for
+        self._skips = False  # the planned batch skips its fallback read
+        self._zero_base: torch.Tensor | None = None
 
     # ------------------------------------------------------------ accounting
     def kv_bytes_held(self) -> int:
@@ -158,7 +115,7 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
         counted in ``states.missing_reference``. No host synchronisation."""
         plan, routing = self._planned(view)
         gathered_q = plan.gather(q)
-        out = None
+        out = self._zero_base_for(gathered_q) if self._skips else None
         for op, choice, n in self._runs(view, plan):
             mine, inputs = self._op_inputs(op, n, layer, gathered_q, key_cache, value_cache, scale)
             merges = out is not None and self._merges_into_base(op, choice, out[:n])
@@ -204,6 +161,8 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
         if self._plan is None or self._plan.view is not view:
             self._plan = BatchPlan.of(view, self.config)
             self._routing = PlanRouting(self._plan, self.states, self.config)
+            self._skips = self._skips_fallback(view, self._plan)
+            self._zero_base = None
         return self._plan, self._routing
 
     def _runs(self, view: BatchView, plan: BatchPlan) -> list[tuple[OpName, KernelChoice, int]]:
@@ -221,6 +180,8 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
             for op, choice in self.kernels.items()
         ]
         runs = [(op, choice, n) for op, choice, n in runs if op in launched and n != 0]
+        if self._skips:
+            runs = [run for run in runs if run[0] in CORRECTION_OPS]
         runs.sort(key=lambda run: not (run[0] in BASE_OUTPUT_OPS and run[2] == view.num_rows))
         return runs
 
@@ -290,17 +251,3 @@ class FlashLoopBackend(FlashLoopRequests, FlashLoopSupport, AttentionBackend):
         its rows (its kernel computes every position of the span)."""
         op = OpName.SPARSE_PREFILL
         return op in self.kernels and self._declares(op, Capability.SPAN_PREFILL)
-
-    def _fallback_only(self, view: BatchView) -> bool:
-        """Whether the batch's packed read serves only rows a loop 3-4 correction could not
-        (every row decodes at a sparse loop: none in a steady run), the launch hint
-        ``few_rows``."""
-        return view.decode_only and self._fallback_depths(view.decode_depths)
-
-    def _fallback_depths(self, depths: frozenset[int] | None) -> bool:
-        """Whether decode rows at ``depths`` (None: unknown) all run at a sparse loop."""
-        return (
-            self.config.sparse_decode_attention.enabled
-            and bool(depths)
-            and min(depths) >= SPARSE_START_DEPTH
-        )

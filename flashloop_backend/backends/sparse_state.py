@@ -5,12 +5,15 @@ positions, their mass, the full reference output and the selected contribution. 
 (slot, layer) records the incarnation of the token that wrote it, so a new token in a
 reused slot (or at a position reused after speculative rejection) never reads its
 predecessor's state: a mismatch means "no reference" and the row runs dense, counted in
-``missing_reference``. Writes and readiness checks never synchronise with the host.
+``missing_reference``. Writes and readiness checks never synchronise with the host; the
+host keeps its own record of the tokens whose sources it planned (:meth:`host_ready`), so
+a step whose rows all hold their reference can leave out the dense read for rows without.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -77,6 +80,10 @@ class ReferenceStates:
         )
         self.missing_reference = torch.zeros((), dtype=torch.int64, device=device)
         self.sources_written = torch.zeros((), dtype=torch.int64, device=device)
+        # slot -> incarnation of the token whose source a planned step writes there: the
+        # host's copy of ``incarnation`` for the writes it planned (a write it did not plan
+        # is missing here, so a row it cannot vouch for keeps its dense read)
+        self.host_written: dict[int, int] = {}
 
     def target(self, slots: torch.Tensor) -> torch.Tensor:
         """[N] int64: each row's slot, or the scratch slot S for rows without a usable one.
@@ -186,6 +193,24 @@ class ReferenceStates:
     def retire(self, slot: int) -> None:
         """The token in ``slot`` is gone: its state can never be read again."""
         self.incarnation[slot] = EMPTY
+        self.host_written.pop(slot, None)
+
+    def host_ready(self, tokens: Iterable[tuple[int, int]]) -> bool:
+        """Whether every (slot, incarnation) of ``tokens`` holds its own reference by the
+        host's record of planned sources: what :meth:`ready_layers` would find at every
+        layer, known without reading the device."""
+        written = self.host_written
+        return all(
+            0 <= slot < self.num_slots and incarnation != EMPTY and written.get(slot) == incarnation
+            for slot, incarnation in tokens
+        )
+
+    def host_sources(self, tokens: Iterable[tuple[int, int]]) -> None:
+        """Record that a planned step writes the source of each (slot, incarnation) of
+        ``tokens`` at every layer (a row without a usable slot writes the scratch slot)."""
+        for slot, incarnation in tokens:
+            if 0 <= slot < self.num_slots:
+                self.host_written[slot] = incarnation
 
     def live_slots(self) -> int:
         """Slots (scratch excluded) whose state some token wrote and that was not retired

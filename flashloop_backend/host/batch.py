@@ -58,6 +58,15 @@ class RowGroup:
         return list(self.span) if self.span else list(range(self.start, self.start + self.count))
 
 
+def row_tokens(groups: list[RowGroup]) -> list[tuple[int, int]]:
+    """(token-state slot, incarnation) of every row of ``groups``, in row order."""
+    return [
+        token
+        for group in groups
+        for token in zip(group.token_slots(), group.token_incarnations(), strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class Batch:
     view: BatchView

@@ -12,7 +12,7 @@ import torch
 from flashloop_backend.backends.base import AttentionBackend
 from flashloop_backend.device_copy import to_device
 from flashloop_backend.dispatch import RowMode
-from flashloop_backend.host.batch import Batch, RowGroup, build_batch
+from flashloop_backend.host.batch import Batch, RowGroup, build_batch, row_tokens
 from flashloop_backend.host.features import HostRequestKV
 from flashloop_backend.host.graphs import GRAPH_MODES
 from flashloop_backend.host.kvcache import OutOfBlocksError, PagedKVCache
@@ -83,7 +83,12 @@ class StepExecution:
         pad = batch.view.num_rows - batch.num_real_rows
         # host planning: which decode rows read which of the backend's own KV
         decode = [g for g in groups if g.mode != RowMode.PREFILL for _ in range(g.count)]
-        self.backend.plan(batch.view, [g.request_id for g in decode], [g.depth for g in decode])
+        self.backend.plan(
+            batch.view,
+            [g.request_id for g in decode],
+            [g.depth for g in decode],
+            row_tokens([g for g in groups if g.mode != RowMode.PREFILL]),
+        )
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         return self._traverse(hidden, batch)[: batch.num_real_rows]

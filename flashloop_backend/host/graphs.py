@@ -16,8 +16,9 @@ packed store are the backend's own fixed device tensors.
 Graph key: (bucket, variant, ops), where variant is the backend's kernel variant for the
 step (the packed reader's ``LEVELS``: the deepest packed row's depth + 1; 1 without KV
 quantization) and ops
-the backend's ``decode_ops(depths)`` for the loop depths of the step's rows (a loop-1 step
-never launches the loop-2 source or the correction). The first step of
+the backend's ``decode_ops(depths, references_ready)`` for the loop depths of the step's
+rows (a loop-1 step never launches the loop-2 source or the correction; a loop 3-4 step
+whose references the backend vouches for launches no fallback read). The first step of
 a key runs eagerly on the fixed buffers (compiling kernels), which is that step's result,
 then captures; later steps replay. A step the graphs cannot take (more rows than the
 largest bucket, a history wider than the capacity) runs eagerly with the same backend and
@@ -45,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flashloop_backend.backends.base import AttentionBackend, GraphStep
 from flashloop_backend.config import ConfigError
 from flashloop_backend.dispatch import BatchView, RowMode
-from flashloop_backend.host.batch import Batch, RowGroup
+from flashloop_backend.host.batch import Batch, RowGroup, row_tokens
 from flashloop_backend.host.graph_inputs import GraphInputs
 from flashloop_backend.host.kvcache import PagedKVCache
 
@@ -221,7 +222,8 @@ class DecodeGraphs:
             pad = bucket - rows
             owners = [g.request_id for g in groups for _ in range(g.count)] + [None] * pad
             depths = [g.depth for g in groups for _ in range(g.count)] + [0] * pad
-            step = self.backend.plan_graph_step(owners, depths)
+            tokens = row_tokens(groups) + [(-1, -1)] * pad
+            step = self.backend.plan_graph_step(owners, depths, tokens)
             reason = step.reason
         if reason is not None:
             if reason not in self.fallbacks:
@@ -234,7 +236,7 @@ class DecodeGraphs:
         # the depths present decide which ops the traversal launches (and so captures)
         present = frozenset(g.depth for g in groups)
         traverse = self._traversal(bucket, present, step, tuple(groups), rows)
-        key = (bucket, step.variant, self.backend.decode_ops(present))
+        key = (bucket, step.variant, self.backend.decode_ops(present, step.references_ready))
         with torch.no_grad():
             if not self.settings.capture:
                 self.eager_steps += 1
@@ -285,17 +287,19 @@ class DecodeGraphs:
         self.graph_bytes += self.capture.reserved() - before
         self.graphs[key] = (graph, static)
 
-    def prepare(self, bucket: int, depths: frozenset[int], variant: int) -> bool:
-        """Capture the graph of key (``bucket``, ``variant``, the ops of rows at ``depths``)
-        on padding rows, unless it exists: a replay reads whatever rows the fixed buffers
-        hold then, so serving that key later captures and compiles nothing. Returns
-        whether it captured."""
-        key = (bucket, variant, self.backend.decode_ops(depths))
+    def prepare(
+        self, bucket: int, depths: frozenset[int], variant: int, references_ready: bool = False
+    ) -> bool:
+        """Capture the graph of key (``bucket``, ``variant``, the ops of rows at ``depths``
+        when ``references_ready`` or not) on padding rows, unless it exists: a replay
+        reads whatever rows the fixed buffers hold then, so serving that key later
+        captures and compiles nothing. Returns whether it captured."""
+        key = (bucket, variant, self.backend.decode_ops(depths, references_ready))
         if not self.settings.capture or key in self.graphs:
             return False
         self._fill([], self.hidden[:0], bucket)
         planned = self.backend.plan_graph_step([None] * bucket, [0] * bucket)
-        step = dataclasses.replace(planned, variant=variant)
+        step = dataclasses.replace(planned, variant=variant, references_ready=references_ready)
         traverse = self._traversal(bucket, depths, step, (), 0)
         with torch.no_grad():
             traverse()  # compiles every kernel before the capture
@@ -313,7 +317,8 @@ class DecodeGraphs:
             for size in range(1, 1 + (1 if one_depth else min(bucket, loops))):
                 for depths in map(frozenset, itertools.combinations(range(loops), size)):
                     for variant in self.backend.graph_variants(depths):
-                        captured += self.prepare(bucket, depths, variant)
+                        for ready in self.backend.reference_variants(depths):
+                            captured += self.prepare(bucket, depths, variant, ready)
             if bucket >= max_rows:
                 break
         return captured
