@@ -45,15 +45,21 @@ def test_the_host_record_vouches_only_for_the_token_whose_source_it_planned():
 def test_a_step_checks_its_readers_before_recording_its_sources():
     backend = _backend(**SPARSE)
     backend.reserve_state(4, 1, 4, 16, 64, "cpu")
+    view = object()  # plan() keeps the view it vouches for; any object stands in
+
+    def plan(depths, tokens):
+        backend.plan(view, [1] * len(depths), depths, tokens)
+        return backend._ready_view is view
+
     # a reader and a source of one token in one step never happens; if it did, the
     # reader's reference is the one written before the step, and there is none
-    assert not backend._references_ready([2, 1], [(0, 5), (0, 5)])
-    assert backend._references_ready([2], [(0, 5)])
-    assert not backend._references_ready([1, 1], [(1, 6), (2, 6)])  # no reader: nothing to skip
-    assert not backend._references_ready([2, 3], [(0, 5), (3, 6)])  # slot 3 never sourced
-    assert not backend._references_ready([2], None)  # tokens not given
+    assert not plan([2, 1], [(0, 5), (0, 5)])
+    assert plan([2], [(0, 5)])
+    assert not plan([1, 1], [(1, 6), (2, 6)])  # no reader: nothing to skip
+    assert not plan([2, 3], [(0, 5), (3, 6)])  # slot 3 was never a source's
+    assert not plan([2], None)  # tokens not given
     with pytest.raises(ValueError, match="2 row tokens for 1 decode rows"):
-        backend._references_ready([2], [(0, 5), (1, 5)])
+        plan([2], [(0, 5), (1, 5)])
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -112,17 +118,21 @@ def _generate(features, graphs, vouch: bool, monkeypatch):
 @pytest.mark.parametrize("graphs", [None, False, True])
 def test_vouched_steps_give_the_same_tokens(packed, graphs, monkeypatch):
     features = {**SPARSE, **(PACKED if packed else {})}
-    tokens, vouched, missing, _ = _generate(features, graphs, True, monkeypatch)
+    tokens, vouched, missing, engine = _generate(features, graphs, True, monkeypatch)
     plain, none, plain_missing, _ = _generate(features, graphs, False, monkeypatch)
     assert tokens == plain
     assert vouched > 0 and none == 0  # steady loop 3-4 steps are vouched for
     assert missing == plain_missing == 0
+    if graphs:  # replays of the graph that launches the correction alone
+        assert engine.graphs.stats()["replays"] > 0
+        correction = "packed_sparse_correction" if packed else "sparse_correction"
+        assert any(ops == (correction,) for (_, _, ops) in engine.graphs.graphs)
 
 
-def test_a_row_the_device_finds_without_its_reference_keeps_zeros_and_is_counted():
+def test_a_vouched_row_the_device_finds_without_its_reference_is_caught_when_a_request_leaves():
     """The device routes by its own record: were the host to vouch for a row whose slot
-    holds no reference, that row's output stays zero (no stale state is read) and the
-    row is counted, as a fallback row is."""
+    holds no reference, that row reads no stale state (its output is the zeroed base)
+    and is counted; the next request to leave raises with the count."""
     backend = _backend(**SPARSE)
     backend.reserve_state(4, 1, 4, 16, 64, "cpu")
     rng = torch.Generator().manual_seed(0)
@@ -155,7 +165,9 @@ def test_a_row_the_device_finds_without_its_reference_keeps_zeros_and_is_counted
         object.__setattr__(dense, "fn", original)
     assert backend._skips and not ran  # no fallback read
     assert torch.equal(out, torch.zeros_like(out))
-    assert int(backend.states.missing_reference) == 2
+    assert int(backend.states.missing_reference) == int(backend.states.vouched_missing) == 2
+    with pytest.raises(RuntimeError, match="2 loop 3-4 rows of steps the host vouched for"):
+        backend.release(1, 0)
 
 
 def test_warm_up_captures_both_graphs_of_a_loop_3_4_step(monkeypatch):

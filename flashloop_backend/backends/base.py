@@ -146,7 +146,8 @@ class AttentionBackend(ABC):
         scale: float | None = None,
     ) -> torch.Tensor:
         """Attention for every row of ``view`` at ``layer``: q [R, Hq, D] -> [R, Hq, D];
-        inactive and padding rows get zeros."""
+        inactive and padding rows get zeros. The output is valid until the next call (a
+        backend may write every layer's into one tensor)."""
         return None
 
     # ------------------------------------------------------------ start-up

@@ -128,12 +128,14 @@ class PlanRouting:
         self.target = states.target(plan.slots) if states is not None else None
         self.base_routes = plan.routes  # [R]
         self.routes = plan.routes  # [R], or [L, R] when routes follow references
+        self.missing: torch.Tensor | None = None  # () int64: this batch's count
         if states is not None and plan.correctable is not None:
             ready = states.ready_layers(self.target, plan.incarnations)  # [R, L]
             correctable = plan.correctable[:, None]
             routes = with_references(plan.routes[:, None], correctable, config, ready)
             self.routes = routes.T.contiguous()
-            states.missing_reference += (correctable & ~ready).sum()
+            self.missing = (correctable & ~ready).sum()
+            states.missing_reference += self.missing
         # op -> (rows it serves [n] or [L, n] bool, their masked lengths or None)
         self._masks: dict = {}
         self._writes: dict = {}

@@ -72,6 +72,7 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
         self._ready_view: BatchView | None = None  # whose references the host vouches for
         self._skips = False  # the planned batch skips its fallback read
         self._zero_base: torch.Tensor | None = None
+        self._vouched_any = False  # some step skipped its fallback read
 
     # ------------------------------------------------------------ accounting
     def kv_bytes_held(self) -> int:
@@ -112,7 +113,10 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
         route names, and results are scattered back; inactive and padding rows get zeros.
         Sparse decode: loop-2 rows write their reference into the state store; loop 3-4
         rows with this token's reference run the correction, others run dense and are
-        counted in ``states.missing_reference``. No host synchronisation."""
+        counted in ``states.missing_reference`` (in a step whose references the host
+        vouched for, none runs dense: ``FlashLoopSteps._skips_fallback``). The output may
+        be one tensor for every layer of a batch: it is valid until the next call. No
+        host synchronisation."""
         plan, routing = self._planned(view)
         gathered_q = plan.gather(q)
         out = self._zero_base_for(gathered_q) if self._skips else None
@@ -163,6 +167,9 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
             self._routing = PlanRouting(self._plan, self.states, self.config)
             self._skips = self._skips_fallback(view, self._plan)
             self._zero_base = None
+            if self._skips and self._routing.missing is not None:
+                self.states.vouched_missing += self._routing.missing
+                self._vouched_any = True
         return self._plan, self._routing
 
     def _runs(self, view: BatchView, plan: BatchPlan) -> list[tuple[OpName, KernelChoice, int]]:

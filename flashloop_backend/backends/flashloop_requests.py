@@ -222,6 +222,22 @@ class FlashLoopRequests:
             self.packed.release(request_id)
         if self.states is not None and slot >= 0:
             self.states.retire(slot)
+        self.check_vouched_references()
+
+    def check_vouched_references(self) -> None:
+        """Raise if a step whose loop-2 references the host vouched for met a row the
+        device found without one (that row's attention was left out). It reads the
+        device, so it runs where a request leaves, and only once a step was vouched for."""
+        states = self.states
+        if states is None or not self._vouched_any:
+            return
+        missing = int(states.vouched_missing)
+        if missing:
+            raise RuntimeError(
+                f"{missing} loop 3-4 rows of steps the host vouched for found no loop-2 "
+                "reference on the device: their attention was left out. The host's record of "
+                "planned sources (ReferenceStates.host_written) disagrees with the device's."
+            )
 
     # ------------------------------------------------------------ saved request state
     def state_identity(self) -> dict:

@@ -23,6 +23,7 @@ from flashloop_backend.dispatch import (
     SPARSE_START_DEPTH,
     BatchView,
     routable_ops,
+    sparse_decode_ops,
 )
 from flashloop_backend.kernels.op_inputs import CORRECTION_OPS
 from flashloop_backend.kernels.op_protocols import OpName
@@ -45,6 +46,8 @@ class FlashLoopSteps:
         return tuple(ops)
 
     def reference_variants(self, depths: frozenset[int]) -> tuple[bool, ...]:
+        """Both where a step at ``depths`` can skip its fallback read: a row the host
+        cannot vouch for (a host that gives no tokens) needs the key with it."""
         return (False, True) if self._fallback_skippable(depths) else (False,)
 
     # ------------------------------------------------------------ steps and graphs
@@ -60,22 +63,32 @@ class FlashLoopSteps:
         (:meth:`_skips_fallback`)."""
         if self.packed is not None:
             self.packed.plan(view, request_ids, depths)
-        self._ready_view = view if self._references_ready(depths, tokens) else None
+        vouched = self._vouches(depths, tokens)
+        self._record_sources(depths, tokens)
+        self._ready_view = view if vouched else None
 
-    def _references_ready(self, depths: list[int], tokens: list[tuple[int, int]] | None) -> bool:
+    def _vouches(self, depths: list[int], tokens: list[tuple[int, int]] | None) -> bool:
         """Whether the host's record holds the reference of every row of a step at a
-        sparse loop (``tokens``: each row's slot and incarnation); then records the
-        step's loop-2 sources (a step never writes the slot of a row that reads one)."""
-        states = self.states
-        if states is None or tokens is None:
-            return False
+        sparse loop (``depths`` and ``tokens``, each row's slot and incarnation, of the
+        step's decode rows; False where it has no such row)."""
+        rows = self._token_rows(depths, tokens)
+        readers = [token for token, depth in rows if depth >= SPARSE_START_DEPTH]
+        return bool(readers) and self.states.host_ready(readers)
+
+    def _record_sources(self, depths: list[int], tokens: list[tuple[int, int]] | None) -> None:
+        """Record the loop-2 sources a planned step writes (after :meth:`_vouches`: a step
+        never writes the slot of a row that reads its reference)."""
+        rows = self._token_rows(depths, tokens)
+        if rows:
+            self.states.host_sources(token for token, depth in rows if depth == REFERENCE_DEPTH)
+
+    def _token_rows(self, depths: list[int], tokens: list[tuple[int, int]] | None) -> list:
+        """[(token, depth)] of a step's decode rows; empty without sparse decode or tokens."""
+        if self.states is None or tokens is None:
+            return []
         if len(tokens) != len(depths):
             raise ValueError(f"{len(tokens)} row tokens for {len(depths)} decode rows")
-        rows = list(zip(tokens, depths, strict=True))
-        readers = [token for token, depth in rows if depth >= SPARSE_START_DEPTH]
-        ready = bool(readers) and states.host_ready(readers)
-        states.host_sources(token for token, depth in rows if depth == REFERENCE_DEPTH)
-        return ready
+        return list(zip(tokens, depths, strict=True))
 
     def reserve_graph_inputs(self, rows: int, max_context: int) -> None:
         states = self.states
@@ -112,9 +125,11 @@ class FlashLoopSteps:
         # padding rows (no request) are no decode rows
         rows = [i for i, owner in enumerate(request_ids) if owner is not None]
         known = None if tokens is None else [tokens[i] for i in rows]
-        ready = self._references_ready([depths[i] for i in rows], known)
-        present = frozenset(depths[i] for i in rows)
-        return replace(step, references_ready=ready and self._fallback_skippable(present))
+        row_depths = [depths[i] for i in rows]
+        vouched = self._vouches(row_depths, known)
+        self._record_sources(row_depths, known)
+        present = frozenset(row_depths)
+        return replace(step, references_ready=vouched and self._fallback_skippable(present))
 
     def bind_graph_step(self, view: BatchView, step: GraphStep) -> None:
         if self.packed is not None:
@@ -126,8 +141,9 @@ class FlashLoopSteps:
         reference: the host vouched for every row's reference (:meth:`plan` or the graph
         step), every row decodes at a sparse loop in the view's own order, and the
         correction writes its rows into a base (:meth:`_zero_base_for`). The device still
-        routes by its own readiness: a row it finds without a reference keeps zeros and
-        is counted in ``states.missing_reference``."""
+        routes by its own readiness: a row it finds without a reference is left as the
+        base holds it (no stale state is read) and counted in ``states.vouched_missing``,
+        which :meth:`release` checks."""
         return (
             self._ready_view is view
             and view.decode_only
@@ -137,9 +153,10 @@ class FlashLoopSteps:
 
     def _zero_base_for(self, gathered_q: torch.Tensor) -> torch.Tensor:
         """The zeros every layer of a batch that skips its fallback read writes its
-        corrections into, made at the batch's first layer: rows the correction does not
-        serve (padding) are never written, and each layer's output is read before the
-        next layer's correction writes its rows again."""
+        corrections into, made at the batch's first layer (one memset a step, not one a
+        layer): rows the correction does not serve (padding) are never written, and each
+        layer's output is read before the next layer's correction writes its rows again
+        (``forward``'s output is valid until the next ``forward``)."""
         if self._zero_base is None:
             self._zero_base = torch.zeros_like(gathered_q, memory_format=torch.contiguous_format)
         return self._zero_base
@@ -156,7 +173,7 @@ class FlashLoopSteps:
         leave the fallback read out)."""
         if not self._fallback_depths(depths):
             return False
-        correction = next(op for op in self.kernels if op in CORRECTION_OPS)
+        correction = sparse_decode_ops(self.config)[1]
         return self._declares(correction, Capability.CORRECTION_INTO_BASE)
 
     def _fallback_depths(self, depths: frozenset[int] | None) -> bool:

@@ -7,7 +7,8 @@ reused slot (or at a position reused after speculative rejection) never reads it
 predecessor's state: a mismatch means "no reference" and the row runs dense, counted in
 ``missing_reference``. Writes and readiness checks never synchronise with the host; the
 host keeps its own record of the tokens whose sources it planned (:meth:`host_ready`), so
-a step whose rows all hold their reference can leave out the dense read for rows without.
+a step whose rows all hold their reference can leave out the dense read for rows without
+(a row the device then finds without one is counted in ``vouched_missing``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ReferenceStates:
         )
         self.missing_reference = torch.zeros((), dtype=torch.int64, device=device)
         self.sources_written = torch.zeros((), dtype=torch.int64, device=device)
+        self.vouched_missing = torch.zeros((), dtype=torch.int64, device=device)
         # slot -> incarnation of the token whose source a planned step writes there: the
         # host's copy of ``incarnation`` for the writes it planned (a write it did not plan
         # is missing here, so a row it cannot vouch for keeps its dense read)
