@@ -184,7 +184,40 @@ def base_routes_of(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`base_routes` of rows with modes [R] and depths [R] on any device: a prompt
     row's route depends on its mode and depth alone, so the host's copy of them gives the
-    routes of a view without decode rows without reading the device."""
+    routes of a view without decode rows without reading the device. One lookup of
+    :func:`route_table` per output (a batch plans in a few launches, not one per rule);
+    depths beyond the last loop route as the last loop's rows do."""
+    routes, correctable = route_table(config, depths.device)
+    loops = config.num_loops
+    key = depths.clamp(0, loops).add_(row_modes, alpha=loops + 1)
+    return routes[key], None if correctable is None else correctable[key]
+
+
+_ROUTE_TABLES: dict[tuple[int, torch.device], tuple] = {}
+
+
+def route_table(
+    config: FlashLoopConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(route code [M * (loops + 1)] int64, correctable [M * (loops + 1)] bool or None) of
+    a row of each mode (M ``RowMode`` values) at each depth 0..loops, at index
+    ``mode * (loops + 1) + depth``: :func:`routes_by_rule` over every pair, made on
+    ``device`` once per config (by device ops, so a first use inside a CUDA graph capture
+    copies nothing from the host)."""
+    key = (id(config), torch.device(device))
+    cached = _ROUTE_TABLES.get(key)
+    if cached is None or cached[0] is not config:  # the config held: its id is not reused
+        index = torch.arange(len(RowMode) * (config.num_loops + 1), device=device)
+        modes, depths = index // (config.num_loops + 1), index % (config.num_loops + 1)
+        cached = _ROUTE_TABLES[key] = (config, *routes_by_rule(modes, depths, config))
+    return cached[1], cached[2]
+
+
+def routes_by_rule(
+    row_modes: torch.Tensor, depths: torch.Tensor, config: FlashLoopConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`base_routes_of` by its rules, one tensor operation each (the table's
+    source and its test oracle)."""
     modes = row_modes.long()
     depth = depths
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
