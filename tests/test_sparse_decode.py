@@ -201,3 +201,11 @@ def test_error_paths(rng):
             torch.randn(2, 4, 2, 16),
             view,
         )
+
+
+def test_a_row_without_a_usable_slot_targets_the_scratch_slot():
+    states = ReferenceStates(5, 1, 1, 4, 16, "cpu")
+    slots = torch.arange(-10, 20)
+    usable = (slots >= 0) & (slots < 5)
+    assert torch.equal(states.target(slots), torch.where(usable, slots, 5))
+    assert states.target(slots.int()).dtype == torch.int32

@@ -90,8 +90,8 @@ class ReferenceStates:
     def target(self, slots: torch.Tensor) -> torch.Tensor:
         """[N] int64: each row's slot, or the scratch slot S for rows without a usable one.
         A batch computes it once; every layer's read, write and readiness check reuse it."""
-        usable = (slots >= 0) & (slots < self.num_slots)
-        return torch.where(usable, slots, self.num_slots)
+        # two launches: -1 and anything at or past S land on S, and S + 1 wraps -1 to S
+        return slots.clamp(-1, self.num_slots).remainder(self.num_slots + 1)
 
     def write_rows(
         self, target: torch.Tensor, incarnations: torch.Tensor, keep: torch.Tensor
