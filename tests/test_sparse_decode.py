@@ -209,3 +209,37 @@ def test_a_row_without_a_usable_slot_targets_the_scratch_slot():
     usable = (slots >= 0) & (slots < 5)
     assert torch.equal(states.target(slots), torch.where(usable, slots, 5))
     assert states.target(slots.int()).dtype == torch.int32
+
+
+@pytest.mark.parametrize("depths", [{0}, {1}, {0, 1}, {2}, {1, 3}, None])
+def test_a_batch_reads_reference_readiness_only_where_a_row_can_correct(depths, monkeypatch):
+    """Loop 1-2 decode rows and prompt rows never correct: a batch whose host-named decode
+    depths are all below loop 3 plans its routes without the readiness gather (its launches
+    are graph nodes of every loop-1 and loop-2 step); unknown depths read it."""
+    from flashloop_backend.backends.batch_plan import BatchPlan, PlanRouting
+
+    config = sparse_config(0.1)
+    states = ReferenceStates(4, 2, 4, 16, 16, "cpu")
+    reads = []
+    monkeypatch.setattr(
+        states, "ready_layers", lambda *a: reads.append(1) or torch.ones(2, 2, dtype=torch.bool)
+    )
+    one = torch.ones(2, dtype=torch.int64)
+    row_depths = sorted(depths or {2}) * 2
+    view = BatchView(
+        positions=torch.tensor([9, 5]),
+        depths=torch.tensor(row_depths[:2]),
+        row_modes=torch.tensor([RowMode.DECODE, RowMode.DECODE], dtype=torch.int8),
+        slots=torch.tensor([0, 1]),
+        incarnations=torch.tensor([3, 4]),
+        request_ids=one,
+        window_ids=-one,
+        context_lengths=torch.tensor([10, 6], dtype=torch.int32),
+        block_tables=torch.zeros(4, 2, 3, dtype=torch.int32),
+        decode_only=True,
+        decode_depths=None if depths is None else frozenset(depths),
+    )
+    routing = PlanRouting(BatchPlan.of(view, config), states, config)
+    corrects = depths is None or max(depths) >= 2
+    assert bool(reads) == corrects
+    assert routing.routes.dim() == (2 if corrects else 1)

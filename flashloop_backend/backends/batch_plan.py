@@ -13,6 +13,7 @@ from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import (
     NOT_ROUTED,
     ROUTE_CODES,
+    SPARSE_START_DEPTH,
     BatchView,
     base_routes,
     base_routes_of,
@@ -109,6 +110,13 @@ def _fits(states: ReferenceStates, n: int) -> bool:
     return states.num_layers * per_layer <= REFERENCE_READ_BYTES
 
 
+def _may_correct(view: BatchView) -> bool:
+    """Whether a row of ``view`` can correct: a decode row at a sparse loop (prompt rows
+    never do), by the depths the host names; unknown depths may."""
+    depths = view.decode_depths
+    return depths is None or any(depth >= SPARSE_START_DEPTH for depth in depths)
+
+
 class PlanRouting:
     """Which rows each op serves, for every layer of a planned batch, computed once.
 
@@ -129,7 +137,7 @@ class PlanRouting:
         self.base_routes = plan.routes  # [R]
         self.routes = plan.routes  # [R], or [L, R] when routes follow references
         self.missing: torch.Tensor | None = None  # () int64: this batch's count
-        if states is not None and plan.correctable is not None:
+        if states is not None and plan.correctable is not None and _may_correct(plan.view):
             ready = states.ready_layers(self.target, plan.incarnations)  # [R, L]
             correctable = plan.correctable[:, None]
             routes = with_references(plan.routes[:, None], correctable, config, ready)
