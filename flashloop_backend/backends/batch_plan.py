@@ -124,7 +124,9 @@ class PlanRouting:
     loop-2 reference for that layer. A step never writes the slot of a row that reads its
     reference (a row runs one depth per step, a token owns its slot), so the readiness of
     every layer is known when the batch is planned: one gather gives routes [L, R], and a
-    layer's rows are row ``layer`` of each op's masks, with no launch per layer. The rows
+    layer's rows are row ``layer`` of each op's masks, with no launch per layer. A batch
+    no row of which can correct (its decode depths all below loop 3: the correction is
+    then not among its ops, ``routable_ops``) skips the gather; its routes stay [R]. The rows
     that would correct but find no reference are counted in ``missing_reference`` once, for
     every layer of the state; so are the source's writes (:meth:`source_rows`)."""
 

@@ -13,6 +13,7 @@ from flashloop_backend.backends.base import EngineCapacity, RequestCost, Request
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
 from flashloop_backend.config import ConfigError, FlashLoopConfig
+from flashloop_backend.dispatch import route_table
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kv.encoding import encoding_descriptor
 from flashloop_backend.kv.layout import PackedLayout
@@ -34,8 +35,10 @@ class FlashLoopRequests:
 
     def reserve(self, capacity: EngineCapacity) -> None:
         """The loop-2 reference store (sparse decode) and the packed store (KV
-        quantization), checked against the engine's geometry."""
+        quantization), checked against the engine's geometry; the route table on the
+        device (before any graph capture needs it)."""
         c = capacity
+        route_table(self.config, c.device)
         if self.config.enabled_features() and self.config.num_loops != c.loops:
             raise ConfigError(
                 f"num_loops={self.config.num_loops} differs from the model's "

@@ -88,9 +88,11 @@ class ReferenceStates:
         self.host_written: dict[int, int] = {}
 
     def target(self, slots: torch.Tensor) -> torch.Tensor:
-        """[N] int64: each row's slot, or the scratch slot S for rows without a usable one.
-        A batch computes it once; every layer's read, write and readiness check reuse it."""
-        # two launches: -1 and anything at or past S land on S, and S + 1 wraps -1 to S
+        """[N] (``slots``' dtype): each row's slot, or the scratch slot S for rows without a
+        usable one. A batch computes it once; every layer's read, write and readiness
+        check reuse it."""
+        # two launches: the clamp sends every negative slot to -1 and every slot at or past
+        # S to S, and modulo S + 1 takes -1 to S
         return slots.clamp(-1, self.num_slots).remainder(self.num_slots + 1)
 
     def write_rows(

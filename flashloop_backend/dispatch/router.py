@@ -7,6 +7,7 @@ dynamic half (:func:`route_rows`) labels each row on the device, without host re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -186,14 +187,17 @@ def base_routes_of(
     row's route depends on its mode and depth alone, so the host's copy of them gives the
     routes of a view without decode rows without reading the device. One lookup of
     :func:`route_table` per output (a batch plans in a few launches, not one per rule);
-    depths beyond the last loop route as the last loop's rows do."""
+    depths beyond the last loop route as the last loop's rows do. ``row_modes`` hold
+    ``RowMode`` values (the host's row groups are checked when made)."""
     routes, correctable = route_table(config, depths.device)
     loops = config.num_loops
     key = depths.clamp(0, loops).add_(row_modes, alpha=loops + 1)
     return routes[key], None if correctable is None else correctable[key]
 
 
-_ROUTE_TABLES: dict[tuple[int, torch.device], tuple] = {}
+# (id(config), device) -> its table; an entry leaves with its config (so no later
+# config reuses the id while the entry stands)
+_ROUTE_TABLES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
 def route_table(
@@ -202,15 +206,24 @@ def route_table(
     """(route code [M * (loops + 1)] int64, correctable [M * (loops + 1)] bool or None) of
     a row of each mode (M ``RowMode`` values) at each depth 0..loops, at index
     ``mode * (loops + 1) + depth``: :func:`routes_by_rule` over every pair, made on
-    ``device`` once per config (by device ops, so a first use inside a CUDA graph capture
-    copies nothing from the host)."""
-    key = (id(config), torch.device(device))
+    ``device`` once per config. Kernels captured in a CUDA graph do not run until it
+    replays, so the table must exist before a capture first needs it: a backend makes
+    it when it reserves its device state, and a first use while capturing is refused."""
+    device = torch.device(device)
+    key = (id(config), device)
     cached = _ROUTE_TABLES.get(key)
-    if cached is None or cached[0] is not config:  # the config held: its id is not reused
+    if cached is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the route table of this config on {device} is first needed inside a CUDA "
+                "graph capture, where it would stay unwritten until the graph replays: make "
+                "it before capturing (route_table(config, device), as reserve does)"
+            )
         index = torch.arange(len(RowMode) * (config.num_loops + 1), device=device)
         modes, depths = index // (config.num_loops + 1), index % (config.num_loops + 1)
-        cached = _ROUTE_TABLES[key] = (config, *routes_by_rule(modes, depths, config))
-    return cached[1], cached[2]
+        cached = _ROUTE_TABLES[key] = routes_by_rule(modes, depths, config)
+        weakref.finalize(config, _ROUTE_TABLES.pop, key, None)
+    return cached
 
 
 def routes_by_rule(
@@ -219,21 +232,20 @@ def routes_by_rule(
     """:func:`base_routes_of` by its rules, one tensor operation each (the table's
     source and its test oracle)."""
     modes = row_modes.long()
-    depth = depths
     decode = (modes == RowMode.DECODE) | (modes == RowMode.VERIFY)
     prefill = modes == RowMode.PREFILL
-    routes = torch.full_like(depth, NOT_ROUTED)
+    routes = torch.full_like(depths, NOT_ROUTED)
     routes = torch.where(decode, ROUTE_CODES[decode_op(config, OpName.DENSE_ATTENTION)], routes)
     routes = torch.where(prefill, ROUTE_CODES[OpName.DENSE_PREFILL], routes)
     first_sparse = sparse_prefill_depth(config)
     if first_sparse < config.num_loops:
-        sparse_rows = prefill & (depth >= first_sparse)
+        sparse_rows = prefill & (depths >= first_sparse)
         routes = torch.where(sparse_rows, ROUTE_CODES[OpName.SPARSE_PREFILL], routes)
     if not config.sparse_decode_attention.enabled:
         return routes, None
-    source = decode & (depth == REFERENCE_DEPTH)
+    source = decode & (depths == REFERENCE_DEPTH)
     routes = torch.where(source, ROUTE_CODES[sparse_decode_ops(config)[0]], routes)
-    return routes, decode & (depth >= SPARSE_START_DEPTH)
+    return routes, decode & (depths >= SPARSE_START_DEPTH)
 
 
 def with_references(

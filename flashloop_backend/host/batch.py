@@ -16,6 +16,8 @@ from flashloop_backend.device_copy import to_device
 from flashloop_backend.dispatch import BatchView, HostRows, RowMode
 from flashloop_backend.host.kvcache import PagedKVCache
 
+ROW_MODES = frozenset(RowMode)
+
 
 @dataclass(frozen=True)
 class RowGroup:
@@ -32,6 +34,10 @@ class RowGroup:
     row_incarnations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.mode not in ROW_MODES:  # routes are looked up by mode
+            allowed = ", ".join(f"{m.name}={m.value}" for m in RowMode)
+            raise ValueError(f"row group mode {self.mode!r} is not a RowMode ({allowed})")
+        object.__setattr__(self, "mode", RowMode(self.mode))
         if self.span and (len(self.span) != self.count or self.span[0] != self.start):
             raise ValueError(
                 f"row group span of {len(self.span)} positions from {self.span[0]} disagrees "
