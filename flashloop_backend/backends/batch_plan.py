@@ -13,11 +13,12 @@ from flashloop_backend.config import FlashLoopConfig
 from flashloop_backend.dispatch import (
     NOT_ROUTED,
     ROUTE_CODES,
-    SPARSE_START_DEPTH,
     BatchView,
     base_routes,
     base_routes_of,
     partition_rows,
+    routable_ops,
+    sparse_decode_ops,
     with_references,
 )
 from flashloop_backend.kernels.sequence_plan import SequencePlan
@@ -110,11 +111,11 @@ def _fits(states: ReferenceStates, n: int) -> bool:
     return states.num_layers * per_layer <= REFERENCE_READ_BYTES
 
 
-def _may_correct(view: BatchView) -> bool:
-    """Whether a row of ``view`` can correct: a decode row at a sparse loop (prompt rows
-    never do), by the depths the host names; unknown depths may."""
-    depths = view.decode_depths
-    return depths is None or any(depth >= SPARSE_START_DEPTH for depth in depths)
+def _may_correct(view: BatchView, config: FlashLoopConfig) -> bool:
+    """Whether a row of ``view`` can correct: the correction is among the ops its rows
+    can route to (by the depths the host names; unknown depths may)."""
+    launched = routable_ops(config, view.decode_only, view.decode_depths, view.prefill_depths)
+    return sparse_decode_ops(config)[1] in launched
 
 
 class PlanRouting:
@@ -125,8 +126,8 @@ class PlanRouting:
     reference (a row runs one depth per step, a token owns its slot), so the readiness of
     every layer is known when the batch is planned: one gather gives routes [L, R], and a
     layer's rows are row ``layer`` of each op's masks, with no launch per layer. A batch
-    no row of which can correct (its decode depths all below loop 3: the correction is
-    then not among its ops, ``routable_ops``) skips the gather; its routes stay [R]. The rows
+    none of whose rows can route to the correction (``routable_ops``: decode depths all
+    below loop 3, or prompt rows only) skips the gather; its routes stay [R]. The rows
     that would correct but find no reference are counted in ``missing_reference`` once, for
     every layer of the state; so are the source's writes (:meth:`source_rows`)."""
 
@@ -139,7 +140,7 @@ class PlanRouting:
         self.base_routes = plan.routes  # [R]
         self.routes = plan.routes  # [R], or [L, R] when routes follow references
         self.missing: torch.Tensor | None = None  # () int64: this batch's count
-        if states is not None and plan.correctable is not None and _may_correct(plan.view):
+        if states is not None and plan.correctable is not None and _may_correct(plan.view, config):
             ready = states.ready_layers(self.target, plan.incarnations)  # [R, L]
             correctable = plan.correctable[:, None]
             routes = with_references(plan.routes[:, None], correctable, config, ready)
