@@ -82,12 +82,10 @@ class StepExecution:
         hidden = torch.cat([self._input_hidden(g) for g in groups])
         pad = batch.view.num_rows - batch.num_real_rows
         # host planning: which decode rows read which of the backend's own KV
-        decode = [g for g in groups if g.mode != RowMode.PREFILL for _ in range(g.count)]
+        decode = [g for g in groups if g.mode != RowMode.PREFILL]
+        rows = [g for g in decode for _ in range(g.count)]
         self.backend.plan(
-            batch.view,
-            [g.request_id for g in decode],
-            [g.depth for g in decode],
-            row_tokens([g for g in groups if g.mode != RowMode.PREFILL]),
+            batch.view, [g.request_id for g in rows], [g.depth for g in rows], row_tokens(decode)
         )
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
