@@ -1,6 +1,7 @@
 // The loop-2 source over packed INT4 KV (encoding v3, dense levels) as two streaming passes
 // around the top-K selection. Built by kernels/cuda/packed_source.py with HEAD_DIM, GROUP,
-// LEVELS, WARPS, STAGES, MIN_CTAS and PASS (1: keys, 2: values) defined.
+// LEVELS, WARPS, STAGES, MIN_CTAS and PASS (1: keys, 2: values) defined, and SELECTED 0 for
+// a values pass that sums the dense output alone (source_groups.cuh).
 //
 // Each pass copies only its half of every level's block (keys: K codes and K parameters;
 // values: V codes and V records, plus the group's logits), so a ring stage holds half the
@@ -9,7 +10,9 @@
 //  keys: exact logits (source_groups.cuh), written for the selection, and the split's max
 //        and sum.
 //  values: the dense output and the contribution over the keys the selection took (its
-//        threshold key, and ties at it up to the last tie position it took).
+//        threshold key, and ties at it up to the last tie position it took); with SELECTED
+//        0 the dense output alone, the row's LSE merged from the keys pass's split states
+//        in each CTA, so that it needs nothing of the selection and can run beside it.
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
@@ -58,6 +61,14 @@ struct SourceFinish {
     int mass_splits, value_splits;
 };
 
+// The keys pass's split states, from which a values pass without the selection merges
+// each row's LSE itself (part_max nullptr: lse is read)
+struct LseStates {
+    const float* part_max;        // [R, Hq, S] natural log
+    const float* part_sum;
+    int s_row, s_head, splits;
+};
+
 struct ValueParams {
     const unsigned char* blocks;
     i64 page_bytes;
@@ -78,6 +89,7 @@ struct ValueParams {
     int o_row, o_head, o_split;
     int groups_per_split, group_q, block_size;
     SourceFinish finish;          // the last CTA's finish (counters nullptr: none)
+    LseStates states;
     TRACE_FIELD  // points: the keys pass's, then partials written, finish done
 };
 
@@ -168,6 +180,28 @@ __device__ __forceinline__ bool taken(float logit, int pos, u32 threshold, int l
     return key > threshold || (key == threshold && pos <= last_tie);
 }
 
+// The row's LSE in base 2: read, or merged by warp 0 from the split states (merge_lse's
+// arithmetic: -inf for a row with no key)
+__device__ float row_lse2(const ValueParams& P, i64 row, int head) {
+    __shared__ float merged;
+    const LseStates& S = P.states;
+    if (S.part_max == nullptr) return P.lse[row * P.e_row + head] * LOG2E;
+    if (threadIdx.x < 32) {
+        const i64 at = row * S.s_row + (i64)head * S.s_head;
+        float top = NEG_INF;
+        for (int s = threadIdx.x; s < S.splits; s += 32) top = fmaxf(top, S.part_max[at + s]);
+        top = warp_max(top);
+        const float safe = top == NEG_INF ? 0.f : top;
+        float sum = 0.f;
+        for (int s = threadIdx.x; s < S.splits; s += 32)
+            sum += S.part_sum[at + s] * expf(S.part_max[at + s] - safe);
+        sum = warp_sum(sum);
+        if (threadIdx.x == 0) merged = (sum > 0.f ? safe + logf(sum) : NEG_INF) * LOG2E;
+    }
+    __syncthreads();
+    return merged;
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 packed_source_values(const ValueParams P) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -184,10 +218,14 @@ packed_source_values(const ValueParams P) {
     unsigned char* ring = smem + warp * (STAGES * STAGE);
     float* merge = (float*)(smem + WARPS * STAGES * STAGE);  // [WARPS][2 D + 1]
     const float* logits = P.logits + row * P.g_row + (i64)head * P.g_head;
-    const int* plan = P.plan + (row * gridDim.y + head) * 3;
-    const u32 threshold = (u32)plan[0];
-    const int last_tie = plan[2];
-    const float lse2 = P.lse[row * P.e_row + head] * LOG2E;
+    u32 threshold = 0xffffffffu;
+    int last_tie = -1;
+    if (SELECTS) {
+        const int* plan = P.plan + (row * gridDim.y + head) * 3;
+        threshold = (u32)plan[0];
+        last_tie = plan[2];
+    }
+    const float lse2 = row_lse2(P, row, head);
     int kinds[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) kinds[l] = P.kinds[row * P.kind_row + l];
@@ -227,7 +265,7 @@ packed_source_values(const ValueParams P) {
             const int t = 8 * r + tok, pos = group * G + t;
             const float logit = group_logits[t];
             s[r] = pos < length ? logit * LOG2E : NEG_INF;
-            take[r] = pos < length && taken(logit, pos, threshold, last_tie);
+            take[r] = SELECTS && pos < length && taken(logit, pos, threshold, last_tie);
         }
         values_group(stage, kinds, s, take, quad, tok, sums);
         __syncwarp();
@@ -246,7 +284,7 @@ packed_source_values(const ValueParams P) {
     store_value_sums(sums, merge + warp * (2 * D + 1), lane, quad, tok);
     __syncthreads();
     const i64 at = row * P.o_row + (i64)head * P.o_head + (i64)split * P.o_split;
-    for (int d = threadIdx.x; d < 2 * D; d += WARPS * 32) {
+    for (int d = threadIdx.x; d < (SELECTS ? 2 : 1) * D; d += WARPS * 32) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
@@ -268,13 +306,13 @@ packed_source_values(const ValueParams P) {
         float dense = 0.f, contrib = 0.f;
         for (int s = 0; s < F.value_splits; ++s) {
             dense += ldcg(P.part_out + first_part + (i64)s * P.o_split + d);
-            contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
+            if (SELECTS) contrib += ldcg(P.part_contrib + first_part + (i64)s * P.o_split + d);
         }
         F.output[row * F.output_row + (i64)head * F.output_head + d] = dense;
         F.out[row * F.out_row + (i64)head * F.out_head + d] = float_to_bf16(dense);
-        F.contribution[row * F.contrib_row + (i64)head * F.contrib_head + d] = contrib;
+        if (SELECTS) F.contribution[row * F.contrib_row + (i64)head * F.contrib_head + d] = contrib;
     }
-    if (threadIdx.x == 0) {
+    if (SELECTS && threadIdx.x == 0) {
         float mass = 0.f;
         for (int s = 0; s < F.mass_splits; ++s) mass += F.part_mass[pair * F.mass_splits + s];
         F.mass[row * F.mass_row + head] = mass;

@@ -1,6 +1,7 @@
 // The loop-2 source's work on one group of GROUP tokens (encoding v3, dense levels), shared
 // by the keys and values passes of the two-pass source (packed_source.cu). The including
-// file defines HEAD_DIM, GROUP and LEVELS.
+// file defines HEAD_DIM, GROUP and LEVELS, and SELECTED 0 where the values pass sums the
+// dense output alone (the contribution gathered apart, packed_contribution.cu).
 //  keys: exact logits (q times each level's K scales in FP16 hi and lo rows of the A
 //        fragment, FP32 sums) and the warp's running max and sum (base 2).
 //  values: p = exp(logit - max) on the group's logits; the dense output sums p v and the
@@ -9,6 +10,11 @@
 #pragma once
 #include "common.cuh"
 #include "page_window.cuh"
+
+#ifndef SELECTED
+#define SELECTED 1
+#endif
+constexpr bool SELECTS = SELECTED != 0;  // the values pass also sums the taken keys
 
 constexpr int D = HEAD_DIM;
 constexpr int G = GROUP;
@@ -245,7 +251,7 @@ __device__ __forceinline__ void values_group(const unsigned char* stage, const i
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
         p[r] = exp2f(s[r] - v.m_run);
-        any |= __any_sync(FULL_MASK, take[r]) ? 1u << r : 0u;
+        if (SELECTS) any |= __any_sync(FULL_MASK, take[r]) ? 1u << r : 0u;
     }
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) {
@@ -280,7 +286,7 @@ __device__ __forceinline__ void values_group(const unsigned char* stage, const i
 #pragma unroll
                 for (int e = 0; e < 4; ++e) sums[m][e] = hfma2(w[g], pr[m][e], sums[m][e]);
             }
-            if (any >> r & 1u) {  // warp-uniform: skipped for rounds with no taken key
+            if (SELECTS && (any >> r & 1u)) {  // warp-uniform: skipped for rounds none takes
                 const float ps = take[r] ? p[r] : 0.f;
                 u32 ws[NG];
 #pragma unroll
@@ -304,8 +310,10 @@ __device__ __forceinline__ void values_group(const unsigned char* stage, const i
             for (int e = 0; e < 4; ++e) {
                 v.acc[8 * m + 2 * e] += half_lo(sums[m][e]);
                 v.acc[8 * m + 2 * e + 1] += half_hi(sums[m][e]);
-                v.sel[8 * m + 2 * e] += half_lo(sums_sel[m][e]);
-                v.sel[8 * m + 2 * e + 1] += half_hi(sums_sel[m][e]);
+                if (SELECTS) {
+                    v.sel[8 * m + 2 * e] += half_lo(sums_sel[m][e]);
+                    v.sel[8 * m + 2 * e + 1] += half_hi(sums_sel[m][e]);
+                }
             }
     }
 }
@@ -324,7 +332,7 @@ __device__ __forceinline__ void values_tail(const Params& P, i64 row, int kv_hea
         rescale_sums(v, fmaxf(v.m_run, warp_max(s)));
         if (pos < end) {
             const float w = V_WEIGHT * exp2f(s - v.m_run);
-            const float ws = taken(pos, logit) ? w : 0.f;
+            const float ws = SELECTS && taken(pos, logit) ? w : 0.f;
             const i64 page = P.block_tables[row * P.bt_row + pos / P.block_size];
             const u16* vrow = P.v_cache + page * P.v_block + (i64)(pos % P.block_size) * P.v_slot +
                               (i64)kv_head * P.v_head;
@@ -337,22 +345,24 @@ __device__ __forceinline__ void values_tail(const Params& P, i64 row, int kv_hea
                     const float hi = __uint_as_float(pair & 0xffff0000u);
                     v.acc[8 * m + 2 * e] += w * lo;
                     v.acc[8 * m + 2 * e + 1] += w * hi;
-                    v.sel[8 * m + 2 * e] += ws * lo;
-                    v.sel[8 * m + 2 * e + 1] += ws * hi;
+                    if (SELECTS) {
+                        v.sel[8 * m + 2 * e] += ws * lo;
+                        v.sel[8 * m + 2 * e + 1] += ws * hi;
+                    }
                 }
         }
     }
 }
 
 // The warp's sums summed over its token lanes into ``mine`` [2 D + 1] (shared memory:
-// dense output, contribution, then the warp's max), relative to that max
+// dense output, contribution (SELECTS only), then the warp's max), relative to that max
 __device__ __forceinline__ void store_value_sums(ValueSums& v, float* mine, int lane, int quad,
                                                  int tok) {
 #pragma unroll
     for (int i = 0; i < OWN; ++i) {
         const int g = (32 * (i / 8)) / G;
         v.acc[i] = sum_token_lanes(v.acc[i] * (1.f / V_WEIGHT) + v.mins[g]);
-        v.sel[i] = sum_token_lanes(v.sel[i] * (1.f / V_WEIGHT) + v.mins_sel[g]);
+        if (SELECTS) v.sel[i] = sum_token_lanes(v.sel[i] * (1.f / V_WEIGHT) + v.mins_sel[g]);
     }
     if (tok == 0) {
 #pragma unroll
@@ -363,7 +373,7 @@ __device__ __forceinline__ void store_value_sums(ValueSums& v, float* mine, int 
                 for (int h = 0; h < 2; ++h) {
                     const int ch = owned_channel(quad, m, e, h);
                     mine[ch] = v.acc[8 * m + 2 * e + h];
-                    mine[D + ch] = v.sel[8 * m + 2 * e + h];
+                    if (SELECTS) mine[D + ch] = v.sel[8 * m + 2 * e + h];
                 }
     }
     if (lane == 0) mine[2 * D] = v.m_run;
