@@ -73,6 +73,7 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
         self._skips = False  # the planned batch skips its fallback read
         self._zero_base: torch.Tensor | None = None
         self._vouched_any = False  # some step skipped its fallback read
+        self._statistics_stream: torch.cuda.Stream | None = None  # made at reserve
 
     # ------------------------------------------------------------ accounting
     def kv_bytes_held(self) -> int:
@@ -114,12 +115,16 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
         Sparse decode: loop-2 rows write their reference into the state store; loop 3-4
         rows with this token's reference run the correction, others run dense and are
         counted in ``states.missing_reference`` (in a step whose references the host
-        vouched for, none runs dense: ``FlashLoopSteps._skips_fallback``). The output may
+        vouched for, none runs dense: ``FlashLoopSteps._skips_fallback``). A source
+        kernel that declares ``statistics_stream`` writes its statistics, and the
+        references are stored, on the backend's statistics stream beside its dense output;
+        the caller's stream waits for that stream before the call returns. The output may
         be one tensor for every layer of a batch: it is valid until the next call. No
         host synchronisation."""
         plan, routing = self._planned(view)
         gathered_q = plan.gather(q)
         out = self._zero_base_for(gathered_q) if self._skips else None
+        side = None  # a source's statistics on the statistics stream, joined before return
         for op, choice, n in self._runs(view, plan):
             mine, inputs = self._op_inputs(op, n, layer, gathered_q, key_cache, value_cache, scale)
             merges = out is not None and self._merges_into_base(op, choice, out[:n])
@@ -127,6 +132,7 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
                 inputs = into_base(inputs, out[:n], mine)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
+                side = result if result.statistics is not None else side
                 result = self._store_reference(routing, layer, n, mine, result)
             if out is None and n == view.num_rows and op in BASE_OUTPUT_OPS:
                 # rows this op does not serve had length 0, which the op contract answers
@@ -138,14 +144,25 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
             if out is None:
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
+        if side is not None:  # side's tensors (and its holds) live until this wait
+            torch.cuda.current_stream().wait_stream(side.statistics.stream)
         return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
 
     def _store_reference(self, routing: PlanRouting, layer: int, n: int, mine, result):
         """Writes a loop-2 source's selection and reference states for its rows into the
-        state store; returns the rows' attention output."""
+        state store (on the statistics stream where the source wrote its statistics
+        there, after the caller's stream's work so far: the output and the rows' slots);
+        returns the rows' attention output."""
         states = self.states
         rows = routing.source_rows(states, n, mine)
-        states.store(layer, rows, result.indices, result.mass, result.output, result.contribution)
+        fields = (result.indices, result.mass, result.output, result.contribution)
+        if result.statistics is None:
+            states.store(layer, rows, *fields)
+            return result.out
+        stream = result.statistics.stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            states.store(layer, rows, *fields)
         return result.out
 
     @staticmethod
@@ -241,6 +258,9 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
                 )
             meta = self.packed.meta_for(plan.view, plan.order)
             inputs = over_packed(PackedKV(self.packed.store, layer, meta.head(n)), inputs)
+            if op in SOURCE_OPS and self._statistics_stream is not None:
+                if self._declares(op, Capability.STATISTICS_STREAM):
+                    inputs = replace(inputs, statistics_stream=self._statistics_stream)
             if op == OpName.PACKED_DECODE and self._fallback_only(plan.view):
                 inputs = replace(inputs, few_rows=True)
         return mine, inputs

@@ -12,8 +12,10 @@ import torch
 from flashloop_backend.backends.base import EngineCapacity, RequestCost, RequestKV
 from flashloop_backend.backends.packed_state import PackedState
 from flashloop_backend.backends.sparse_state import ReferenceStates, key_bucket
+from flashloop_backend.capabilities import Capability
 from flashloop_backend.config import ConfigError, FlashLoopConfig
 from flashloop_backend.dispatch import route_table
+from flashloop_backend.kernels.op_inputs import SOURCE_OPS
 from flashloop_backend.kernels.op_protocols import OpName
 from flashloop_backend.kv.encoding import encoding_descriptor
 from flashloop_backend.kv.layout import PackedLayout
@@ -32,13 +34,15 @@ class FlashLoopRequests:
     kernels: dict[OpName, KernelChoice]
     states: ReferenceStates | None
     packed: PackedState | None
+    _statistics_stream: torch.cuda.Stream | None
 
     def reserve(self, capacity: EngineCapacity) -> None:
         """The loop-2 reference store (sparse decode) and the packed store (KV
         quantization), checked against the engine's geometry; the route table on the
-        device (before any graph capture needs it)."""
+        device and the statistics stream (before any graph capture needs them)."""
         c = capacity
         route_table(self.config, c.device)
+        self._statistics_stream = self._statistics_stream_on(c.device)
         if self.config.enabled_features() and self.config.num_loops != c.loops:
             raise ConfigError(
                 f"num_loops={self.config.num_loops} differs from the model's "
@@ -60,6 +64,18 @@ class FlashLoopRequests:
             c.num_blocks, c.block_size, c.loops, quant.group_size, quant.policy, quant.tail_size
         )
         self.reserve_packed(pages, c.num_layers, c.num_kv_heads, c.head_dim, c.device)
+
+    def _statistics_stream_on(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream a loop-2 source kernel declaring ``statistics_stream`` writes its
+        statistics on, beside its dense output (None: no such kernel, or not CUDA)."""
+        declared = any(
+            Capability.STATISTICS_STREAM in choice.impl.support.capabilities
+            for op, choice in self.kernels.items()
+            if op in SOURCE_OPS
+        )
+        if not declared or torch.device(device).type != "cuda":
+            return None
+        return torch.cuda.Stream(device=device)
 
     def reader_span(self, context: int, block_size: int = 1) -> int:
         """Positions the loop-2 source reads for a row whose block table spans ``context``

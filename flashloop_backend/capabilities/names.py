@@ -24,6 +24,9 @@ class Capability(str, Enum):
     # a nonconsecutive-query prefill computes the positions its rows span (taking the
     # host's span plan, span_plan, where given), so the host bounds such chunks by positions
     SPAN_PREFILL = "span_prefill"
+    # a loop-2 source given a statistics stream writes its selection statistics there,
+    # beside its dense output on the caller's stream (StatisticsStream)
+    STATISTICS_STREAM = "statistics_stream"
     # vllm-rlt's existing BackendCapabilities flags
     PACKED_PREFILL = "packed_prefill"
     CUDA_GRAPHS = "cuda_graphs"

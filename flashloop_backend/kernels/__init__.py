@@ -22,6 +22,7 @@ from flashloop_backend.kernels.op_protocols import (
     PagedAttention,
     SourceOutputs,
     SparseCorrection,
+    StatisticsStream,
 )
 from flashloop_backend.kernels.ops import KernelImpl, KernelProvider
 
@@ -46,5 +47,6 @@ __all__ = [
     "SourceInputs",
     "SourceOutputs",
     "SparseCorrection",
+    "StatisticsStream",
     "over_packed",
 ]

@@ -194,14 +194,20 @@ class PackedDecodeInputs:
 @dataclass(frozen=True)
 class PackedSourceInputs:
     """Inputs of ``packed_dense_source`` (:class:`PackedDenseSource`): ``dense_source``'s
-    :class:`SourceInputs` plus the packed KV below each row's packed length."""
+    :class:`SourceInputs` plus the packed KV below each row's packed length;
+    ``statistics_stream`` (an implementation declaring ``statistics_stream`` only) the
+    stream it may write its selection statistics on (:class:`StatisticsStream`)."""
 
     kv: PackedKV
     paged: SourceInputs
+    statistics_stream: torch.cuda.Stream | None = None
 
     def call(self, fn: PackedDenseSource) -> SourceOutputs:
         """``fn`` on these inputs, in the protocol's argument order."""
         kv, p = self.kv, self.paged
+        extra = (
+            {} if self.statistics_stream is None else {"statistics_stream": self.statistics_stream}
+        )
         return SourceOutputs(
             *fn(
                 p.q,
@@ -215,6 +221,7 @@ class PackedSourceInputs:
                 p.key_retention,
                 p.k_bucket,
                 p.scale,
+                **extra,
             )
         )
 

@@ -33,17 +33,30 @@ class OpName(str, Enum):
         return self.value
 
 
+class StatisticsStream(NamedTuple):
+    """Where a loop-2 source left its selection statistics (``statistics_stream``): its
+    indices, mass and contribution are written on ``stream``, its out and output on the
+    caller's stream. The caller orders every use of the statistics after ``stream`` (and a
+    use of output there after its own stream) and keeps ``holds`` (the tensors ``stream``
+    reads) alive until its own stream has waited for ``stream``."""
+
+    stream: torch.cuda.Stream
+    holds: tuple[torch.Tensor, ...]
+
+
 class SourceOutputs(NamedTuple):
     """What ``dense_source`` and ``packed_dense_source`` return: out [R, Hq, D] in q's
     dtype; indices [R, Hq, Kb] int32 absolute positions in increasing order, -1 in the
     unused slots after them; mass [R, Hq];
-    output [R, Hq, D] and contribution [R, Hq, D]; the last three FP32."""
+    output [R, Hq, D] and contribution [R, Hq, D]; the last three FP32. ``statistics``:
+    set where a kernel given a statistics stream wrote the statistics there."""
 
     out: torch.Tensor
     indices: torch.Tensor
     mass: torch.Tensor
     output: torch.Tensor
     contribution: torch.Tensor
+    statistics: StatisticsStream | None = None
 
 
 class PagedAttention(Protocol):

@@ -68,6 +68,8 @@ SPARSE = Support(
 
 # a correction merges into the batch's output at the rows it serves
 CORRECTION = SPARSE.with_capabilities(Capability.CORRECTION_INTO_BASE)
+# the source writes its statistics on a stream it is given, beside its dense output
+SOURCE = SPARSE.with_capabilities(Capability.STATISTICS_STREAM)
 
 
 def provider() -> KernelProvider:
@@ -83,7 +85,7 @@ def provider() -> KernelProvider:
         ),
         impls={
             OpName.PACKED_DECODE: KernelImpl(OpName.PACKED_DECODE, _packed_decode, PACKED),
-            OpName.PACKED_SOURCE: KernelImpl(OpName.PACKED_SOURCE, _packed_source, SPARSE),
+            OpName.PACKED_SOURCE: KernelImpl(OpName.PACKED_SOURCE, _packed_source, SOURCE),
             OpName.PACKED_KV_WRITE: KernelImpl(OpName.PACKED_KV_WRITE, _packed_kv_write, PACKED),
             OpName.PACKED_CORRECTION: KernelImpl(
                 OpName.PACKED_CORRECTION, _packed_correction, CORRECTION

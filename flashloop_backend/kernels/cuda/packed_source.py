@@ -53,7 +53,12 @@ class SourceTuning:
     CTAs would cost a tenth more). ``rank_list``: the longest candidate list the one-launch
     selection ranks directly (results/README.md, "Fourteenth session", chose 256). Both
     passes look their pages up a window of 32 / levels groups ahead in one load a lane
-    (``page_window.cuh``), so no copy waits for a table entry behind the loads in flight."""
+    (``page_window.cuh``), so no copy waits for a table entry behind the loads in flight.
+    ``statistics_rows``: up to this many rows, given a statistics stream, the selection and
+    the contribution (``packed_contribution.cu``) run on it beside a values pass that sums
+    the dense output alone (0: never; it stays off until its GPU tests and an end-to-end
+    comparison have run, results/README.md, "Twenty-seventh session"); with more rows the
+    passes fill the GPU and the one values pass serves both."""
 
     keys_ctas_per_sm: float = 4
     keys_stages: int = 2
@@ -64,6 +69,7 @@ class SourceTuning:
     finish_in_kernel: bool = True
     whole_waves: bool = True
     rank_list: int = 256
+    statistics_rows: int = 0
 
 
 DEFAULT_SOURCE = SourceTuning()
@@ -116,6 +122,15 @@ class _SourceFinish(ctypes.Structure):
     ]
 
 
+class _LseStates(ctypes.Structure):
+    # the C layout of LseStates in packed_source.cu (part_max nullptr: lse is read)
+    _fields_ = [
+        ("part_max", ctypes.c_void_p),
+        ("part_sum", ctypes.c_void_p),
+        *((name, ctypes.c_int) for name in ("s_row", "s_head", "splits")),
+    ]
+
+
 class _ValueParams(ctypes.Structure):
     # the C layout of ValueParams in packed_source.cu
     _fields_ = [
@@ -127,7 +142,22 @@ class _ValueParams(ctypes.Structure):
             scale=False,
         ),
         ("finish", _SourceFinish),
+        ("states", _LseStates),
     ]
+
+
+def _lse_states(states: tuple[torch.Tensor, torch.Tensor] | None) -> _LseStates:
+    """The values pass's split states to merge each row's LSE from (None: it reads lse)."""
+    if states is None:
+        return _LseStates()
+    part_max, part_sum = states
+    return _LseStates(
+        part_max.data_ptr(),
+        part_sum.data_ptr(),
+        part_max.stride(0),
+        part_max.stride(1),
+        part_max.shape[-1],
+    )
 
 
 def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
@@ -149,6 +179,27 @@ def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
     )
 
 
+def _dense_finish(out: torch.Tensor, output: torch.Tensor, value_splits: int) -> _SourceFinish:
+    """The finish record of a values pass that sums the dense output alone: ``output``
+    and ``out`` written, no mass or contribution."""
+    for name, t in (("out", out), ("output", output)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
+    rows, heads, _ = out.shape
+    return _SourceFinish(
+        arrival_counters(out.device, rows * heads).data_ptr(),
+        *(None, output.data_ptr(), out.data_ptr(), None, None),
+        *(output.stride(0), output.stride(1), out.stride(0), out.stride(1), 0, 0, 0, 0),
+        value_splits,
+    )
+
+
+def _values_finish(finish: tuple | None, selected: bool, value_splits: int) -> _SourceFinish:
+    if finish is None:
+        return _SourceFinish()
+    return _finish(*finish, value_splits) if selected else _dense_finish(*finish, value_splits)
+
+
 def shared_bytes(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning) -> int:
     """Dynamic shared memory of a pass: the warps' rings and the CTA's merge area."""
     stages = tuning.keys_stages if which == KEYS else tuning.values_stages
@@ -157,7 +208,15 @@ def shared_bytes(which: int, levels: int, group: int, head_dim: int, tuning: Sou
     return tuning.warps * (stages * stage + 4 * merge)
 
 
-def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTuning, traced: bool):
+def _kernel(
+    which: int,
+    levels: int,
+    group: int,
+    head_dim: int,
+    tuning: SourceTuning,
+    traced: bool,
+    selected: bool = True,
+):
     defines = {
         "HEAD_DIM": head_dim,
         "GROUP": group,
@@ -166,6 +225,8 @@ def _kernel(which: int, levels: int, group: int, head_dim: int, tuning: SourceTu
         "STAGES": tuning.keys_stages if which == KEYS else tuning.values_stages,
         "PASS": which,
     }
+    if not selected:  # a values pass that sums the dense output alone
+        defines["SELECTED"] = 0
     if traced:
         defines["TRACE"] = len(POINTS["keys" if which == KEYS else "values"])
     name = "packed_source_keys" if which == KEYS else "packed_source_values"
@@ -244,20 +305,29 @@ def source_values(
     context_lengths: torch.Tensor,
     logits: torch.Tensor,
     lse: torch.Tensor,
-    plan: torch.Tensor,
+    plan: torch.Tensor | None,
     tuning: SourceTuning = DEFAULT_SOURCE,
     finish: tuple | None = None,
     trace: torch.Tensor | None = None,
+    lse_states: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The values pass: split partials (dense output, contribution) [R, Hq, S, D] FP32 of
     sum p v over every key and over the keys ``plan`` [R, Hq, 3] takes (``Selection``), p
     = exp(logit - lse) from the keys pass's ``logits`` and ``lse``. With ``finish`` =
     (selection, (out, mass, output, contribution)) the pass's last CTA of each (row, head)
-    also does ``finish_selection``'s work. ``trace``: as the keys pass's."""
+    also does ``finish_selection``'s work. ``plan`` None: the dense output alone (the
+    contribution partial is left unwritten), each row's LSE merged in the kernel from
+    ``lse_states`` (the keys pass's split states), and ``finish`` = (out, output) writes
+    those two. ``trace``: as the keys pass's."""
     rows, num_q_heads, _ = logits.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
     levels = meta.tables.shape[1]
-    kernel, shared = _kernel(VALUES, levels, store.group_size, head_dim, tuning, trace is not None)
+    selected = plan is not None
+    if not selected and lse_states is None:
+        raise ValueError("a values pass without a selection plan merges its LSE: pass lse_states")
+    kernel, shared = _kernel(
+        VALUES, levels, store.group_size, head_dim, tuning, trace is not None, selected
+    )
     splits, per_split = stream_splits(  # logits [R, Hq, T] give the rows' shape and device
         logits,
         store,
@@ -271,19 +341,20 @@ def source_values(
     )
     f32 = {"dtype": torch.float32, "device": logits.device}
     part_out = torch.empty((rows, num_q_heads, splits, head_dim), **f32)
-    part_contrib = torch.empty_like(part_out)
+    part_contrib = torch.empty_like(part_out) if selected else part_out.new_empty(0)
     codes = store.blocks[:, layer]
     t = lambda x: x.data_ptr()  # noqa: E731
     values = _ValueParams(
         *(t(codes), codes.stride(0), t(meta.tables), t(meta.kinds), t(meta.packed_lengths)),
         *(t(value_cache), t(block_tables), t(context_lengths)),
-        *(t(logits), t(lse), t(plan), t(part_out), t(part_contrib)),
+        *(t(logits), t(lse), None if plan is None else t(plan), t(part_out), t(part_contrib)),
         *(meta.tables.stride(0), meta.tables.stride(1), meta.kinds.stride(0)),
         *(*value_cache.stride()[:3], block_tables.stride(0)),
         *(logits.stride(0), logits.stride(1), lse.stride(0)),
         *(part_out.stride(0), part_out.stride(1), part_out.stride(2)),
         *(per_split, num_q_heads // num_kv_heads, block_size),
-        _SourceFinish() if finish is None else _finish(*finish, splits),
+        _values_finish(finish, selected, splits),
+        _lse_states(lse_states),
     )
     if trace is not None:
         values = traced(values, trace, splits * num_q_heads * rows, "values")
@@ -305,11 +376,14 @@ def packed_dense_source_cuda(
     scale: float | None = None,
     tuning: SourceTuning = DEFAULT_SOURCE,
     select: SelectTuning = DEFAULT_SELECT,
-) -> tuple[torch.Tensor, ...]:
+    statistics_stream: torch.cuda.Stream | None = None,
+) -> tuple:
     """The ``PackedDenseSource`` contract: (out [R, Hq, D] q.dtype, indices [R, Hq, Kb]
     int32 in position order (-1 past K), mass [R, Hq], output [R, Hq, D], contribution [R,
     Hq, D]; the last three FP32) from q [R, Hq, D], K = max(1, ceil(key_retention * T)),
-    Kb = ``k_bucket``."""
+    Kb = ``k_bucket``. With ``statistics_stream`` and at most ``tuning.statistics_rows``
+    rows, a sixth item, :class:`StatisticsStream`: indices, mass and contribution are
+    then written on that stream (``StatisticsStream`` says what the caller owes it)."""
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )
@@ -338,6 +412,23 @@ def packed_dense_source_cuda(
     block_tables = block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
     tables = (block_tables, context_lengths)
+    if statistics_stream is not None and rows <= tuning.statistics_rows:
+        from flashloop_backend.kernels.cuda.source_statistics import source_beside_statistics
+
+        return source_beside_statistics(
+            q,
+            store,
+            layer,
+            meta,
+            (key_cache, value_cache, *tables),
+            key_retention,
+            scale,
+            tuning,
+            statistics_stream,
+            (out, indices, output, contribution),
+            logits,
+            lse,
+        )
     one_launch = tuning.one_launch_selection
     states = source_keys(
         q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning, merge=not one_launch
