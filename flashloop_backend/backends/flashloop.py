@@ -41,7 +41,7 @@ from flashloop_backend.kernels.op_inputs import (
     into_base,
     over_packed,
 )
-from flashloop_backend.kernels.op_protocols import OpName
+from flashloop_backend.kernels.op_protocols import OpName, SourceOutputs
 from flashloop_backend.registry.spec import SelectionInfo
 
 if TYPE_CHECKING:
@@ -121,10 +121,29 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
         the caller's stream waits for that stream before the call returns. The output may
         be one tensor for every layer of a batch: it is valid until the next call. No
         host synchronisation."""
-        plan, routing = self._planned(view)
+        self._planned(view)
+        forked: list[SourceOutputs] = []  # sources whose statistics went to a side stream
+        try:
+            return self._forward_runs(q, key_cache, value_cache, view, layer, scale, forked)
+        finally:  # their tensors (and holds) live until the caller's stream has waited
+            for result in forked:
+                torch.cuda.current_stream().wait_stream(result.statistics.stream)
+
+    def _forward_runs(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        view: BatchView,
+        layer: int,
+        scale: float | None,
+        forked: list[SourceOutputs],
+    ) -> torch.Tensor:
+        """``forward``'s runs over the batch :meth:`_planned` planned; each source result
+        whose statistics went to a side stream is appended to ``forked`` as it returns."""
+        plan, routing = self._plan, self._routing
         gathered_q = plan.gather(q)
         out = self._zero_base_for(gathered_q) if self._skips else None
-        side = None  # a source's statistics on the statistics stream, joined before return
         for op, choice, n in self._runs(view, plan):
             mine, inputs = self._op_inputs(op, n, layer, gathered_q, key_cache, value_cache, scale)
             merges = out is not None and self._merges_into_base(op, choice, out[:n])
@@ -132,7 +151,8 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
                 inputs = into_base(inputs, out[:n], mine)
             result = choice.impl(inputs)
             if op in SOURCE_OPS:
-                side = result if result.statistics is not None else side
+                if result.statistics is not None:
+                    forked.append(result)
                 result = self._store_reference(routing, layer, n, mine, result)
             if out is None and n == view.num_rows and op in BASE_OUTPUT_OPS:
                 # rows this op does not serve had length 0, which the op contract answers
@@ -144,8 +164,6 @@ class FlashLoopBackend(FlashLoopSteps, FlashLoopRequests, FlashLoopSupport, Atte
             if out is None:
                 out = torch.zeros_like(gathered_q)
             torch.where(mine[:, None, None], result, out[:n], out=out[:n])  # one launch
-        if side is not None:  # side's tensors (and its holds) live until this wait
-            torch.cuda.current_stream().wait_stream(side.statistics.stream)
         return plan.restore(out if out is not None else torch.zeros_like(gathered_q))
 
     def _store_reference(self, routing: PlanRouting, layer: int, n: int, mine, result):

@@ -46,8 +46,8 @@ CAPABILITY_OPS: dict[Capability, tuple[OpName, ...] | str | None] = {
     Capability.HOST_SEQUENCE_PLAN: (OpName.DENSE_PREFILL,),
     # and span plans to a sparse prefill kernel that computes its rows' spans
     Capability.SPAN_PREFILL: (OpName.SPARSE_PREFILL,),
-    # the backend hands its statistics stream to the loop-2 source alone
-    Capability.STATISTICS_STREAM: (OpName.DENSE_SOURCE,),
+    # the backend hands its statistics stream to the packed loop-2 source alone
+    Capability.STATISTICS_STREAM: (OpName.PACKED_SOURCE,),
     Capability.PACKED_PREFILL: None,
     # CUDA graphs capture the decode traversal only (DESIGN §4); prefill steps run eagerly,
     # so their kernels may plan on the host

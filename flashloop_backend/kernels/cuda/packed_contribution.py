@@ -36,6 +36,16 @@ class _Params(ctypes.Structure):
     ]
 
 
+def check_contribution_inputs(
+    indices: torch.Tensor, logits: torch.Tensor, contribution: torch.Tensor
+) -> None:
+    """What :func:`selected_contribution` needs of its own buffers beyond the source's
+    checks: each with a contiguous last dim."""
+    for name, t in (("indices", indices), ("logits", logits), ("contribution", contribution)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"selected_contribution needs {name} with a contiguous last dim")
+
+
 def selected_contribution(
     indices: torch.Tensor,
     logits: torch.Tensor,
@@ -56,12 +66,10 @@ def selected_contribution(
     strides are the source's own (``packed_dense_source_cuda`` checks them)."""
     rows, num_q_heads, bucket = indices.shape
     _, block_size, num_kv_heads, head_dim = value_cache.shape
+    check_contribution_inputs(indices, logits, contribution)
     if rows == 0 or bucket == 0:
         contribution.zero_()
         return
-    for name, t in (("indices", indices), ("logits", logits), ("contribution", contribution)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"selected_contribution needs {name} with a contiguous last dim")
     splits = -(-bucket // keys_per_split)
     levels = meta.tables.shape[1]
     part = torch.empty(

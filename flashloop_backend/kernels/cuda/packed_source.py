@@ -374,7 +374,7 @@ def packed_dense_source_cuda(
     key_retention: float,
     k_bucket: int,
     scale: float | None = None,
-    tuning: SourceTuning = DEFAULT_SOURCE,
+    tuning: SourceTuning | None = None,
     select: SelectTuning = DEFAULT_SELECT,
     statistics_stream: torch.cuda.Stream | None = None,
 ) -> tuple:
@@ -384,6 +384,7 @@ def packed_dense_source_cuda(
     Kb = ``k_bucket``. With ``statistics_stream`` and at most ``tuning.statistics_rows``
     rows, a sixth item, :class:`StatisticsStream`: indices, mass and contribution are
     then written on that stream (``StatisticsStream`` says what the caller owes it)."""
+    tuning = DEFAULT_SOURCE if tuning is None else tuning
     rows, num_q_heads, head_dim = check_paged_inputs(
         q, key_cache, value_cache, block_tables, context_lengths
     )

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from flashloop_backend.kernels.cuda.packed_contribution import selected_contribution
+from flashloop_backend.kernels.cuda.packed_contribution import (
+    check_contribution_inputs,
+    selected_contribution,
+)
 from flashloop_backend.kernels.cuda.packed_source import (
     SourceTuning,
     source_keys,
@@ -44,10 +47,12 @@ def source_beside_statistics(
     key_cache, value_cache, block_tables, context_lengths = paged
     out, indices, output, contribution = outputs
     tables = (block_tables, context_lengths)
+    check_contribution_inputs(indices, logits, contribution)  # nothing forked may fail after
     states = source_keys(
         q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning, merge=False
     )
-    stream.wait_stream(torch.cuda.current_stream())
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
     with torch.cuda.stream(stream):
         selection = select_positions_cuda(
             logits,
@@ -74,6 +79,10 @@ def source_beside_statistics(
         (out, output),
         lse_states=states,
     )
+    # the mass is the selection's buffer, made on ``stream``: the caller's stream reads it
+    # too, so its memory waits for that stream's work before another allocation takes it
+    selection.part_mass.record_stream(caller)
     mass = selection.part_mass[:, :, 0]
-    held = (logits, lse, *states, indices, contribution, context_lengths, block_tables)
+    read = (meta.tables, meta.kinds, meta.packed_lengths, store.blocks, value_cache)
+    held = (logits, lse, *states, indices, contribution, context_lengths, block_tables, *read)
     return out, indices, mass, output, contribution, StatisticsStream(stream, held)
