@@ -133,6 +133,21 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The LSE merged by one warp (lane ``lane``; every lane returns it) from split states
+// (natural-log maxima ``part_max`` and sums ``part_sum``) at ``at`` over ``splits``
+// splits: merge_lse's arithmetic, -inf for a row with no key
+__device__ __forceinline__ float merge_split_lse(const float* part_max, const float* part_sum,
+                                                 i64 at, int splits, int lane) {
+    float top = NEG_INF;
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, part_max[at + s]);
+    top = warp_max(top);
+    const float safe = top == NEG_INF ? 0.f : top;
+    float sum = 0.f;
+    for (int s = lane; s < splits; s += 32) sum += part_sum[at + s] * expf(part_max[at + s] - safe);
+    sum = warp_sum(sum);
+    return sum > 0.f ? safe + logf(sum) : NEG_INF;
+}
+
 // the channel of a v3 row segment's nibble: quad lane j, word m, pair p (0: +0/+1, 1: +8/+9,
 // 2: +16/+17, 3: +24/+25 above 32 m + 2 j), half h
 __device__ __forceinline__ int owned_channel(int j, int m, int p, int h) {

@@ -188,15 +188,8 @@ __device__ float row_lse2(const ValueParams& P, i64 row, int head) {
     if (S.part_max == nullptr) return P.lse[row * P.e_row + head] * LOG2E;
     if (threadIdx.x < 32) {
         const i64 at = row * S.s_row + (i64)head * S.s_head;
-        float top = NEG_INF;
-        for (int s = threadIdx.x; s < S.splits; s += 32) top = fmaxf(top, S.part_max[at + s]);
-        top = warp_max(top);
-        const float safe = top == NEG_INF ? 0.f : top;
-        float sum = 0.f;
-        for (int s = threadIdx.x; s < S.splits; s += 32)
-            sum += S.part_sum[at + s] * expf(S.part_max[at + s] - safe);
-        sum = warp_sum(sum);
-        if (threadIdx.x == 0) merged = (sum > 0.f ? safe + logf(sum) : NEG_INF) * LOG2E;
+        const float value = merge_split_lse(S.part_max, S.part_sum, at, S.splits, threadIdx.x);
+        if (threadIdx.x == 0) merged = value * LOG2E;
     }
     __syncthreads();
     return merged;

@@ -57,16 +57,9 @@ __device__ float row_lse(const Params& P, int row, int head) {
     if (P.part_max == nullptr) return *lse;
     if (threadIdx.x < 32) {
         const long long at = row * (long long)P.s_row + head * (long long)P.s_head;
-        float top = NEG_INF;
-        for (int s = threadIdx.x; s < P.splits; s += 32) top = fmaxf(top, P.part_max[at + s]);
-        top = warp_max(top);
-        const float safe = top == NEG_INF ? 0.f : top;
-        float sum = 0.f;
-        for (int s = threadIdx.x; s < P.splits; s += 32)
-            sum += P.part_sum[at + s] * expf(P.part_max[at + s] - safe);
-        sum = warp_sum(sum);
+        const float value = merge_split_lse(P.part_max, P.part_sum, at, P.splits, threadIdx.x);
         if (threadIdx.x == 0) {
-            merged = sum > 0.f ? safe + logf(sum) : NEG_INF;
+            merged = value;
             *lse = merged;
         }
     }
