@@ -53,32 +53,36 @@ def source_beside_statistics(
     )
     caller = torch.cuda.current_stream()
     stream.wait_stream(caller)
-    with torch.cuda.stream(stream):
-        selection = select_positions_cuda(
+    try:
+        with torch.cuda.stream(stream):
+            selection = select_positions_cuda(
+                logits,
+                lse,
+                context_lengths,
+                indices,
+                key_retention,
+                split_states=states,
+                rank_list=tuning.rank_list,
+            )
+            selected_contribution(
+                indices, logits, lse, store, layer, meta, value_cache, block_tables, contribution
+            )
+        source_values(
+            store,
+            layer,
+            meta,
+            value_cache,
+            *tables,
             logits,
             lse,
-            context_lengths,
-            indices,
-            key_retention,
-            split_states=states,
-            rank_list=tuning.rank_list,
+            None,
+            tuning,
+            (out, output),
+            lse_states=states,
         )
-        selected_contribution(
-            indices, logits, lse, store, layer, meta, value_cache, block_tables, contribution
-        )
-    source_values(
-        store,
-        layer,
-        meta,
-        value_cache,
-        *tables,
-        logits,
-        lse,
-        None,
-        tuning,
-        (out, output),
-        lse_states=states,
-    )
+    except BaseException:  # what the stream reads lives until the caller has waited
+        caller.wait_stream(stream)
+        raise
     # the mass is the selection's buffer, made on ``stream``: the caller's stream reads it
     # too, so its memory waits for that stream's work before another allocation takes it
     selection.part_mass.record_stream(caller)
