@@ -27,6 +27,7 @@ from flashloop_backend.kernels.triton.packed_sparse import check_bucket
 from flashloop_backend.kernels.triton.paged_decode import merge_lse
 from flashloop_backend.kernels.triton.threshold_select import (
     DEFAULT_SELECT,
+    Selection,
     SelectTuning,
     finish_selection,
     select_positions,
@@ -160,6 +161,35 @@ def _lse_states(states: tuple[torch.Tensor, torch.Tensor] | None) -> _LseStates:
     )
 
 
+def _check_finish_rows(**buffers: torch.Tensor) -> None:
+    """The finish writes each buffer's rows with unit stride."""
+    for name, t in buffers.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
+
+
+def select_from_states(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    context_lengths: torch.Tensor,
+    indices: torch.Tensor,
+    key_retention: float,
+    states: tuple[torch.Tensor, torch.Tensor],
+    tuning: SourceTuning,
+) -> Selection:
+    """The one-launch selection, merging each row's LSE from the keys pass's split
+    ``states`` into ``lse``, with ``tuning``'s candidate ranking."""
+    return select_positions_cuda(
+        logits,
+        lse,
+        context_lengths,
+        indices,
+        key_retention,
+        split_states=states,
+        rank_list=tuning.rank_list,
+    )
+
+
 def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
     """The values pass's finish record writing ``outputs`` = (out, mass, output,
     contribution) as ``finish_selection`` would."""
@@ -167,9 +197,7 @@ def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
     part_mass = selection.part_mass
     if not part_mass.is_contiguous() or mass.stride(-1) != 1:
         raise ValueError("the source's finish needs a contiguous part_mass and mass rows")
-    for name, t in (("out", out), ("output", output), ("contribution", contribution)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
+    _check_finish_rows(out=out, output=output, contribution=contribution)
     rows, heads, _ = out.shape
     return _SourceFinish(
         arrival_counters(out.device, rows * heads).data_ptr(),
@@ -182,9 +210,7 @@ def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
 def _dense_finish(out: torch.Tensor, output: torch.Tensor, value_splits: int) -> _SourceFinish:
     """The finish record of a values pass that sums the dense output alone: ``output``
     and ``out`` written, no mass or contribution."""
-    for name, t in (("out", out), ("output", output)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
+    _check_finish_rows(out=out, output=output)
     rows, heads, _ = out.shape
     return _SourceFinish(
         arrival_counters(out.device, rows * heads).data_ptr(),
@@ -435,14 +461,8 @@ def packed_dense_source_cuda(
         q, store, layer, meta, key_cache, *tables, logits, lse, scale, tuning, merge=not one_launch
     )
     if one_launch:  # the selection merges the rows' lse from the split states
-        selection = select_positions_cuda(
-            logits,
-            lse,
-            context_lengths,
-            indices,
-            key_retention,
-            split_states=states,
-            rank_list=tuning.rank_list,
+        selection = select_from_states(
+            logits, lse, context_lengths, indices, key_retention, states, tuning
         )
     else:
         selection = select_positions(logits, lse, context_lengths, indices, key_retention, select)

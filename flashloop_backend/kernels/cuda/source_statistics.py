@@ -14,10 +14,10 @@ from flashloop_backend.kernels.cuda.packed_contribution import (
 )
 from flashloop_backend.kernels.cuda.packed_source import (
     SourceTuning,
+    select_from_states,
     source_keys,
     source_values,
 )
-from flashloop_backend.kernels.cuda.select_top_k import select_positions_cuda
 from flashloop_backend.kernels.op_protocols import StatisticsStream
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
@@ -55,14 +55,8 @@ def source_beside_statistics(
     stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):
-            selection = select_positions_cuda(
-                logits,
-                lse,
-                context_lengths,
-                indices,
-                key_retention,
-                split_states=states,
-                rank_list=tuning.rank_list,
+            selection = select_from_states(
+                logits, lse, context_lengths, indices, key_retention, states, tuning
             )
             selected_contribution(
                 indices, logits, lse, store, layer, meta, value_cache, block_tables, contribution
