@@ -177,3 +177,31 @@ def test_only_the_cuda_source_declares_a_statistics_stream():
         if Capability.STATISTICS_STREAM in impl.support.capabilities
     }
     assert declaring == {("cuda", OpName.PACKED_SOURCE)}
+
+
+@pytest.mark.parametrize("bad", ["out", "output"])
+def test_the_dense_only_finish_names_the_buffer_it_cannot_write(bad):
+    """Checked before the counters or a launch, so a CPU machine sees it too."""
+    from flashloop_backend.kernels.cuda.packed_source import _dense_finish
+
+    rows, heads, dim = 2, 4, 8
+    buffers = {name: torch.zeros(rows, heads, dim) for name in ("out", "output")}
+    buffers[bad] = torch.zeros(rows, heads, 2 * dim)[..., ::2]
+    with pytest.raises(ValueError, match=f"needs {bad} with a contiguous last dim"):
+        _dense_finish(buffers["out"], buffers["output"], 3)
+
+
+@pytest.mark.parametrize("bad", ["indices", "logits", "contribution"])
+def test_the_gather_names_the_buffer_it_cannot_read_or_write(bad):
+    """Checked before the source forks, so nothing runs on the side stream."""
+    from flashloop_backend.kernels.cuda.packed_contribution import check_contribution_inputs
+
+    rows, heads = 2, 4
+    buffers = {
+        "indices": torch.zeros(rows, heads, 16, dtype=torch.int32),
+        "logits": torch.zeros(rows, heads, 64),
+        "contribution": torch.zeros(rows, heads, 8),
+    }
+    buffers[bad] = torch.cat([buffers[bad], buffers[bad]], dim=-1)[..., ::2]
+    with pytest.raises(ValueError, match=f"needs {bad} with a contiguous last dim"):
+        check_contribution_inputs(buffers["indices"], buffers["logits"], buffers["contribution"])
