@@ -72,6 +72,14 @@ def check_triton_paged(q, key_cache, value_cache, block_tables, context_lengths)
     return rows, num_q_heads, head_dim, block_tables
 
 
+def check_unit_last_stride(needer: str, **buffers: torch.Tensor) -> None:
+    """Each of ``buffers`` (by name) has unit stride on its last axis, as ``needer`` reads
+    or writes its rows."""
+    for name, t in buffers.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{needer} needs {name} with a contiguous last dim")
+
+
 def tensor_versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
     """The tensors' version counters, for plans reused while their inputs are the very
     tensors planned and unmodified; None for inference tensors, which keep none."""

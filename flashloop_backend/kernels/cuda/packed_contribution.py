@@ -10,6 +10,7 @@ import torch
 
 from flashloop_backend.kernels.cuda import loader
 from flashloop_backend.kernels.cuda.arrivals import arrival_counters
+from flashloop_backend.kernels.validate import check_unit_last_stride
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -41,9 +42,9 @@ def check_contribution_inputs(
 ) -> None:
     """What :func:`selected_contribution` needs of its own buffers beyond the source's
     checks: each with a contiguous last dim."""
-    for name, t in (("indices", indices), ("logits", logits), ("contribution", contribution)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"selected_contribution needs {name} with a contiguous last dim")
+    check_unit_last_stride(
+        "selected_contribution", indices=indices, logits=logits, contribution=contribution
+    )
 
 
 def selected_contribution(

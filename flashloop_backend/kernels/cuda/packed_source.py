@@ -33,7 +33,7 @@ from flashloop_backend.kernels.triton.threshold_select import (
     select_positions,
     source_outputs,
 )
-from flashloop_backend.kernels.validate import check_paged_inputs
+from flashloop_backend.kernels.validate import check_paged_inputs, check_unit_last_stride
 from flashloop_backend.kv.levels import LevelMetadata
 from flashloop_backend.kv.store import PackedKVStore
 
@@ -161,13 +161,6 @@ def _lse_states(states: tuple[torch.Tensor, torch.Tensor] | None) -> _LseStates:
     )
 
 
-def _check_finish_rows(**buffers: torch.Tensor) -> None:
-    """The finish writes each buffer's rows with unit stride."""
-    for name, t in buffers.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"the source's finish needs {name} with a contiguous last dim")
-
-
 def select_from_states(
     logits: torch.Tensor,
     lse: torch.Tensor,
@@ -197,7 +190,7 @@ def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
     part_mass = selection.part_mass
     if not part_mass.is_contiguous() or mass.stride(-1) != 1:
         raise ValueError("the source's finish needs a contiguous part_mass and mass rows")
-    _check_finish_rows(out=out, output=output, contribution=contribution)
+    check_unit_last_stride("the source's finish", out=out, output=output, contribution=contribution)
     rows, heads, _ = out.shape
     return _SourceFinish(
         arrival_counters(out.device, rows * heads).data_ptr(),
@@ -210,7 +203,7 @@ def _finish(selection, outputs, value_splits: int) -> _SourceFinish:
 def _dense_finish(out: torch.Tensor, output: torch.Tensor, value_splits: int) -> _SourceFinish:
     """The finish record of a values pass that sums the dense output alone: ``output``
     and ``out`` written, no mass or contribution."""
-    _check_finish_rows(out=out, output=output)
+    check_unit_last_stride("the source's finish", out=out, output=output)
     rows, heads, _ = out.shape
     return _SourceFinish(
         arrival_counters(out.device, rows * heads).data_ptr(),
